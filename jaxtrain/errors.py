@@ -1,0 +1,22 @@
+"""Errors a user can cause and fix, and the one place that turns them into a clean exit.
+
+Every entry point (jaxtrain.run, jaxtrain.data, jaxtrain.convert, torchref.run) wraps its main in
+`exit_on_user_error`, so a bad config, missing data or a corrupt checkpoint ends in one line that names the
+cause and the fix, with exit code 2, instead of a traceback.
+"""
+
+import contextlib
+import sys
+
+
+class UserError(Exception):
+    """Something the user can fix. The message names the cause and the fix."""
+
+
+@contextlib.contextmanager
+def exit_on_user_error():
+    try:
+        yield
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
