@@ -95,6 +95,7 @@ class LogConfig:
     every: int = 1  # optimizer steps between metrics.jsonl lines
     tensorboard: bool = True  # also write TensorBoard events to <out_dir>/tb
     progress: bool = True  # progress bar on stderr
+    peak_tflops: Optional[float] = None  # per-device peak for MFU; None: looked up from the device kind (CPU: unknown, mfu null)
 
 
 @dataclasses.dataclass
