@@ -1,0 +1,95 @@
+"""The update rule, written once: LR schedule, weight-decay mask, and the optax chain.
+
+    MultiSteps(k)( clip_by_global_norm(c) -> adamw(schedule, b1, b2, eps, wd, mask) )
+
+Step t = 0, 1, 2, ... counts optimizer updates. MultiSteps feeds the inner chain once per k micro-batches, so the
+schedule and AdamW's bias correction advance once per window, never per micro-batch. torchref writes the same rule
+in PyTorch idiom (AdamW param groups, LambdaLR, clip_grad_norm_); only parity_tests puts the two side by side.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxtrain.config import Config
+
+# Path components that the `names` decay rule leaves undecayed (nanoGPT-style names; see model.py).
+NO_DECAY_NAMES = ("bias", "ln_1", "ln_2", "ln_f", "wte", "wpe")
+
+
+def lr_schedule(cfg: Config) -> optax.Schedule:
+    """LR(t): linear warmup warmup_init_lr -> lr over warmup_steps, cosine lr -> min_lr at decay_steps, then flat.
+
+    With the default warmup_init_lr = lr / (W + 1), LR(t) = lr * (t + 1) / (W + 1) during warmup (nanoGPT's
+    get_lr), so the first update is never a no-op.
+    """
+    o = cfg.optim
+    return optax.warmup_cosine_decay_schedule(
+        init_value=cfg.warmup_init_lr, peak_value=o.lr, warmup_steps=o.warmup_steps,
+        decay_steps=cfg.decay_steps, end_value=o.min_lr)
+
+
+def decay_mask(rule: str):
+    """A callable params -> bool pytree: True where weight decay applies.
+
+    `ndim`: matrices and embeddings (ndim >= 2), as nanoGPT's configure_optimizers.
+    `names`: everything except biases, LayerNorms and embeddings, by parameter path.
+    """
+    if rule == "ndim":
+        return lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+
+    def by_name(params):
+        def decays(path, _):
+            names = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
+            return not names & set(NO_DECAY_NAMES)
+        return jax.tree_util.tree_map_with_path(decays, params)
+    return by_name
+
+
+class GradNormState(NamedTuple):
+    grad_norm: jax.Array  # global L2 norm of the last gradient seen, before clipping
+
+
+def record_grad_norm() -> optax.GradientTransformation:
+    """Identity that keeps the global gradient norm in its state, for logging.
+
+    It sits first in the inner chain, so it sees exactly what clip_by_global_norm sees: the whole window's
+    accumulated gradient, before clipping.
+    """
+    def init(params):
+        del params
+        return GradNormState(jnp.zeros([], jnp.float32))
+
+    def update(updates, state, params=None):
+        del state, params
+        return updates, GradNormState(optax.tree.norm(updates).astype(jnp.float32))
+
+    return optax.GradientTransformation(init, update)
+
+
+def optimizer(cfg: Config) -> optax.MultiSteps:
+    """The optax chain. Gradients fed to it must be per-micro-batch shares of the window loss
+    (sum CE / valid tokens of the whole window): MultiSteps sums them (use_grad_mean=False), so the accumulated
+    gradient is exactly the gradient of the window's token-weighted mean loss."""
+    o = cfg.optim
+    clip = optax.clip_by_global_norm(o.max_grad_norm) if o.max_grad_norm > 0 else optax.identity()
+    inner = optax.chain(
+        record_grad_norm(),
+        clip,
+        optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, eps_root=0.0,
+                    weight_decay=o.weight_decay, mask=decay_mask(o.decay_mask)),
+    )
+    return optax.MultiSteps(inner, every_k_schedule=o.grad_accum_steps, use_grad_mean=False)
+
+
+def grad_norm(opt_state: optax.MultiStepsState) -> jax.Array:
+    """The pre-clipping global norm of the last completed window's gradient."""
+    return opt_state.inner_opt_state[0].grad_norm
+
+
+def adam_state(opt_state: optax.MultiStepsState) -> optax.ScaleByAdamState:
+    """AdamW's moments (mu, nu) and bias-correction count inside the chain: what the torch bridge maps."""
+    adamw_state = opt_state.inner_opt_state[2]
+    return next(s for s in adamw_state if isinstance(s, optax.ScaleByAdamState))

@@ -1,0 +1,94 @@
+"""The update rule on its own: schedule values, decay mask, MultiSteps accumulation and the grad-norm record."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxtrain import config, optim
+
+
+def make_cfg(*overrides):
+    return config.load(["--optim.lr=1e-3", "--optim.min_lr=1e-4", "--optim.warmup_steps=10",
+                        "--train.steps=100", *overrides])
+
+
+def reference_lr(t, lr, min_lr, warmup, decay, init):
+    """The schedule as DESIGN.md states it, in float64."""
+    if t < warmup:
+        return init + (lr - init) * t / warmup
+    if t >= decay:
+        return min_lr
+    return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (t - warmup) / (decay - warmup)))
+
+
+@pytest.mark.parametrize("overrides", [[], ["--optim.decay_steps=60"], ["--optim.warmup_init_lr=0.0"],
+                                       ["--optim.warmup_steps=0"]])
+def test_schedule_matches_formula_every_step(overrides):
+    cfg = make_cfg(*overrides)
+    schedule = optim.lr_schedule(cfg)
+    o = cfg.optim
+    for t in range(0, 130):
+        expected = reference_lr(t, o.lr, o.min_lr, o.warmup_steps, cfg.decay_steps, cfg.warmup_init_lr)
+        # optax evaluates the schedule in float32: relative rounding of a few ulps (2^-24 ~ 6e-8 each).
+        assert float(schedule(t)) == pytest.approx(expected, rel=1e-6, abs=1e-12), t
+
+
+def test_first_lr_is_not_zero_by_default():
+    cfg = make_cfg()
+    lr0 = float(optim.lr_schedule(cfg)(0))
+    assert lr0 == pytest.approx(1e-3 / 11, rel=1e-6)  # lr * (t+1) / (W+1) at t=0, as nanoGPT
+    assert float(optim.lr_schedule(cfg)(10)) == pytest.approx(1e-3, rel=1e-6)
+
+
+PARAMS = {"wte": {"embedding": jnp.ones((5, 4))}, "h": {"0": {"ln_1": {"scale": jnp.ones(4), "bias": jnp.ones(4)},
+                                                         "c_fc": {"kernel": jnp.ones((4, 8)), "bias": jnp.ones(8)}}}}
+
+
+def test_ndim_mask():
+    mask = optim.decay_mask("ndim")(PARAMS)
+    assert mask["wte"]["embedding"] and mask["h"]["0"]["c_fc"]["kernel"]
+    assert not mask["h"]["0"]["ln_1"]["scale"] and not mask["h"]["0"]["c_fc"]["bias"]
+
+
+def test_names_mask():
+    mask = optim.decay_mask("names")(PARAMS)
+    assert mask["h"]["0"]["c_fc"]["kernel"]
+    assert not mask["wte"]["embedding"]  # embeddings are excluded by name, unlike the ndim rule
+    assert not mask["h"]["0"]["ln_1"]["scale"] and not mask["h"]["0"]["c_fc"]["bias"]
+
+
+def test_zero_grad_step_decays_exactly_the_masked_params():
+    cfg = make_cfg("--optim.weight_decay=0.5", "--optim.max_grad_norm=0")
+    tx = optim.optimizer(cfg)
+    state = tx.init(PARAMS)
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, PARAMS), state, PARAMS)
+    moved = jax.tree.map(lambda u: bool(jnp.any(u != 0)), updates)
+    assert moved == optim.decay_mask("ndim")(PARAMS)
+
+
+def test_multisteps_counts_optimizer_steps_and_sums_grads():
+    k = 4
+    cfg = make_cfg(f"--optim.grad_accum_steps={k}", "--optim.max_grad_norm=0.5", "--data.batch_size=8")
+    tx = optim.optimizer(cfg)
+    params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
+    state = tx.init(params)
+    rng = np.random.default_rng(0)
+    micro_grads = [{"w": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32),
+                    "b": jnp.asarray(rng.normal(size=2), jnp.float32)} for _ in range(k)]
+    for i, g in enumerate(micro_grads):
+        updates, state = tx.update(g, state, params)
+        if i < k - 1:  # non-boundary micro-steps emit nothing and leave the schedule where it was
+            assert all(float(jnp.max(jnp.abs(u))) == 0 for u in jax.tree.leaves(updates))
+            assert int(state.gradient_step) == 0
+    assert int(state.gradient_step) == 1 and int(optim.adam_state(state).count) == 1
+    summed = jax.tree.map(lambda *g: sum(g), *micro_grads)
+    # fp32 sums of 4 terms in different orders: a few ulps of a norm of ~4.
+    assert float(optim.grad_norm(state)) == pytest.approx(float(optax.tree.norm(summed)), rel=1e-6)
+    # The boundary update is AdamW's first step on the clipped sum: -lr0 * sign(g) for nonzero entries
+    # (bias-corrected m/sqrt(v) = g/|g| when eps << |g|), no decay since params are 0.
+    lr0 = float(optim.lr_schedule(cfg)(0))
+    np.testing.assert_allclose(updates["w"], -lr0 * np.sign(summed["w"]), rtol=1e-5)
