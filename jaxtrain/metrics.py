@@ -1,0 +1,107 @@
+"""What a run reports: metrics.jsonl, TensorBoard, the progress bar, and MFU.
+
+metrics.jsonl has one JSON object per logged optimizer step: step (updates completed, 1-based), loss, lr,
+grad_norm, tokens (cumulative), tokens_per_s, mfu (null where the device's peak is unknown); eval lines carry
+step and eval_loss. torchref writes the same format.
+"""
+
+import json
+import os
+import time
+
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
+
+from jaxtrain.config import Config
+
+# Dense bf16 peak per device, FLOP/s, by jax's device_kind (vendor datasheets). CPUs vary too much to list.
+PEAK_FLOPS = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+    "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100": 989e12, "NVIDIA H200": 989e12,
+}
+
+
+def flops_per_token(cfg: Config, n_params: int) -> float:
+    """Training FLOPs per token, as nanoGPT's estimate_mfu (PaLM appendix B): 6N for the weight matmuls forward
+    and backward, plus 12 * L * d * T for attention scores and values. N excludes the position embedding."""
+    m = cfg.model
+    n_matmul = n_params - m.seq_len * m.d_model
+    return 6 * n_matmul + 12 * m.n_layer * m.d_model * m.seq_len
+
+
+def peak_flops(cfg: Config, device_kind: str) -> float | None:
+    if cfg.log.peak_tflops is not None:
+        return cfg.log.peak_tflops * 1e12
+    return PEAK_FLOPS.get(device_kind)
+
+
+def truncate_after(path: str, step: int) -> dict | None:
+    """Drop the lines of metrics.jsonl past `step` (left by a run that went on after its last checkpoint), so a
+    resumed run rewrites them instead of duplicating them. Returns the last kept train line."""
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    kept = [line for line in lines if line["step"] <= step]
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(line) + "\n" for line in kept)
+    os.replace(path + ".tmp", path)
+    train_lines = [line for line in kept if "loss" in line]
+    return train_lines[-1] if train_lines else None
+
+
+class MetricsLogger:
+    """Writes metrics for steps start_step+1 .. cfg.train.steps. Only the main process writes."""
+
+    def __init__(self, cfg: Config, *, start_step: int, flops_per_token: float, n_devices: int,
+                 device_kind: str, is_main: bool):
+        self.cfg, self.is_main = cfg, is_main
+        self.path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
+        last = truncate_after(self.path, start_step) if is_main else None
+        tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+        self.tokens = last["tokens"] if last and last["step"] == start_step else start_step * tokens_per_step
+        peak = peak_flops(cfg, device_kind)
+        self.flops_per_s_peak = peak * n_devices if peak else None
+        self.flops_per_token = flops_per_token
+        self.last_time = time.perf_counter()
+        self.file = open(self.path, "a", encoding="utf-8") if is_main else None
+        self.tb = SummaryWriter(os.path.join(cfg.run.out_dir, "tb"), purge_step=start_step + 1) \
+            if is_main and cfg.log.tensorboard else None
+        self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True,
+                        disable=not (is_main and cfg.log.progress))
+
+    def train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int) -> dict:
+        """Record optimizer step `step` (1-based); `tokens` are the valid target tokens of its window."""
+        now = time.perf_counter()
+        tokens_per_s = tokens / max(now - self.last_time, 1e-9)
+        self.last_time, self.tokens = now, self.tokens + tokens
+        mfu = tokens_per_s * self.flops_per_token / self.flops_per_s_peak if self.flops_per_s_peak else None
+        line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
+                "tokens_per_s": tokens_per_s, "mfu": mfu}
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:
+            self._write(line)
+        return line
+
+    def eval(self, step: int, eval_loss: float) -> None:
+        self._write({"step": step, "eval_loss": eval_loss})
+        self.bar.write(f"step {step}: eval loss {eval_loss:.4f}")
+
+    def _write(self, line: dict) -> None:
+        if not self.is_main:
+            return
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+        if self.tb:
+            for key, value in line.items():
+                if key != "step" and value is not None:
+                    self.tb.add_scalar(key if key == "eval_loss" else f"train/{key}", value, line["step"])
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()

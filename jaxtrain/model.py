@@ -1,0 +1,239 @@
+"""GPT-2 in Flax NNX: nanoGPT's model, with torch.autocast(bfloat16) semantics under precision "bf16".
+
+Params are fp32 and named so that each one maps mechanically onto nanoGPT's state-dict names (`torch_names`): the
+path joined with dots, under `transformer.` except `lm_head`, where a Linear `kernel` (in, out) is torch's `weight`
+(out, in) transposed. The trainer works functionally: `init_params` gives (graphdef, params) and `apply` runs the
+model on them, so jit, grad and optax see params as a plain pytree.
+
+Precision "bf16" follows autocast: every matmul takes bf16 operands and accumulates in fp32, in the backward pass too
+(`_bf16_matmul`); Linear outputs, attention and MLP activations are bf16; the residual stream, LayerNorm, softmax and
+logits are fp32. Precision "fp32" runs every dot at Precision.HIGHEST, since the default may use bf16 passes on
+GPU/TPU.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.config import ModelConfig
+
+COMPUTE_DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
+LN_EPS = 1e-5  # torch.nn.LayerNorm's default
+
+
+def _dot_f32acc(a, b):
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bf16_matmul(a, b, dtypes):
+    """a @ b on bf16 operands with fp32 accumulation, fp32 result. b is 2-D or has a's batch axes;
+    dtypes = (a.dtype, b.dtype), the dtypes the cotangents must come back in."""
+    return _dot_f32acc(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+
+
+def _bf16_matmul_fwd(a, b, dtypes):
+    a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    return _dot_f32acc(a, b), (a, b)
+
+
+def _bf16_matmul_bwd(dtypes, res, g_f32):
+    """Autodiff of a preferred_element_type dot upcasts the operands to fp32 (slower, and not autocast's numerics);
+    written out, both gradient dots take bf16 operands and accumulate in fp32, as autocast's do."""
+    a, b = res
+    g = g_f32.astype(jnp.bfloat16)
+    da = _dot_f32acc(g, jnp.swapaxes(b, -1, -2))
+    if b.ndim == 2:  # a weight shared over a's leading axes: its gradient sums over them
+        db = _dot_f32acc(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]))
+    else:
+        db = _dot_f32acc(jnp.swapaxes(a, -1, -2), g)
+    return da.astype(dtypes[0]), db.astype(dtypes[1])
+
+
+_bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
+
+
+def matmul(a, b, precision: str):
+    """a @ b in fp32: from bf16 operands with fp32 accumulation ("bf16"), or in true fp32 ("fp32")."""
+    if precision == "bf16":
+        return _bf16_matmul(a, b, (a.dtype, b.dtype))
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def gelu(x):
+    """Exact (erf) GELU, as torch.nn.GELU(); jax.nn.gelu defaults to the tanh approximation."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+def _dropout(x, rate: float, key):
+    """Inverted dropout, as torch's; the identity without a key (evaluation) or at rate 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0)
+
+
+def _split(key, n: int) -> list:
+    """n independent dropout keys, or n Nones when running deterministically."""
+    return [None] * n if key is None else list(jax.random.split(key, n))
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple, std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+
+
+def _residual_std(cfg: ModelConfig) -> float:
+    """GPT-2's scaled init of the projections into the residual stream, which grows with every layer."""
+    return INIT_STD / math.sqrt(2 * cfg.n_layer)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel + bias with kernel (in, out), torch's weight transposed; y in the compute dtype, as autocast."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, precision: str, rngs: nnx.Rngs):
+        self.kernel = _normal(rngs, (d_in, d_out), std)
+        self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
+        self.precision = precision
+
+    def __call__(self, x):
+        y = matmul(x, self.kernel[...], self.precision)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y.astype(COMPUTE_DTYPES[self.precision])
+
+
+class LayerNorm(nnx.Module):
+    """torch.nn.LayerNorm (eps 1e-5, optional bias) in fp32 whatever the input, as autocast runs it."""
+
+    def __init__(self, d: int, *, bias: bool):
+        self.weight = nnx.Param(jnp.ones((d,), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((d,), jnp.float32)) if bias else None
+
+    def __call__(self, x):
+        x = x.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)  # biased, as torch; two-pass for accuracy
+        y = (x - mean) * jax.lax.rsqrt(var + LN_EPS) * self.weight[...]
+        return y if self.bias is None else y + self.bias[...]
+
+
+class Embed(nnx.Module):
+    """torch.nn.Embedding: weight (num, d), fp32 rows."""
+
+    def __init__(self, num: int, d: int, *, rngs: nnx.Rngs):
+        self.weight = _normal(rngs, (num, d), INIT_STD)
+
+    def __call__(self, idx):
+        return self.weight[...][idx]
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, precision: str, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.c_attn = Linear(d, 3 * d, bias=cfg.bias, std=INIT_STD, precision=precision, rngs=rngs)
+        self.c_proj = Linear(d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
+        self.n_head, self.dropout, self.precision = cfg.n_head, cfg.dropout, precision
+
+    def __call__(self, x_BxTxD, key):
+        B, T, D = x_BxTxD.shape
+        probs_key, resid_key = _split(key, 2)
+        q, k, v = (t.reshape(B, T, self.n_head, D // self.n_head).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+                   for t in jnp.split(self.c_attn(x_BxTxD), 3, axis=-1))
+        scores_BxHxTxT = matmul(q, jnp.swapaxes(k, -1, -2), self.precision) * (1.0 / math.sqrt(D // self.n_head))
+        causal_TxT = jnp.tril(jnp.ones((T, T), bool))
+        scores_BxHxTxT = jnp.where(causal_TxT, scores_BxHxTxT, -jnp.inf)
+        probs_BxHxTxT = jax.nn.softmax(scores_BxHxTxT, axis=-1).astype(q.dtype)
+        probs_BxHxTxT = _dropout(probs_BxHxTxT, self.dropout, probs_key)
+        y_BxHxTxS = matmul(probs_BxHxTxT, v, self.precision).astype(q.dtype)
+        y_BxTxD = y_BxHxTxS.transpose(0, 2, 1, 3).reshape(B, T, D)
+        return _dropout(self.c_proj(y_BxTxD), self.dropout, resid_key)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, precision: str, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.c_fc = Linear(d, 4 * d, bias=cfg.bias, std=INIT_STD, precision=precision, rngs=rngs)
+        self.c_proj = Linear(4 * d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
+        self.dropout = cfg.dropout
+
+    def __call__(self, x_BxTxD, key):
+        return _dropout(self.c_proj(gelu(self.c_fc(x_BxTxD))), self.dropout, key)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, precision: str, rngs: nnx.Rngs):
+        self.ln_1 = LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, precision=precision, rngs=rngs)
+        self.ln_2 = LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg, precision=precision, rngs=rngs)
+
+    def __call__(self, x_BxTxD, key):
+        attn_key, mlp_key = _split(key, 2)
+        x_BxTxD = x_BxTxD + self.attn(self.ln_1(x_BxTxD), attn_key)  # fp32 + bf16 -> fp32, as in torch
+        return x_BxTxD + self.mlp(self.ln_2(x_BxTxD), mlp_key)
+
+
+class GPT(nnx.Module):
+    """Token ids (B, T) -> fp32 logits (B, T, V). vocab_size is explicit because cfg.vocab_size may be None (taken
+    from the data); it wins over cfg.vocab_size."""
+
+    def __init__(self, cfg: ModelConfig, *, vocab_size: int, precision: str, rngs: nnx.Rngs):
+        if precision not in COMPUTE_DTYPES:
+            raise ValueError(f"precision must be one of {sorted(COMPUTE_DTYPES)}, got {precision!r}")
+        self.wte = Embed(vocab_size, cfg.d_model, rngs=rngs)
+        self.wpe = Embed(cfg.seq_len, cfg.d_model, rngs=rngs)
+        self.h = nnx.List([Block(cfg, precision=precision, rngs=rngs) for _ in range(cfg.n_layer)])
+        self.ln_f = LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = None if cfg.tie_embeddings else Linear(
+            cfg.d_model, vocab_size, bias=False, std=INIT_STD, precision=precision, rngs=rngs)
+        self.dropout, self.precision = cfg.dropout, precision
+
+    def __call__(self, idx_BxT, *, dropout_key: jax.Array | None = None):
+        T = idx_BxT.shape[1]
+        if T > self.wpe.weight.shape[0]:  # jax would clamp the position lookup silently
+            raise ValueError(f"sequence of length {T} is longer than the model's seq_len {self.wpe.weight.shape[0]}")
+        emb_key, *block_keys = _split(dropout_key, len(self.h) + 1)
+        x_BxTxD = _dropout(self.wte(idx_BxT) + self.wpe(jnp.arange(T)), self.dropout, emb_key)
+        for block, key in zip(self.h, block_keys):
+            x_BxTxD = block(x_BxTxD, key)
+        return self._logits(self.ln_f(x_BxTxD))
+
+    def _logits(self, x_BxTxD):
+        """fp32 logits; under bf16 from bf16 operands with fp32 accumulation, the head tied to wte or not."""
+        w_DxV = self.wte.weight[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        return matmul(x_BxTxD, w_DxV, self.precision)
+
+
+def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params): the model's structure and its fp32 params, the model's only state."""
+    model = GPT(cfg, vocab_size=vocab_size, precision=precision, rngs=nnx.Rngs(seed))
+    return nnx.split(model, nnx.Param)
+
+
+def apply(graphdef: nnx.GraphDef, params: nnx.State, idx_BxT, *, dropout_key: jax.Array | None = None):
+    """Logits (B, T, V) fp32 of the model `graphdef` with `params`, a pure function for jit and grad."""
+    return nnx.merge(graphdef, params)(idx_BxT, dropout_key=dropout_key)
+
+
+def torch_names(params: nnx.State) -> dict[str, tuple[tuple, bool]]:
+    """nanoGPT state-dict name -> (path in params, whether torch's tensor is ours transposed).
+
+    Tied, there is no `lm_head.weight`: it is `transformer.wte.weight` (torch's state_dict lists the alias,
+    safetensors cannot store it, and loaders drop it)."""
+    names = {}
+    for path, _ in nnx.to_flat_state(params):
+        *modules, leaf = (str(p) for p in path)
+        transposed = leaf == "kernel"
+        prefix = [] if modules[0] == "lm_head" else ["transformer"]
+        names[".".join(prefix + modules + ["weight" if transposed else leaf])] = (path, transposed)
+    return names
+
+
+def graphdef(cfg: ModelConfig, *, vocab_size: int, precision: str) -> nnx.GraphDef:
+    """The model's structure alone, without allocating params (the trainer creates them directly sharded)."""
+    abstract = nnx.eval_shape(lambda: GPT(cfg, vocab_size=vocab_size, precision=precision, rngs=nnx.Rngs(0)))
+    return nnx.graphdef(abstract)

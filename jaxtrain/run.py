@@ -1,0 +1,215 @@
+"""`python -m jaxtrain.run --config configs/X.yaml [--section.key=value ...]`: the main job.
+
+Wires config, data, mesh, model, optimizer, checkpoints and metrics together; the math lives in optim.py and
+step.py. Resumes from the newest checkpoint in run.out_dir unless run.fresh. Ctrl-C saves and exits; a second
+Ctrl-C stops at once (the last saved checkpoint stays intact).
+"""
+
+import math
+import os
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import config as config_lib
+from jaxtrain import data as data_lib
+from jaxtrain import mesh as mesh_lib
+from jaxtrain import metrics as metrics_lib
+from jaxtrain import model as model_lib
+from jaxtrain import optim
+from jaxtrain import step as step_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError, exit_on_user_error
+
+
+def main(argv: list[str] | None = None) -> None:
+    with exit_on_user_error():
+        cfg = config_lib.load(sys.argv[1:] if argv is None else argv)
+        train(cfg)
+
+
+class Trainer:
+    """The pieces of one run, built once from the config."""
+
+    def __init__(self, cfg: Config):
+        mesh_lib.init_distributed()
+        self.cfg, self.is_main = cfg, jax.process_index() == 0
+        self.data = data_lib.load(cfg.data, cfg.model.seq_len)
+        self.vocab_size = data_lib.resolve_vocab_size(cfg.model.vocab_size, self.data)
+        self.mesh = mesh_lib.make_mesh(cfg)
+        self.tx, self.schedule = optim.optimizer(cfg), optim.lr_schedule(cfg)
+        self.graphdef = model_lib.graphdef(cfg.model, vocab_size=self.vocab_size, precision=cfg.train.precision)
+        abstract = jax.eval_shape(self._init_state)
+        self.state_sharding = mesh_lib.fsdp_sharding(self.mesh, abstract)
+        self.abstract_state = checkpoint_lib.abstract_like(abstract, self.state_sharding)
+        self.jit_train_step = jax.jit(
+            step_lib.make_train_step(self.graphdef, self.tx, self.schedule, cfg.run.seed, cfg.model.dropout > 0),
+            donate_argnums=0, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
+        self.eval_step = jax.jit(step_lib.make_eval_step(self.graphdef))
+        self.checkpointer = checkpoint_lib.Checkpointer(cfg)
+
+    def compile(self, state) -> None:
+        """Compile the train step ahead of the loop, so that step 1's throughput is not the compile time."""
+        t0 = time.perf_counter()
+        self.train_step = self.jit_train_step.lower(state, *self.window(int(state.step))).compile()
+        if self.is_main:
+            print(f"compiled the train step in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    def _init_state(self) -> step_lib.TrainState:
+        params = model_lib.init_params(self.cfg.model, vocab_size=self.vocab_size,
+                                       precision=self.cfg.train.precision, seed=self.cfg.run.seed)[1]
+        return step_lib.init_state(params, self.tx)
+
+    def initial_state(self) -> step_lib.TrainState:
+        """The newest checkpoint's state, or a fresh one (created directly in its sharding)."""
+        cfg = self.cfg
+        if cfg.run.fresh:
+            set_aside_previous_run(cfg.run.out_dir)
+        latest = self.checkpointer.latest_step()
+        if latest is not None:
+            print(f"resuming from step {latest} ({self.checkpointer.directory}/{latest})", file=sys.stderr)
+            return self.checkpointer.restore(latest, self.abstract_state)
+        if cfg.init.from_ is not None:
+            raise UserError("init.from (starting from a torch-format checkpoint) needs the torch bridge, which this "
+                            "version does not have yet; drop --init.from")
+        return jax.jit(self._init_state, out_shardings=self.state_sharding)()
+
+    def window(self, step: int):
+        cfg = self.cfg
+        inputs, targets = data_lib.window(
+            self.data, seed=cfg.run.seed, step=step, batch_size=cfg.data.batch_size,
+            accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len,
+            process_index=jax.process_index(), process_count=jax.process_count())
+        sharding = mesh_lib.window_sharding(self.mesh)
+        return mesh_lib.global_array(inputs, sharding), mesh_lib.global_array(targets, sharding)
+
+    def eval_batches(self) -> list:
+        cfg, sharding = self.cfg, mesh_lib.batch_sharding(self.mesh)
+        batches = []
+        for index in range(cfg.train.eval_batches):
+            inputs, targets = data_lib.eval_batch(
+                self.data, seed=cfg.run.seed, index=index, batch_size=cfg.micro_batch_size,
+                seq_len=cfg.model.seq_len, process_index=jax.process_index(), process_count=jax.process_count())
+            batches.append((mesh_lib.global_array(inputs, sharding), mesh_lib.global_array(targets, sharding)))
+        return batches
+
+    def evaluate(self, params, batches) -> float:
+        """Token-weighted mean CE over all eval batches."""
+        sums = [self.eval_step(params, inputs, targets) for inputs, targets in batches]
+        ce, n = np.sum(jax.device_get(sums), axis=0)
+        return float(ce / max(n, 1))
+
+
+def set_aside_previous_run(out_dir: str) -> None:
+    """run.fresh keeps what an earlier run saved: its checkpoints and metrics move to a dated name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for name in ("checkpoints", "metrics.jsonl"):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            os.replace(path, f"{path}.{stamp}")
+            print(f"run.fresh: moved the previous {name} to {path}.{stamp}", file=sys.stderr)
+
+
+class StopRequest:
+    """The first Ctrl-C asks the loop to save and stop at the next step boundary; the second stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, self.previous)
+        print("\nstopping after this step and saving a checkpoint (Ctrl-C again to stop now)", file=sys.stderr)
+
+    def restore(self):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def check_finite(line: dict, latest_checkpoint: int | None) -> None:
+    if not math.isfinite(line["loss"]):
+        saved = f"the checkpoint at step {latest_checkpoint} is intact" if latest_checkpoint is not None \
+            else "no checkpoint was saved"
+        raise UserError(f"loss is {line['loss']} at step {line['step']}: training diverged; {saved}. "
+                        f"Lower optim.lr, lengthen optim.warmup_steps or set optim.max_grad_norm, then resume")
+
+
+def train(cfg: Config) -> dict:
+    """Train to cfg.train.steps; returns the summary of this run."""
+    trainer = Trainer(cfg)
+    if trainer.is_main:
+        config_lib.save(cfg, cfg.run.out_dir)
+    state = trainer.initial_state()
+    start = int(state.step)
+    if start >= cfg.train.steps:
+        print(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do", file=sys.stderr)
+        return {"steps": start}
+    trainer.compile(state)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    logger = metrics_lib.MetricsLogger(
+        cfg, start_step=start, flops_per_token=metrics_lib.flops_per_token(cfg, n_params),
+        n_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind, is_main=trainer.is_main)
+    stop, t0 = StopRequest(), time.perf_counter()
+    try:
+        state, summary = loop(trainer, state, start, logger, stop)
+    finally:
+        stop.restore()
+        trainer.checkpointer.wait()
+        trainer.checkpointer.close()
+        logger.close()
+    summary["wall_s"] = time.perf_counter() - t0
+    if trainer.is_main:
+        print(format_summary(summary), file=sys.stderr)
+    return summary
+
+
+def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
+    """Steps start+1 .. train.steps. Each step's metrics are pulled to the host one step late, so the device
+    never waits for logging; checkpoints, evals and the end sync on the step they follow."""
+    cfg, eval_batches = trainer.cfg, trainer.eval_batches()
+    pending, summary, tokens_per_s = None, {"start_step": start}, []
+    for step in range(start + 1, cfg.train.steps + 1):
+        state, metrics = trainer.train_step(state, *trainer.window(step - 1))
+        if pending is not None:
+            tokens_per_s.append(report(pending, logger, trainer)["tokens_per_s"])
+        pending = (step, metrics)
+        last = step == cfg.train.steps
+        save = last or step % cfg.checkpoint.every == 0 or stop.requested
+        evaluate = last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+        if save or evaluate:
+            summary.update(report(pending, logger, trainer))
+            pending = None
+        if evaluate:
+            summary["eval_loss"] = trainer.evaluate(state.params, eval_batches)
+            logger.eval(step, summary["eval_loss"])
+        if save:
+            trainer.checkpointer.save(state)
+        if stop.requested:
+            print(f"saved step {step}; run the same command to resume", file=sys.stderr)
+            break
+    summary["tokens_per_s"] = float(np.median(tokens_per_s)) if tokens_per_s else None
+    return state, summary
+
+
+def report(pending, logger, trainer) -> dict:
+    step, metrics = pending
+    host = jax.device_get(metrics)
+    line = logger.train(step, float(host["loss"]), float(host["lr"]), float(host["grad_norm"]), int(host["tokens"]))
+    check_finite(line, trainer.checkpointer.latest_step())
+    return line
+
+
+def format_summary(s: dict) -> str:
+    def fmt(key, spec):
+        return format(s[key], spec) if s.get(key) is not None else "n/a"
+    return (f"done: steps {s.get('start_step', 0)}->{s.get('step', 'n/a')}  loss {fmt('loss', '.4f')}  "
+            f"eval_loss {fmt('eval_loss', '.4f')}  tokens/s {fmt('tokens_per_s', ',.0f')}  "
+            f"mfu {fmt('mfu', '.1%')}  wall {fmt('wall_s', '.1f')}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The jitted train and eval steps: token-weighted loss, accumulation by scan, metrics without a host sync.
+
+One call of `train_step` is one optimizer step: it scans over the k micro-batches of the window, feeding each
+micro-batch's gradient to optax.MultiSteps, which sums them and applies the inner chain on the k-th. The loss of
+micro-batch i is sum(CE_i) / N, with N the valid target tokens of the WHOLE window, so the summed gradient is
+exactly that of one big batch, whatever the padding of each micro-batch.
+
+A scan inside one jitted call rather than k calls: measured 1.09-1.15x faster on the small model here (one
+dispatch, and XLA overlaps the micro-steps); MultiSteps' state semantics are unchanged, since the scan runs the
+same per-micro-batch updates (benchmarks/run.py prints both).
+"""
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtrain import model
+from jaxtrain import optim
+
+
+class TrainState(NamedTuple):
+    """Everything a checkpoint holds. The optimizer step is opt_state.gradient_step; dropout keys derive from
+    (seed, step, micro-step), so there is no RNG state to carry."""
+    params: nnx.State
+    opt_state: optax.MultiStepsState
+
+    @property
+    def step(self) -> jax.Array:
+        return self.opt_state.gradient_step
+
+
+def ce_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sum of fp32 cross-entropy over valid targets (>= 0), and the number of valid targets."""
+    valid_BxT = targets_BxT >= 0
+    ce_BxT = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxTxV.astype(jnp.float32), jnp.where(valid_BxT, targets_BxT, 0))
+    return jnp.sum(jnp.where(valid_BxT, ce_BxT, 0.0)), jnp.sum(valid_BxT)
+
+
+def init_state(params: nnx.State, tx: optax.GradientTransformation) -> TrainState:
+    return TrainState(params, tx.init(params))
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    seed: int, dropout: bool) -> Callable:
+    """train_step(state, inputs_KxBxT, targets_KxBxT) -> (state, metrics), metrics as device scalars."""
+    base_key = jax.random.key(seed)
+
+    def micro_loss(params, inputs_BxT, targets_BxT, n_window, dropout_key):
+        logits_BxTxV = model.apply(graphdef, params, inputs_BxT, dropout_key=dropout_key)
+        ce, _ = ce_sum(logits_BxTxV, targets_BxT)
+        return ce / n_window, ce
+
+    def train_step(state: TrainState, inputs_KxBxT, targets_KxBxT):
+        n_window = jnp.maximum(jnp.sum(targets_KxBxT >= 0), 1)
+        step_key = jax.random.fold_in(base_key, state.step)
+
+        def micro_step(carry, micro):
+            params, opt_state = carry
+            i, inputs_BxT, targets_BxT = micro
+            key = jax.random.fold_in(step_key, i) if dropout else None
+            grads, ce = jax.grad(micro_loss, has_aux=True)(params, inputs_BxT, targets_BxT, n_window, key)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), ce
+
+        k = inputs_KxBxT.shape[0]
+        (params, opt_state), ce_K = jax.lax.scan(
+            micro_step, (state.params, state.opt_state), (jnp.arange(k), inputs_KxBxT, targets_KxBxT))
+        metrics = {
+            "loss": jnp.sum(ce_K) / n_window,
+            "lr": schedule(state.step),
+            "grad_norm": optim.grad_norm(opt_state),
+            "tokens": n_window,
+        }
+        return TrainState(params, opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
+    """eval_step(params, inputs_BxT, targets_BxT) -> (sum CE, valid tokens): summed over batches by the caller
+    so that the eval loss is token-weighted over all of them."""
+    def eval_step(params, inputs_BxT, targets_BxT):
+        return ce_sum(model.apply(graphdef, params, inputs_BxT), targets_BxT)
+    return eval_step

@@ -1,0 +1,75 @@
+"""Config loading: YAML + dotted overrides, and one clear error per user mistake."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxtrain import config
+from jaxtrain.errors import UserError
+
+
+@pytest.fixture
+def yaml_path(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run: {out_dir: /tmp/x}\noptim: {lr: 3e-4, warmup_steps: 5}\ninit: {from: /some/dir}\n")
+    return str(path)
+
+
+def test_yaml_then_overrides(yaml_path):
+    cfg = config.load(["--config", yaml_path, "--optim.lr=1e-2", "--train.steps", "50", "--train.precision=fp32"])
+    assert cfg.optim.lr == 1e-2 and cfg.optim.warmup_steps == 5
+    assert cfg.train.steps == 50 and cfg.train.precision == "fp32"
+    assert cfg.init.from_ == "/some/dir"
+
+
+def test_derived_defaults(yaml_path):
+    cfg = config.load(["--config", yaml_path, "--train.steps=80"])
+    assert cfg.decay_steps == 80
+    assert cfg.warmup_init_lr == pytest.approx(3e-4 / 6, rel=1e-15)  # lr / (warmup_steps + 1)
+
+
+def test_dump_reads_back(yaml_path, tmp_path):
+    cfg = config.load(["--config", yaml_path, "--model.n_layer=3"])
+    config.save(cfg, str(tmp_path / "out"))
+    assert config.load(["--config", str(tmp_path / "out" / "config.yaml")]) == cfg
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--optim.lrr=1"], ["optim.lrr", "did you mean optim.lr"]),
+    (["--optimx.lr=1"], ["optimx", "did you mean optim"]),
+    (["--optim.lr=abc"], ["optim.lr", "float"]),
+    (["--train.precision=fp16"], ["train.precision", "bf16"]),
+    (["--model.n_head=5"], ["model.n_head=5", "model.d_model=128"]),
+    (["--optim.warmup_steps=100", "--train.steps=50"], ["optim.warmup_steps=100", "decay"]),
+    (["--data.batch_size=33", "--optim.grad_accum_steps=2"], ["data.batch_size=33", "optim.grad_accum_steps=2"]),
+    (["--data.path=/does/not/exist"], ["data.path", "jaxtrain.data prepare"]),
+    (["--optim.min_lr=1"], ["optim.min_lr", "optim.lr"]),
+    (["--train.steps"], ["--train.steps", "no value"]),
+    (["positional"], ["positional"]),
+])
+def test_user_errors_name_the_key(yaml_path, args, words):
+    with pytest.raises(UserError) as e:
+        config.load(["--config", yaml_path, *args])
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(UserError, match="not found"):
+        config.load(["--config", "/nope.yaml"])
+
+
+def test_devices_must_split_the_micro_batch(yaml_path):
+    cfg = config.load(["--config", yaml_path, "--data.batch_size=12", "--optim.grad_accum_steps=2"])
+    assert config.validate_devices(cfg, 2) == (2, 1)
+    with pytest.raises(UserError, match="does not split over 4 devices"):
+        config.validate_devices(cfg, 4)
+
+
+def test_cli_error_is_one_line_exit_2(yaml_path):
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", "--config", yaml_path, "--optim.lrr=1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: unknown config key 'optim.lrr'; did you mean optim.lr?"]

@@ -1,0 +1,222 @@
+"""jaxtrain.model alone: shapes, causality, names, init, tying, dropout, the bf16 policy (forward, backward, HLO), GELU."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain import model as M
+from jaxtrain.config import ModelConfig
+
+V = 97
+SMALL = ModelConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
+apply = jax.jit(M.apply, static_argnums=0)  # op-by-op dispatch would make these tests several times slower
+
+
+def _init(cfg=SMALL, precision="fp32", seed=0):
+    return M.init_params(cfg, vocab_size=V, precision=precision, seed=seed)
+
+
+def _idx(B=3, T=16, seed=1):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, V, jnp.int32)
+
+
+def _rel_err(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _dots(hlo: str) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) element types of every dot_general in StableHLO text."""
+    sig = re.findall(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)", hlo)
+    return [tuple(re.fullmatch(r"tensor<(?:\d+x)*(\w+)>", t).group(1) for t in s) for s in sig]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_logits_shape_and_dtype(precision):
+    graphdef, params = _init(precision=precision)
+    logits = apply(graphdef, params, _idx())
+    assert logits.shape == (3, 16, V) and logits.dtype == jnp.float32
+
+
+def test_vocab_size_argument_wins_over_config():
+    cfg = ModelConfig(vocab_size=5, seq_len=16, n_layer=1, n_head=2, d_model=32)
+    _, params = M.init_params(cfg, vocab_size=V, precision="fp32", seed=0)
+    assert params["wte"]["weight"][...].shape == (V, 32)
+
+
+def test_sequence_longer_than_seq_len_is_an_error():
+    graphdef, params = _init()
+    with pytest.raises(ValueError, match="seq_len"):
+        apply(graphdef, params, _idx(T=17))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_causal(precision):
+    graphdef, params = _init(precision=precision)
+    idx, t = _idx(), 9
+    changed = idx.at[:, t].set((idx[:, t] + 1) % V)
+    before, after = apply(graphdef, params, idx), apply(graphdef, params, changed)
+    np.testing.assert_allclose(after[:, :t], before[:, :t], atol=1e-6)
+    assert not np.allclose(after[:, t:], before[:, t:], atol=1e-3)
+
+
+def _expected_torch_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """nanoGPT's state dict for cfg, shapes as torch stores them; lm_head only when untied."""
+    d = cfg.d_model
+    shapes = {"transformer.wte.weight": (V, d), "transformer.wpe.weight": (cfg.seq_len, d),
+              "transformer.ln_f.weight": (d,)}
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        shapes |= {p + "ln_1.weight": (d,), p + "ln_2.weight": (d,), p + "attn.c_attn.weight": (3 * d, d),
+                   p + "attn.c_proj.weight": (d, d), p + "mlp.c_fc.weight": (4 * d, d), p + "mlp.c_proj.weight": (d, 4 * d)}
+    if cfg.bias:
+        shapes |= {name.replace(".weight", ".bias"): shape[:1] for name, shape in shapes.items()
+                   if "ln" in name or "c_" in name}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, d)
+    return shapes
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_torch_names_cover_every_param_once(tie, bias):
+    cfg = ModelConfig(seq_len=16, n_layer=2, n_head=2, d_model=32, tie_embeddings=tie, bias=bias)
+    _, params = _init(cfg)
+    names = M.torch_names(params)
+    flat = dict(nnx.to_flat_state(params))
+    assert sorted(path for path, _ in names.values()) == sorted(flat)
+    torch_shapes = {name: flat[path][...].shape[::-1] if transposed else flat[path][...].shape
+                    for name, (path, transposed) in names.items()}
+    assert torch_shapes == _expected_torch_shapes(cfg)
+    assert all(transposed == (path[-1] == "kernel") for path, transposed in names.values())
+
+
+def test_params_are_fp32_and_the_only_state():
+    graphdef, params = _init()
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
+    assert nnx.state(nnx.merge(graphdef, params), nnx.Not(nnx.Param)) == nnx.State({})
+
+
+def test_init_statistics():
+    cfg = ModelConfig(seq_len=256, n_layer=8, n_head=4, d_model=256, tie_embeddings=False)
+    _, params = M.init_params(cfg, vocab_size=1024, precision="fp32", seed=0)
+    resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for path, param in nnx.to_flat_state(params):
+        w, leaf = np.asarray(param[...]), path[-1]
+        if leaf == "bias":
+            assert (w == 0).all(), path
+        elif path[-2] in ("ln_1", "ln_2", "ln_f"):
+            assert (w == 1).all(), path
+        else:
+            # Every tensor has >= 65k draws, so the sample std is off by 1/sqrt(2n) <= 0.3% (1 sigma):
+            # 2% is 7 sigma, and the two scales tested differ 4x.
+            std = resid_std if path[-2] == "c_proj" else 0.02
+            assert abs(w.std() / std - 1) < 0.02 and abs(w.mean()) < 0.02 * std, path
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tied_head_shares_wte(tie):
+    cfg = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=32, tie_embeddings=tie)
+    graphdef, params = _init(cfg)
+    idx = _idx() % 50  # tokens 50.. never appear, so only the head can give their wte rows a gradient
+    grads = jax.jit(jax.grad(lambda p: apply(graphdef, p, idx).std()))(params)
+    unseen_rows_grad = jnp.abs(grads["wte"]["weight"][...][50:]).max()
+    assert ("lm_head" in params) != tie
+    assert (unseen_rows_grad > 0) == tie
+
+
+def test_dropout():
+    cfg = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=0.1)
+    graphdef, params = _init(cfg)
+    graphdef_no_drop, _ = _init(ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=32))
+    idx, k1, k2 = _idx(), jax.random.key(1), jax.random.key(2)
+    reference = apply(graphdef_no_drop, params, idx)
+    np.testing.assert_array_equal(apply(graphdef, params, idx), reference)  # no key: deterministic, no dropout
+    np.testing.assert_array_equal(apply(graphdef, params, idx, dropout_key=k1),
+                                  apply(graphdef, params, idx, dropout_key=k1))
+    assert not np.allclose(apply(graphdef, params, idx, dropout_key=k1), reference, atol=1e-3)
+    assert not np.allclose(apply(graphdef, params, idx, dropout_key=k1),
+                           apply(graphdef, params, idx, dropout_key=k2), atol=1e-3)
+    np.testing.assert_array_equal(apply(graphdef_no_drop, params, idx, dropout_key=k1), reference)
+
+
+def test_bf16_policy_dtypes():
+    linear = M.Linear(8, 4, bias=True, std=0.02, precision="bf16", rngs=nnx.Rngs(0))
+    assert linear(jnp.ones((2, 8))).dtype == jnp.bfloat16  # autocast's linear output
+    assert M.LayerNorm(8, bias=True)(jnp.ones((2, 8), jnp.bfloat16)).dtype == jnp.float32
+    assert M.matmul(jnp.ones((2, 8), jnp.bfloat16), jnp.ones((8, 4)), "bf16").dtype == jnp.float32
+
+
+def test_bf16_forward_close_to_fp32():
+    graphdef_32, params = _init(precision="fp32")
+    graphdef_16, _ = _init(precision="bf16")
+    idx = _idx()
+    err = _rel_err(apply(graphdef_16, params, idx), apply(graphdef_32, params, idx))
+    # Each bf16 rounding is off by <= 2^-9 relative and the roundings are independent, so they average out in the
+    # dots: the logits' RMS relative error is about bf16's epsilon 2^-8 = 0.4% (measured 0.3%), not growing with d.
+    assert 1e-4 < err < 0.01
+
+
+def _operands(shape_a, shape_b):
+    return (jax.random.normal(jax.random.key(3), shape_a), jax.random.normal(jax.random.key(4), shape_b),
+            jax.random.normal(jax.random.key(5), shape_a[:-1] + shape_b[-1:]))
+
+
+@pytest.mark.parametrize("shape_a,shape_b", [((4, 16, 64), (64, 48)), ((2, 3, 16, 32), (2, 3, 32, 16))])
+def test_bf16_matmul_gradient(shape_a, shape_b):
+    """Linear (a weight shared over the batch axes) and attention (batched) shapes."""
+    a, b, w = _operands(shape_a, shape_b)
+    grad = lambda prec: jax.jit(jax.grad(lambda a, b: (w * M.matmul(a, b, prec)).sum(), argnums=(0, 1)))(a, b)
+    (da, db), (da32, db32) = grad("bf16"), grad("fp32")
+    assert da.dtype == db.dtype == jnp.float32
+    # Rounding the operands to bf16 (relative 2^-9 each) gives about 0.4% RMS relative error.
+    assert _rel_err(da, da32) < 0.01 and _rel_err(db, db32) < 0.01
+    # Exactly the float64 gradient of bf16-rounded operands: fp32 accumulation over <= 768 terms is good to ~1e-6.
+    r = lambda x: np.asarray(x.astype(jnp.bfloat16), np.float64)
+    a64, b64, g64 = r(a), r(b), r(w)
+    da64 = g64 @ np.swapaxes(b64, -1, -2)
+    if len(shape_b) == 2:
+        a64, g64 = a64.reshape(-1, a64.shape[-1]), g64.reshape(-1, g64.shape[-1])
+    db64 = np.swapaxes(a64, -1, -2) @ g64
+    np.testing.assert_allclose(da, da64, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db, db64, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_matmul_backward_dots_are_bf16_with_fp32_accumulation():
+    """Autodiff of a preferred_element_type dot would make fp32 (or bf16-output) dots; the custom_vjp must not."""
+    a, b, w = _operands((4, 16, 64), (64, 48))
+    grad = jax.jit(jax.grad(lambda a, b: (w * M.matmul(a, b, "bf16")).sum(), argnums=(0, 1)))
+    dots = _dots(grad.lower(a, b).as_text())
+    assert len(dots) >= 2 and set(dots) == {("bf16", "bf16", "f32")}
+
+
+@pytest.mark.parametrize("precision,expected", [("bf16", {("bf16", "bf16", "f32")}), ("fp32", {("f32", "f32", "f32")})])
+def test_model_gradient_dots_follow_the_policy(precision, expected):
+    graphdef, params = _init(precision=precision)
+    grad = jax.jit(jax.grad(lambda p, idx: apply(graphdef, p, idx).std()))
+    hlo = grad.lower(params, _idx()).as_text()
+    assert set(_dots(hlo)) == expected
+    if precision == "fp32":  # true fp32 on GPU/TPU too, whose default precision may use bf16 passes
+        dot_lines = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
+        assert all("precision = [HIGHEST, HIGHEST]" in line for line in dot_lines)
+
+
+def _erf_gelu(x):
+    return 0.5 * x * (1 + jax.scipy.special.erf(x / math.sqrt(2)))
+
+
+def test_mlp_uses_exact_gelu():
+    x = jnp.linspace(-5, 5, 1001)
+    np.testing.assert_allclose(M.gelu(x), _erf_gelu(x), atol=1e-6)
+    assert jnp.abs(jax.nn.gelu(x, approximate=True) - _erf_gelu(x)).max() > 1e-4
+    mlp = M.MLP(SMALL, precision="fp32", rngs=nnx.Rngs(0))
+    x_BxTxD = 20 * jax.random.normal(jax.random.key(0), (2, 4, 32))  # pre-activations span about [-7, 7]
+    h = mlp.c_fc(x_BxTxD)
+    exact, tanh = mlp.c_proj(_erf_gelu(h)), mlp.c_proj(jax.nn.gelu(h, approximate=True))
+    out = mlp(x_BxTxD, None)
+    np.testing.assert_allclose(out, exact, atol=1e-7)
+    assert jnp.abs(out - tanh).max() > 1e-6
