@@ -7,22 +7,25 @@ save never leaves a half-written checkpoint where resume would find it. Restore 
 its target sharding (MaxText-style), so a pod never gathers a full copy on one host.
 """
 
+import functools
 import os
 
 import jax
 import orbax.checkpoint as ocp
 import yaml
+from jax.sharding import Mesh
 
 from jaxtrain import config as config_lib
+from jaxtrain import mesh as mesh_lib
+from jaxtrain import step as step_lib
 from jaxtrain.config import Config
+from jaxtrain.step import TrainState
 from jaxtrain.errors import UserError
-
-# Config sections and keys that shape the trajectory: resuming with any of them changed is refused.
-TRAJECTORY_KEYS = ("model", "data", "optim", "train.steps", "train.precision", "run.seed")
-
 
 class Checkpointer:
     def __init__(self, cfg: Config):
+        if cfg.model.vocab_size is None:  # the saved config must say what the model was built with
+            raise ValueError("Checkpointer needs a config with model.vocab_size resolved (see run.Trainer)")
         self.directory = os.path.abspath(os.path.join(cfg.run.out_dir, "checkpoints"))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.checkpoint.max_to_keep,
@@ -30,7 +33,7 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
-        self.config_yaml = config_lib.dump(cfg)
+        self.cfg = cfg
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -38,7 +41,7 @@ class Checkpointer:
     def save(self, state) -> None:
         """Start saving `state` at its optimizer step (returns before the write completes)."""
         step = int(state.step)
-        meta = {"step": step, "config": yaml.safe_load(self.config_yaml)}
+        meta = {"step": step, "config": yaml.safe_load(config_lib.dump(self.cfg))}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -53,7 +56,7 @@ class Checkpointer:
             older = f"move it aside to resume from step {max(steps)}" if steps else "move it aside"
             raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:300]}); "
                             f"{older}, or start over with --run.fresh=true") from None
-        check_same_trajectory(restored["meta"]["config"], yaml.safe_load(self.config_yaml), path)
+        config_lib.check_same_trajectory(restored["meta"]["config"], self.cfg, path)
         return restored["state"]
 
     def wait(self) -> None:
@@ -63,26 +66,9 @@ class Checkpointer:
         self.manager.close()
 
 
-def check_same_trajectory(saved: dict, current: dict, path: str) -> None:
-    """Refuse to resume when a key that shapes the trajectory changed since the checkpoint was written."""
-    saved, current = _flatten(saved), _flatten(current)
-    changed = [k for k in current if k.startswith(TRAJECTORY_KEYS) and saved.get(k) != current[k]]
-    if changed:
-        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed)
-        raise UserError(f"the config differs from the one that wrote {path} ({diffs}); resume with the same "
-                        f"config, or start over with --run.fresh=true or a new --run.out_dir")
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def abstract_like(state, shardings):
-    """ShapeDtypeStructs of `state`'s leaves with the given shardings: the restore target."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+def abstract_state(cfg: Config, vocab_size: int, mesh: Mesh) -> TrainState:
+    """ShapeDtypeStructs of a run's state with their fsdp shardings on `mesh`: the layout a run creates its state
+    in, and the target a restore places the arrays on. Nothing is allocated."""
+    abstract = jax.eval_shape(functools.partial(step_lib.fresh_state, cfg, vocab_size))
+    shardings = mesh_lib.fsdp_sharding(mesh, abstract)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)

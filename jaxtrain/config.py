@@ -13,8 +13,10 @@ grad_accum_steps therefore never changes the tokens per optimizer step.
 """
 
 import argparse
+import copy
 import dataclasses
 import difflib
+import hashlib
 import os
 from typing import Literal, Optional
 
@@ -143,7 +145,7 @@ def load(argv: list[str]) -> Config:
     known, rest = ap.parse_known_args(argv)
     raw = _read_yaml(known.config) if known.config else {}
     mergedeep.merge(raw, _parse_overrides(rest))
-    cfg = _decode(raw)
+    cfg = from_dict(raw)
     validate(cfg)
     return cfg
 
@@ -178,7 +180,10 @@ def _parse_overrides(args: list[str]) -> dict:
     return deflatten(flat, sep=".")
 
 
-def _decode(raw: dict) -> Config:
+def from_dict(raw: dict) -> Config:
+    """A config mapping (YAML names) -> Config, keys and types checked but values not validated: a saved config
+    may name a data.path that does not exist on the machine reading it."""
+    raw = copy.deepcopy(raw)
     _check_keys(raw, Config, ())
     for (section, key), (_, field) in _KEYWORD_FIELDS.items():
         if isinstance(raw.get(section), dict) and key in raw[section]:
@@ -240,8 +245,8 @@ def validate(cfg: Config) -> None:
     for key in ("b1", "b2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             raise UserError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
-    if o.warmup_steps > cfg.decay_steps:
-        raise UserError(f"optim.warmup_steps={o.warmup_steps} is larger than the decay length {cfg.decay_steps} "
+    if o.warmup_steps >= cfg.decay_steps:
+        raise UserError(f"optim.warmup_steps={o.warmup_steps} must be smaller than the decay length {cfg.decay_steps} "
                         f"(optim.decay_steps, default train.steps); lower warmup_steps or raise decay_steps")
     if o.min_lr > o.lr:
         raise UserError(f"optim.min_lr={o.min_lr} is larger than optim.lr={o.lr}; the cosine decays from lr to min_lr")
@@ -286,3 +291,35 @@ def save(cfg: Config, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.yaml"), "w", encoding="utf-8") as f:
         f.write(dump(cfg))
+
+
+# Sections and keys that shape the trajectory: resuming with any of them changed is refused.
+TRAJECTORY_KEYS = ("model", "data", "optim", "train.steps", "train.precision", "run.seed")
+
+
+def check_same_trajectory(saved: dict, cfg: Config, where: str) -> None:
+    """Refuse to resume from a checkpoint written with another config (`saved`, as `dump` wrote it), naming the
+    keys that changed. Keys that do not shape the trajectory (out_dir, logging, checkpoint cadence) may change."""
+    saved, current = _flatten(saved), _flatten(yaml.safe_load(dump(cfg)))
+    changed = [k for k in current if k.startswith(TRAJECTORY_KEYS) and saved.get(k) != current[k]]
+    if changed:
+        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed)
+        raise UserError(f"the config differs from the one that wrote {where} ({diffs}); resume with the same "
+                        f"config, or start over with --run.fresh=true or a new --run.out_dir")
+
+
+def config_hash(cfg: Config) -> str:
+    """sha256 of the resolved config's trajectory keys: written into torch-format checkpoints."""
+    flat = _flatten(yaml.safe_load(dump(cfg)))
+    trajectory = {k: v for k, v in flat.items() if k.startswith(TRAJECTORY_KEYS)}
+    return hashlib.sha256(yaml.safe_dump(trajectory, sort_keys=True).encode()).hexdigest()
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

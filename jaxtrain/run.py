@@ -5,6 +5,8 @@ step.py. Resumes from the newest checkpoint in run.out_dir unless run.fresh. Ctr
 Ctrl-C stops at once (the last saved checkpoint stays intact).
 """
 
+import dataclasses
+import functools
 import math
 import os
 import signal
@@ -22,6 +24,7 @@ from jaxtrain import metrics as metrics_lib
 from jaxtrain import model as model_lib
 from jaxtrain import optim
 from jaxtrain import step as step_lib
+from jaxtrain import torch_format
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError, exit_on_user_error
 
@@ -37,19 +40,22 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         mesh_lib.init_distributed()
-        self.cfg, self.is_main = cfg, jax.process_index() == 0
+        self.is_main = jax.process_index() == 0
         self.data = data_lib.load(cfg.data, cfg.model.seq_len)
-        self.vocab_size = data_lib.resolve_vocab_size(cfg.model.vocab_size, self.data)
+        vocab_size = data_lib.resolve_vocab_size(cfg.model.vocab_size, self.data)
+        # Written down, so that config.yaml and every checkpoint say what the model was built with.
+        self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
         self.mesh = mesh_lib.make_mesh(cfg)
-        self.tx, self.schedule = optim.optimizer(cfg), optim.lr_schedule(cfg)
-        self.graphdef = model_lib.graphdef(cfg.model, vocab_size=self.vocab_size, precision=cfg.train.precision)
-        abstract = jax.eval_shape(self._init_state)
-        self.state_sharding = mesh_lib.fsdp_sharding(self.mesh, abstract)
-        self.abstract_state = checkpoint_lib.abstract_like(abstract, self.state_sharding)
+        self.abstract_state = checkpoint_lib.abstract_state(cfg, vocab_size, self.mesh)
+        self.state_sharding = jax.tree.map(lambda x: x.sharding, self.abstract_state)
+        graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision)
         self.jit_train_step = jax.jit(
-            step_lib.make_train_step(self.graphdef, self.tx, self.schedule, cfg.run.seed, cfg.model.dropout > 0),
+            step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), cfg.run.seed,
+                                     cfg.model.dropout > 0),
             donate_argnums=0, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
-        self.eval_step = jax.jit(step_lib.make_eval_step(self.graphdef))
+        self.eval_step = jax.jit(step_lib.make_eval_step(graphdef))
+        if cfg.run.fresh and self.is_main:
+            set_aside_previous_run(cfg.run.out_dir)
         self.checkpointer = checkpoint_lib.Checkpointer(cfg)
 
     def compile(self, state) -> None:
@@ -59,24 +65,22 @@ class Trainer:
         if self.is_main:
             print(f"compiled the train step in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
-    def _init_state(self) -> step_lib.TrainState:
-        params = model_lib.init_params(self.cfg.model, vocab_size=self.vocab_size,
-                                       precision=self.cfg.train.precision, seed=self.cfg.run.seed)[1]
-        return step_lib.init_state(params, self.tx)
-
     def initial_state(self) -> step_lib.TrainState:
-        """The newest checkpoint's state, or a fresh one (created directly in its sharding)."""
+        """The newest checkpoint's state; else a fresh one (created directly in its sharding), with a torch-format
+        checkpoint's weights or whole training state in it when init.from names one."""
         cfg = self.cfg
-        if cfg.run.fresh:
-            set_aside_previous_run(cfg.run.out_dir)
         latest = self.checkpointer.latest_step()
         if latest is not None:
             print(f"resuming from step {latest} ({self.checkpointer.directory}/{latest})", file=sys.stderr)
             return self.checkpointer.restore(latest, self.abstract_state)
-        if cfg.init.from_ is not None:
-            raise UserError("init.from (starting from a torch-format checkpoint) needs the torch bridge, which this "
-                            "version does not have yet; drop --init.from")
-        return jax.jit(self._init_state, out_shardings=self.state_sharding)()
+        fresh = jax.jit(functools.partial(step_lib.fresh_state, cfg, cfg.model.vocab_size),
+                        out_shardings=self.state_sharding)()
+        if cfg.init.from_ is None:
+            return fresh
+        state, kind = torch_format.load(cfg.init.from_, fresh, cfg)
+        what = f"the full training state at step {int(state.step)}" if kind == "full" else "weights only, step 0"
+        print(f"initialised from {cfg.init.from_}: {what}", file=sys.stderr)
+        return state
 
     def window(self, step: int):
         cfg = self.cfg

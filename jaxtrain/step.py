@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxtrain import model
 from jaxtrain import optim
+from jaxtrain.config import Config
 
 
 class TrainState(NamedTuple):
@@ -42,6 +43,12 @@ def ce_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> tuple[jax.Array, 
 
 def init_state(params: nnx.State, tx: optax.GradientTransformation) -> TrainState:
     return TrainState(params, tx.init(params))
+
+
+def fresh_state(cfg: Config, vocab_size: int) -> TrainState:
+    """The state a run starts from: initialised params and the optimizer's initial state."""
+    params = model.init_params(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision, seed=cfg.run.seed)[1]
+    return init_state(params, optim.optimizer(cfg))
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,

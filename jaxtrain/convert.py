@@ -1,0 +1,118 @@
+"""`python -m jaxtrain.convert to-torch|from-torch SRC DST`: jaxtrain checkpoints <-> the torch format.
+
+    python -m jaxtrain.convert to-torch out/tiny/checkpoints/250 out/tiny-torch
+    python -m torchref.run --config configs/tiny.yaml --init.from=out/tiny-torch      # continues at step 250
+    python -m jaxtrain.convert from-torch out/tiny-torch out/tiny-back
+    python -m jaxtrain.run --config out/tiny-back/config.yaml                       # resumes at step 250
+
+Both directions keep params and AdamW's state bit for bit (jaxtrain/torch_format.py). A jaxtrain step folder is
+self-describing: its `meta` item holds the config that built the state, so no --config is needed. Conversion runs
+on one device whatever mesh trained the run, so the whole state must fit in one device's memory.
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import config as config_lib
+from jaxtrain import step as step_lib
+from jaxtrain import torch_format
+from jaxtrain.errors import UserError, exit_on_user_error
+
+
+def to_torch(step_dir: str, out_dir: str) -> None:
+    """A jaxtrain step folder (<out_dir>/checkpoints/<step>) -> a torch-format folder."""
+    torch_format.check_new_folder(out_dir)
+    root, name = os.path.split(os.path.normpath(os.path.abspath(step_dir)))
+    if not (name.isdigit() and os.path.isdir(os.path.join(step_dir, "state"))):
+        raise UserError(f"{step_dir} is not a jaxtrain checkpoint step folder; pass one like "
+                        f"out/tiny/checkpoints/250 (a folder named by its step, holding `state` and `meta`)")
+    step = int(name)
+    with ocp.CheckpointManager(root, item_handlers={"state": ocp.StandardCheckpointHandler(),
+                                                    "meta": ocp.JsonCheckpointHandler()}) as manager:
+        with _unreadable(step_dir):
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        cfg = config_lib.from_dict(meta["config"])  # jaxtrain.run writes the resolved model.vocab_size into it
+        target = checkpoint_lib.abstract_state(cfg, cfg.model.vocab_size, _one_device_mesh())
+        with _unreadable(step_dir):
+            state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    torch_format.export(state, cfg, out_dir)
+    print(f"wrote {out_dir} (step {int(state.step)}) from {step_dir}", file=sys.stderr)
+
+
+def from_torch(src: str, out_dir: str) -> None:
+    """A torch-format folder -> a jaxtrain run folder: <out_dir>/config.yaml (the checkpoint's config, with
+    run.out_dir=out_dir) and the Orbax checkpoint <out_dir>/checkpoints/<step>, where jaxtrain.run resumes."""
+    torch_format.check_new_folder(out_dir)
+    trainer_state = torch_format.read_trainer_state(src)
+    cfg = config_lib.from_dict(trainer_state["config"])
+    # run.seed orders jaxtrain's batches: the run goes on with the data order the checkpoint was trained on.
+    cfg.run.out_dir, cfg.run.seed, cfg.run.fresh = out_dir, trainer_state["data"]["seed"], False
+    if cfg.model.vocab_size is None:  # written down, so that the run folder does not depend on the data for it
+        cfg.model.vocab_size = torch_format.vocab_size(src)
+    state, kind = torch_format.load(src, step_lib.fresh_state(cfg, cfg.model.vocab_size), cfg)
+    if kind != "full":
+        raise UserError(f"{src} holds weights only (no {torch_format.OPTIMIZER}), not a training state to resume; "
+                        f"start a run from it with --init.from={src} instead")
+    config_lib.save(cfg, out_dir)
+    checkpointer = checkpoint_lib.Checkpointer(cfg)
+    checkpointer.save(state)
+    checkpointer.wait()
+    checkpointer.close()
+    print(f"wrote {out_dir} (step {int(state.step)}); resume with "
+          f"`python -m jaxtrain.run --config {os.path.join(out_dir, 'config.yaml')}`", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _unreadable(step_dir: str):
+    """Orbax's failures (ValueError, FileNotFoundError, tensorstore errors, ...) as one UserError."""
+    try:
+        yield
+    except Exception as e:
+        raise UserError(f"checkpoint {step_dir} cannot be read ({type(e).__name__}: {str(e)[:300]}); convert "
+                        f"another step folder of the run") from None
+
+
+def _one_device_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxtrain.convert",
+        description="Convert checkpoints between jaxtrain (Orbax) and the torch format that torchref writes "
+                    "(model.safetensors, optimizer.safetensors, trainer_state.json). Lossless both ways.",
+        epilog="examples:\n"
+               "  python -m jaxtrain.convert to-torch out/tiny/checkpoints/250 out/tiny-torch\n"
+               "  python -m jaxtrain.convert from-torch out/tiny-torch out/tiny-back\n"
+               "  python -m jaxtrain.run --config out/tiny-back/config.yaml    # resumes at step 250",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    to = sub.add_parser("to-torch", help="jaxtrain step folder -> torch-format folder",
+                        description="Export one jaxtrain checkpoint; its config is read from the checkpoint.")
+    to.add_argument("src", help="a jaxtrain step folder, e.g. out/tiny/checkpoints/250")
+    to.add_argument("dst", help="the torch-format folder to create (must not exist, or be empty)")
+    back = sub.add_parser("from-torch", help="torch-format folder -> jaxtrain run folder",
+                          description="Import a torch-format training state as a jaxtrain run that "
+                                      "`python -m jaxtrain.run --config DST/config.yaml` resumes.")
+    back.add_argument("src", help="a torch-format folder (model.safetensors, optimizer.safetensors, "
+                                  "trainer_state.json)")
+    back.add_argument("dst", help="the jaxtrain run folder to create (must not exist, or be empty)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    with exit_on_user_error():
+        (to_torch if args.command == "to-torch" else from_torch)(args.src, args.dst)
+
+
+if __name__ == "__main__":
+    main()

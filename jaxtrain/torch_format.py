@@ -1,0 +1,217 @@
+"""The torch checkpoint format, read and written with numpy and safetensors only (never torch).
+
+A torch-format checkpoint is a folder; torchref/checkpoint.py writes and reads exactly this:
+
+    model.safetensors      nanoGPT's state dict, fp32, Linear weights (out, in); no lm_head.weight when tied
+    optimizer.safetensors  AdamW's moments by param name: `<name>.exp_avg` (our mu), `<name>.exp_avg_sq` (our nu)
+    trainer_state.json     {"format", "step", "lr_scheduler", "tied_embeddings", "data", "rng", "config_hash", "config"}
+
+The bridge is lossless: params and moments are fp32 on both sides and only transposed, and a checkpoint is always
+taken at a window boundary, where one number, the optimizer steps completed, is AdamW's bias-correction count, the
+schedule's count and MultiSteps' gradient_step at once. Which name maps to which param, and which are transposed,
+comes from model.torch_names alone.
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from jaxtrain import config as config_lib
+from jaxtrain import model
+from jaxtrain import optim
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+from jaxtrain.step import TrainState
+
+FORMAT = "jaxtrain-torch/1"
+MODEL, OPTIMIZER, TRAINER_STATE = "model.safetensors", "optimizer.safetensors", "trainer_state.json"
+MOMENTS = (("mu", "exp_avg"), ("nu", "exp_avg_sq"))  # optax ScaleByAdamState field -> torch AdamW state key
+WTE = "transformer.wte.weight"  # its rows are the vocab size, whatever the config says
+TORCH_PARAM_GROUPS = 2  # torchref's AdamW groups (decay, no decay); LambdaLR keeps one LR per group
+
+
+def export(state: TrainState, cfg: Config, out_dir: str) -> None:
+    """Write `state` (trained with `cfg`) as a torch-format folder. Written under a temporary name and renamed into
+    place, so out_dir either holds a complete checkpoint or does not exist."""
+    if int(state.opt_state.mini_step) != 0:
+        raise UserError(f"the state is in the middle of a gradient-accumulation window (micro-step "
+                        f"{int(state.opt_state.mini_step)} of {cfg.optim.grad_accum_steps}): the torch format has no "
+                        f"place for the partly accumulated gradient. jaxtrain only saves at window ends; export one "
+                        f"of its checkpoints")
+    check_new_folder(out_dir)
+    names, adam = model.torch_names(state.params), optim.adam_state(state.opt_state)
+    step = int(adam.count)
+    moments = {f"{name}.{key}": x for field, key in MOMENTS
+               for name, x in _torch_arrays(getattr(adam, field), names).items()}
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(_torch_arrays(state.params, names), os.path.join(tmp, MODEL))
+    save_file(moments, os.path.join(tmp, OPTIMIZER))
+    with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
+        json.dump(_trainer_state(step, "lm_head.weight" not in names, cfg), f, indent=1)
+    os.replace(tmp, out_dir)
+
+
+def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]:
+    """`template` (a concrete state built from `cfg`) with the checkpoint at `path` in it, and what was loaded:
+
+    "full" when optimizer.safetensors and trainer_state.json are there: params, AdamW's moments, and the state at
+    the window boundary after trainer_state's step (every count at step, nothing accumulated); the grad-norm
+    record, a logging value the format does not carry, stays the template's. "weights" otherwise: params only,
+    the template's optimizer state (a fresh one starts at step 0). Every leaf keeps the template's dtype and
+    sharding.
+    """
+    if not os.path.isdir(path):
+        raise UserError(f"torch-format checkpoint {path!r} is not a folder; point at a folder holding {MODEL}")
+    names = model.torch_names(template.params)
+    leaves = {p: var.get_value() for p, var in nnx.to_flat_state(template.params)}
+    shapes = {name: tuple(leaves[p].shape[::-1] if transposed else leaves[p].shape)
+              for name, (p, transposed) in names.items()}
+    weights = _read_tensors(os.path.join(path, MODEL), shapes, cfg)
+    params = _from_torch(template.params, weights, names)
+    if not all(os.path.exists(os.path.join(path, f)) for f in (OPTIMIZER, TRAINER_STATE)):
+        return template._replace(params=params), "weights"
+    step = read_trainer_state(path)["step"]
+    moment_shapes = {f"{name}.{key}": shape for name, shape in shapes.items() for _, key in MOMENTS}
+    moments = _read_tensors(os.path.join(path, OPTIMIZER), moment_shapes, cfg)
+    adam = optim.adam_state(template.opt_state)
+    mu, nu = (_from_torch(getattr(adam, field), {n: moments[f"{n}.{key}"] for n in names}, names)
+              for field, key in MOMENTS)
+    return TrainState(params, _at_window_boundary(template.opt_state, mu, nu, step)), "full"
+
+
+def read_trainer_state(path: str) -> dict:
+    """trainer_state.json of the folder `path`, checked for the fields jaxtrain uses."""
+    file = os.path.join(path, TRAINER_STATE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{file} is missing or not valid JSON ({e}); re-export the checkpoint, or delete "
+                        f"{OPTIMIZER} next to it to load the weights alone") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else None
+        raise UserError(f"{file} is not a {FORMAT} trainer state (format {found!r}); point at a torch-format folder")
+    fields = {"step": int, "tied_embeddings": bool, "data": dict, "config": dict}
+    for key, kind in fields.items():
+        if not isinstance(state.get(key), kind) or (key == "step" and state[key] < 0):
+            raise UserError(f"{file}: {key!r} is missing or not a {kind.__name__} (got {state.get(key)!r}); "
+                            f"the file is damaged, re-export the checkpoint")
+    return state
+
+
+def vocab_size(path: str) -> int:
+    """The checkpoint's vocab size, from the header of its model.safetensors (no tensor is read)."""
+    file = os.path.join(path, MODEL)
+    try:
+        with safe_open(file, framework="np") as f:
+            return f.get_slice(WTE).get_shape()[0]
+    except (OSError, SafetensorError) as e:
+        raise UserError(f"{file} is missing, unreadable or has no {WTE!r} ({e}); re-export the checkpoint") from None
+
+
+def check_new_folder(out_dir: str) -> None:
+    """Conversions never overwrite: out_dir must not exist yet, or be empty."""
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise UserError(f"{out_dir} already exists and is not an empty folder; choose a new output folder or "
+                        f"delete it")
+
+
+def _trainer_state(step: int, tied: bool, cfg: Config) -> dict:
+    """What torchref resumes from besides the tensors. LambdaLR, stepped once per update, stands at
+    last_epoch = step with the next update's LR; jaxtrain has no torch RNG state to give, hence the nulls."""
+    with jax.enable_x64(True):  # torch keeps the LR as a Python float; an fp32 one would differ in its low bits
+        next_lr = float(optim.lr_schedule(cfg)(np.int64(step)))
+    return {
+        "format": FORMAT,
+        "step": step,
+        "lr_scheduler": {"last_epoch": step, "_step_count": step + 1, "base_lrs": [cfg.optim.lr] * TORCH_PARAM_GROUPS,
+                         "_last_lr": [next_lr] * TORCH_PARAM_GROUPS},
+        "tied_embeddings": tied,
+        "data": {"seed": cfg.run.seed, "next_step": step},
+        "rng": {"torch": None, "cuda": None},
+        "config_hash": config_lib.config_hash(cfg),
+        "config": yaml.safe_load(config_lib.dump(cfg)),
+    }
+
+
+def _torch_arrays(tree: nnx.State, names: dict) -> dict[str, np.ndarray]:
+    """nanoGPT name -> fp32 host array in torch's layout, for the params or a tree shaped like them (mu, nu)."""
+    leaves = {path: var.get_value() for path, var in nnx.to_flat_state(tree)}
+    arrays = {}
+    for name, (path, transposed) in names.items():
+        x = np.asarray(jax.device_get(leaves[path]), np.float32)
+        arrays[name] = np.ascontiguousarray(x.T if transposed else x)
+    return arrays
+
+
+def _from_torch(template: nnx.State, arrays: dict[str, np.ndarray], names: dict) -> nnx.State:
+    """`template` (params, mu or nu) with each leaf replaced by its torch array, transposed back."""
+    by_path = {path: (name, transposed) for name, (path, transposed) in names.items()}
+
+    def leaf(path, var):
+        name, transposed = by_path[path]
+        return var.replace(_put(arrays[name].T if transposed else arrays[name], var.get_value()))
+
+    return nnx.from_flat_state([(path, leaf(path, var)) for path, var in nnx.to_flat_state(template)])
+
+
+def _at_window_boundary(template: optax.MultiStepsState, mu, nu, step: int) -> optax.MultiStepsState:
+    """MultiSteps' state right after update `step`: AdamW's moments in place, AdamW's bias-correction count, the
+    LR schedule's count and gradient_step all at step, no micro-step taken and nothing accumulated."""
+    def counted(s):
+        if isinstance(s, optax.ScaleByAdamState):
+            return s._replace(count=_put(step, s.count), mu=mu, nu=nu)
+        if isinstance(s, optax.ScaleByScheduleState):
+            return s._replace(count=_put(step, s.count))
+        return s
+
+    inner = jax.tree.map(counted, template.inner_opt_state,
+                         is_leaf=lambda s: isinstance(s, (optax.ScaleByAdamState, optax.ScaleByScheduleState)))
+    return template._replace(
+        inner_opt_state=inner, gradient_step=_put(step, template.gradient_step),
+        mini_step=_put(0, template.mini_step),
+        acc_grads=jax.tree.map(lambda x: _put(np.zeros(x.shape), x), template.acc_grads))
+
+
+def _put(value, like: jax.Array) -> jax.Array:
+    """`value` as an array with `like`'s dtype and sharding."""
+    return jax.device_put(np.asarray(value, like.dtype), like.sharding)
+
+
+def _read_tensors(file: str, expected: dict[str, tuple], cfg: Config) -> dict[str, np.ndarray]:
+    """The tensors of `file`, whose names and shapes must be exactly `expected` (torch layout)."""
+    try:
+        with safe_open(file, framework="np") as f:
+            found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            _check_tensors(file, expected, found, cfg)
+            return {name: f.get_tensor(name) for name in expected}
+    except (OSError, SafetensorError) as e:
+        raise UserError(f"{file} is missing or unreadable ({e}); re-export the checkpoint, or copy it again "
+                        f"if it was truncated") from None
+
+
+def _check_tensors(file: str, expected: dict[str, tuple], found: dict[str, tuple], cfg: Config) -> None:
+    """One UserError naming the first tensor that is missing, unexpected or of another shape."""
+    tied = cfg.model.tie_embeddings
+    hint = "set the model.* config to the checkpoint's (its trainer_state.json holds it)"
+    if tied == any(name.startswith("lm_head.") for name in found):
+        hint = (f"the checkpoint's embeddings are {'untied' if tied else 'tied'} but model.tie_embeddings="
+                f"{str(tied).lower()}; set model.tie_embeddings={str(not tied).lower()}")
+    for name, shape in expected.items():
+        if found.get(name) != shape:
+            got = f"shape {found[name]}" if name in found else "no such tensor"
+            raise UserError(f"{file}: tensor {name!r} expected with shape {shape}, found {got}; {hint}")
+    extra = sorted(found.keys() - expected.keys())
+    if extra:
+        raise UserError(f"{file}: unexpected tensor {extra[0]!r} (shape {found[extra[0]]}), which the model lacks; "
+                        f"{hint}")

@@ -1,0 +1,242 @@
+"""The torch-format bridge alone: bit-exact round trips, nanoGPT's names, the moments' layout, every error, weights-only
+loads, the convert CLI, and (with torch and torchref) torchref's model reading what jaxtrain exports.
+
+The state comes from three real optimizer steps with accumulation 2 on a 2-layer, d=32, T=16, V=64 model, so every
+optimizer leaf (moments, counts) holds a value that a mapping bug would change.
+"""
+
+import functools
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file, save_file
+
+from jaxtrain import checkpoint, config, convert, mesh, model, optim, step, torch_format
+from jaxtrain.errors import UserError
+
+V, STEPS = 64, 3
+NANOGPT_BLOCK = ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                 "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                 "mlp.c_proj.weight", "mlp.c_proj.bias"]
+
+
+def make_cfg(tied: bool, *overrides) -> config.Config:
+    return config.load(["--model.n_layer=2", "--model.d_model=32", "--model.n_head=4", "--model.seq_len=16",
+                        f"--model.vocab_size={V}", f"--model.tie_embeddings={str(tied).lower()}",
+                        "--optim.grad_accum_steps=2", "--optim.warmup_steps=2", "--train.steps=10",
+                        "--train.precision=fp32", "--data.batch_size=4", *overrides])
+
+
+@functools.cache
+def trained(tied: bool) -> tuple[config.Config, step.TrainState]:
+    """The state after STEPS optimizer steps of 2 micro-batches each, on random tokens."""
+    cfg = make_cfg(tied)
+    graphdef, params = model.init_params(cfg.model, vocab_size=V, precision="fp32", seed=0)
+    tx = optim.optimizer(cfg)
+    train_step = jax.jit(step.make_train_step(graphdef, tx, optim.lr_schedule(cfg), seed=0, dropout=False))
+    state, rng = step.init_state(params, tx), np.random.default_rng(0)
+    for _ in range(STEPS):
+        tokens_KxBxT1 = rng.integers(0, V, (2, 2, 17), dtype=np.int32)
+        state, _ = train_step(state, tokens_KxBxT1[..., :-1], tokens_KxBxT1[..., 1:])
+    return cfg, state
+
+
+def exported(tied: bool, tmp_path) -> tuple[config.Config, step.TrainState, str]:
+    cfg, state = trained(tied)
+    out = str(tmp_path / "torch")
+    torch_format.export(state, cfg, out)
+    return cfg, state, out
+
+
+def assert_same_state(got: step.TrainState, want: step.TrainState, template: step.TrainState) -> None:
+    """Every leaf bit-identical to `want`'s, with the template's dtype and sharding; except the grad-norm record,
+    a logging value that the torch format does not carry."""
+    skipped = []
+    leaves = zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), jax.tree.leaves(template))
+    for (path, g), w, t in leaves:
+        key = jax.tree_util.keystr(path)
+        assert g.dtype == t.dtype and g.sharding == t.sharding, key
+        if key.endswith(".grad_norm"):
+            skipped.append(key)
+            continue
+        assert np.array_equal(np.asarray(g), np.asarray(w)), key
+    assert len(skipped) == 1
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_round_trip_is_bit_exact(tied, tmp_path):
+    cfg, state, out = exported(tied, tmp_path)
+    template = step.fresh_state(cfg, V)
+    loaded, kind = torch_format.load(out, template, cfg)
+    assert kind == "full"
+    assert int(loaded.step) == STEPS and int(loaded.opt_state.mini_step) == 0
+    assert_same_state(loaded, state, template)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_files_hold_exactly_nanogpts_names(tied, tmp_path):
+    cfg, _, out = exported(tied, tmp_path)
+    names = {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"}
+    names |= {f"transformer.h.{i}.{n}" for i in range(2) for n in NANOGPT_BLOCK}
+    names |= set() if tied else {"lm_head.weight"}
+    weights, moments = (load_file(os.path.join(out, f)) for f in ("model.safetensors", "optimizer.safetensors"))
+    assert set(weights) == names
+    assert set(moments) == {f"{n}.{k}" for n in names for k in ("exp_avg", "exp_avg_sq")}
+    assert all(x.dtype == np.float32 for x in [*weights.values(), *moments.values()])
+    with open(os.path.join(out, "trainer_state.json"), encoding="utf-8") as f:
+        state = json.load(f)
+    assert state["format"] == "jaxtrain-torch/1" and state["step"] == STEPS and state["tied_embeddings"] == tied
+    assert state["data"] == {"seed": 0, "next_step": STEPS}
+    assert state["config"] == yaml.safe_load(config.dump(cfg)) and state["config_hash"] == config.config_hash(cfg)
+    assert state["lr_scheduler"]["last_epoch"] == STEPS
+    assert state["lr_scheduler"]["_last_lr"][0] == pytest.approx(float(optim.lr_schedule(cfg)(STEPS)), rel=1e-6)
+
+
+def _fc_kernel(tree):
+    """h.1.mlp.c_fc's (in, out) = (32, 128) kernel in params, mu or nu."""
+    return np.asarray(tree["h"][1]["mlp"]["c_fc"]["kernel"][...])
+
+
+def test_weights_and_moments_are_torch_layout(tmp_path):
+    _, state, out = exported(False, tmp_path)
+    weights, moments = (load_file(os.path.join(out, f)) for f in ("model.safetensors", "optimizer.safetensors"))
+    adam = optim.adam_state(state.opt_state)
+    assert weights["transformer.h.1.mlp.c_fc.weight"].shape == (128, 32)  # torch's Linear: (out, in)
+    assert np.array_equal(weights["transformer.h.1.mlp.c_fc.weight"], _fc_kernel(state.params).T)
+    assert np.array_equal(moments["transformer.h.1.mlp.c_fc.weight.exp_avg"], _fc_kernel(adam.mu).T)
+    assert np.array_equal(moments["transformer.h.1.mlp.c_fc.weight.exp_avg_sq"], _fc_kernel(adam.nu).T)
+    assert np.abs(moments["transformer.h.1.mlp.c_fc.weight.exp_avg"]).max() > 0
+    assert np.array_equal(moments["lm_head.weight.exp_avg"], np.asarray(adam.mu["lm_head"]["kernel"][...]).T)
+    assert np.array_equal(moments["transformer.ln_f.bias.exp_avg_sq"], np.asarray(adam.nu["ln_f"]["bias"][...]))
+
+
+def _edit_tensors(file, edit):
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file)
+
+
+def _drop(file, name):
+    return lambda out: _edit_tensors(os.path.join(out, file), lambda tensors: tensors.pop(name))
+
+
+def _set(file, name, shape):
+    ones = np.ones(shape, np.float32)
+    return lambda out: _edit_tensors(os.path.join(out, file), lambda tensors: tensors.update({name: ones}))
+
+
+def _truncate(file):
+    return lambda out: os.truncate(os.path.join(out, file), os.path.getsize(os.path.join(out, file)) - 100)
+
+
+def _bad_json(out):
+    with open(os.path.join(out, "trainer_state.json"), "w", encoding="utf-8") as f:
+        f.write('{"format": ')
+
+
+# damage -> (file named in the error, text it must contain, how to damage an exported folder)
+DAMAGE = {
+    "missing tensor": ("model.safetensors", "'transformer.h.1.attn.c_proj.bias' expected with shape (32,), found no",
+                       _drop("model.safetensors", "transformer.h.1.attn.c_proj.bias")),
+    "missing moment": ("optimizer.safetensors", "transformer.wpe.weight.exp_avg_sq",
+                       _drop("optimizer.safetensors", "transformer.wpe.weight.exp_avg_sq")),
+    "extra tensor": ("model.safetensors", "unexpected tensor 'transformer.h.2.ln_1.weight' (shape (32,))",
+                     _set("model.safetensors", "transformer.h.2.ln_1.weight", (32,))),
+    "wrong shape": ("model.safetensors", "'transformer.wpe.weight' expected with shape (16, 32), found shape (8, 32)",
+                    _set("model.safetensors", "transformer.wpe.weight", (8, 32))),
+    "truncated file": ("optimizer.safetensors", "unreadable", _truncate("optimizer.safetensors")),
+    "bad json": ("trainer_state.json", "not valid JSON", _bad_json),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_errors_name_the_tensor_and_file(damage, tmp_path):
+    file, detail, apply = DAMAGE[damage]
+    cfg, _, out = exported(False, tmp_path)
+    apply(out)
+    with pytest.raises(UserError) as e:
+        torch_format.load(out, step.fresh_state(cfg, V), cfg)
+    assert os.path.join(out, file) in str(e.value) and detail in str(e.value)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-into-untied", "untied-into-tied"])
+def test_tied_mismatch_says_which_setting(tied, tmp_path):
+    _, _, out = exported(tied, tmp_path)
+    other = make_cfg(not tied)
+    with pytest.raises(UserError, match=rf"lm_head\.weight.*tie_embeddings={str(tied).lower()}"):
+        torch_format.load(out, step.fresh_state(other, V), other)
+
+
+def test_weights_only_load_keeps_a_fresh_optimizer(tmp_path):
+    cfg, state, out = exported(False, tmp_path)
+    os.remove(os.path.join(out, "optimizer.safetensors"))
+    template = step.fresh_state(cfg, V)
+    loaded, kind = torch_format.load(out, template, cfg)
+    assert kind == "weights" and int(loaded.step) == 0
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(state.params)):
+        assert np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(loaded.opt_state), jax.tree.leaves(template.opt_state)):
+        assert np.array_equal(a, b)
+
+
+def test_export_refuses_mid_window_state_and_existing_folder(tmp_path):
+    cfg, state = trained(False)
+    mid = state._replace(opt_state=state.opt_state._replace(mini_step=state.opt_state.mini_step + 1))
+    with pytest.raises(UserError, match="middle of a gradient-accumulation window"):
+        torch_format.export(mid, cfg, str(tmp_path / "mid"))
+    assert not os.path.exists(tmp_path / "mid")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    with pytest.raises(UserError, match="already exists"):
+        torch_format.export(state, cfg, str(tmp_path / "taken"))
+
+
+def test_convert_cli_round_trip(tmp_path, capsys):
+    """A jaxtrain run folder -> torch format -> a new run folder whose checkpoint restores the same state."""
+    _, state = trained(True)
+    cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false")
+    saver = checkpoint.Checkpointer(cfg)
+    saver.save(state)
+    saver.wait()
+    saver.close()
+    convert.main(["to-torch", str(tmp_path / "run" / "checkpoints" / str(STEPS)), str(tmp_path / "torch")])
+    convert.main(["from-torch", str(tmp_path / "torch"), str(tmp_path / "back")])
+    back = config.load(["--config", str(tmp_path / "back" / "config.yaml")])
+    assert back.run.out_dir == str(tmp_path / "back") and back.model.vocab_size == V
+    restorer = checkpoint.Checkpointer(back)
+    target = checkpoint.abstract_state(back, V, mesh.make_mesh(back))
+    restored = restorer.restore(restorer.latest_step(), target)
+    restorer.close()
+    assert_same_state(restored, state, target)
+    with pytest.raises(SystemExit) as e:
+        convert.main(["from-torch", str(tmp_path / "nowhere"), str(tmp_path / "out")])
+    assert e.value.code == 2 and "trainer_state.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_torchref_model_reads_the_export(tied, tmp_path):
+    """torch code without torch.load: safetensors into torchref's GPT (strict), which then computes our logits."""
+    torch = pytest.importorskip("torch")
+    if importlib.util.find_spec("torchref.model") is None:
+        pytest.skip("torchref/model.py does not exist yet")
+    from safetensors.torch import load_file as load_torch
+    from torchref.model import GPT
+
+    cfg, state, out = exported(tied, tmp_path)
+    gpt = GPT(cfg.model)
+    state_dict = load_torch(os.path.join(out, "model.safetensors"))
+    if tied:  # safetensors stores a shared tensor once; torch's state dict lists it under both names
+        state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]
+    gpt.load_state_dict(state_dict, strict=True)
+    idx_BxT = np.random.default_rng(1).integers(0, V, (2, 16))
+    graphdef = model.init_params(cfg.model, vocab_size=V, precision="fp32", seed=0)[0]
+    want = np.asarray(model.apply(graphdef, state.params, idx_BxT))
+    with torch.no_grad():
+        got = gpt(torch.from_numpy(idx_BxT)).numpy()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)

@@ -1,0 +1,272 @@
+"""torchref alone: the schedule, the decay groups, token-weighted accumulation, checkpoints and resume, metrics.
+
+Runs use a 2-layer, d=32, T=16 model on a small random token folder, so the whole file takes seconds.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jaxtrain import config
+from jaxtrain.errors import UserError
+from torchref import run
+from torchref.model import GPT
+from torchref.optim import configure_optimizer, get_lr, lr_scheduler
+
+VOCAB = 40
+
+
+@pytest.fixture(scope="module")
+def token_dir(tmp_path_factory):
+    """A nanoGPT-format token folder: train.bin, val.bin (uint16) and meta.json."""
+    path = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(0)
+    splits = {"train": rng.integers(0, VOCAB, 4000), "val": rng.integers(0, VOCAB, 1000)}
+    for split, ids in splits.items():
+        ids.astype(np.uint16).tofile(path / f"{split}.bin")
+    meta = {"vocab_size": VOCAB, "dtype": "uint16", "tokenizer": "bytes",
+            "train_tokens": len(splits["train"]), "val_tokens": len(splits["val"])}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return str(path)
+
+
+def tiny_argv(token_dir, out_dir, *overrides):
+    return [f"--data.path={token_dir}", f"--run.out_dir={out_dir}", "--model.n_layer=2", "--model.n_head=2",
+            "--model.d_model=32", "--model.seq_len=16", "--model.dropout=0.1", "--data.batch_size=8",
+            "--optim.grad_accum_steps=2", "--optim.warmup_steps=2", "--train.steps=6", "--train.eval_every=3",
+            "--train.eval_batches=2", "--checkpoint.every=3", "--log.progress=false", *overrides]
+
+
+def tiny_cfg(token_dir, out_dir, *overrides):
+    return config.load(tiny_argv(token_dir, out_dir, *overrides))
+
+
+def tiny_model(cfg):
+    torch.manual_seed(0)
+    return GPT(dataclasses.replace(cfg.model, vocab_size=VOCAB))
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def trajectory(out_dir):
+    """The metrics that must repeat bit for bit (throughput is wall-clock and may not)."""
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in read_metrics(out_dir)]
+
+
+def final_tensors(out_dir, step=6):
+    ckpt = os.path.join(out_dir, "checkpoints", str(step))
+    return {**load_file(os.path.join(ckpt, "model.safetensors")),
+            **load_file(os.path.join(ckpt, "optimizer.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def straight_run(token_dir, tmp_path_factory):
+    """Six steps never interrupted, checkpoints at 3 and 6; tests copy it before changing anything."""
+    out = str(tmp_path_factory.mktemp("straight"))
+    run.train(tiny_cfg(token_dir, out))
+    return out
+
+
+# The schedule and the decay groups -------------------------------------------------------------------------------
+
+def test_schedule_values(token_dir, tmp_path):
+    cfg = tiny_cfg(token_dir, tmp_path, "--optim.lr=1e-3", "--optim.min_lr=1e-4", "--optim.warmup_steps=10",
+                   "--train.steps=100")
+    assert get_lr(0, cfg) == pytest.approx(1e-3 / 11)  # lr / (W + 1): step 0 is never a no-op
+    assert get_lr(5, cfg) == pytest.approx(1e-3 * 6 / 11)
+    assert get_lr(10, cfg) == pytest.approx(1e-3)
+    assert get_lr(55, cfg) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half way down the cosine
+    assert get_lr(100, cfg) == pytest.approx(1e-4)
+    assert get_lr(150, cfg) == pytest.approx(1e-4)
+    no_warmup = tiny_cfg(token_dir, tmp_path, "--optim.lr=1e-3", "--optim.warmup_steps=0", "--train.steps=100")
+    assert get_lr(0, no_warmup) == pytest.approx(1e-3)
+
+
+def test_scheduler_applies_the_schedule_per_optimizer_step(token_dir, tmp_path):
+    cfg = tiny_cfg(token_dir, tmp_path, "--optim.warmup_steps=3", "--train.steps=8")
+    model = tiny_model(cfg)
+    optimizer = configure_optimizer(model, cfg)
+    scheduler = lr_scheduler(optimizer, cfg)
+    applied = []
+    for _ in range(10):
+        applied.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert applied == pytest.approx([get_lr(t, cfg) for t in range(10)])
+    resumed = lr_scheduler(configure_optimizer(model, cfg), cfg, step=4)
+    assert resumed.optimizer.param_groups[1]["lr"] == applied[4]
+
+
+@pytest.mark.parametrize("rule", ["ndim", "names"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_param_groups(token_dir, tmp_path, rule, tied):
+    cfg = tiny_cfg(token_dir, tmp_path, f"--optim.decay_mask={rule}", f"--model.tie_embeddings={tied}")
+    model = tiny_model(cfg)
+    optimizer = configure_optimizer(model, cfg)
+    names = {p: n for n, p in model.named_parameters()}
+    decayed = {names[p] for p in optimizer.param_groups[0]["params"]}
+    undecayed = {names[p] for p in optimizer.param_groups[1]["params"]}
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1 and optimizer.param_groups[1]["weight_decay"] == 0.0
+    assert decayed | undecayed == set(names.values()) and not decayed & undecayed
+    assert ("lm_head.weight" in names.values()) == (not tied)
+    matrices = {"transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.weight"}
+    norms_and_biases = {"transformer.h.0.ln_1.weight", "transformer.ln_f.bias", "transformer.h.1.mlp.c_fc.bias"}
+    embeddings = {"transformer.wte.weight", "transformer.wpe.weight"}
+    assert matrices <= decayed and norms_and_biases <= undecayed
+    assert embeddings <= (decayed if rule == "ndim" else undecayed)
+    if not tied:
+        assert "lm_head.weight" in decayed
+
+
+# Token-weighted accumulation -------------------------------------------------------------------------------------
+
+def test_accumulation_is_token_weighted(token_dir, tmp_path):
+    """k=2 micro-batches with very different padding give exactly the gradient of the one big batch."""
+    cfg = tiny_cfg(token_dir, tmp_path, "--model.dropout=0.0")
+    model = tiny_model(cfg).double()
+    no_autocast = torch.autocast("cpu", enabled=False)
+    rng = np.random.default_rng(1)
+    inputs = torch.from_numpy(rng.integers(0, VOCAB, (1, 4, 16)))
+    targets = torch.from_numpy(rng.integers(0, VOCAB, (1, 4, 16)))
+    targets[0, 0, 3:] = -1  # micro-batch 0: 3 + 16 valid targets; micro-batch 1: 32
+    targets[0, 1, :] = -1
+    targets[0, 1, 0] = 0
+    grads = {}
+    for k in (1, 2):
+        model.zero_grad(set_to_none=True)
+        run.accumulate_gradients(model, inputs.view(k, 4 // k, 16), targets.view(k, 4 // k, 16), no_autocast)
+        grads[k] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[2][name], g, rtol=0, atol=1e-12, msg=name)
+
+
+# A run, its metrics and checkpoints ------------------------------------------------------------------------------
+
+def test_metrics_lines(straight_run):
+    records = read_metrics(straight_run)
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert all(set(r) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"} for r in train)
+    assert all(r["mfu"] is None for r in train)  # CPU: peak unknown
+    assert [r["tokens"] for r in train] == [8 * 16 * s for s in range(1, 7)]
+    assert train[0]["lr"] == pytest.approx(1e-3 / 3)
+    assert [r["step"] for r in evals] == [3, 6] and all(set(r) == {"step", "eval_loss"} for r in evals)
+    assert os.path.exists(os.path.join(straight_run, "config.yaml"))
+
+
+def test_checkpoint_files(straight_run):
+    ckpt = os.path.join(straight_run, "checkpoints", "6")
+    assert sorted(os.listdir(os.path.join(straight_run, "checkpoints"))) == ["3", "6"]
+    weights = load_file(os.path.join(ckpt, "model.safetensors"))
+    assert "lm_head.weight" not in weights and weights["transformer.wte.weight"].dtype == torch.float32
+    moments = load_file(os.path.join(ckpt, "optimizer.safetensors"))
+    assert set(moments) == {f"{n}.{m}" for n in weights for m in ("exp_avg", "exp_avg_sq")}
+    with open(os.path.join(ckpt, "trainer_state.json")) as f:
+        state = json.load(f)
+    assert state["format"] == "jaxtrain-torch/1" and state["step"] == 6 and state["tied_embeddings"]
+    assert state["data"] == {"seed": 0, "next_step": 6, "tokens": 6 * 8 * 16}
+
+
+def test_resume_after_ctrl_c_is_bit_exact(straight_run, token_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during step 3 stops after it with a checkpoint; the same command then finishes the run exactly as
+    the run that never stopped (dropout on, so the RNG state must be restored too)."""
+    calls = []
+
+    def interrupted_at_step_3(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return train_step(*args)
+
+    train_step = run.train_step
+    monkeypatch.setattr(run, "train_step", interrupted_at_step_3)
+    run.train(tiny_cfg(token_dir, tmp_path))
+    monkeypatch.undo()
+    assert "interrupted: saved step 3" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "checkpoints") == ["3"]
+    run.train(tiny_cfg(token_dir, tmp_path))
+    assert "resuming from step 3" in capsys.readouterr().err
+    assert trajectory(tmp_path) == trajectory(straight_run)
+    expected = final_tensors(straight_run)
+    for name, t in final_tensors(tmp_path).items():
+        assert torch.equal(t, expected[name]), name
+
+
+def test_resume_drops_metrics_past_the_checkpoint(straight_run, token_dir, tmp_path):
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    shutil.rmtree(os.path.join(out, "checkpoints", "6"))
+    run.train(tiny_cfg(token_dir, out))
+    assert trajectory(out) == trajectory(straight_run)
+
+
+def test_resume_with_a_changed_config_names_the_keys(straight_run, token_dir, tmp_path):
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    with pytest.raises(UserError, match=r"optim\.lr: 0\.001 -> 0\.002.*run\.fresh=true"):
+        run.train(tiny_cfg(token_dir, out, "--optim.lr=2e-3"))
+
+
+def test_corrupt_checkpoint_file_is_named(straight_run, token_dir, tmp_path):
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    model_file = os.path.join(out, "checkpoints", "6", "model.safetensors")
+    with open(model_file, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(UserError, match=r"checkpoints/6/model\.safetensors"):
+        run.train(tiny_cfg(token_dir, out))
+    os.remove(os.path.join(out, "checkpoints", "6", "trainer_state.json"))
+    with pytest.raises(UserError, match=r"checkpoints/6/trainer_state\.json"):
+        run.train(tiny_cfg(token_dir, out))
+
+
+def test_fresh_run_sets_old_checkpoints_aside(straight_run, token_dir, tmp_path):
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    run.train(tiny_cfg(token_dir, out, "--run.fresh=true"))
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["3", "6"]
+    assert any(n.startswith("checkpoints.before-fresh-") for n in os.listdir(out))
+    assert trajectory(out) == trajectory(straight_run)
+
+
+# init.from -------------------------------------------------------------------------------------------------------
+
+def test_init_from_full_state_continues_the_run(straight_run, token_dir, tmp_path):
+    run.train(tiny_cfg(token_dir, tmp_path, f"--init.from={straight_run}/checkpoints/3"))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [4, 5, 6, 6]
+    assert trajectory(tmp_path) == [r for r in trajectory(straight_run) if r["step"] > 3]
+
+
+def test_init_from_weights_only(straight_run, token_dir, tmp_path):
+    weights_dir = tmp_path / "weights"
+    weights_dir.mkdir()
+    shutil.copy(os.path.join(straight_run, "checkpoints", "6", "model.safetensors"), weights_dir)
+    cfg = tiny_cfg(token_dir, tmp_path / "run", f"--init.from={weights_dir}", "--train.steps=3")
+    run.train(cfg)
+    assert read_metrics(tmp_path / "run")[0]["step"] == 1
+
+
+@pytest.mark.parametrize("override, offender", [("--model.d_model=48", "transformer.wte.weight"),
+                                                ("--model.tie_embeddings=false", "lm_head.weight"),
+                                                ("--model.n_layer=3", "transformer.h.2.ln_1.weight")])
+def test_init_from_mismatch_names_the_tensor(straight_run, token_dir, tmp_path, override, offender):
+    cfg = tiny_cfg(token_dir, tmp_path, f"--init.from={straight_run}/checkpoints/6", override)
+    with pytest.raises(UserError, match=rf"model\.safetensors.*'{offender}'"):
+        run.train(cfg)
+
+
+def test_cli_reports_user_errors(token_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.main(tiny_argv(token_dir, tmp_path, "--init.from=/nonexistent"))
+    assert e.value.code == 2 and "init.from='/nonexistent' is not a folder" in capsys.readouterr().err

@@ -1,0 +1,206 @@
+"""Torch-format checkpoints: <out_dir>/checkpoints/<step>/ holding
+
+    model.safetensors      the state dict by nanoGPT name, fp32 (a tied lm_head.weight is left out: it is wte)
+    optimizer.safetensors  AdamW's moments, `<param name>.exp_avg` and `<param name>.exp_avg_sq`
+    trainer_state.json     step, scheduler, data position, RNG, and the config the run was started with
+
+This is also jaxtrain's interchange format (jaxtrain.convert, --init.from), so it holds tensors and JSON only,
+never pickles. A folder appears under its step number only once complete (written as .tmp-<step>, then renamed).
+"""
+
+import base64
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+import torch
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from jaxtrain import config
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+
+FORMAT = "jaxtrain-torch/1"
+# LambdaLR's position, for readers of the file; a resume rebuilds the scheduler from `step` (optim.lr_scheduler),
+# so that init.from with a new optim.lr follows the new config's schedule from the checkpoint's step.
+SCHEDULER_KEYS = ("last_epoch", "_step_count", "base_lrs", "_last_lr")
+_DAMAGED = ("that checkpoint is damaged: delete its folder (a resume then takes the previous one), point init.from "
+            "elsewhere, or start over with --run.fresh=true")
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where training stands, besides the tensors."""
+    step: int = 0  # optimizer steps completed
+    data_seed: int = 0  # seed of the batch order (run.seed of the run that started it)
+    tokens: int = 0  # valid target tokens trained on so far
+
+
+def latest(out_dir: str) -> str | None:
+    """The newest complete checkpoint folder in out_dir, or None."""
+    steps = _saved_steps(os.path.join(out_dir, "checkpoints"))
+    return os.path.join(out_dir, "checkpoints", str(steps[-1])) if steps else None
+
+
+def set_aside(out_dir: str) -> str | None:
+    """For run.fresh: move existing checkpoints to checkpoints.before-fresh-<time>/. Left in place, their higher
+    step numbers would make max_to_keep delete the new run's checkpoints and a later resume pick the old run."""
+    root = os.path.join(out_dir, "checkpoints")
+    if not _saved_steps(root):
+        return None
+    kept = f"{root}.before-fresh-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.replace(root, kept)
+    return kept
+
+
+def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Config) -> None:
+    """Write checkpoints/<step>/ whole or not at all, then keep the newest checkpoint.max_to_keep."""
+    root = os.path.join(out_dir, "checkpoints")
+    tmp, final = os.path.join(root, f".tmp-{progress.step}"), os.path.join(root, str(progress.step))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    tied = model.cfg.tie_embeddings
+    # safetensors refuses shared tensors; a tied lm_head.weight is wte's, and the loader ties it back.
+    weights = {n: t.detach().float().cpu().contiguous() for n, t in model.state_dict().items()
+               if not (tied and n == "lm_head.weight")}
+    save_file(weights, os.path.join(tmp, "model.safetensors"))
+    save_file(_adam_moments(model, optimizer), os.path.join(tmp, "optimizer.safetensors"))
+    with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
+        json.dump(_trainer_state(progress, scheduler, tied, cfg), f, indent=1)
+    if os.path.isdir(final):  # a run.fresh run reaching a step that is still on disk
+        os.replace(final, tmp + ".old")
+        shutil.rmtree(tmp + ".old")
+    os.replace(tmp, final)
+    for step in _saved_steps(root)[:-cfg.checkpoint.max_to_keep]:
+        shutil.rmtree(os.path.join(root, str(step)))
+
+
+def resume(path: str, cfg: Config, model, optimizer) -> Progress:
+    """Restore everything from one of this run's checkpoints; a changed config is an error."""
+    state = _read_trainer_state(path)
+    config.check_same_trajectory(state.get("config", {}), cfg, path)
+    load_weights(path, model)
+    return _restore_training(path, state, model, optimizer)
+
+
+def init_from(path: str, model, optimizer) -> Progress | None:
+    """--init.from: the weights, and the whole training state when optimizer.safetensors and trainer_state.json
+    are there too. Returns the Progress to continue from, or None when only weights were loaded."""
+    if not os.path.isdir(path):
+        raise UserError(f"init.from={path!r} is not a folder; point it at a torch-format checkpoint folder "
+                        f"(one holding model.safetensors)")
+    load_weights(path, model)
+    files = [os.path.join(path, n) for n in ("optimizer.safetensors", "trainer_state.json")]
+    if not all(os.path.exists(f) for f in files):
+        return None
+    return _restore_training(path, _read_trainer_state(path), model, optimizer)
+
+
+def load_weights(path: str, model) -> None:
+    """Copy model.safetensors into the model's parameters in place (the optimizer keeps pointing at them)."""
+    file = os.path.join(path, "model.safetensors")
+    tensors = _read_tensors(file)
+    tied = model.cfg.tie_embeddings
+    expected = {n: t for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
+    hint = " (model.tie_embeddings must match the checkpoint's)" if tied != ("lm_head.weight" not in tensors) else ""
+    for name, t in expected.items():
+        if name not in tensors:
+            raise UserError(f"{file} has no tensor {name!r}{hint}; the model config does not match the checkpoint")
+        if tensors[name].shape != t.shape:
+            raise UserError(f"{file}: {name!r} has shape {tuple(tensors[name].shape)}, the model expects "
+                            f"{tuple(t.shape)}; set the model.* config to the checkpoint's")
+    extra = sorted(tensors.keys() - expected.keys())
+    if extra:
+        raise UserError(f"{file} has tensor {extra[0]!r}, which the model lacks{hint}; set the model.* config to "
+                        f"the checkpoint's")
+    model.load_state_dict(tensors, strict=False)
+
+
+def _resolved(cfg: Config) -> dict:
+    return yaml.safe_load(config.dump(cfg))
+
+
+def _saved_steps(root: str) -> list[int]:
+    return sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
+
+
+def _adam_moments(model, optimizer) -> dict:
+    out = {}
+    for name, p in model.named_parameters():
+        state = optimizer.state[p]
+        out[f"{name}.exp_avg"] = state["exp_avg"].detach().cpu().contiguous()
+        out[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().contiguous()
+    return out
+
+
+def _trainer_state(progress: Progress, scheduler, tied: bool, cfg: Config) -> dict:
+    cuda_rng = _b64(torch.cuda.get_rng_state()) if torch.cuda.is_available() else None
+    return {
+        "format": FORMAT,
+        "step": progress.step,
+        "lr_scheduler": {k: scheduler.state_dict()[k] for k in SCHEDULER_KEYS},
+        "tied_embeddings": tied,
+        "data": {"seed": progress.data_seed, "next_step": progress.step, "tokens": progress.tokens},
+        "rng": {"torch": _b64(torch.get_rng_state()), "cuda": cuda_rng},
+        "config_hash": config.config_hash(cfg),
+        "config": _resolved(cfg),
+    }
+
+
+def _restore_training(path: str, state: dict, model, optimizer) -> Progress:
+    """Optimizer moments, RNG and data position, after the weights are in place."""
+    try:
+        step, data, rng = state["step"], state["data"], state["rng"]
+    except KeyError as e:
+        raise UserError(f"{os.path.join(path, 'trainer_state.json')} lacks {e}; {_DAMAGED}") from None
+    _load_adam_moments(os.path.join(path, "optimizer.safetensors"), model, optimizer, step)
+    if rng.get("torch") is not None:  # null in jaxtrain's exports: jaxtrain has no torch RNG state to give
+        torch.set_rng_state(_unb64(rng["torch"]))
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_unb64(rng["cuda"]))
+    return Progress(step=step, data_seed=data["seed"], tokens=data.get("tokens", 0))
+
+
+def _load_adam_moments(file: str, model, optimizer, step: int) -> None:
+    tensors = _read_tensors(file)
+    for name, p in model.named_parameters():
+        moments = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = tensors.get(f"{name}.{key}")
+            if t is None or t.shape != p.shape:
+                raise UserError(f"{file}: {name}.{key} is missing or not of shape {tuple(p.shape)}; the optimizer "
+                                f"state does not match the model")
+            moments[key] = t.to(device=p.device, dtype=torch.float32)
+        # AdamW keeps its bias-correction count per parameter as a float32 scalar tensor.
+        optimizer.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32), **moments}
+
+
+def _read_tensors(file: str) -> dict:
+    try:
+        return load_file(file)
+    except (OSError, SafetensorError) as e:
+        raise UserError(f"checkpoint file {file} is missing or unreadable ({e}); {_DAMAGED}") from None
+
+
+def _read_trainer_state(path: str) -> dict:
+    file = os.path.join(path, "trainer_state.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"checkpoint file {file} is missing or unreadable ({e}); {_DAMAGED}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"{file} is not a {FORMAT} trainer state; point at a torch-format checkpoint folder")
+    return state
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)

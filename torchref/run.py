@@ -1,0 +1,275 @@
+"""The PyTorch reference loop: `python -m torchref.run --config configs/X.yaml [--section.key=value ...]`.
+
+The standard loop, in the standard order, once per optimizer step:
+
+    zero_grad -> k x (forward under autocast, token-weighted loss, backward) -> clip_grad_norm_
+              -> optimizer.step() -> scheduler.step()
+
+It reads the same config, trains on the same batches (jaxtrain.data), and writes the same metrics.jsonl and the
+torch checkpoint format, so the parity suite can lay a torchref run beside a jaxtrain run.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from jaxtrain import config, data
+from jaxtrain.config import Config
+from jaxtrain.errors import exit_on_user_error
+from torchref import checkpoint
+from torchref.checkpoint import Progress
+from torchref.model import GPT, estimate_flops_per_token, upcast
+from torchref.optim import configure_optimizer, lr_scheduler
+
+# Dense bf16 peak TFLOP/s per GPU, matched in order as substrings of torch.cuda.get_device_name(). MFU is taken
+# against this peak in fp32 runs too, as nanoGPT does. Other devices (CPU included) log mfu null unless
+# log.peak_tflops is set.
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    with exit_on_user_error():
+        train(config.load(sys.argv[1:] if argv is None else argv))
+
+
+def train(cfg: Config) -> None:
+    """Train cfg.train.steps optimizer steps in total, continuing from out_dir's checkpoints when there are any."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(cfg.run.seed)
+    tokens = data.load(cfg.data, cfg.model.seq_len)
+    # Written down, so that config.yaml and every checkpoint say what the model was built with.
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, vocab_size=data.resolve_vocab_size(cfg.model.vocab_size, tokens)))
+    model = GPT(cfg.model).to(device)
+    optimizer = configure_optimizer(model, cfg)
+    progress, resumed = start(cfg, model, optimizer)
+    scheduler = lr_scheduler(optimizer, cfg, progress.step)
+    config.save(cfg, cfg.run.out_dir)
+    if progress.step >= cfg.train.steps:
+        print(f"nothing to train: at step {progress.step} of train.steps={cfg.train.steps}", file=sys.stderr)
+        return
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16")
+    log = MetricsLog(cfg, progress.step if resumed else 0,
+                     estimate_flops_per_token(cfg.model, model.num_params()), peak_flops(cfg, device))
+    bar = tqdm(total=cfg.train.steps, initial=progress.step, disable=not cfg.log.progress, unit="step")
+    loss = eval_loss = None
+    with StopOnCtrlC() as stop, log, bar:
+        for step in range(progress.step, cfg.train.steps):
+            t0 = time.perf_counter()
+            inputs, targets = data.window(tokens, seed=progress.data_seed, step=step, batch_size=cfg.data.batch_size,
+                                          accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len)
+            loss, grad_norm, lr = train_step(model, optimizer, scheduler, to_device(inputs, device),
+                                             to_device(targets, device), autocast, cfg.optim.max_grad_norm)
+            n_tokens = int((targets >= 0).sum())
+            progress.step, progress.tokens = step + 1, progress.tokens + n_tokens
+            tokens_per_s = log.train(progress, loss, lr, grad_norm, n_tokens, time.perf_counter() - t0)
+            bar.update()
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+            last = progress.step == cfg.train.steps
+            if last or (cfg.train.eval_every and progress.step % cfg.train.eval_every == 0):
+                eval_loss = evaluate(model, tokens, cfg, progress.data_seed, device, autocast)
+                log.eval(progress.step, eval_loss)
+            if last or stop.requested or progress.step % cfg.checkpoint.every == 0:
+                checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg)
+            if stop.requested:
+                again = "the same command" + (" without run.fresh" if cfg.run.fresh else "")
+                print(f"\ninterrupted: saved step {progress.step}; run {again} to resume", file=sys.stderr)
+                break
+    print(f"torchref: {progress.step} steps, loss {loss:.4f}, eval loss {_fmt(eval_loss)}, "
+          f"{log.mean_tokens_per_s():,.0f} tokens/s, {log.wall_s():.1f} s wall")
+
+
+def start(cfg: Config, model, optimizer) -> tuple[Progress, bool]:
+    """Where training begins: out_dir's newest checkpoint (unless run.fresh), else init.from, else step 0 with
+    the fresh init. Also says whether this is a resume, whose metrics.jsonl is kept up to the resumed step."""
+    if cfg.run.fresh:
+        moved = checkpoint.set_aside(cfg.run.out_dir)
+        if moved:
+            print(f"run.fresh: moved the existing checkpoints to {moved}", file=sys.stderr)
+    elif (path := checkpoint.latest(cfg.run.out_dir)) is not None:
+        progress = checkpoint.resume(path, cfg, model, optimizer)
+        print(f"resuming from step {progress.step} ({path})", file=sys.stderr)
+        return progress, True
+    if cfg.init.from_ is not None:
+        progress = checkpoint.init_from(cfg.init.from_, model, optimizer)
+        what = f"weights and training state at step {progress.step}" if progress else "weights"
+        print(f"init.from: loaded {what} from {cfg.init.from_}", file=sys.stderr)
+        if progress is not None:
+            return progress, False
+    return Progress(data_seed=cfg.run.seed), False
+
+
+def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_norm: float):
+    """One optimizer update from a window of k micro-batches, inputs and targets (k, B/k, T).
+    Returns the window's mean CE, the global gradient norm before clipping, and the LR this update applied."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = accumulate_gradients(model, inputs, targets, autocast)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if max_grad_norm > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    return loss.item(), grad_norm.item(), lr
+
+
+def accumulate_gradients(model, inputs, targets, autocast) -> torch.Tensor:
+    """Backward through the k micro-batches of one window, leaving in .grad the gradient of the window's
+    token-weighted mean CE; returns that mean.
+
+    Each micro-batch's loss is its summed CE over the valid targets of the WHOLE window, so the k backward passes
+    add up to exactly the gradient of one big batch however the padding falls. (A mean of per-micro-batch means
+    overweights the tokens of sparse micro-batches: the 2024 HF accumulation bug.)"""
+    n_valid = (targets >= 0).sum()
+    loss = 0.0
+    for x, y in zip(inputs, targets):
+        with autocast:
+            logits = model(x)
+        micro_loss = cross_entropy_sum(logits, y) / n_valid
+        micro_loss.backward()
+        loss = loss + micro_loss.detach()
+    return loss
+
+
+def cross_entropy_sum(logits, targets) -> torch.Tensor:
+    """Summed CE over the valid targets (ids >= 0), in fp32.
+
+    Under bf16 autocast the head's matmul returns bf16 logits, and torch has no CPU matmul that takes bf16 and
+    returns fp32 (torch.mm's out_dtype=torch.float32 is CUDA-only), so the logits are cast up here: the loss and
+    its softmax run in fp32, from logits rounded once to bf16. jaxtrain's head accumulates and returns fp32 from
+    the same bf16 inputs, so the two differ by that one rounding. Any negative target is padding; ignore_index
+    takes a single value, so all of them become -1."""
+    return F.cross_entropy(upcast(logits).view(-1, logits.size(-1)), targets.view(-1).clamp(min=-1),
+                           ignore_index=-1, reduction="sum")
+
+
+@torch.no_grad()
+def evaluate(model, tokens, cfg: Config, seed: int, device: str, autocast) -> float:
+    """Token-weighted mean CE over the train.eval_batches fixed validation batches of micro-batch size."""
+    model.eval()
+    total, count = 0.0, 0
+    for index in range(cfg.train.eval_batches):
+        x, y = data.eval_batch(tokens, seed=seed, index=index, batch_size=cfg.micro_batch_size,
+                               seq_len=cfg.model.seq_len)
+        x, y = to_device(x, device), to_device(y, device)
+        with autocast:
+            logits = model(x)
+        total += cross_entropy_sum(logits, y).item()
+        count += int((y >= 0).sum())
+    model.train()
+    return total / count
+
+
+def to_device(batch, device: str) -> torch.Tensor:
+    """int32 numpy ids -> int64 tensor (what nn.Embedding and cross_entropy index with)."""
+    return torch.from_numpy(batch).to(device=device, dtype=torch.long)
+
+
+def peak_flops(cfg: Config, device: str) -> float | None:
+    """Peak FLOP/s of the device for MFU: log.peak_tflops, else the table for known GPUs, else unknown."""
+    if cfg.log.peak_tflops is not None:
+        return cfg.log.peak_tflops * 1e12
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in name), None)
+    return None
+
+
+class MetricsLog:
+    """<out_dir>/metrics.jsonl: a line every log.every optimizer steps, and eval lines. Throughput counts
+    training time only (evaluation and checkpoints left out), over the steps since the previous line.
+
+    A resumed run first drops the lines past its checkpoint, so the file reads as if it had never stopped;
+    any other start begins the file empty."""
+
+    def __init__(self, cfg: Config, resumed_step: int, flops_per_token: float, peak_flops: float | None):
+        self.path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
+        self.every, self.flops_per_token, self.peak_flops = cfg.log.every, flops_per_token, peak_flops
+        kept = self._lines_until(resumed_step) if resumed_step else []
+        with open(self.path, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        self.tokens = self.seconds = 0  # since the last line
+        self.total_tokens = self.total_seconds = 0
+        self.started = time.perf_counter()
+
+    def _lines_until(self, step: int) -> list[str]:
+        if not os.path.exists(self.path):
+            return []
+        kept = []
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line)
+                except (ValueError, KeyError):
+                    break  # a line cut short by the interruption
+        return kept
+
+    def __enter__(self):
+        self.file = open(self.path, "a", encoding="utf-8")
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+    def train(self, progress: Progress, loss: float, lr: float, grad_norm: float, n_tokens: int,
+              seconds: float) -> float:
+        """Record one optimizer step; returns its tokens/s for the progress bar."""
+        self.tokens, self.seconds = self.tokens + n_tokens, self.seconds + seconds
+        self.total_tokens, self.total_seconds = self.total_tokens + n_tokens, self.total_seconds + seconds
+        if progress.step % self.every == 0:
+            tokens_per_s = self.tokens / self.seconds
+            # MFU from valid tokens only: compute spent on padding is not useful work.
+            mfu = self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops else None
+            self._write({"step": progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                         "tokens": progress.tokens, "tokens_per_s": tokens_per_s, "mfu": mfu})
+            self.tokens = self.seconds = 0
+        return n_tokens / seconds
+
+    def eval(self, step: int, eval_loss: float) -> None:
+        self._write({"step": step, "eval_loss": eval_loss})
+
+    def mean_tokens_per_s(self) -> float:
+        return self.total_tokens / self.total_seconds if self.total_seconds else 0.0
+
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def _write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+
+class StopOnCtrlC:
+    """The first Ctrl-C asks the loop to stop once the step in flight is done, so the checkpoint it then saves
+    holds whole updates (a KeyboardInterrupt inside optimizer.step() could leave some tensors updated and others
+    not). A second Ctrl-C interrupts at once."""
+
+    def __enter__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGINT, self._request)
+        return self
+
+    def _request(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, self.previous)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+if __name__ == "__main__":
+    main()
