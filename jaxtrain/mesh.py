@@ -12,15 +12,24 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import Config, validate_devices
+from jaxtrain.errors import UserError
 
 BATCH_AXES = ("data", "fsdp")
 
 
 def init_distributed() -> None:
-    """Join the other hosts when launched as one of several processes (TPU pod, SLURM, or JAX_COORDINATOR_ADDRESS
-    set by hand, as the localhost tests do). A single process needs nothing."""
-    multi_host_env = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
-    if any(os.environ.get(name) for name in multi_host_env):
+    """Join the other processes of a multi-host run. On TPU pods and SLURM, JAX finds the coordinator itself; by
+    hand (or two processes on localhost, as the tests do) set JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES
+    and JAX_PROCESS_ID in each process. A single process needs nothing."""
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        try:
+            n, i = int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
+        except (KeyError, ValueError):
+            raise UserError("JAX_COORDINATOR_ADDRESS is set, so this is one process of several: also set "
+                            "JAX_NUM_PROCESSES (how many) and JAX_PROCESS_ID (this one's, 0-based)") from None
+        jax.distributed.initialize(num_processes=n, process_id=i)
+    elif any(env.get(name) for name in ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")):
         jax.distributed.initialize()
 
 

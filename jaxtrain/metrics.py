@@ -87,7 +87,8 @@ class MetricsLogger:
 
     def eval(self, step: int, eval_loss: float) -> None:
         self._write({"step": step, "eval_loss": eval_loss})
-        self.bar.write(f"step {step}: eval loss {eval_loss:.4f}")
+        if self.is_main:
+            self.bar.write(f"step {step}: eval loss {eval_loss:.4f}")
 
     def _write(self, line: dict) -> None:
         if not self.is_main:
