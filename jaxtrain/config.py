@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import hashlib
 import os
+import sys
 from typing import Literal, Optional
 
 import draccus
@@ -25,6 +26,7 @@ import mergedeep
 import yaml
 from draccus.cfgparsing import parse_string
 from draccus.utils import deflatten
+from draccus.wrappers.docstring import get_attribute_docstring
 
 from jaxtrain.errors import UserError
 
@@ -139,7 +141,10 @@ _KEYWORD_FIELDS = {("init", "from"): ("init", "from_")}
 
 
 def load(argv: list[str]) -> Config:
-    """Parse `--config PATH [--section.key=value ...]` into a validated Config."""
+    """Parse `--config PATH [--section.key=value ...]` into a validated Config; -h/--help prints the keys."""
+    if "-h" in argv or "--help" in argv:
+        print(usage())
+        raise SystemExit(0)
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--config")
     known, rest = ap.parse_known_args(argv)
@@ -148,6 +153,22 @@ def load(argv: list[str]) -> Config:
     cfg = from_dict(raw)
     validate(cfg)
     return cfg
+
+
+def usage() -> str:
+    """Every key with its type, default and the comment beside it above."""
+    script = os.path.abspath(sys.argv[0])  # python -m jaxtrain.run or torchref.run
+    prog = f"python -m {os.path.basename(os.path.dirname(script))}.{os.path.splitext(os.path.basename(script))[0]}"
+    lines = [f"usage: {prog} --config FILE.yaml [--section.key=VALUE ...]", "",
+             "Keys (YAML sections; the same names override on the command line):"]
+    for section in dataclasses.fields(Config):
+        lines.append(f"  {section.name}:")
+        for f in dataclasses.fields(section.type):
+            name = _yaml_name((section.name,), f.name)
+            default = getattr(section.type(), f.name)
+            comment = get_attribute_docstring(section.type, f.name).comment_inline
+            lines.append(f"    {f'--{section.name}.{name}={default}':<34} {comment}".rstrip())
+    return "\n".join(lines)
 
 
 def _read_yaml(path: str) -> dict:

@@ -1,9 +1,11 @@
 """Config loading: YAML + dotted overrides, and one clear error per user mistake."""
 
+import os
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from jaxtrain import config
 from jaxtrain.errors import UserError
@@ -73,3 +75,20 @@ def test_cli_error_is_one_line_exit_2(yaml_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == ["error: unknown config key 'optim.lrr'; did you mean optim.lr?"]
+
+
+def test_help_lists_every_key(capsys):
+    with pytest.raises(SystemExit) as e:
+        config.load(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "--optim.grad_accum_steps=1" in out and "--init.from=None" in out and "--data.batch_size=32" in out
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir("configs")))
+def test_shipped_configs_decode(name):
+    """Every shipped config has only known keys of the right types (data.path may not exist on this machine)."""
+    with open(os.path.join("configs", name)) as f:
+        cfg = config.from_dict(yaml.safe_load(f))
+    if cfg.data.path is None:
+        config.validate(cfg)
