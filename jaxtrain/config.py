@@ -78,7 +78,7 @@ class TrainConfig:
     steps: int = 1000  # optimizer steps (never micro-steps)
     precision: Literal["bf16", "fp32"] = "bf16"  # bf16: bf16 matmuls, fp32 params/grads/optimizer/norms/loss
     eval_every: int = 100  # optimizer steps between evaluations; 0: only at the end
-    eval_batches: int = 8  # fixed validation batches of data.batch_size / grad_accum_steps sequences
+    eval_batches: int = 8  # fixed validation batches of data.batch_size sequences (run in micro-batches)
 
 
 @dataclasses.dataclass

@@ -10,9 +10,10 @@ uint32, as nanoGPT writes them), and `meta.json` = {"vocab_size", "dtype", "toke
 Without `data.path` the data is the Python standard library's own source, byte-tokenized and prepared once
 into a cache folder: a real corpus that needs no download.
 
-Batches are a pure function of (seed, split, step, micro-step): random windows as in nanoGPT, whose offsets come
-from PCG64 seeded with those numbers, drawn for the GLOBAL batch, of which each process keeps its own rows. Both
-backends, any resumed run and any number of hosts therefore see the same tokens.
+Batches are a pure function of (seed, split, step): random windows as in nanoGPT, whose offsets come from PCG64
+seeded with those numbers, drawn for the GLOBAL batch of the step, then cut into micro-batches, of which each
+process keeps its own rows. Both backends, any resumed run, any accumulation and any number of hosts therefore see
+the same tokens at every step.
 
 numpy and the standard library only: torchref imports this module, so it must never import jax or torch.
 """
@@ -217,46 +218,58 @@ def window(data: TokenData, *, seed: int, step: int, batch_size: int, accum_step
 
     batch_size: global sequences per optimizer step (all micro-steps, all processes). Returns (inputs, targets),
     int32, each (accum_steps, batch_size // accum_steps // process_count, seq_len); targets are the inputs shifted
-    by one token. Micro-step m draws all batch_size // accum_steps global rows from the key
-    (seed, TRAIN, step, m), so nothing before `step` matters: a resumed run needs no data state.
+    by one token. The step's batch_size windows are drawn from the key (seed, TRAIN, step) and cut into accum_steps
+    micro-batches, of which this process keeps its contiguous rows: any accumulation and any number of processes
+    train on the same sequences at every step, and a resumed run needs no data state.
     """
+    return _batch(data.train, data.vocab_size, (seed, TRAIN, step), batch_size, accum_steps, seq_len,
+                  process_index, process_count)
+
+
+def eval_batch(data: TokenData, *, seed: int, index: int, batch_size: int, accum_steps: int, seq_len: int,
+               process_index: int = 0, process_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Fixed validation batch number `index`, shaped and cut as `window` (a step's worth of sequences, in
+    micro-batches that fit where training's do), drawn from the val split with the key (seed, VAL, index): the
+    same sequences at every evaluation, whatever the accumulation."""
+    return _batch(data.val, data.vocab_size, (seed, VAL, index), batch_size, accum_steps, seq_len,
+                  process_index, process_count)
+
+
+def _batch(tokens: np.ndarray, vocab_size: int, key: tuple[int, int, int], batch_size: int, accum_steps: int,
+           seq_len: int, process_index: int, process_count: int) -> tuple[np.ndarray, np.ndarray]:
     if batch_size % accum_steps:
         raise UserError(f"data.batch_size={batch_size} is not divisible by optim.grad_accum_steps={accum_steps}; "
                         f"batch_size counts sequences per optimizer step, so pick a multiple")
-    micro = [_windows(data.train, data.vocab_size, (seed, TRAIN, step, m), batch_size // accum_steps, seq_len,
-                      process_index, process_count) for m in range(accum_steps)]
-    w = np.stack(micro)  # (accum_steps, rows, seq_len + 1)
+    starts_KxB = _starts(len(tokens), key, batch_size, seq_len).reshape(accum_steps, -1)
+    w = _windows(tokens, vocab_size, _rows_of(starts_KxB, process_index, process_count), seq_len)
     return np.ascontiguousarray(w[..., :-1]), np.ascontiguousarray(w[..., 1:])
 
 
-def eval_batch(data: TokenData, *, seed: int, index: int, batch_size: int, seq_len: int,
-               process_index: int = 0, process_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Fixed validation batch number `index`: (inputs, targets), int32, each (batch_size // process_count, seq_len).
+def _starts(n_tokens: int, key: tuple[int, ...], n: int, seq_len: int) -> np.ndarray:
+    """n window offsets into a split of n_tokens: PCG64's raw 64-bit outputs modulo the number of start positions
+    (bias < 1e-9 for any real split). numpy guarantees the bit stream of PCG64 and SeedSequence across versions,
+    but not Generator.integers."""
+    if not 0 <= key[0] < 2**32:
+        raise UserError(f"run.seed={key[0]} must be in [0, 2**32)")
+    raw = np.random.PCG64(list(key)).random_raw(n)
+    return (raw % np.uint64(n_tokens - seq_len)).astype(np.int64)
 
-    Drawn from the val split with the key (seed, VAL, index, 0): the same batches at every evaluation.
-    """
-    w = _windows(data.val, data.vocab_size, (seed, VAL, index, 0), batch_size, seq_len, process_index, process_count)
-    return np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:])
 
-
-def _windows(tokens: np.ndarray, vocab_size: int, key: tuple[int, ...], global_rows: int, seq_len: int,
-             process_index: int, process_count: int) -> np.ndarray:
-    """This process's contiguous slice of global_rows windows: (global_rows // process_count, seq_len + 1) int32.
-
-    Offsets are PCG64's raw 64-bit outputs modulo the number of start positions (bias < 1e-9 for any real split):
-    numpy guarantees the bit stream of PCG64 and SeedSequence across versions, but not Generator.integers.
-    """
-    if global_rows % process_count:
-        raise UserError(f"the batch of {global_rows} sequences does not split over {process_count} processes; "
+def _rows_of(starts_KxB: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
+    """This process's contiguous share of each micro-batch's rows: (K, B // process_count)."""
+    rows = starts_KxB.shape[1]
+    if rows % process_count:
+        raise UserError(f"the micro-batch of {rows} sequences does not split over {process_count} processes; "
                         f"make data.batch_size a multiple of {process_count} x optim.grad_accum_steps")
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
-    if not 0 <= key[0] < 2**32:
-        raise UserError(f"run.seed={key[0]} must be in [0, 2**32)")
-    rows = global_rows // process_count
-    raw = np.random.PCG64(list(key)).random_raw(global_rows)[process_index * rows:(process_index + 1) * rows]
-    starts = (raw % np.uint64(len(tokens) - seq_len)).astype(np.int64)
-    w = tokens[starts[:, None] + np.arange(seq_len + 1)]
+    per_process = rows // process_count
+    return starts_KxB[:, process_index * per_process:(process_index + 1) * per_process]
+
+
+def _windows(tokens: np.ndarray, vocab_size: int, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """The windows of seq_len + 1 tokens at `starts`: starts.shape + (seq_len + 1,), int32."""
+    w = tokens[starts[..., None] + np.arange(seq_len + 1)]
     top = int(w.max())  # checked before the int32 cast, which would turn a huge uint32 id into "ignored"
     if top >= vocab_size:
         raise UserError(f"token id {top} in the data is >= vocab_size {vocab_size} from meta.json; the files and "

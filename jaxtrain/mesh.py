@@ -60,11 +60,6 @@ def window_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(None, BATCH_AXES))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """(B, T) eval batches."""
-    return NamedSharding(mesh, P(BATCH_AXES))
-
-
 def global_array(local_rows: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """This process's rows of a batch -> the global, sharded batch."""
     return jax.make_array_from_process_local_data(sharding, local_rows)

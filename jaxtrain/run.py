@@ -92,12 +92,15 @@ class Trainer:
         return mesh_lib.global_array(inputs, sharding), mesh_lib.global_array(targets, sharding)
 
     def eval_batches(self) -> list:
-        cfg, sharding = self.cfg, mesh_lib.batch_sharding(self.mesh)
+        """The fixed validation set: train.eval_batches batches of data.batch_size sequences, each as a window
+        of micro-batches (so that evaluation fits where training does)."""
+        cfg, sharding = self.cfg, mesh_lib.window_sharding(self.mesh)
         batches = []
         for index in range(cfg.train.eval_batches):
             inputs, targets = data_lib.eval_batch(
-                self.data, seed=cfg.run.seed, index=index, batch_size=cfg.micro_batch_size,
-                seq_len=cfg.model.seq_len, process_index=jax.process_index(), process_count=jax.process_count())
+                self.data, seed=cfg.run.seed, index=index, batch_size=cfg.data.batch_size,
+                accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len,
+                process_index=jax.process_index(), process_count=jax.process_count())
             batches.append((mesh_lib.global_array(inputs, sharding), mesh_lib.global_array(targets, sharding)))
         return batches
 

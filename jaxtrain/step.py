@@ -88,8 +88,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
-    """eval_step(params, inputs_BxT, targets_BxT) -> (sum CE, valid tokens): summed over batches by the caller
-    so that the eval loss is token-weighted over all of them."""
-    def eval_step(params, inputs_BxT, targets_BxT):
-        return ce_sum(model.apply(graphdef, params, inputs_BxT), targets_BxT)
+    """eval_step(params, inputs_KxBxT, targets_KxBxT) -> (sum CE, valid tokens) over the k micro-batches, one at
+    a time (a scan: evaluation fits where a training micro-step does). The caller sums over batches, so that the
+    eval loss is token-weighted over all of them."""
+    def eval_step(params, inputs_KxBxT, targets_KxBxT):
+        def micro(totals, batch):
+            ce, n = ce_sum(model.apply(graphdef, params, batch[0]), batch[1])
+            return (totals[0] + ce, totals[1] + n), None
+        zeros = (jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
+        return jax.lax.scan(micro, zeros, (inputs_KxBxT, targets_KxBxT))[0]
     return eval_step

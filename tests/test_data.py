@@ -44,12 +44,23 @@ def test_window_is_a_pure_function_of_its_arguments():
     assert not np.array_equal(x[0], x[1])  # the two micro-steps draw different windows
 
 
-def test_offsets_are_pinned():
-    """A change to the draw would silently change every run's tokens and break resuming across versions."""
-    x, _ = data.window(_synthetic(), seed=0, step=0, batch_size=4, accum_steps=1, seq_len=8)
-    assert x[0, :, 0].tolist() == [3271, 3073, 9344, 429]
-    xe, _ = data.eval_batch(_synthetic(), seed=0, index=0, batch_size=4, seq_len=8)
-    assert xe[:, 0].tolist() == [11237, 10076, 10758, 10638]
+def test_offsets_are_the_documented_draw():
+    """Offsets are PCG64(seed, split, step)'s raw outputs modulo the start positions: a change to the draw would
+    silently change every run's tokens and break resuming across versions."""
+    x, _ = data.window(_synthetic(), seed=5, step=7, batch_size=4, accum_steps=1, seq_len=8)
+    expected = np.random.PCG64([5, data.TRAIN, 7]).random_raw(4) % np.uint64(N_TRAIN - 8)
+    assert x[0, :, 0].tolist() == expected.tolist()
+    xe, _ = data.eval_batch(_synthetic(), seed=5, index=2, batch_size=4, accum_steps=1, seq_len=8)
+    expected = np.random.PCG64([5, data.VAL, 2]).random_raw(4) % np.uint64(N_VAL - 8)
+    assert (xe[0, :, 0] - N_TRAIN).tolist() == expected.tolist()
+
+
+def test_accumulation_cuts_the_same_global_batch():
+    """k micro-batches of a step are the rows of the k=1 batch: accumulation never changes the data."""
+    d = _synthetic()
+    one, _ = data.window(d, **{**KW, "accum_steps": 1})
+    four, _ = data.window(d, **{**KW, "accum_steps": 4})
+    np.testing.assert_array_equal(four.reshape(1, 8, 16), one)
 
 
 def test_windows_are_contiguous_train_tokens_and_targets_are_shifted():
@@ -62,12 +73,15 @@ def test_windows_are_contiguous_train_tokens_and_targets_are_shifted():
 
 def test_eval_batch_reads_val_by_index():
     d = _synthetic()
-    x, y = data.eval_batch(d, seed=0, index=2, batch_size=4, seq_len=16)
-    assert x.shape == y.shape == (4, 16) and x.dtype == np.int32
+    kw = dict(seed=0, batch_size=4, accum_steps=2, seq_len=16)
+    x, y = data.eval_batch(d, index=2, **kw)
+    assert x.shape == y.shape == (2, 2, 16) and x.dtype == np.int32
     assert x.min() >= N_TRAIN
     np.testing.assert_array_equal(y, x + 1)
-    np.testing.assert_array_equal(x, data.eval_batch(d, seed=0, index=2, batch_size=4, seq_len=16)[0])
-    assert not np.array_equal(x, data.eval_batch(d, seed=0, index=3, batch_size=4, seq_len=16)[0])
+    np.testing.assert_array_equal(x, data.eval_batch(d, index=2, **kw)[0])
+    assert not np.array_equal(x, data.eval_batch(d, index=3, **kw)[0])
+    one = data.eval_batch(d, index=2, **{**kw, "accum_steps": 1})[0]
+    np.testing.assert_array_equal(x.reshape(1, 4, 16), one)  # the same sequences whatever the accumulation
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -77,13 +91,13 @@ def test_process_slices_concatenate_to_the_global_batch(n):
     parts = [data.window(d, **KW, process_index=i, process_count=n) for i in range(n)]
     np.testing.assert_array_equal(np.concatenate([x for x, _ in parts], axis=1), full_x)
     np.testing.assert_array_equal(np.concatenate([y for _, y in parts], axis=1), full_y)
-    eval_kw = dict(seed=0, index=0, batch_size=8, seq_len=16)
+    eval_kw = dict(seed=0, index=0, batch_size=8, accum_steps=2, seq_len=16)
     eval_parts = [data.eval_batch(d, **eval_kw, process_index=i, process_count=n)[0] for i in range(n)]
-    np.testing.assert_array_equal(np.concatenate(eval_parts), data.eval_batch(d, **eval_kw)[0])
+    np.testing.assert_array_equal(np.concatenate(eval_parts, axis=1), data.eval_batch(d, **eval_kw)[0])
 
 
 def test_batch_that_does_not_split_is_a_user_error():
-    with pytest.raises(UserError, match="does not split over 3 processes"):
+    with pytest.raises(UserError, match="does not split over 3 processes"):  # 4 rows per micro-batch
         data.window(_synthetic(), **KW, process_index=0, process_count=3)
     with pytest.raises(UserError, match="grad_accum_steps=3"):
         data.window(_synthetic(), **{**KW, "accum_steps": 3})
@@ -244,7 +258,7 @@ def test_token_id_beyond_vocab_is_named(tmp_path):
     with pytest.raises(UserError, match="token id 300 .* >= vocab_size 256"):
         data.window(d, seed=0, step=0, batch_size=2, accum_steps=1, seq_len=8)
     with pytest.raises(UserError, match="token id 300"):
-        data.eval_batch(d, seed=0, index=0, batch_size=2, seq_len=8)
+        data.eval_batch(d, seed=0, index=0, batch_size=2, accum_steps=1, seq_len=8)
 
 
 def test_resolve_vocab_size(tmp_path):

@@ -154,17 +154,18 @@ def cross_entropy_sum(logits, targets) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model, tokens, cfg: Config, seed: int, device: str, autocast) -> float:
-    """Token-weighted mean CE over the train.eval_batches fixed validation batches of micro-batch size."""
+    """Token-weighted mean CE over the train.eval_batches fixed validation batches, each of data.batch_size
+    sequences taken one micro-batch at a time."""
     model.eval()
     total, count = 0.0, 0
     for index in range(cfg.train.eval_batches):
-        x, y = data.eval_batch(tokens, seed=seed, index=index, batch_size=cfg.micro_batch_size,
-                               seq_len=cfg.model.seq_len)
-        x, y = to_device(x, device), to_device(y, device)
-        with autocast:
-            logits = model(x)
-        total += cross_entropy_sum(logits, y).item()
-        count += int((y >= 0).sum())
+        inputs, targets = data.eval_batch(tokens, seed=seed, index=index, batch_size=cfg.data.batch_size,
+                                          accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len)
+        for x, y in zip(to_device(inputs, device), to_device(targets, device)):
+            with autocast:
+                logits = model(x)
+            total += cross_entropy_sum(logits, y).item()
+            count += int((y >= 0).sum())
     model.train()
     return total / count
 
