@@ -83,26 +83,24 @@ class Trainer:
         return state
 
     def window(self, step: int):
-        cfg = self.cfg
-        inputs, targets = data_lib.window(
-            self.data, seed=cfg.run.seed, step=step, batch_size=cfg.data.batch_size,
-            accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len,
-            process_index=jax.process_index(), process_count=jax.process_count())
-        sharding = mesh_lib.window_sharding(self.mesh)
-        return mesh_lib.global_array(inputs, sharding), mesh_lib.global_array(targets, sharding)
+        """The micro-batches of optimizer step `step` (0-based), as global arrays sharded over the devices."""
+        return self._global(data_lib.window(self.data, step=step, **self._batch_args()))
 
     def eval_batches(self) -> list:
-        """The fixed validation set: train.eval_batches batches of data.batch_size sequences, each as a window
-        of micro-batches (so that evaluation fits where training does)."""
-        cfg, sharding = self.cfg, mesh_lib.window_sharding(self.mesh)
-        batches = []
-        for index in range(cfg.train.eval_batches):
-            inputs, targets = data_lib.eval_batch(
-                self.data, seed=cfg.run.seed, index=index, batch_size=cfg.data.batch_size,
-                accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len,
-                process_index=jax.process_index(), process_count=jax.process_count())
-            batches.append((mesh_lib.global_array(inputs, sharding), mesh_lib.global_array(targets, sharding)))
-        return batches
+        """The fixed validation set: train.eval_batches batches of data.batch_size sequences, each cut into
+        micro-batches like a training window (so that evaluation fits where training does)."""
+        return [self._global(data_lib.eval_batch(self.data, index=i, **self._batch_args()))
+                for i in range(self.cfg.train.eval_batches)]
+
+    def _batch_args(self) -> dict:
+        cfg = self.cfg
+        return dict(seed=cfg.run.seed, batch_size=cfg.data.batch_size, accum_steps=cfg.optim.grad_accum_steps,
+                    seq_len=cfg.model.seq_len, process_index=jax.process_index(), process_count=jax.process_count())
+
+    def _global(self, local_batch) -> tuple:
+        """This process's rows -> global (k, B, T) arrays split over all devices."""
+        sharding = mesh_lib.window_sharding(self.mesh)
+        return tuple(mesh_lib.global_array(x, sharding) for x in local_batch)
 
     def evaluate(self, params, batches) -> float:
         """Token-weighted mean CE over all eval batches."""
