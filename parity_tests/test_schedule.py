@@ -1,0 +1,135 @@
+"""Component 1, the LR curve: jaxtrain's optax schedule vs torchref's LambdaLR driving a real torch AdamW, at every
+optimizer step past the end of the decay; and the LR that jaxtrain's MultiSteps chain actually applies.
+
+Tolerance: optax evaluates the schedule in float32 (its count is int32, even under x64), torchref in Python
+float64. The cosine branch is min_lr + (lr - min_lr) * (1 + cos(pi * t / T)) / 2, T = decay - warmup: about 6
+float32 roundings of at most U32 = 6e-8 each, and cos of an argument carrying ~2 pi U32 of absolute error.
+Relative to the LR that is <= (6 + 2 pi (lr - min_lr) / min_lr) U32 ~ 4e-6 for min_lr = lr / 10; with min_lr = 0 the
+last cosine step, where 1 + cos ~ (pi / T)^2 / 2, has relative error ~ 4 T U32 (1.2e-6 per 5 steps of T), so
+the min_lr = 0 case keeps T = 30. rtol 1e-5 bounds both, and is still 88x below the smallest relative change
+between consecutive steps (at the top of the cosine), so a schedule shifted by one step fails.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxtrain import optim
+from parity_tests.conftest import U32, assert_close, make_cfg, report
+from torchref.optim import configure_optimizer, lr_scheduler
+
+RTOL = 1e-5  # float32 schedule vs float64 LambdaLR (module docstring)
+
+CASES = {  # the explicit configs, and how far past decay_steps each runs
+    "decay=train.steps": (["--optim.lr=1e-3", "--optim.min_lr=1e-4", "--optim.warmup_steps=10",
+                           "--train.steps=60"], 80),
+    "decay_steps set": (["--optim.lr=3e-3", "--optim.min_lr=3e-4", "--optim.warmup_steps=50",
+                         "--optim.decay_steps=300", "--train.steps=400"], 400),
+    "no warmup": (["--optim.lr=1e-3", "--optim.min_lr=1e-4", "--optim.warmup_steps=0", "--train.steps=50"], 60),
+    # min_lr = 0: relative rounding grows ~4 T U32 at the last cosine step (module docstring), so T stays short
+    "warmup_init_lr=0": (["--optim.lr=1e-3", "--optim.min_lr=0", "--optim.warmup_steps=10",
+                          "--optim.warmup_init_lr=0", "--train.steps=40"], 50),
+}
+
+
+def torch_lrs(cfg, n_steps: int) -> np.ndarray:
+    """The LR each of n_steps torch AdamW updates applies: group["lr"] read before optimizer.step(), then
+    scheduler.step(), as torchref.run.train_step does. Both groups must agree; returns group 0's."""
+    module = torch.nn.Linear(3, 2)  # weight (decay group) and bias (no-decay group)
+    optimizer = configure_optimizer(module, cfg)
+    scheduler = lr_scheduler(optimizer, cfg)
+    lrs = []
+    for t in range(n_steps):
+        group_lrs = {g["lr"] for g in optimizer.param_groups}
+        assert len(group_lrs) == 1, f"torch param groups disagree on the LR at step {t}: {group_lrs}"
+        lrs.append(group_lrs.pop())
+        for p in module.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        scheduler.step()
+    return np.array(lrs)
+
+
+def jax_lrs(cfg, n_steps: int) -> np.ndarray:
+    """schedule(t) at the int32 counts the optimizer feeds it."""
+    schedule = jax.jit(jax.vmap(optim.lr_schedule(cfg)))
+    return np.asarray(schedule(jnp.arange(n_steps, dtype=jnp.int32)), np.float64)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lr_curve_matches_lambdalr_every_step(case):
+    overrides, last = CASES[case]
+    cfg = make_cfg(*overrides)
+    o, W, D = cfg.optim, cfg.optim.warmup_steps, cfg.decay_steps
+    assert last > D, "the curve must run past decay_steps"
+    jl, tl = jax_lrs(cfg, last + 1), torch_lrs(cfg, last + 1)
+    max_abs, max_rel = assert_close(jl, tl, rtol=RTOL, what=f"LR schedule ({case}), jaxtrain vs LambdaLR, by step")
+    report(f"schedule {case}: max rel diff of LR over steps 0..{last}", max_rel, RTOL)
+
+    # The landmarks, from DESIGN.md's closed forms (not from either implementation).
+    init = o.warmup_init_lr if o.warmup_init_lr is not None else o.lr / (W + 1)
+    landmarks = {0: init if W else o.lr, W: o.lr, D: o.min_lr, last: o.min_lr}
+    for t, want in landmarks.items():
+        for side, lrs in (("jaxtrain", jl), ("torchref", tl)):
+            assert lrs[t] == pytest.approx(want, rel=RTOL, abs=1e-12), f"{side} LR at step {t} ({case})"
+    if o.warmup_init_lr is None:  # the default must never make the first update a no-op
+        assert jl[0] > 0 and tl[0] > 0, f"LR at step 0 is 0 ({case}) without warmup_init_lr=0 being asked"
+        # nanoGPT's warmup lr * (t + 1) / (W + 1), every warmup step
+        warm = o.lr * (np.arange(W) + 1) / (W + 1)
+        assert_close(tl[:W], warm, rtol=1e-12, what=f"torchref warmup ({case})")  # float64 vs closed form
+        assert_close(jl[:W], warm, rtol=RTOL, what=f"jaxtrain warmup ({case})")
+    else:
+        assert jl[0] == tl[0] == 0.0
+
+
+def test_off_by_one_schedule_would_fail():
+    """The tolerance discriminates: the curve shifted by one step (LR(t+1) applied at t, as when the scheduler is
+    stepped before the optimizer) changes every LR before decay_steps by >= 8.8e-4 relative (the flattest step is
+    the top of the cosine), 88x RTOL, and at step 0 by 100%."""
+    cfg = make_cfg(*CASES["decay=train.steps"][0])
+    tl = torch_lrs(cfg, 81)
+    rel_step = np.abs(tl[1:] - tl[:-1]) / tl[:-1]
+    changing = rel_step[: cfg.decay_steps]  # flat after decay_steps
+    assert changing.min() > 50 * RTOL, changing.min()
+    with pytest.raises(AssertionError, match=r"first at index \(0,\)"):
+        assert_close(jax_lrs(cfg, 81)[1:], tl[:-1], rtol=RTOL, what="shifted schedule")
+
+
+def test_lr_applied_through_multisteps_is_schedule_of_the_optimizer_step():
+    """jaxtrain's real chain with k=3: a constant gradient g per micro-step makes every window's gradient G = 3g,
+    and Adam's bias-corrected m_hat / sqrt(v_hat) is then exactly G / |G| in exact arithmetic, so an update with
+    no weight decay is -LR(t) * G / (|G| + eps): the applied LR is read back from the update itself.
+    Micro-steps inside a window must emit exactly zero."""
+    k, steps = 3, 25
+    cfg = make_cfg("--optim.lr=1e-3", "--optim.min_lr=1e-4", "--optim.warmup_steps=10", "--train.steps=20",
+                   f"--optim.grad_accum_steps={k}", "--data.batch_size=6", "--optim.weight_decay=0")
+    tx = optim.optimizer(cfg)
+    params = {"w": jnp.zeros((4,), jnp.float32)}
+    g = jnp.array([1.0, -2.0, 0.5, 0.25], jnp.float32) / 16  # window norm 3|g| < 1: clipping stays inactive
+    G = np.asarray(g, np.float64) * k
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    applied = []
+    for t in range(steps):
+        for micro in range(k):
+            updates, state = update({"w": g}, state, params)
+            u = np.asarray(updates["w"], np.float64)
+            if micro < k - 1:
+                assert np.all(u == 0.0), f"micro-step {micro} of optimizer step {t} emitted a non-zero update {u}"
+            else:
+                applied.append(-u * (np.abs(G) + cfg.optim.eps) / G)
+        assert int(state.gradient_step) == t + 1 and int(optim.adam_state(state).count) == t + 1, (
+            f"after optimizer step {t}: gradient_step {int(state.gradient_step)}, "
+            f"AdamW count {int(optim.adam_state(state).count)}, want {t + 1} (counts windows, not micro-steps)")
+    applied = np.array(applied)  # (steps, 4): one LR per element, all equal
+    # m_hat / sqrt(v_hat) of a constant gradient in float32: the moment recurrences keep a relative error of
+    # ~2 U32 / (1 - b) (b1: 20 U32, b2: 40 U32, halved by the sqrt), and 1 - b^t in float32 adds ~10 U32:
+    # ~50 U32 = 3e-6, inside RTOL with the schedule's own rounding.
+    want_torch = torch_lrs(cfg, steps)[:, None].repeat(4, axis=1)
+    _, max_rel = assert_close(applied, want_torch, rtol=RTOL,
+                              what="LR applied by jaxtrain's MultiSteps chain vs LambdaLR, by (step, element)")
+    report("LR applied through MultiSteps(k=3) vs LambdaLR, max rel diff", max_rel, RTOL)
+    want_jax = jax_lrs(cfg, steps)[:, None].repeat(4, axis=1)
+    assert_close(applied, want_jax, rtol=60 * U32, what="LR applied vs jaxtrain's schedule(optimizer step)")
