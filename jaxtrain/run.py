@@ -145,7 +145,9 @@ def check_finite(line: dict, latest_checkpoint: int | None) -> None:
 
 def train(cfg: Config) -> dict:
     """Train to cfg.train.steps; returns the summary of this run."""
+    t0 = time.perf_counter()
     trainer = Trainer(cfg)
+    cfg = trainer.cfg  # model.vocab_size resolved
     if trainer.is_main:
         config_lib.save(cfg, cfg.run.out_dir)
     state = trainer.initial_state()
@@ -153,20 +155,21 @@ def train(cfg: Config) -> dict:
     if start >= cfg.train.steps:
         print(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do", file=sys.stderr)
         return {"steps": start}
-    trainer.compile(state)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    logger = metrics_lib.MetricsLogger(
-        cfg, start_step=start, flops_per_token=metrics_lib.flops_per_token(cfg, n_params),
-        n_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind, is_main=trainer.is_main)
-    stop, t0 = StopRequest(), time.perf_counter()
+    stop, logger = StopRequest(), None  # from here on a Ctrl-C saves cleanly, also one during compilation
     try:
+        trainer.compile(state)
+        logger = metrics_lib.MetricsLogger(
+            cfg, start_step=start, flops_per_token=metrics_lib.flops_per_token(cfg, n_params),
+            n_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind, is_main=trainer.is_main)
         state, summary = loop(trainer, state, start, logger, stop)
+        summary["wall_s"] = time.perf_counter() - t0  # start-up and compilation included
     finally:
         stop.restore()
         trainer.checkpointer.wait()
         trainer.checkpointer.close()
-        logger.close()
-    summary["wall_s"] = time.perf_counter() - t0
+        if logger:
+            logger.close()
     if trainer.is_main:
         print(format_summary(summary), file=sys.stderr)
     return summary
