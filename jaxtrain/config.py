@@ -314,15 +314,17 @@ def save(cfg: Config, out_dir: str) -> None:
         f.write(dump(cfg))
 
 
-# Sections and keys that shape the trajectory: resuming with any of them changed is refused.
-TRAJECTORY_KEYS = ("model", "data", "optim", "train.steps", "train.precision", "run.seed")
+# Sections and keys that shape the trajectory: resuming with any of them changed is refused. train.steps is not
+# one of them (a finished run may be extended), but the decay length it defaults to is.
+TRAJECTORY_KEYS = ("model", "data", "optim", "train.precision", "run.seed", "decay length")
 
 
 def check_same_trajectory(saved: dict, cfg: Config, where: str) -> None:
     """Refuse to resume from a checkpoint written with another config (`saved`, as `dump` wrote it), naming the
-    keys that changed. Keys that do not shape the trajectory (out_dir, logging, checkpoint cadence) may change."""
-    saved, current = _flatten(saved), _flatten(yaml.safe_load(dump(cfg)))
-    changed = [k for k in current if k.startswith(TRAJECTORY_KEYS) and saved.get(k) != current[k]]
+    keys that changed. Keys that do not shape the trajectory (out_dir, logging, checkpoint cadence, train.steps
+    when optim.decay_steps is set) may change."""
+    saved, current = _trajectory(saved), _trajectory(yaml.safe_load(dump(cfg)))
+    changed = [k for k in current if saved.get(k) != current[k]]
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed)
         raise UserError(f"the config differs from the one that wrote {where} ({diffs}); resume with the same "
@@ -331,9 +333,15 @@ def check_same_trajectory(saved: dict, cfg: Config, where: str) -> None:
 
 def config_hash(cfg: Config) -> str:
     """sha256 of the resolved config's trajectory keys: written into torch-format checkpoints."""
-    flat = _flatten(yaml.safe_load(dump(cfg)))
-    trajectory = {k: v for k, v in flat.items() if k.startswith(TRAJECTORY_KEYS)}
+    trajectory = _trajectory(yaml.safe_load(dump(cfg)))
     return hashlib.sha256(yaml.safe_dump(trajectory, sort_keys=True).encode()).hexdigest()
+
+
+def _trajectory(raw: dict) -> dict:
+    """The flattened keys that shape the trajectory, with the effective decay length spelled out."""
+    flat = _flatten(raw)
+    flat["decay length"] = flat.get("optim.decay_steps") or flat.get("train.steps")
+    return {k: v for k, v in flat.items() if k.startswith(TRAJECTORY_KEYS)}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

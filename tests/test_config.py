@@ -92,3 +92,16 @@ def test_shipped_configs_decode(name):
         cfg = config.from_dict(yaml.safe_load(f))
     if cfg.data.path is None:
         config.validate(cfg)
+
+
+def test_trajectory_check_names_changed_keys_and_allows_extending(yaml_path):
+    cfg = config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=100"])
+    saved = yaml.safe_load(config.dump(cfg))
+    longer = config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=300",
+                          "--run.out_dir=/elsewhere", "--checkpoint.every=7"])
+    config.check_same_trajectory(saved, longer, "ckpt")  # same schedule and model: extending is fine
+    with pytest.raises(UserError, match=r"decay length: 100 -> 300"):  # the default decay follows train.steps
+        config.check_same_trajectory(saved, config.load(["--config", yaml_path, "--train.steps=300"]), "ckpt")
+    with pytest.raises(UserError, match=r"model.n_layer: 4 -> 2.*--run.fresh=true"):
+        config.check_same_trajectory(saved, config.load(["--config", yaml_path, "--optim.decay_steps=100",
+                                                         "--train.steps=100", "--model.n_layer=2"]), "ckpt")
