@@ -137,7 +137,8 @@ def _trainer_state(step: int, tied: bool, cfg: Config) -> dict:
         "lr_scheduler": {"last_epoch": step, "_step_count": step + 1, "base_lrs": [cfg.optim.lr] * TORCH_PARAM_GROUPS,
                          "_last_lr": [next_lr] * TORCH_PARAM_GROUPS},
         "tied_embeddings": tied,
-        "data": {"seed": cfg.run.seed, "next_step": step},
+        # Random windows have no padding, so every update trained on batch_size x seq_len tokens.
+        "data": {"seed": cfg.run.seed, "next_step": step, "tokens": step * cfg.data.batch_size * cfg.model.seq_len},
         "rng": {"torch": None, "cuda": None},
         "config_hash": config_lib.config_hash(cfg),
         "config": yaml.safe_load(config_lib.dump(cfg)),
