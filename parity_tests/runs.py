@@ -302,9 +302,10 @@ FP32 = {
                            "each) in warmup and cosine; measured 5.4e-7 max (7.9e-7 on tiny.yaml's 1000 steps). "
                            "Holds only while min_lr > 0: with min_lr=0 the relative error at the last steps "
                            "reaches 2.9e-3 (1+cos near -1 in fp32)"),
-    "grad_norm": Bound(0.0, 2e-5, "norm of ~2e5 fp32 gradients whose sums are ordered differently, at params "
-                                  "that differ by rounding; measured 2.3e-6 rel (torchref vs itself at another "
-                                  "accumulation: 6.8e-7), ~9x margin"),
+    "grad_norm": Bound(0.0, 1e-3, "norm of fp32 gradients summed in other orders, at params that differ by "
+                                  "rounding: the gradient moves more than the loss does; measured 2.3e-6 rel on "
+                                  "SMALL (torchref vs itself at another accumulation: 6.8e-7) and 1.3e-4 on "
+                                  "tiny.yaml's 100 steps, whose params drift 1.7e-5 apart; ~8x margin"),
     "tokens": Bound(0.0, 0.0, "same batches, same valid-token counts: exact"),
     "eval_loss": Bound(1e-5, 0.0, "as loss; measured 6e-8"),
 }
@@ -312,8 +313,9 @@ BF16 = {
     "loss": Bound(5e-3, 0.0, "bf16 rounds every matmul input to 8 bits (rel 3.9e-3) in different orders on the "
                              "two sides; issue 4's per-step bound. Measured 7.1e-4 max"),
     "lr": FP32["lr"],
-    "grad_norm": Bound(0.0, 5e-2, "bf16 activations (rel 3.9e-3 each) through 2 layers; measured 1.1e-2 rel, "
-                                  "torchref's own bf16-vs-fp32 gap 6e-3"),
+    # Shown, not bounded: bf16 jitters the gradient norm by percents (1.1e-2 rel on SMALL, 0.12 on tiny.yaml,
+    # torchref's own bf16-vs-fp32 gap 6e-3 on SMALL); issue 4 judges bf16 statistically on the loss (below).
+    "grad_norm": None,
     "tokens": FP32["tokens"],
     "eval_loss": Bound(5e-3, 0.0, "as loss"),
 }
