@@ -92,7 +92,8 @@ def test_files_hold_exactly_nanogpts_names(tied, tmp_path):
     with open(os.path.join(out, "trainer_state.json"), encoding="utf-8") as f:
         state = json.load(f)
     assert state["format"] == "jaxtrain-torch/1" and state["step"] == STEPS and state["tied_embeddings"] == tied
-    assert state["data"] == {"seed": 0, "next_step": STEPS}
+    tokens = STEPS * cfg.data.batch_size * cfg.model.seq_len  # every step trained on full windows
+    assert state["data"] == {"seed": 0, "next_step": STEPS, "tokens": tokens}
     assert state["config"] == yaml.safe_load(config.dump(cfg)) and state["config_hash"] == config.config_hash(cfg)
     assert state["lr_scheduler"]["last_epoch"] == STEPS
     assert state["lr_scheduler"]["_last_lr"][0] == pytest.approx(float(optim.lr_schedule(cfg)(STEPS)), rel=1e-6)

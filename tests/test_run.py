@@ -101,7 +101,7 @@ def test_config_change_refuses_to_resume(reference_run, tmp_path, cache_dir):
     proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, "--optim.lr=1e-2")],
                           capture_output=True, text=True)
     assert proc.returncode == 2
-    assert "optim.lr: 0.003 -> 0.01" in proc.stderr and "Traceback" not in proc.stderr
+    assert "optim.lr: 0.001 -> 0.01" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_finished_run_does_nothing(reference_run, cache_dir):
