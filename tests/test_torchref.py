@@ -237,6 +237,7 @@ def test_fresh_run_sets_old_checkpoints_aside(straight_run, token_dir, tmp_path)
     run.train(tiny_cfg(token_dir, out, "--run.fresh=true"))
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["3", "6"]
     assert any(n.startswith("checkpoints.before-fresh-") for n in os.listdir(out))
+    assert any(n.startswith("metrics.jsonl.before-fresh-") for n in os.listdir(out))  # the old metrics are kept
     assert trajectory(out) == trajectory(straight_run)
 
 

@@ -46,15 +46,18 @@ def latest(out_dir: str) -> str | None:
     return os.path.join(out_dir, "checkpoints", str(steps[-1])) if steps else None
 
 
-def set_aside(out_dir: str) -> str | None:
-    """For run.fresh: move existing checkpoints to checkpoints.before-fresh-<time>/. Left in place, their higher
-    step numbers would make max_to_keep delete the new run's checkpoints and a later resume pick the old run."""
-    root = os.path.join(out_dir, "checkpoints")
-    if not _saved_steps(root):
-        return None
-    kept = f"{root}.before-fresh-{time.strftime('%Y%m%d-%H%M%S')}"
-    os.replace(root, kept)
-    return kept
+def set_aside(out_dir: str) -> list[str]:
+    """For run.fresh: move the existing checkpoints and metrics.jsonl to <name>.before-fresh-<time>, and return
+    where. Left in place, the checkpoints' higher step numbers would make max_to_keep delete the new run's and a
+    later resume pick the old run, and the new run would overwrite the old metrics."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for name in ("checkpoints", "metrics.jsonl"):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            os.replace(path, f"{path}.before-fresh-{stamp}")
+            moved.append(f"{path}.before-fresh-{stamp}")
+    return moved
 
 
 def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Config) -> None:

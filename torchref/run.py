@@ -90,9 +90,8 @@ def start(cfg: Config, model, optimizer) -> tuple[Progress, bool]:
     """Where training begins: out_dir's newest checkpoint (unless run.fresh), else init.from, else step 0 with
     the fresh init. Also says whether this is a resume, whose metrics.jsonl is kept up to the resumed step."""
     if cfg.run.fresh:
-        moved = checkpoint.set_aside(cfg.run.out_dir)
-        if moved:
-            print(f"run.fresh: moved the existing checkpoints to {moved}", file=sys.stderr)
+        for moved in checkpoint.set_aside(cfg.run.out_dir):
+            print(f"run.fresh: moved the previous run's files to {moved}", file=sys.stderr)
     elif (path := checkpoint.latest(cfg.run.out_dir)) is not None:
         progress = checkpoint.resume(path, cfg, model, optimizer)
         print(f"resuming from step {progress.step} ({path})", file=sys.stderr)
