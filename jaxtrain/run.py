@@ -135,10 +135,10 @@ class StopRequest:
         signal.signal(signal.SIGINT, self.previous)
 
 
-def check_finite(line: dict, latest_checkpoint: int | None) -> None:
+def check_finite(line: dict, checkpointer: checkpoint_lib.Checkpointer) -> None:
     if not math.isfinite(line["loss"]):
-        saved = f"the checkpoint at step {latest_checkpoint} is intact" if latest_checkpoint is not None \
-            else "no checkpoint was saved"
+        latest = checkpointer.latest_step()  # looked up only on failure: this runs every step
+        saved = f"the checkpoint at step {latest} is intact" if latest is not None else "no checkpoint was saved"
         raise UserError(f"loss is {line['loss']} at step {line['step']}: training diverged; {saved}. "
                         f"Lower optim.lr, lengthen optim.warmup_steps or set optim.max_grad_norm, then resume")
 
@@ -207,7 +207,7 @@ def report(pending, logger, trainer) -> dict:
     step, metrics = pending
     host = jax.device_get(metrics)
     line = logger.train(step, float(host["loss"]), float(host["lr"]), float(host["grad_norm"]), int(host["tokens"]))
-    check_finite(line, trainer.checkpointer.latest_step())
+    check_finite(line, trainer.checkpointer)
     return line
 
 
