@@ -1,0 +1,22 @@
+"""DESIGN.md's rules written out by hand, in float64: the expectations the tests in this folder compare against.
+
+Nothing here calls jaxtrain's optax schedule or mask builder, so a test that checks the trainer against these
+formulas fails when the trainer's rule changes.
+"""
+
+import math
+
+
+def lr_at(t: int, lr: float, min_lr: float, warmup: int, decay: int, init: float) -> float:
+    """LR applied at optimizer step t: linear warmup init -> lr over `warmup` steps, cosine lr -> min_lr at step
+    `decay` (counted from 0, warmup included), flat at min_lr afterwards."""
+    if t < warmup:
+        return init + (lr - init) * t / warmup
+    if t >= decay:
+        return min_lr
+    return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (t - warmup) / (decay - warmup)))
+
+
+def default_lr_at(t: int, lr: float, min_lr: float, warmup: int, decay: int) -> float:
+    """The same with the default warmup_init_lr = lr / (warmup + 1): lr * (t + 1) / (warmup + 1) in warmup."""
+    return lr_at(t, lr, min_lr, warmup, decay, lr / (warmup + 1))
