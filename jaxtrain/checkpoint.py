@@ -38,26 +38,34 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, state) -> None:
-        """Start saving `state` at its optimizer step (returns before the write completes)."""
+    def save(self, state, data_seed: int) -> None:
+        """Start saving `state` at its optimizer step (returns before the write completes). `data_seed` orders the
+        batches (run.seed, or the data seed of a full state the run started from: data.continued_seed)."""
         step = int(state.step)
-        meta = {"step": step, "config": yaml.safe_load(config_lib.dump(self.cfg))}
+        meta = {"step": step, "data_seed": data_seed, "config": yaml.safe_load(config_lib.dump(self.cfg))}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
+    def data_seed(self, step: int) -> int:
+        """The data seed the checkpoint at `step` was trained with (older checkpoints: their run.seed)."""
+        meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
+        return meta.get("data_seed", meta["config"]["run"]["seed"])
+
     def restore(self, step: int, abstract_state):
         """The state saved at `step`, laid out as `abstract_state` (ShapeDtypeStructs with shardings)."""
-        path = os.path.join(self.directory, str(step))
+        restored = self._restore(step, state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+        config_lib.check_same_trajectory(restored["meta"]["config"], self.cfg, os.path.join(self.directory, str(step)))
+        return restored["state"]
+
+    def _restore(self, step: int, **items):
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+            return self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # orbax raises many types (ValueError, FileNotFoundError, tensorstore errors)
             steps = [s for s in self.manager.all_steps() if s != step]
             older = f"move it aside to resume from step {max(steps)}" if steps else "move it aside"
-            raise UserError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:300]}); "
-                            f"{older}, or start over with --run.fresh=true") from None
-        config_lib.check_same_trajectory(restored["meta"]["config"], self.cfg, path)
-        return restored["state"]
+            raise UserError(f"checkpoint {os.path.join(self.directory, str(step))} cannot be read "
+                            f"({type(e).__name__}: {str(e)[:300]}); {older}, or start over with --run.fresh=true"
+                            ) from None
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -106,6 +106,7 @@ class LogConfig:
 class InitConfig:
     # Spelled `init.from` in YAML and on the command line (`from` is a Python keyword).
     from_: Optional[str] = None  # torch-format checkpoint dir to start from (full state, or weights only)
+    reseed: bool = False  # with a full state in init.from: draw batches from run.seed, not the checkpoint's order
 
 
 @dataclasses.dataclass

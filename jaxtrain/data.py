@@ -33,7 +33,7 @@ import zlib
 
 import numpy as np
 
-from jaxtrain.config import DataConfig
+from jaxtrain.config import Config, DataConfig
 from jaxtrain.errors import UserError, exit_on_user_error
 
 TRAIN, VAL = 0, 1  # split ids, part of every batch's RNG key
@@ -243,6 +243,21 @@ def _batch(tokens: np.ndarray, vocab_size: int, key: tuple[int, int, int], batch
     starts_KxB = _starts(len(tokens), key, batch_size, seq_len).reshape(accum_steps, -1)
     w = _windows(tokens, vocab_size, _rows_of(starts_KxB, process_index, process_count), seq_len)
     return np.ascontiguousarray(w[..., :-1]), np.ascontiguousarray(w[..., 1:])
+
+
+def continued_seed(checkpoint_seed: int, cfg: Config) -> int:
+    """The data seed of a run that starts from a full training state (init.from), in both backends: the
+    checkpoint's, so that the run sees the batches the checkpoint's own run would have seen next, unless
+    init.reseed asks for this run's run.seed. Says so on stderr when the two differ."""
+    if checkpoint_seed == cfg.run.seed:
+        return checkpoint_seed
+    if cfg.init.reseed:
+        print(f"init.from: drawing batches from run.seed={cfg.run.seed} (init.reseed), not from the checkpoint's "
+              f"batch order (data seed {checkpoint_seed})", file=sys.stderr)
+        return cfg.run.seed
+    print(f"warning: init.from continues the checkpoint's batch order (data seed {checkpoint_seed}), not "
+          f"run.seed={cfg.run.seed}; pass --init.reseed=true to draw batches from run.seed instead", file=sys.stderr)
+    return checkpoint_seed
 
 
 def _starts(n_tokens: int, key: tuple[int, ...], n: int, seq_len: int) -> np.ndarray:

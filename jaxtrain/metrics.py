@@ -2,7 +2,9 @@
 
 metrics.jsonl has one JSON object per logged optimizer step: step (updates completed, 1-based), loss, lr,
 grad_norm, tokens (cumulative), tokens_per_s, mfu (null where the device's peak is unknown); eval lines carry
-step and eval_loss. torchref writes the same format.
+step and eval_loss. torchref writes the same format, and gives tokens_per_s the same meaning: valid target tokens
+trained since the previous line over the training time they took, evaluation and checkpoint saves left out (the
+loop calls `exclude_time` after them; an async save's background writing that slows later steps still counts).
 """
 
 import json
@@ -65,6 +67,8 @@ class MetricsLogger:
         self.flops_per_s_peak = peak * n_devices if peak else None
         self.flops_per_token = flops_per_token
         self.last_time = time.perf_counter()
+        self.line_tokens = self.line_seconds = 0  # since the last metrics line
+        self.run_tokens = self.run_seconds = 0  # this process's training, for the summary
         self.file = open(self.path, "a", encoding="utf-8") if is_main else None
         self.tb = SummaryWriter(os.path.join(cfg.run.out_dir, "tb"), purge_step=start_step + 1) \
             if is_main and cfg.log.tensorboard else None
@@ -74,8 +78,10 @@ class MetricsLogger:
     def train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int) -> dict:
         """Record optimizer step `step` (1-based); `tokens` are the valid target tokens of its window."""
         now = time.perf_counter()
-        tokens_per_s = tokens / max(now - self.last_time, 1e-9)
-        self.last_time, self.tokens = now, self.tokens + tokens
+        seconds, self.last_time, self.tokens = now - self.last_time, now, self.tokens + tokens
+        self.line_tokens, self.line_seconds = self.line_tokens + tokens, self.line_seconds + seconds
+        self.run_tokens, self.run_seconds = self.run_tokens + tokens, self.run_seconds + seconds
+        tokens_per_s = self.line_tokens / max(self.line_seconds, 1e-9)
         mfu = tokens_per_s * self.flops_per_token / self.flops_per_s_peak if self.flops_per_s_peak else None
         line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
                 "tokens_per_s": tokens_per_s, "mfu": mfu}
@@ -83,7 +89,16 @@ class MetricsLogger:
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:
             self._write(line)
+            self.line_tokens = self.line_seconds = 0
         return line
+
+    def exclude_time(self) -> None:
+        """Leave the time since the last recorded step (an evaluation, a checkpoint save) out of tokens_per_s."""
+        self.last_time = time.perf_counter()
+
+    def mean_tokens_per_s(self) -> float | None:
+        """tokens_per_s over all of this run's training steps, for the summary."""
+        return self.run_tokens / self.run_seconds if self.run_seconds else None
 
     def eval(self, step: int, eval_loss: float) -> None:
         self._write({"step": step, "eval_loss": eval_loss})

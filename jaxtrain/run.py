@@ -48,15 +48,27 @@ class Trainer:
         self.mesh = mesh_lib.make_mesh(cfg)
         self.abstract_state = checkpoint_lib.abstract_state(cfg, vocab_size, self.mesh)
         self.state_sharding = jax.tree.map(lambda x: x.sharding, self.abstract_state)
-        graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision)
-        self.jit_train_step = jax.jit(
-            step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), cfg.run.seed,
-                                     cfg.model.dropout > 0),
-            donate_argnums=0, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
-        self.eval_step = jax.jit(step_lib.make_eval_step(graphdef))
         if cfg.run.fresh and self.is_main:
             set_aside_previous_run(cfg.run.out_dir)
         self.checkpointer = checkpoint_lib.Checkpointer(cfg)
+        self.resume_step = self.checkpointer.latest_step()
+        self.data_seed = self._data_seed()
+        graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision)
+        self.jit_train_step = jax.jit(
+            step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), self.data_seed,
+                                     cfg.model.dropout > 0),
+            donate_argnums=0, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
+        self.eval_step = jax.jit(step_lib.make_eval_step(graphdef))
+
+    def _data_seed(self) -> int:
+        """Seed of the batch order and dropout: the resumed checkpoint's; a full training state's in init.from
+        (data.continued_seed: the rule torchref follows too); else run.seed."""
+        cfg = self.cfg
+        if self.resume_step is not None:
+            return self.checkpointer.data_seed(self.resume_step)
+        if cfg.init.from_ is not None and torch_format.holds_training_state(cfg.init.from_):
+            return data_lib.continued_seed(torch_format.read_trainer_state(cfg.init.from_)["data"]["seed"], cfg)
+        return cfg.run.seed
 
     def compile(self, state) -> None:
         """Compile the train step ahead of the loop, so that step 1's throughput is not the compile time."""
@@ -68,8 +80,7 @@ class Trainer:
     def initial_state(self) -> step_lib.TrainState:
         """The newest checkpoint's state; else a fresh one (created directly in its sharding), with a torch-format
         checkpoint's weights or whole training state in it when init.from names one."""
-        cfg = self.cfg
-        latest = self.checkpointer.latest_step()
+        cfg, latest = self.cfg, self.resume_step
         if latest is not None:
             print(f"resuming from step {latest} ({self.checkpointer.directory}/{latest})", file=sys.stderr)
             return self.checkpointer.restore(latest, self.abstract_state)
@@ -94,7 +105,7 @@ class Trainer:
 
     def _batch_args(self) -> dict:
         cfg = self.cfg
-        return dict(seed=cfg.run.seed, batch_size=cfg.data.batch_size, accum_steps=cfg.optim.grad_accum_steps,
+        return dict(seed=self.data_seed, batch_size=cfg.data.batch_size, accum_steps=cfg.optim.grad_accum_steps,
                     seq_len=cfg.model.seq_len, process_index=jax.process_index(), process_count=jax.process_count())
 
     def _global(self, local_batch) -> tuple:
@@ -179,11 +190,11 @@ def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
     """Steps start+1 .. train.steps. Each step's metrics are pulled to the host one step late, so the device
     never waits for logging; checkpoints, evals and the end sync on the step they follow."""
     cfg, eval_batches = trainer.cfg, trainer.eval_batches()
-    pending, summary, tokens_per_s = None, {"start_step": start}, []
+    pending, summary = None, {"start_step": start}
     for step in range(start + 1, cfg.train.steps + 1):
         state, metrics = trainer.train_step(state, *trainer.window(step - 1))
         if pending is not None:
-            tokens_per_s.append(report(pending, logger, trainer)["tokens_per_s"])
+            report(pending, logger, trainer)
         pending = (step, metrics)
         last = step == cfg.train.steps
         save = last or step % cfg.checkpoint.every == 0 or stop.requested
@@ -195,11 +206,13 @@ def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
             summary["eval_loss"] = trainer.evaluate(state.params, eval_batches)
             logger.eval(step, summary["eval_loss"])
         if save:
-            trainer.checkpointer.save(state)
+            trainer.checkpointer.save(state, trainer.data_seed)
+        if save or evaluate:
+            logger.exclude_time()
         if stop.requested:
             print(f"saved step {step}; run the same command to resume", file=sys.stderr)
             break
-    summary["tokens_per_s"] = float(np.median(tokens_per_s)) if tokens_per_s else None
+    summary["tokens_per_s"] = logger.mean_tokens_per_s()
     return state, summary
 
 

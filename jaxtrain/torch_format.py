@@ -38,9 +38,10 @@ WTE = "transformer.wte.weight"  # its rows are the vocab size, whatever the conf
 TORCH_PARAM_GROUPS = 2  # torchref's AdamW groups (decay, no decay); LambdaLR keeps one LR per group
 
 
-def export(state: TrainState, cfg: Config, out_dir: str) -> None:
-    """Write `state` (trained with `cfg`) as a torch-format folder. Written under a temporary name and renamed into
-    place, so out_dir either holds a complete checkpoint or does not exist."""
+def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None = None) -> None:
+    """Write `state` (trained with `cfg`, on batches of `data_seed`, default run.seed) as a torch-format folder.
+    Written under a temporary name and renamed into place, so out_dir either holds a complete checkpoint or does not
+    exist."""
     if int(state.opt_state.mini_step) != 0:
         raise UserError(f"the state is in the middle of a gradient-accumulation window (micro-step "
                         f"{int(state.opt_state.mini_step)} of {cfg.optim.grad_accum_steps}): the torch format has no "
@@ -57,7 +58,8 @@ def export(state: TrainState, cfg: Config, out_dir: str) -> None:
     save_file(_torch_arrays(state.params, names), os.path.join(tmp, MODEL))
     save_file(moments, os.path.join(tmp, OPTIMIZER))
     with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
-        json.dump(_trainer_state(step, "lm_head.weight" not in names, cfg), f, indent=1)
+        json.dump(_trainer_state(step, "lm_head.weight" not in names, cfg,
+                                 cfg.run.seed if data_seed is None else data_seed), f, indent=1)
     os.replace(tmp, out_dir)
 
 
@@ -78,7 +80,7 @@ def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]
               for name, (p, transposed) in names.items()}
     weights = _read_tensors(os.path.join(path, MODEL), shapes, cfg)
     params = _from_torch(template.params, weights, names)
-    if not all(os.path.exists(os.path.join(path, f)) for f in (OPTIMIZER, TRAINER_STATE)):
+    if not holds_training_state(path):
         return template._replace(params=params), "weights"
     step = read_trainer_state(path)["step"]
     moment_shapes = {f"{name}.{key}": shape for name, shape in shapes.items() for _, key in MOMENTS}
@@ -87,6 +89,11 @@ def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]
     mu, nu = (_from_torch(getattr(adam, field), {n: moments[f"{n}.{key}"] for n in names}, names)
               for field, key in MOMENTS)
     return TrainState(params, _at_window_boundary(template.opt_state, mu, nu, step)), "full"
+
+
+def holds_training_state(path: str) -> bool:
+    """Whether the folder holds a whole training state (optimizer and trainer state), not weights alone."""
+    return all(os.path.exists(os.path.join(path, f)) for f in (OPTIMIZER, TRAINER_STATE))
 
 
 def read_trainer_state(path: str) -> dict:
@@ -126,7 +133,7 @@ def check_new_folder(out_dir: str) -> None:
                         f"delete it")
 
 
-def _trainer_state(step: int, tied: bool, cfg: Config) -> dict:
+def _trainer_state(step: int, tied: bool, cfg: Config, data_seed: int) -> dict:
     """What torchref resumes from besides the tensors. LambdaLR, stepped once per update, stands at
     last_epoch = step with the next update's LR; jaxtrain has no torch RNG state to give, hence the nulls."""
     with jax.enable_x64(True):  # torch keeps the LR as a Python float; an fp32 one would differ in its low bits
@@ -138,7 +145,7 @@ def _trainer_state(step: int, tied: bool, cfg: Config) -> dict:
                          "_last_lr": [next_lr] * TORCH_PARAM_GROUPS},
         "tied_embeddings": tied,
         # Random windows have no padding, so every update trained on batch_size x seq_len tokens.
-        "data": {"seed": cfg.run.seed, "next_step": step, "tokens": step * cfg.data.batch_size * cfg.model.seq_len},
+        "data": {"seed": data_seed, "next_step": step, "tokens": step * cfg.data.batch_size * cfg.model.seq_len},
         "rng": {"torch": None, "cuda": None},
         "config_hash": config_lib.config_hash(cfg),
         "config": yaml.safe_load(config_lib.dump(cfg)),

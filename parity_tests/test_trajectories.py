@@ -213,3 +213,34 @@ def test_jax_then_torch_keeps_counting_tokens(jax_then_torch, fp32):
     assert continued["tokens"] == straight["tokens"], (
         f"step {CUT + 1}: torchref continuing a jaxtrain export logs tokens={continued['tokens']}, the jaxtrain run "
         f"{straight['tokens']}")
+
+
+# Both backends from one full training state ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def both_from_torch30(fp32, work, args):
+    """torchref's full state at step 30 given to both CLIs as --init.from, with another run.seed (7): each must
+    continue the checkpoint's batch order (data seed 0) and say so (data.continued_seed)."""
+    source = os.path.join(fp32["torchref"], "checkpoints", str(CUT))
+    outs = {}
+    for backend in runs.BACKENDS:
+        outs[backend] = str(work / f"{backend}-from-torch30")
+        proc = runs.train(backend, args(outs[backend], "--run.seed=7"), source)
+        assert "continues the checkpoint's batch order (data seed 0), not run.seed=7" in proc.stderr, \
+            proc.stderr[-2000:]
+    return outs
+
+
+@pytest.mark.slow
+def test_both_backends_continue_a_full_state_alike(both_from_torch30, fp32):
+    """jaxtrain and torchref, each started from the same full torch-format state, agree at every step from 31 within
+    the fp32 bounds, and both stay on the trajectory of the run that wrote the state (its batches, not run.seed's)."""
+    steps = range(CUT + 1, STEPS + 1)
+    columns = {k: FP32[k] for k in ("loss", "lr", "grad_norm", "tokens")}
+    jax_lines, torch_lines = (runs.read_metrics(both_from_torch30[b]) for b in runs.BACKENDS)
+    rows = runs.compare_metrics(jax_lines, torch_lines, columns, steps=steps)
+    rows += runs.compare_states(*(runs.final_state(b, both_from_torch30[b], STEPS) for b in runs.BACKENDS),
+                                {"params": runs.params_bound(column(fp32["torchref"], "lr", steps))})
+    check(rows, f"jaxtrain (first) vs torchref (second), both from torchref's state at step {CUT}")
+    rows = _continuation_rows(both_from_torch30["jaxtrain"], "jaxtrain", fp32["torchref"], columns)
+    check(rows, f"jaxtrain from torchref's state at step {CUT} (first) vs torchref straight (second)")

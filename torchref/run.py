@@ -100,7 +100,8 @@ def start(cfg: Config, model, optimizer) -> tuple[Progress, bool]:
         progress = checkpoint.init_from(cfg.init.from_, model, optimizer)
         what = f"weights and training state at step {progress.step}" if progress else "weights"
         print(f"init.from: loaded {what} from {cfg.init.from_}", file=sys.stderr)
-        if progress is not None:
+        if progress is not None:  # the data seed rule jaxtrain follows too
+            progress.data_seed = data.continued_seed(progress.data_seed, cfg)
             return progress, False
     return Progress(data_seed=cfg.run.seed), False
 

@@ -1,0 +1,35 @@
+"""metrics.jsonl's throughput: tokens_per_s counts training time only, over the steps since the previous line, as
+torchref's does (README, "Metrics"). A fake clock makes every number below a hand computation."""
+
+import json
+
+from jaxtrain import config, metrics
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_tokens_per_s_covers_the_steps_since_the_last_line_and_leaves_out_eval_and_saves(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=2", "--log.tensorboard=false", "--log.progress=false",
+                       "--train.steps=4", "--optim.warmup_steps=1", "--model.vocab_size=256"])
+    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1.0, n_devices=1, device_kind="cpu",
+                                   is_main=True)
+    for step, at in [(1, 1.0), (2, 3.0)]:  # 100 tokens in 1 s, then 100 in 2 s: 200 / 3 s
+        clock.now = at
+        logger.train(step, 1.0, 1e-3, 1.0, 100)
+    clock.now = 13.0  # a 10 s evaluation and save
+    logger.exclude_time()
+    for step, at in [(3, 14.0), (4, 15.0)]:  # 200 tokens in 2 s of training; 12 s of wall time
+        clock.now = at
+        logger.train(step, 1.0, 1e-3, 1.0, 100)
+    logger.close()
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(line["step"], line["tokens_per_s"]) for line in lines] == [(2, 200 / 3), (4, 100.0)]
+    assert logger.mean_tokens_per_s() == 400 / 5
