@@ -305,7 +305,8 @@ def _floor_paragraph(precision: str, refs: dict) -> str:
             f"amplifies rounding, so what two correct implementations may differ by grows with the run; a per-step "
             f"bound marked `+ {runs.FLOOR_FACTOR:g} x floor` allows, at step t, its constant part (rounding at equal "
             f"params, sized on a run that does not amplify it) plus {runs.FLOOR_FACTOR:g} times the largest floor up "
-            f"to step t. A different update rule moves the runs apart from the step where it acts, by an amount "
+            f"to step t; a final-tensor bound, its constant plus {runs.FLOOR_FACTOR:g} times the floor of the same "
+            f"entries. A different update rule moves the runs apart from the step where it acts, by an amount "
             f"the rule sets, not rounding; it could hide only where it stays under {runs.FLOOR_FACTOR:g}x what "
             f"rounding alone has done by then (parity_tests/runs.py, FLOOR_FACTOR).")
 
@@ -316,8 +317,9 @@ def _zero_gradient_paragraph() -> str:
             f"gradient is exactly 0; the only such entries of the model (checked in fp64 by "
             f"parity_tests/test_zero_gradient.py). fp32 leaves rounding noise there, which Adam scales to steps of "
             f"up to lr, so the key bias random-walks in every implementation, and in each backend against itself. "
-            f"Its rows (`{runs.ZERO_GRADIENT}`) are judged against the floor, {runs.FLOOR_FACTOR:g}x; every other "
-            f"entry keeps the tight bound. No update rule treats the key bias apart from the other biases, so a rule "
+            f"Its rows (`{runs.ZERO_GRADIENT}`) have a floor of their own, so its random walk widens no other "
+            f"entry's bound; every other entry keeps the tight bound plus its own, much smaller floor. No update rule "
+            f"treats the key bias apart from the other biases, so a rule "
             f"difference shows in the tightly held entries.")
 
 

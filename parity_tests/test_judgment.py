@@ -41,10 +41,12 @@ def test_key_bias_is_judged_against_its_floor_and_the_rest_tightly():
     by = {r.component: r for r in rows}
     key = by[f"final params: {runs.ZERO_GRADIENT}"]
     assert by["final params"].passed and by["final params"].max_abs == 0.0  # the q and v thirds are equal
-    assert key.passed and key.bound.atol == 1e-2 and key.floor == 1e-3  # 5e-3 <= 10 x 1e-3
+    assert key.passed and key.floor == 1e-3 and key.bound.atol == 1e-4 + runs.FLOOR_FACTOR * 1e-3
     rows = runs.compare_states(_state(key_bias_shift=2e-2), _state(), tight, floor)
-    assert [r.passed for r in rows] == [True, False]  # 2e-2 > 10 x 1e-3
+    assert [r.passed for r in rows] == [True, False]  # 2e-2 > 1e-4 + 15 x 1e-3
     rows = runs.compare_states(_state(key_bias_shift=5e-3), _state(), tight)  # no floor: the tight 1e-4
     assert [r.passed for r in rows] == [True, False]
-    rows = runs.compare_states(_state(other_shift=2e-4), _state(), tight, floor)  # a LayerNorm entry: tight
+    rows = runs.compare_states(_state(other_shift=2e-4), _state(), tight, floor)  # its own floor is 0: 1e-4
     assert [r.passed for r in rows] == [False, True]
+    bf16 = runs.compare_states(_state(key_bias_shift=2e-2), _state(), {"params": None}, floor)
+    assert [r.passed for r in bf16] == [None, False]  # params shown; the key bias judged by its floor alone
