@@ -151,12 +151,15 @@ def compare(lines: dict, states: dict, precision: str, refs: dict) -> list[runs.
     rows = runs.compare_metrics(j, t, runs.BF16, floors=floor_lines)
     cross = np.abs(column(j, "loss")[1] - column(t, "loss")[1])
     own = np.abs(column(t, "loss")[1] - column(lines[refs["torchref"]], "loss")[1])
-    rows.append(runs.scalar_row("loss mean |dloss|", float(cross.mean()), runs.BF16_MEAN_LOSS))
+    own_mean = max(float(np.abs(column(lines[b], "loss")[1] - column(lines[r], "loss")[1]).mean())
+                   for b, r in refs.items())
+    rows.append(runs.scalar_row("loss mean |dloss|", float(cross.mean()), runs.BF16_MEAN_LOSS, own_mean))
     rows.append(runs.scalar_row("loss gap / torchref's bf16-fp32 gap", float(cross.mean() / own.mean()),
                                 runs.BF16_GAP_RATIO))
     # The params are judged by the gap ratio (their key bias by its floor, which compare_states applies).
     cross_states = runs.compare_states(states["jaxtrain"], states["torchref"],
-                                       {"params": None, "exp_avg": None, "exp_avg_sq": None}, floor_states)
+                                       {"params": None, "exp_avg": None, "exp_avg_sq": None}, floor_states,
+                                       runs.BF16_FLOOR_FACTOR)
     own_p = runs.compare_states(states["torchref"], states[refs["torchref"]], {"params": None})[0].max_abs
     rows.append(runs.scalar_row("final params gap / torchref's bf16-fp32 gap", cross_states[0].max_abs / own_p,
                                 runs.BF16_GAP_RATIO))

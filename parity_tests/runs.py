@@ -307,10 +307,10 @@ def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float
 
 
 def compare_states(a: dict[str, np.ndarray], b: dict[str, np.ndarray], bounds: dict[str, Bound | None],
-                   floors=()) -> list[Row]:
+                   floors=(), floor_factor: float = FLOOR_FACTOR) -> list[Row]:
     """Final params ('params') and AdamW's moments ('exp_avg', 'exp_avg_sq'), max over all tensors, in two rows per
     group: the entries with a true gradient and the key bias (see ZERO_GRADIENT), each under bounds[group] plus
-    FLOOR_FACTOR x its own rounding floor, which `floors` (state pairs, one backend against itself) give
+    floor_factor x its own rounding floor, which `floors` (state pairs, one backend against itself) give
     (with_floor). The params' key bias is judged against its floor even where bounds[group] is None (bf16)."""
     assert a.keys() == b.keys(), f"different tensors: {sorted(a.keys() ^ b.keys())}"
     rows = []
@@ -323,7 +323,7 @@ def compare_states(a: dict[str, np.ndarray], b: dict[str, np.ndarray], bounds: d
             max_abs, max_rel, worst = _max_diff(pa[part], pb[part])
             floor = max((_max_diff(x[part], y[part])[0] for x, y in own), default=None)
             judged = bound is not None or (part and group == "params" and floor is not None)
-            part_bound = with_floor(bound, floor) if judged else None
+            part_bound = with_floor(bound, floor, floor_factor) if judged else None
             name = f"final {group}" + (f": {part}" if part else "")
             row = Row(name, max_abs, max_rel, part_bound, detail=f"largest in {worst}", floor=floor)
             if part_bound is not None and not max_abs <= part_bound.atol:
@@ -333,16 +333,16 @@ def compare_states(a: dict[str, np.ndarray], b: dict[str, np.ndarray], bounds: d
     return rows
 
 
-def with_floor(tight: Bound | None, floor: float | None) -> Bound:
+def with_floor(tight: Bound | None, floor: float | None, factor: float) -> Bound:
     """A final-tensor bound: the tight constant (none for the bf16 params, which the gap ratio judges) plus
-    FLOOR_FACTOR x the rounding floor measured on the same entries; without a floor, the tight bound."""
+    `factor` x the rounding floor measured on the same entries; without a floor, the tight bound."""
     if floor is None:
         return tight
-    atol = (tight.atol if tight else 0.0) + FLOOR_FACTOR * floor
     why = f"{tight.reason}; plus " if tight else ""
-    return Bound(atol, 0.0, f"{why}{FLOOR_FACTOR:g} x the rounding floor measured on these entries ({floor:.3g}: each "
-                            f"backend against itself, the larger). The key bias (zero true gradient) has its own "
-                            f"floor, so its random walk widens no other entry's bound")
+    return Bound((tight.atol if tight else 0.0) + factor * floor, 0.0,
+                 f"{why}{factor:g} x the rounding floor measured on these entries ({floor:.3g}: each backend against "
+                 f"itself, the larger). The key bias (zero true gradient) has its own floor, so its random walk "
+                 f"widens no other entry's bound")
 
 
 def bitwise_equal_states(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> str | None:
@@ -381,7 +381,10 @@ def bound_text(row: Row) -> str:
     """How a row's bound reads in a table: per-step tolerances, or an upper limit for a statistic."""
     if row.bound is None:
         return "-"
-    return f"<= {row.bound.atol:g}" if math.isnan(row.max_rel) else row.bound.text()
+    if not math.isnan(row.max_rel):
+        return row.bound.text()
+    floor = f" + {row.bound.floor_factor:g} x floor" if row.bound.floor_factor and row.floor is not None else ""
+    return f"<= {row.bound.atol:g}{floor}"
 
 
 def format_rows(rows: list[Row]) -> str:
@@ -423,23 +426,32 @@ FP32 = {
     "tokens": Bound(0.0, 0.0, "same batches, same valid-token counts: exact"),
     "eval_loss": Bound(1e-5, 0.0, "as loss; measured 6e-8 on SMALL", floor_factor=FLOOR_FACTOR),
 }
+# bf16's floor is each backend's own bf16-vs-fp32 gap, and issue 4's rule sizes its factor: jaxtrain's bf16 may differ
+# from torchref's bf16 by no more than 3x as much as bf16 moves either backend from its fp32 run (by then). Measured
+# on tiny.yaml over 500 steps: the per-step gap reaches 0.71x that envelope, the mean 0.36x torchref's mean gap.
+BF16_FLOOR_FACTOR = 3.0
 BF16 = {
     "loss": Bound(5e-3, 0.0, "measured, not derived: bf16 rounds every matmul input to 8 bits (rel 3.9e-3) in "
                              "different orders on the two sides; issue 4's per-step bound, measured 7.1e-4 max on "
-                             "SMALL (100 steps) and 2.4e-3 on tiny.yaml (100 steps)"),
+                             "SMALL (100 steps) and 2.4e-3 on tiny.yaml (100 steps); over 500 steps tiny.yaml reaches "
+                             "1.0e-2 while bf16 moves each backend 2.2e-2 from its fp32 run: the floor term (3x that "
+                             "gap so far) carries it", floor_factor=BF16_FLOOR_FACTOR),
     "lr": FP32["lr"],
     # Shown, not bounded: bf16 jitters the gradient norm by percents (1.1e-2 rel on SMALL, 0.12 on tiny.yaml,
     # torchref's own bf16-vs-fp32 gap 6e-3 on SMALL); issue 4 judges bf16 statistically on the loss (below).
     "grad_norm": None,
     "tokens": FP32["tokens"],
-    "eval_loss": Bound(5e-3, 0.0, "as loss"),
+    "eval_loss": Bound(5e-3, 0.0, "as loss", floor_factor=BF16_FLOOR_FACTOR),
 }
 BF16_MEAN_LOSS = Bound(1e-3, 0.0, "mean over steps of |dloss|: issue 4's bound, measured not derived: 1.3e-4 on "
-                                  "SMALL, 4.2e-4 on tiny.yaml (100 steps)")
+                                  "SMALL, 4.2e-4 on tiny.yaml (100 steps), 1.3e-3 on tiny.yaml over 500 steps, where "
+                                  "bf16 moves each backend 3.8e-3 on average from its fp32 run: plus 3x that mean",
+                       floor_factor=BF16_FLOOR_FACTOR)
 BF16_GAP_RATIO = Bound(3.0, 0.0, "cross-backend bf16 gap / torchref's own bf16-vs-fp32 gap (mean |dloss|, and "
                                  "final params): jaxtrain's bf16 may differ from torchref's bf16 no more than 3x "
                                  "as much as torchref's bf16 differs from fp32 (issue 4's rule); measured 1.0 "
-                                 "on SMALL, 0.32 (loss) and 1.28 (params) on tiny.yaml at 100 steps")
+                                 "on SMALL, 0.32 (loss) and 1.28 (params) on tiny.yaml at 100 steps, 0.36 and 0.52 at "
+                                 "500")
 PARAMS_RHO = 1e-3
 
 
@@ -463,12 +475,14 @@ def params_bound(lrs) -> Bound:
                                           f"8.4e-5 x sum lr without it), ~7x margin")
 
 
-def scalar_row(component: str, value: float, bound: Bound) -> Row:
-    """A statistic (a mean, a ratio) against an upper limit bound.atol."""
-    row = Row(component, value, float("nan"), bound)
-    if not value <= bound.atol:
+def scalar_row(component: str, value: float, bound: Bound, floor: float | None = None) -> Row:
+    """A statistic (a mean, a ratio) against an upper limit: bound.atol, plus bound.floor_factor x the same statistic
+    for each backend against its reference (`floor`), where measured."""
+    limit = bound.atol + bound.floor_factor * (floor or 0.0)
+    row = Row(component, value, float("nan"), bound, floor=floor)
+    if not value <= limit:
         row.first_bad = -1
-        row.detail = f"{component} = {value:.3g} > {bound.atol:g} ({bound.reason})"
+        row.detail = f"{component} = {value:.3g} > {limit:.3g} ({bound.reason})"
     return row
 
 
