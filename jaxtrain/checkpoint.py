@@ -47,15 +47,16 @@ class Checkpointer:
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
     def data_seed(self, step: int) -> int:
-        """The data seed the checkpoint at `step` was trained with (older checkpoints: their run.seed)."""
+        """The data seed the checkpoint at `step` was trained with (older checkpoints: their run.seed), after
+        checking from its meta alone that it was written with this config: a refused resume, a changed model shape
+        included, names the changed keys before any array is read."""
         meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
+        config_lib.check_same_trajectory(meta["config"], self.cfg, os.path.join(self.directory, str(step)))
         return meta.get("data_seed", meta["config"]["run"]["seed"])
 
     def restore(self, step: int, abstract_state):
         """The state saved at `step`, laid out as `abstract_state` (ShapeDtypeStructs with shardings)."""
-        restored = self._restore(step, state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
-        config_lib.check_same_trajectory(restored["meta"]["config"], self.cfg, os.path.join(self.directory, str(step)))
-        return restored["state"]
+        return self._restore(step, state=ocp.args.StandardRestore(abstract_state))["state"]
 
     def _restore(self, step: int, **items):
         try:

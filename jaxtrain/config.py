@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import difflib
 import hashlib
+import math
 import os
 import sys
 from typing import Literal, Optional
@@ -242,8 +243,13 @@ def _yaml_name(prefix: tuple, field_name: str) -> str:
     return field_name
 
 
+# optax, MultiSteps and the train state count steps in int32: a larger count would wrap around.
+INT32_MAX = 2**31 - 1
+
+
 def validate(cfg: Config) -> None:
     """Check what a wrong value would otherwise turn into a shape error or a silent mistake later."""
+    _check_numbers(cfg)
     m, o, t = cfg.model, cfg.optim, cfg.train
     positive = {
         "model.seq_len": m.seq_len, "model.n_layer": m.n_layer, "model.n_head": m.n_head,
@@ -280,6 +286,19 @@ def validate(cfg: Config) -> None:
                         f"`python -m jaxtrain.data prepare --input TEXT --out DIR`, or drop data.path for the embedded corpus")
     if m.vocab_size is not None and m.vocab_size <= 0:
         raise UserError(f"model.vocab_size must be > 0 (or null to take it from the data), got {m.vocab_size}")
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Every float finite (nan and inf would train, or fail far from the cause); every count within int32."""
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.type):
+            value = getattr(getattr(cfg, section.name), f.name)
+            key = f"{section.name}.{_yaml_name((section.name,), f.name)}"
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{key} must be a finite number, got {value}")
+            if isinstance(value, int) and not isinstance(value, bool) and key != "run.seed" and abs(value) > INT32_MAX:
+                raise UserError(f"{key}={value} is out of range: counts must be at most {INT32_MAX} (2**31 - 1, "
+                                f"the int32 step counters of optax)")
 
 
 def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:

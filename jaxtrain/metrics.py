@@ -38,18 +38,33 @@ def peak_flops(cfg: Config, device_kind: str) -> float | None:
     return PEAK_FLOPS.get(device_kind)
 
 
+def kept_lines(path: str, step: int) -> list[str]:
+    """The lines of metrics.jsonl up to `step`, unchanged: what a run resumed at `step` keeps, in both backends
+    (torchref imports this). Reading stops at a line that does not parse: a kill can cut the last line short."""
+    if not os.path.exists(path):
+        return []
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            if record["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
+
+
 def truncate_after(path: str, step: int) -> dict | None:
     """Drop the lines of metrics.jsonl past `step` (left by a run that went on after its last checkpoint), so a
     resumed run rewrites them instead of duplicating them. Returns the last kept train line."""
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    kept = [line for line in lines if line["step"] <= step]
+    kept = kept_lines(path, step)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(line) + "\n" for line in kept)
+        f.writelines(kept)
     os.replace(path + ".tmp", path)
-    train_lines = [line for line in kept if "loss" in line]
+    train_lines = [record for record in map(json.loads, kept) if "loss" in record]
     return train_lines[-1] if train_lines else None
 
 

@@ -159,9 +159,9 @@ def train(cfg: Config) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     cfg = trainer.cfg  # model.vocab_size resolved
-    if trainer.is_main:
-        config_lib.save(cfg, cfg.run.out_dir)
     state = trainer.initial_state()
+    if trainer.is_main:  # after the resume check: a refused resume leaves the run folder as it was
+        config_lib.save(cfg, cfg.run.out_dir)
     start = int(state.step)
     if start >= cfg.train.steps:
         print(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do", file=sys.stderr)

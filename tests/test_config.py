@@ -49,6 +49,11 @@ def test_dump_reads_back(yaml_path, tmp_path):
     (["--optim.min_lr=1"], ["optim.min_lr", "optim.lr"]),
     (["--train.steps"], ["--train.steps", "no value"]),
     (["positional"], ["positional"]),
+    (["--optim.lr=nan"], ["optim.lr", "finite"]),
+    (["--optim.lr=inf"], ["optim.lr", "finite"]),
+    (["--optim.weight_decay=-inf"], ["optim.weight_decay", "finite"]),
+    (["--train.steps=99999999999999999999999"], ["train.steps", "2147483647"]),
+    (["--checkpoint.every=2147483648"], ["checkpoint.every", "2147483647"]),
 ])
 def test_user_errors_name_the_key(yaml_path, args, words):
     with pytest.raises(UserError) as e:

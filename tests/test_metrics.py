@@ -33,3 +33,12 @@ def test_tokens_per_s_covers_the_steps_since_the_last_line_and_leaves_out_eval_a
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(line["step"], line["tokens_per_s"]) for line in lines] == [(2, 200 / 3), (4, 100.0)]
     assert logger.mean_tokens_per_s() == 400 / 5
+
+
+def test_a_resumed_run_keeps_the_lines_up_to_its_step_and_drops_a_cut_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [f'{{"step": {s}, "loss": 1.0}}\n' for s in (1, 2, 3)] + ['{"step": 3, "eval_loss": 2.0}\n']
+    path.write_text("".join(lines) + '{"step": 4, "lo')  # killed while writing step 4
+    assert metrics.kept_lines(str(path), 2) == lines[:2]
+    assert metrics.kept_lines(str(path), 3) == lines
+    assert metrics.kept_lines(str(tmp_path / "none.jsonl"), 3) == []

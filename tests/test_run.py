@@ -72,9 +72,9 @@ def test_metrics_lines_and_checkpoints(reference_run, cache_dir):
 
 
 def test_resume_after_kill_is_bit_exact(reference_run, tmp_path, cache_dir):
-    """A run killed at step 6, after its checkpoint at step 4, and started again with the same command: lines
-    1..4 are kept, 5..6 are rewritten (not duplicated), and every later loss and the final params equal the
-    uninterrupted run's bit for bit."""
+    """A run killed at step 6, after its checkpoint at step 4, in the middle of writing a line, and started again
+    with the same command: lines 1..4 are kept, 5..6 are rewritten (not duplicated), the cut line is dropped, and
+    every later loss and the final params equal the uninterrupted run's bit for bit."""
     ref_dir, _ = reference_run
     out_dir = str(tmp_path / "killed")
     shutil.copytree(ref_dir, out_dir)
@@ -84,6 +84,7 @@ def test_resume_after_kill_is_bit_exact(reference_run, tmp_path, cache_dir):
     killed[-1] = dict(killed[-1], loss=123.0)  # a line past the checkpoint must be replaced, not kept
     with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in killed)
+        f.write(json.dumps(lines[-1])[:25])  # the kill cut the last line short
 
     proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir)],
                           capture_output=True, text=True)
@@ -94,14 +95,20 @@ def test_resume_after_kill_is_bit_exact(reference_run, tmp_path, cache_dir):
         assert np.array_equal(a, b)
 
 
-def test_config_change_refuses_to_resume(reference_run, tmp_path, cache_dir):
+@pytest.mark.parametrize("change, named", [("--optim.lr=1e-2", "optim.lr: 0.001 -> 0.01"),
+                                           ("--model.n_layer=3", "model.n_layer: 2 -> 3")])
+def test_config_change_refuses_to_resume_and_changes_nothing(reference_run, tmp_path, cache_dir, change, named):
+    """Refused with the changed key named (a model shape too, before Orbax reads any array), and the run folder,
+    config.yaml included, left byte for byte as it was."""
     out_dir = str(tmp_path / "changed")
     shutil.copytree(reference_run[0], out_dir)
     shutil.rmtree(os.path.join(out_dir, "checkpoints", "8"))
-    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, "--optim.lr=1e-2")],
+    before = {name: open(os.path.join(out_dir, name), "rb").read() for name in ("config.yaml", "metrics.jsonl")}
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, change)],
                           capture_output=True, text=True)
     assert proc.returncode == 2
-    assert "optim.lr: 0.001 -> 0.01" in proc.stderr and "Traceback" not in proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert {name: open(os.path.join(out_dir, name), "rb").read() for name in before} == before
 
 
 def test_finished_run_does_nothing(reference_run, cache_dir):

@@ -20,7 +20,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from jaxtrain import config, data
+from jaxtrain import config, data, metrics
 from jaxtrain.config import Config
 from jaxtrain.errors import exit_on_user_error
 from torchref import checkpoint
@@ -195,25 +195,12 @@ class MetricsLog:
     def __init__(self, cfg: Config, resumed_step: int, flops_per_token: float, peak_flops: float | None):
         self.path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
         self.every, self.flops_per_token, self.peak_flops = cfg.log.every, flops_per_token, peak_flops
-        kept = self._lines_until(resumed_step) if resumed_step else []
+        kept = metrics.kept_lines(self.path, resumed_step) if resumed_step else []
         with open(self.path, "w", encoding="utf-8") as f:
             f.writelines(kept)
         self.tokens = self.seconds = 0  # since the last line
         self.total_tokens = self.total_seconds = 0
         self.started = time.perf_counter()
-
-    def _lines_until(self, step: int) -> list[str]:
-        if not os.path.exists(self.path):
-            return []
-        kept = []
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    if json.loads(line)["step"] <= step:
-                        kept.append(line)
-                except (ValueError, KeyError):
-                    break  # a line cut short by the interruption
-        return kept
 
     def __enter__(self):
         self.file = open(self.path, "a", encoding="utf-8")
