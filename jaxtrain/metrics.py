@@ -47,10 +47,10 @@ def kept_lines(path: str, step: int) -> list[str]:
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
-                record = json.loads(line)
-            except ValueError:
+                logged = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
                 break
-            if record["step"] <= step:
+            if logged <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
     return kept
 
