@@ -329,9 +329,16 @@ def dump(cfg: Config) -> str:
 
 
 def save(cfg: Config, out_dir: str) -> None:
+    """<out_dir>/config.yaml: the run's config, readable by --config. run.fresh is written false: it acts once, when
+    the run starts, so `--config <out_dir>/config.yaml` resumes the run instead of setting it aside again."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        f.write(dump(cfg))
+        f.write(dump(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, fresh=False))))
+
+
+def resume_hint(cfg: Config) -> str:
+    """How to resume a stopped run, for both backends' stop messages: not with run.fresh, which starts over."""
+    return "run the same command" + (" without --run.fresh=true" if cfg.run.fresh else "") + " to resume"
 
 
 # Sections and keys that shape the trajectory: resuming with any of them changed is refused. train.steps is not

@@ -210,7 +210,7 @@ def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
         if save or evaluate:
             logger.exclude_time()
         if stop.requested:
-            print(f"saved step {step}; run the same command to resume", file=sys.stderr)
+            print(f"saved step {step}; {config_lib.resume_hint(cfg)}", file=sys.stderr)
             break
     summary["tokens_per_s"] = logger.mean_tokens_per_s()
     return state, summary

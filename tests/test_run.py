@@ -124,6 +124,10 @@ def test_fresh_sets_previous_run_aside(reference_run, tmp_path, cache_dir):
     names = os.listdir(out_dir)
     assert any(n.startswith("checkpoints.") for n in names) and any(n.startswith("metrics.jsonl.") for n in names)
     assert sorted(os.listdir(os.path.join(out_dir, "checkpoints"))) == ["4"]
+    # run.fresh acted once: the saved config resumes this run, it does not set it aside again
+    again = config.load(["--config", os.path.join(out_dir, "config.yaml")])
+    assert not again.run.fresh and run.train(again) == {"steps": 4}
+    assert sorted(os.listdir(out_dir)) == sorted(names)
 
 
 def test_nan_loss_stops_with_a_clear_message(tmp_path, cache_dir):

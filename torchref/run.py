@@ -79,8 +79,7 @@ def train(cfg: Config) -> None:
             if last or stop.requested or progress.step % cfg.checkpoint.every == 0:
                 checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg)
             if stop.requested:
-                again = "the same command" + (" without run.fresh" if cfg.run.fresh else "")
-                print(f"\ninterrupted: saved step {progress.step}; run {again} to resume", file=sys.stderr)
+                print(f"\ninterrupted: saved step {progress.step}; {config.resume_hint(cfg)}", file=sys.stderr)
                 break
     print(f"torchref: {progress.step} steps, loss {loss:.4f}, eval loss {_fmt(eval_loss)}, "
           f"{log.mean_tokens_per_s():,.0f} tokens/s, {log.wall_s():.1f} s wall")
