@@ -244,14 +244,17 @@ def compare_metrics(a_lines: list[dict], b_lines: list[dict], bounds: dict[str, 
         select = eval_lines if column == "eval_loss" else train_lines
         a_col, b_col = _by_step(select(a_lines)), _by_step(select(b_lines))
         at = common if column != "eval_loss" else sorted(a_col.keys() & b_col.keys())
-        pairs = [tuple([_by_step(select(lines))[s][column] for s in at] for lines in pair) for pair in floors]
-        rows.append(compare_series(column, at, [a_col[s][column] for s in at], [b_col[s][column] for s in at],
-                                   bound, pairs))
+        pairs = [tuple(_values(_by_step(select(lines)), column, at) for lines in pair) for pair in floors]
+        rows.append(compare_series(column, at, _values(a_col, column, at), _values(b_col, column, at), bound, pairs))
     return rows
 
 
 def _by_step(lines: list[dict]) -> dict[int, dict]:
     return {line["step"]: line for line in lines}
+
+
+def _values(by_step: dict[int, dict], column: str, steps: list[int]) -> list:
+    return [by_step[s][column] for s in steps]
 
 
 # Directions with zero true gradient --------------------------------------------------------------------------------
