@@ -283,10 +283,9 @@ def zero_gradient_part(name: str, n: int) -> slice | None:
 
 def _parts(state: dict[str, np.ndarray], group: str) -> dict[str, dict[str, np.ndarray]]:
     """The group's tensors, flat, fp64, split into the entries with a true gradient ('') and without (ZERO_GRADIENT)."""
-    suffix = {"params": "", "exp_avg": ".exp_avg", "exp_avg_sq": ".exp_avg_sq"}[group]
     parts = {"": {}, ZERO_GRADIENT: {}}
     for name, x in state.items():
-        if name.endswith((".exp_avg", ".exp_avg_sq")) != bool(suffix) or not name.endswith(suffix):
+        if _group_of(name) != group:
             continue
         x = x.astype(np.float64).ravel()
         zero = zero_gradient_part(name, x.size)
@@ -296,6 +295,11 @@ def _parts(state: dict[str, np.ndarray], group: str) -> dict[str, dict[str, np.n
             parts[ZERO_GRADIENT][name] = x[zero]
         parts[""][name] = x[keep]
     return parts
+
+
+def _group_of(name: str) -> str:
+    """'exp_avg' or 'exp_avg_sq' for AdamW's moments (by their torch-format suffix), else 'params'."""
+    return next((m for m in ("exp_avg_sq", "exp_avg") if name.endswith(f".{m}")), "params")
 
 
 def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float, str | None]:
