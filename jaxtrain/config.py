@@ -80,6 +80,8 @@ class TrainConfig:
     precision: Literal["bf16", "fp32"] = "bf16"  # bf16: bf16 matmuls, fp32 params/grads/optimizer/norms/loss
     eval_every: int = 100  # optimizer steps between evaluations; 0: only at the end
     eval_batches: int = 8  # fixed validation batches of data.batch_size sequences (run in micro-batches)
+    nan_policy: Literal["halt", "skip"] = "halt"  # a non-finite loss or grad norm: halt (resume from the last checkpoint) or skip that update
+    nan_skip_limit: int = 10  # with nan_policy=skip: this many skipped updates in a row halt the run
 
 
 @dataclasses.dataclass
@@ -256,6 +258,7 @@ def validate(cfg: Config) -> None:
         "model.d_model": m.d_model, "data.batch_size": cfg.data.batch_size, "optim.grad_accum_steps": o.grad_accum_steps,
         "train.steps": t.steps, "train.eval_batches": t.eval_batches, "checkpoint.every": cfg.checkpoint.every,
         "checkpoint.max_to_keep": cfg.checkpoint.max_to_keep, "log.every": cfg.log.every, "optim.lr": o.lr,
+        "train.nan_skip_limit": t.nan_skip_limit,
     }
     for key, value in positive.items():
         if value <= 0:

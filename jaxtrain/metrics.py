@@ -1,8 +1,8 @@
 """What a run reports: metrics.jsonl, TensorBoard, the progress bar, and MFU.
 
 metrics.jsonl has one JSON object per logged optimizer step: step (updates completed, 1-based), loss, lr,
-grad_norm, tokens (cumulative), tokens_per_s, mfu (null where the device's peak is unknown); eval lines carry
-step and eval_loss. torchref writes the same format, and gives tokens_per_s the same meaning: valid target tokens
+grad_norm, tokens (cumulative), tokens_per_s, mfu (null where the device's peak is unknown), and with
+train.nan_policy=skip `skipped` (updates skipped so far); eval lines carry step and eval_loss. torchref writes the same format, and gives tokens_per_s the same meaning: valid target tokens
 trained since the previous line over the training time they took, evaluation and checkpoint saves left out (the
 loop calls `exclude_time` after them; an async save's background writing that slows later steps still counts).
 """
@@ -90,8 +90,10 @@ class MetricsLogger:
         self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not (is_main and cfg.log.progress))
 
-    def train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int) -> dict:
-        """Record optimizer step `step` (1-based); `tokens` are the valid target tokens of its window."""
+    def train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int,
+              skipped: int | None = None) -> dict:
+        """Record optimizer step `step` (1-based); `tokens` are the valid target tokens of its window; `skipped`,
+        the updates skipped so far (train.nan_policy=skip only), joins the line when given."""
         now = time.perf_counter()
         seconds, self.last_time, self.tokens = now - self.last_time, now, self.tokens + tokens
         self.line_tokens, self.line_seconds = self.line_tokens + tokens, self.line_seconds + seconds
@@ -100,6 +102,8 @@ class MetricsLogger:
         mfu = tokens_per_s * self.flops_per_token / self.flops_per_s_peak if self.flops_per_s_peak else None
         line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
                 "tokens_per_s": tokens_per_s, "mfu": mfu}
+        if skipped is not None:
+            line["skipped"] = skipped
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:

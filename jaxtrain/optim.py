@@ -89,6 +89,31 @@ def grad_norm(opt_state: optax.MultiStepsState) -> jax.Array:
     return opt_state.inner_opt_state[0].grad_norm
 
 
+def unless_finite(finite: jax.Array, before: tuple, after: tuple) -> tuple:
+    """train.nan_policy=skip: (params, opt_state) `after` the window's update where `finite`, else the update left
+    out. Left out means params, AdamW's moments and counts (so the LR schedule too) as `before`, as HF Trainer and
+    Megatron skip an overflowed step; but the window counts as trained (gradient_step advanced, nothing left
+    accumulated: MultiSteps' reset, 0 * the non-finite sum, would keep NaN), so the data moves on. torchref skips
+    the same way (no optimizer.step(), no scheduler.step())."""
+    def keep(b, a):
+        return jnp.where(finite, a, b)
+    params = jax.tree.map(keep, before[0], after[0])
+    inner = jax.tree.map(keep, before[1].inner_opt_state, after[1].inner_opt_state)
+    acc_grads = jax.tree.map(lambda a: keep(jnp.zeros_like(a), a), after[1].acc_grads)
+    return params, after[1]._replace(inner_opt_state=inner, acc_grads=acc_grads)
+
+
+def applied_updates(opt_state: optax.MultiStepsState) -> jax.Array:
+    """Updates applied so far: AdamW's bias-correction count, which is also the LR schedule's position. It trails
+    the windows trained (gradient_step) by the updates that train.nan_policy=skip left out."""
+    return adam_state(opt_state).count
+
+
+def skipped_updates(opt_state: optax.MultiStepsState) -> jax.Array:
+    """Windows whose update was skipped for a non-finite loss or gradient (train.nan_policy=skip)."""
+    return opt_state.gradient_step - applied_updates(opt_state)
+
+
 def adam_state(opt_state: optax.MultiStepsState) -> optax.ScaleByAdamState:
     """AdamW's moments (mu, nu) and bias-correction count inside the chain: what the torch bridge maps."""
     adamw_state = opt_state.inner_opt_state[2]

@@ -7,7 +7,6 @@ Ctrl-C stops at once (the last saved checkpoint stays intact).
 
 import dataclasses
 import functools
-import math
 import os
 import signal
 import sys
@@ -19,6 +18,7 @@ import numpy as np
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
+from jaxtrain.divergence import Divergence
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import model as model_lib
@@ -56,7 +56,7 @@ class Trainer:
         graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision)
         self.jit_train_step = jax.jit(
             step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), self.data_seed,
-                                     cfg.model.dropout > 0),
+                                     cfg.model.dropout > 0, skip_non_finite=cfg.train.nan_policy == "skip"),
             donate_argnums=0, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
         self.eval_step = jax.jit(step_lib.make_eval_step(graphdef))
 
@@ -146,14 +146,6 @@ class StopRequest:
         signal.signal(signal.SIGINT, self.previous)
 
 
-def check_finite(line: dict, checkpointer: checkpoint_lib.Checkpointer) -> None:
-    if not math.isfinite(line["loss"]):
-        latest = checkpointer.latest_step()  # looked up only on failure: this runs every step
-        saved = f"the checkpoint at step {latest} is intact" if latest is not None else "no checkpoint was saved"
-        raise UserError(f"loss is {line['loss']} at step {line['step']}: training diverged; {saved}. "
-                        f"Lower optim.lr, lengthen optim.warmup_steps or set optim.max_grad_norm, then resume")
-
-
 def train(cfg: Config) -> dict:
     """Train to cfg.train.steps; returns the summary of this run."""
     t0 = time.perf_counter()
@@ -190,22 +182,24 @@ def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
     """Steps start+1 .. train.steps. Each step's metrics are pulled to the host one step late, so the device
     never waits for logging; checkpoints, evals and the end sync on the step they follow."""
     cfg, eval_batches = trainer.cfg, trainer.eval_batches()
+    divergence = Divergence(cfg, trainer.checkpointer.latest_step)
     pending, summary = None, {"start_step": start}
     for step in range(start + 1, cfg.train.steps + 1):
         state, metrics = trainer.train_step(state, *trainer.window(step - 1))
         if pending is not None:
-            report(pending, logger, trainer)
+            report(pending, logger, divergence)
         pending = (step, metrics)
         last = step == cfg.train.steps
         save = last or step % cfg.checkpoint.every == 0 or stop.requested
         evaluate = last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
         if save or evaluate:
-            summary.update(report(pending, logger, trainer))
+            summary.update(report(pending, logger, divergence))
             pending = None
         if evaluate:
             summary["eval_loss"] = trainer.evaluate(state.params, eval_batches)
             logger.eval(step, summary["eval_loss"])
         if save:
+            check_finite_state(state, step)
             trainer.checkpointer.save(state, trainer.data_seed)
         if save or evaluate:
             logger.exclude_time()
@@ -216,11 +210,21 @@ def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
     return state, summary
 
 
-def report(pending, logger, trainer) -> dict:
+def check_finite_state(state, step: int) -> None:
+    """Never save a non-finite value: finite metrics (checked just before) can still follow an update that
+    overflowed the params (a huge LR times a finite gradient)."""
+    if not bool(step_lib.all_finite(state)):
+        raise UserError(f"the state after step {step} holds inf or NaN although its loss and gradient norm are "
+                        f"finite (an update overflowed); it was not saved. Lower optim.lr, then run again")
+
+
+def report(pending, logger, divergence: Divergence) -> dict:
     step, metrics = pending
     host = jax.device_get(metrics)
-    line = logger.train(step, float(host["loss"]), float(host["lr"]), float(host["grad_norm"]), int(host["tokens"]))
-    check_finite(line, trainer.checkpointer)
+    skipped = int(host["skipped"]) if divergence.policy == "skip" else None
+    line = logger.train(step, float(host["loss"]), float(host["lr"]), float(host["grad_norm"]), int(host["tokens"]),
+                        skipped)
+    divergence.check(line)
     return line
 
 

@@ -52,9 +52,20 @@ def fresh_state(cfg: Config, vocab_size: int) -> TrainState:
     return init_state(params, optim.optimizer(cfg))
 
 
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Whether every float in `tree` is finite: one reduction on device, on whatever sharding the arrays have."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.array(leaves))
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    seed: int, dropout: bool) -> Callable:
-    """train_step(state, inputs_KxBxT, targets_KxBxT) -> (state, metrics), metrics as device scalars."""
+                    seed: int, dropout: bool, skip_non_finite: bool = False) -> Callable:
+    """train_step(state, inputs_KxBxT, targets_KxBxT) -> (state, metrics), metrics as device scalars.
+
+    The loss and the gradient norm are checked on device: with `skip_non_finite` (train.nan_policy=skip) a window
+    where either is inf or NaN leaves params and optimizer state as they were (optim.unless_finite); otherwise
+    the host halts on the metrics before anything is saved (run.Divergence)."""
     base_key = jax.random.key(seed)
 
     def micro_loss(params, inputs_BxT, targets_BxT, n_window, dropout_key):
@@ -77,11 +88,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         k = inputs_KxBxT.shape[0]
         (params, opt_state), ce_K = jax.lax.scan(
             micro_step, (state.params, state.opt_state), (jnp.arange(k), inputs_KxBxT, targets_KxBxT))
+        loss, grad_norm = jnp.sum(ce_K) / n_window, optim.grad_norm(opt_state)
+        if skip_non_finite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            params, opt_state = optim.unless_finite(finite, state, (params, opt_state))
         metrics = {
-            "loss": jnp.sum(ce_K) / n_window,
-            "lr": schedule(state.step),
-            "grad_norm": optim.grad_norm(opt_state),
+            "loss": loss,
+            "lr": schedule(optim.applied_updates(state.opt_state)),  # the LR this window's update applies
+            "grad_norm": grad_norm,
             "tokens": n_window,
+            "skipped": optim.skipped_updates(opt_state),
         }
         return TrainState(params, opt_state), metrics
 

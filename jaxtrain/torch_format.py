@@ -4,11 +4,13 @@ A torch-format checkpoint is a folder; torchref/checkpoint.py writes and reads e
 
     model.safetensors      nanoGPT's state dict, fp32, Linear weights (out, in); no lm_head.weight when tied
     optimizer.safetensors  AdamW's moments by param name: `<name>.exp_avg` (our mu), `<name>.exp_avg_sq` (our nu)
-    trainer_state.json     {"format", "step", "lr_scheduler", "tied_embeddings", "data", "rng", "config_hash", "config"}
+    trainer_state.json     {"format", "step", "skipped", "lr_scheduler", "tied_embeddings", "data", "rng",
+                            "config_hash", "config"}
 
 The bridge is lossless: params and moments are fp32 on both sides and only transposed, and a checkpoint is always
-taken at a window boundary, where one number, the optimizer steps completed, is AdamW's bias-correction count, the
-schedule's count and MultiSteps' gradient_step at once. Which name maps to which param, and which are transposed,
+taken at a window boundary, where two numbers say where training stands: `step`, the windows trained
+(MultiSteps' gradient_step, the data position), and `skipped`, those whose update train.nan_policy=skip left
+out (absent: 0); step - skipped is AdamW's bias-correction count and the schedule's count. Which name maps to which param, and which are transposed,
 comes from model.torch_names alone.
 """
 
@@ -49,7 +51,7 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
                         f"of its checkpoints")
     check_new_folder(out_dir)
     names, adam = model.torch_names(state.params), optim.adam_state(state.opt_state)
-    step = int(adam.count)
+    step = int(state.step)
     moments = {f"{name}.{key}": x for field, key in MOMENTS
                for name, x in _torch_arrays(getattr(adam, field), names).items()}
     tmp = out_dir.rstrip("/") + ".tmp"
@@ -58,7 +60,7 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
     save_file(_torch_arrays(state.params, names), os.path.join(tmp, MODEL))
     save_file(moments, os.path.join(tmp, OPTIMIZER))
     with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
-        json.dump(_trainer_state(step, "lm_head.weight" not in names, cfg,
+        json.dump(_trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg,
                                  cfg.run.seed if data_seed is None else data_seed), f, indent=1)
     os.replace(tmp, out_dir)
 
@@ -82,13 +84,14 @@ def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]
     params = _from_torch(template.params, weights, names)
     if not holds_training_state(path):
         return template._replace(params=params), "weights"
-    step = read_trainer_state(path)["step"]
+    trainer_state = read_trainer_state(path)
+    step, skipped = trainer_state["step"], trainer_state.get("skipped", 0)
     moment_shapes = {f"{name}.{key}": shape for name, shape in shapes.items() for _, key in MOMENTS}
     moments = _read_tensors(os.path.join(path, OPTIMIZER), moment_shapes, cfg)
     adam = optim.adam_state(template.opt_state)
     mu, nu = (_from_torch(getattr(adam, field), {n: moments[f"{n}.{key}"] for n in names}, names)
               for field, key in MOMENTS)
-    return TrainState(params, _at_window_boundary(template.opt_state, mu, nu, step)), "full"
+    return TrainState(params, _at_window_boundary(template.opt_state, mu, nu, step, skipped)), "full"
 
 
 def holds_training_state(path: str) -> bool:
@@ -133,16 +136,19 @@ def check_new_folder(out_dir: str) -> None:
                         f"delete it")
 
 
-def _trainer_state(step: int, tied: bool, cfg: Config, data_seed: int) -> dict:
-    """What torchref resumes from besides the tensors. LambdaLR, stepped once per update, stands at
-    last_epoch = step with the next update's LR; jaxtrain has no torch RNG state to give, hence the nulls."""
+def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, data_seed: int) -> dict:
+    """What torchref resumes from besides the tensors. LambdaLR, stepped once per applied update, stands at
+    last_epoch = step - skipped with the next update's LR; jaxtrain has no torch RNG state to give, hence the
+    nulls."""
+    updates = step - skipped
     with jax.enable_x64(True):  # torch keeps the LR as a Python float; an fp32 one would differ in its low bits
-        next_lr = float(optim.lr_schedule(cfg)(np.int64(step)))
+        next_lr = float(optim.lr_schedule(cfg)(np.int64(updates)))
     return {
         "format": FORMAT,
         "step": step,
-        "lr_scheduler": {"last_epoch": step, "_step_count": step + 1, "base_lrs": [cfg.optim.lr] * TORCH_PARAM_GROUPS,
-                         "_last_lr": [next_lr] * TORCH_PARAM_GROUPS},
+        "skipped": skipped,
+        "lr_scheduler": {"last_epoch": updates, "_step_count": updates + 1,
+                         "base_lrs": [cfg.optim.lr] * TORCH_PARAM_GROUPS, "_last_lr": [next_lr] * TORCH_PARAM_GROUPS},
         "tied_embeddings": tied,
         # Random windows have no padding, so every update trained on batch_size x seq_len tokens.
         "data": {"seed": data_seed, "next_step": step, "tokens": step * cfg.data.batch_size * cfg.model.seq_len},
@@ -173,14 +179,16 @@ def _from_torch(template: nnx.State, arrays: dict[str, np.ndarray], names: dict)
     return nnx.from_flat_state([(path, leaf(path, var)) for path, var in nnx.to_flat_state(template)])
 
 
-def _at_window_boundary(template: optax.MultiStepsState, mu, nu, step: int) -> optax.MultiStepsState:
-    """MultiSteps' state right after update `step`: AdamW's moments in place, AdamW's bias-correction count, the
-    LR schedule's count and gradient_step all at step, no micro-step taken and nothing accumulated."""
+def _at_window_boundary(template: optax.MultiStepsState, mu, nu, step: int,
+                        skipped: int) -> optax.MultiStepsState:
+    """MultiSteps' state right after window `step`: AdamW's moments in place, gradient_step at step, AdamW's
+    bias-correction count and the LR schedule's count at the updates applied (step - skipped), no micro-step taken
+    and nothing accumulated."""
     def counted(s):
         if isinstance(s, optax.ScaleByAdamState):
-            return s._replace(count=_put(step, s.count), mu=mu, nu=nu)
+            return s._replace(count=_put(step - skipped, s.count), mu=mu, nu=nu)
         if isinstance(s, optax.ScaleByScheduleState):
-            return s._replace(count=_put(step, s.count))
+            return s._replace(count=_put(step - skipped, s.count))
         return s
 
     inner = jax.tree.map(counted, template.inner_opt_state,

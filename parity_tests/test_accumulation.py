@@ -98,8 +98,8 @@ def torchref_run(k: int, n_windows: int, dtype=torch.float32):
     scheduler = lr_scheduler(optimizer, cfg)
     records = []
     for x, y in windows()[:n_windows]:
-        loss, grad_norm, lr = run.train_step(module, optimizer, scheduler, torch.from_numpy(as_k(x, k)),
-                                             torch.from_numpy(as_k(y, k)), NO_AUTOCAST, MAX_NORM)
+        loss, grad_norm, lr, _ = run.train_step(module, optimizer, scheduler, torch.from_numpy(as_k(x, k)),
+                                                torch.from_numpy(as_k(y, k)), NO_AUTOCAST, MAX_NORM)
         records.append({"clipped": torch_grads(module), "loss": loss, "grad_norm": grad_norm, "lr": lr})
     return records, optimizer, scheduler
 

@@ -65,7 +65,7 @@ def torch_lrs(cfg, n_steps: int) -> np.ndarray:
     lrs = []
     for t in range(n_steps):
         before = model.wte.weight.detach().clone()
-        _, _, reported = train_step(model, optimizer, scheduler, inputs, targets,
+        _, _, reported, _ = train_step(model, optimizer, scheduler, inputs, targets,
                                     contextlib.nullcontext(), max_grad_norm=0.0)
         applied = float((model.wte.weight.detach() - before).abs().max())
         # float64 parameters of O(1): the difference carries ~1e-15 absolute error, 2e-11 relative to an LR.

@@ -240,3 +240,18 @@ def test_torchref_model_reads_the_export(tied, tmp_path):
     with torch.no_grad():
         got = gpt(torch.from_numpy(idx_BxT)).numpy()
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_skipped_updates_cross_the_bridge(tmp_path):
+    """A state whose last window was skipped (train.nan_policy=skip) is STEPS + 1 windows in but STEPS updates:
+    trainer_state says so (step, skipped, LambdaLR at the updates) and the round trip keeps every count."""
+    cfg, state = trained(True)
+    skipped_state = state._replace(opt_state=state.opt_state._replace(gradient_step=state.opt_state.gradient_step + 1))
+    out = str(tmp_path / "torch")
+    torch_format.export(skipped_state, cfg, out)
+    trainer_state = torch_format.read_trainer_state(out)
+    assert (trainer_state["step"], trainer_state["skipped"]) == (STEPS + 1, 1)
+    assert trainer_state["lr_scheduler"]["last_epoch"] == STEPS
+    template = step.fresh_state(cfg, V)
+    loaded, _ = torch_format.load(out, template, cfg)
+    assert_same_state(loaded, skipped_state, template)

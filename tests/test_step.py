@@ -87,3 +87,30 @@ def test_metrics_report_the_applied_lr_and_unclipped_norm():
         assert float(metrics["lr"]) == pytest.approx(default_lr_at(t, 1e-3, 1e-4, 2, 10), rel=1e-6)
         assert float(metrics["grad_norm"]) > 1e-3  # before clipping: far above the clip threshold
     assert int(state.step) == 3 and int(optim.adam_state(state.opt_state).count) == 3
+
+
+def test_skip_leaves_the_update_out_and_moves_the_data_on():
+    """nan_policy=skip: a window with a NaN (here a poisoned param, so the loss and gradient are NaN) leaves
+    params and the optimizer state as they were, bit for bit, but counts as trained; finite windows train exactly
+    as without the guard."""
+    inputs, targets = batch_with_padding()
+    cfg, graphdef, state, plain_step = make(2)
+    skip_step = jax.jit(step.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), seed=0,
+                                             dropout=False, skip_non_finite=True))
+    window = window_of(inputs, targets, 2)
+    guarded, _ = skip_step(state, *window)
+    unguarded, _ = plain_step(state, *window)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(guarded), jax.tree.leaves(unguarded)))
+
+    leaves, treedef = jax.tree.flatten(guarded.params)  # every param takes part in every logit
+    leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nan)
+    poisoned = guarded._replace(params=jax.tree.unflatten(treedef, leaves))
+    after, metrics = skip_step(poisoned, *window)
+    assert np.isnan(float(metrics["loss"])) and int(metrics["skipped"]) == 1
+    assert int(after.step) == 2 and int(optim.adam_state(after.opt_state).count) == 1
+    before_leaves = jax.tree.leaves((poisoned.params, poisoned.opt_state.inner_opt_state))
+    after_leaves = jax.tree.leaves((after.params, after.opt_state.inner_opt_state))
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(before_leaves, after_leaves))
+    assert all(not np.any(x) for x in jax.tree.leaves(after.opt_state.acc_grads))  # nothing left accumulated
+    # the next window's update applies LR(1), the position of the updates applied, not of the windows trained
+    assert float(skip_step(guarded, *window)[1]["lr"]) == pytest.approx(default_lr_at(1, 1e-3, 1e-4, 2, 10), rel=1e-6)

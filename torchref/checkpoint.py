@@ -2,7 +2,9 @@
 
     model.safetensors      the state dict by nanoGPT name, fp32 (a tied lm_head.weight is left out: it is wte)
     optimizer.safetensors  AdamW's moments, `<param name>.exp_avg` and `<param name>.exp_avg_sq`
-    trainer_state.json     step, scheduler, data position, RNG, and the config the run was started with
+    trainer_state.json     step (windows trained), skipped (windows whose update train.nan_policy=skip left out:
+                           AdamW's step count and LambdaLR stand at step - skipped), scheduler, data position, RNG,
+                           and the config the run was started with
 
 This is also jaxtrain's interchange format (jaxtrain.convert, --init.from), so it holds tensors and JSON only,
 never pickles. A folder appears under its step number only once complete (written as .tmp-<step>, then renamed).
@@ -38,12 +40,23 @@ class Progress:
     step: int = 0  # optimizer steps completed
     data_seed: int = 0  # seed of the batch order (run.seed of the run that started it)
     tokens: int = 0  # valid target tokens trained on so far
+    skipped: int = 0  # windows whose update train.nan_policy=skip left out
+
+    @property
+    def updates(self) -> int:
+        """Updates applied: AdamW's step count and the LambdaLR position (a skipped window advances neither)."""
+        return self.step - self.skipped
 
 
 def latest(out_dir: str) -> str | None:
     """The newest complete checkpoint folder in out_dir, or None."""
+    step = latest_step(out_dir)
+    return os.path.join(out_dir, "checkpoints", str(step)) if step is not None else None
+
+
+def latest_step(out_dir: str) -> int | None:
     steps = _saved_steps(os.path.join(out_dir, "checkpoints"))
-    return os.path.join(out_dir, "checkpoints", str(steps[-1])) if steps else None
+    return steps[-1] if steps else None
 
 
 def set_aside(out_dir: str) -> list[str]:
@@ -61,7 +74,11 @@ def set_aside(out_dir: str) -> list[str]:
 
 
 def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Config) -> None:
-    """Write checkpoints/<step>/ whole or not at all, then keep the newest checkpoint.max_to_keep."""
+    """Write checkpoints/<step>/ whole or not at all, then keep the newest checkpoint.max_to_keep. Refuses a
+    state holding inf or NaN (an overflowed update can follow a finite loss and gradient norm)."""
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise UserError(f"the state after step {progress.step} holds inf or NaN although its loss and gradient norm "
+                        f"are finite (an update overflowed); it was not saved. Lower optim.lr, then run again")
     root = os.path.join(out_dir, "checkpoints")
     tmp, final = os.path.join(root, f".tmp-{progress.step}"), os.path.join(root, str(progress.step))
     shutil.rmtree(tmp, ignore_errors=True)
@@ -148,6 +165,7 @@ def _trainer_state(progress: Progress, scheduler, tied: bool, cfg: Config) -> di
         "lr_scheduler": {k: scheduler.state_dict()[k] for k in SCHEDULER_KEYS},
         "tied_embeddings": tied,
         "data": {"seed": progress.data_seed, "next_step": progress.step, "tokens": progress.tokens},
+        "skipped": progress.skipped,
         "rng": {"torch": _b64(torch.get_rng_state()), "cuda": cuda_rng},
         "config_hash": config.config_hash(cfg),
         "config": _resolved(cfg),
@@ -160,15 +178,16 @@ def _restore_training(path: str, state: dict, model, optimizer) -> Progress:
         step, data, rng = state["step"], state["data"], state["rng"]
     except KeyError as e:
         raise UserError(f"{os.path.join(path, 'trainer_state.json')} lacks {e}; {_DAMAGED}") from None
-    _load_adam_moments(os.path.join(path, "optimizer.safetensors"), model, optimizer, step)
+    skipped = state.get("skipped", 0)  # absent before train.nan_policy existed: nothing was skipped
+    _load_adam_moments(os.path.join(path, "optimizer.safetensors"), model, optimizer, step - skipped)
     if rng.get("torch") is not None:  # null in jaxtrain's exports: jaxtrain has no torch RNG state to give
         torch.set_rng_state(_unb64(rng["torch"]))
     if rng.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(_unb64(rng["cuda"]))
-    return Progress(step=step, data_seed=data["seed"], tokens=data.get("tokens", 0))
+    return Progress(step=step, data_seed=data["seed"], tokens=data.get("tokens", 0), skipped=skipped)
 
 
-def _load_adam_moments(file: str, model, optimizer, step: int) -> None:
+def _load_adam_moments(file: str, model, optimizer, updates: int) -> None:
     tensors = _read_tensors(file)
     for name, p in model.named_parameters():
         moments = {}
@@ -179,7 +198,7 @@ def _load_adam_moments(file: str, model, optimizer, step: int) -> None:
                                 f"state does not match the model")
             moments[key] = t.to(device=p.device, dtype=torch.float32)
         # AdamW keeps its bias-correction count per parameter as a float32 scalar tensor.
-        optimizer.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32), **moments}
+        optimizer.state[p] = {"step": torch.tensor(float(updates), dtype=torch.float32), **moments}
 
 
 def _read_tensors(file: str) -> dict:

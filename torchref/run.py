@@ -11,6 +11,7 @@ torch checkpoint format, so the parity suite can lay a torchref run beside a jax
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -22,6 +23,7 @@ from tqdm import tqdm
 
 from jaxtrain import config, data, metrics
 from jaxtrain.config import Config
+from jaxtrain.divergence import Divergence
 from jaxtrain.errors import exit_on_user_error
 from torchref import checkpoint
 from torchref.checkpoint import Progress
@@ -50,7 +52,7 @@ def train(cfg: Config) -> None:
     model = GPT(cfg.model).to(device)
     optimizer = configure_optimizer(model, cfg)
     progress, resumed = start(cfg, model, optimizer)
-    scheduler = lr_scheduler(optimizer, cfg, progress.step)
+    scheduler = lr_scheduler(optimizer, cfg, progress.updates)
     config.save(cfg, cfg.run.out_dir)
     if progress.step >= cfg.train.steps:
         print(f"nothing to train: at step {progress.step} of train.steps={cfg.train.steps}", file=sys.stderr)
@@ -60,16 +62,21 @@ def train(cfg: Config) -> None:
                      estimate_flops_per_token(cfg.model, model.num_params()), peak_flops(cfg, device))
     bar = tqdm(total=cfg.train.steps, initial=progress.step, disable=not cfg.log.progress, unit="step")
     loss = eval_loss = None
+    divergence = Divergence(cfg, lambda: checkpoint.latest_step(cfg.run.out_dir))
+    skip_non_finite = cfg.train.nan_policy == "skip"
     with StopOnCtrlC() as stop, log, bar:
         for step in range(progress.step, cfg.train.steps):
             t0 = time.perf_counter()
             inputs, targets = data.window(tokens, seed=progress.data_seed, step=step, batch_size=cfg.data.batch_size,
                                           accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len)
-            loss, grad_norm, lr = train_step(model, optimizer, scheduler, to_device(inputs, device),
-                                             to_device(targets, device), autocast, cfg.optim.max_grad_norm)
+            loss, grad_norm, lr, applied = train_step(
+                model, optimizer, scheduler, to_device(inputs, device), to_device(targets, device), autocast,
+                cfg.optim.max_grad_norm, skip_non_finite)
             n_tokens = int((targets >= 0).sum())
             progress.step, progress.tokens = step + 1, progress.tokens + n_tokens
-            tokens_per_s = log.train(progress, loss, lr, grad_norm, n_tokens, time.perf_counter() - t0)
+            progress.skipped += not applied
+            tokens_per_s = log.train(progress, loss, lr, grad_norm, n_tokens, time.perf_counter() - t0,
+                                     divergence)
             bar.update()
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
             last = progress.step == cfg.train.steps
@@ -105,9 +112,13 @@ def start(cfg: Config, model, optimizer) -> tuple[Progress, bool]:
     return Progress(data_seed=cfg.run.seed), False
 
 
-def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_norm: float):
+def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_norm: float,
+               skip_non_finite: bool = False):
     """One optimizer update from a window of k micro-batches, inputs and targets (k, B/k, T).
-    Returns the window's mean CE, the global gradient norm before clipping, and the LR this update applied."""
+    Returns the window's mean CE, the global gradient norm before clipping, the LR this update applies, and
+    whether it was applied: with skip_non_finite (train.nan_policy=skip) a non-finite loss or gradient norm leaves
+    the update out, neither optimizer.step() nor scheduler.step() (AdamW's step count and the schedule stay), as
+    HF Trainer and Megatron skip an overflowed step; jaxtrain's optim.unless_finite does the same."""
     optimizer.zero_grad(set_to_none=True)
     loss = accumulate_gradients(model, inputs, targets, autocast)
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -116,9 +127,12 @@ def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     lr = optimizer.param_groups[0]["lr"]
+    loss, grad_norm = loss.item(), grad_norm.item()
+    if skip_non_finite and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return loss, grad_norm, lr, False
     optimizer.step()
     scheduler.step()
-    return loss.item(), grad_norm.item(), lr
+    return loss, grad_norm, lr, True
 
 
 def accumulate_gradients(model, inputs, targets, autocast) -> torch.Tensor:
@@ -209,17 +223,22 @@ class MetricsLog:
         self.file.close()
 
     def train(self, progress: Progress, loss: float, lr: float, grad_norm: float, n_tokens: int,
-              seconds: float) -> float:
-        """Record one optimizer step; returns its tokens/s for the progress bar."""
+              seconds: float, divergence: Divergence) -> float:
+        """Record one optimizer step, and apply train.nan_policy to it (before anything is saved); returns its
+        tokens/s for the progress bar."""
         self.tokens, self.seconds = self.tokens + n_tokens, self.seconds + seconds
         self.total_tokens, self.total_seconds = self.total_tokens + n_tokens, self.total_seconds + seconds
+        tokens_per_s = self.tokens / self.seconds
+        # MFU from valid tokens only: compute spent on padding is not useful work.
+        mfu = self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops else None
+        line = {"step": progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": progress.tokens,
+                "tokens_per_s": tokens_per_s, "mfu": mfu}
+        if divergence.policy == "skip":
+            line["skipped"] = progress.skipped
         if progress.step % self.every == 0:
-            tokens_per_s = self.tokens / self.seconds
-            # MFU from valid tokens only: compute spent on padding is not useful work.
-            mfu = self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops else None
-            self._write({"step": progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                         "tokens": progress.tokens, "tokens_per_s": tokens_per_s, "mfu": mfu})
+            self._write(line)
             self.tokens = self.seconds = 0
+        divergence.check(line)
         return n_tokens / seconds
 
     def eval(self, step: int, eval_loss: float) -> None:

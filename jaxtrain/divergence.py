@@ -1,0 +1,49 @@
+"""train.nan_policy, applied on the host to each optimizer step's metrics line, by both backends (pure Python:
+torchref imports it).
+
+The loss and the gradient norm reach the host for logging anyway, so the check costs no extra sync.
+- halt (the default): a non-finite loss or gradient norm stops the run with exit 2. Both loops check every step
+  before they save, so no checkpoint ever follows a non-finite step, and the message names the newest one.
+- skip: the step itself left the update out (jaxtrain: optim.unless_finite on device; torchref: no
+  optimizer.step()), and the line's cumulative `skipped` count says so. This warns at each skip and halts after
+  train.nan_skip_limit skips in a row (counted within one process: a resumed run starts counting again).
+"""
+
+import math
+import sys
+from typing import Callable
+
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+
+
+class Divergence:
+    def __init__(self, cfg: Config, latest_checkpoint: Callable[[], int | None]):
+        self.policy, self.limit = cfg.train.nan_policy, cfg.train.nan_skip_limit
+        self.latest_checkpoint = latest_checkpoint
+        self.skipped, self.in_a_row = None, 0
+
+    def check(self, line: dict) -> None:
+        """`line`: a metrics.jsonl train line (step, loss, grad_norm; skipped under nan_policy=skip)."""
+        if self.policy == "halt":
+            if not (math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"])):
+                self._halt(line, "training diverged")
+            return
+        if self.skipped is not None and line["skipped"] > self.skipped:
+            self.in_a_row += 1
+            print(f"step {line['step']}: loss {line['loss']}, grad norm {line['grad_norm']}: update skipped "
+                  f"({self.in_a_row} in a row, {line['skipped']} in all)", file=sys.stderr)
+            if self.in_a_row >= self.limit:
+                self._halt(line, f"{self.in_a_row} updates in a row were skipped (train.nan_skip_limit)")
+        else:
+            self.in_a_row = 0
+        self.skipped = line["skipped"]
+
+    def _halt(self, line: dict, what: str) -> None:
+        latest = self.latest_checkpoint()  # looked up only on failure
+        saved = (f"the newest checkpoint, step {latest}, holds only finite values and a resume starts from it"
+                 if latest is not None else "no checkpoint was saved")
+        alternative = " (or train.nan_policy=skip to step over rare bad batches)" if self.policy == "halt" else ""
+        raise UserError(f"loss {line['loss']}, grad norm {line['grad_norm']} at step {line['step']}: {what}; "
+                        f"{saved}. Lower optim.lr, lengthen optim.warmup_steps or set optim.max_grad_norm"
+                        f"{alternative}, then run again")
