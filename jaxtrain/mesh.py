@@ -8,6 +8,7 @@ batch from only its own rows (jax.make_array_from_process_local_data), so no hos
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -67,3 +68,16 @@ def global_array(local_rows: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+@jax.jit
+def _any(flags: jax.Array) -> jax.Array:
+    return jnp.any(flags)
+
+
+def any_process(flag: bool, mesh: Mesh) -> jax.Array:
+    """A replicated bool, True on every process when any process passed True: one small collective (each device
+    holds its process's flag). Dispatched asynchronously; reading it waits for every process to have voted."""
+    sharding = NamedSharding(mesh, P(BATCH_AXES))
+    local = np.full((len(mesh.local_devices),), flag)
+    return _any(global_array(local, sharding))  # a scalar: replicated on every device

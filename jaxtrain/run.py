@@ -1,14 +1,17 @@
 """`python -m jaxtrain.run --config configs/X.yaml [--section.key=value ...]`: the main job.
 
 Wires config, data, mesh, model, optimizer, checkpoints and metrics together; the math lives in optim.py and
-step.py. Resumes from the newest checkpoint in run.out_dir unless run.fresh. Ctrl-C saves and exits; a second
-Ctrl-C stops at once (the last saved checkpoint stays intact).
+step.py. Resumes from the newest checkpoint in run.out_dir unless run.fresh. SIGTERM or Ctrl-C saves the step in flight
+and exits 0, on every process the same step; a second one stops at once (see preemption.py).
 """
+
+if __name__ == "__main__":  # before the imports below (jax takes seconds): a signal during them stops cleanly
+    from jaxtrain import preemption
+    preemption.install()
 
 import dataclasses
 import functools
 import os
-import signal
 import sys
 import time
 
@@ -23,6 +26,7 @@ from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import model as model_lib
 from jaxtrain import optim
+from jaxtrain import preemption
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
@@ -40,6 +44,7 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         mesh_lib.init_distributed()
+        preemption.reclaim()
         self.is_main = jax.process_index() == 0
         self.data = data_lib.load(cfg.data, cfg.model.seq_len)
         vocab_size = data_lib.resolve_vocab_size(cfg.model.vocab_size, self.data)
@@ -130,47 +135,59 @@ def set_aside_previous_run(out_dir: str) -> None:
             print(f"run.fresh: moved the previous {name} to {path}.{stamp}", file=sys.stderr)
 
 
-class StopRequest:
-    """The first Ctrl-C asks the loop to save and stop at the next step boundary; the second stops at once."""
+class AgreedStop:
+    """Whether the run stops after this step: the same answer on every process. One process: its own signal.
+    Several: mesh.any_process over every process's flag, dispatched after each step and read after the next, so the
+    loop never waits for it and every host saves the same step (a preemption may signal one host only)."""
 
-    def __init__(self):
-        self.requested = False
-        self.previous = signal.signal(signal.SIGINT, self._handle)
+    def __init__(self, stop: preemption.StopRequest, mesh):
+        self.stop, self.mesh, self.several = stop, mesh, jax.process_count() > 1
+        self.vote = None
 
-    def _handle(self, signum, frame):
-        self.requested = True
-        signal.signal(signal.SIGINT, self.previous)
-        print("\nstopping after this step and saving a checkpoint (Ctrl-C again to stop now)", file=sys.stderr)
+    def now(self) -> bool:
+        """Blocking, for start-up."""
+        return bool(mesh_lib.any_process(self.stop.requested, self.mesh)) if self.several else self.stop.requested
 
-    def restore(self):
-        signal.signal(signal.SIGINT, self.previous)
+    def after_step(self) -> bool:
+        if not self.several:
+            return self.stop.requested
+        agreed = self.vote is not None and bool(self.vote)
+        self.vote = mesh_lib.any_process(self.stop.requested, self.mesh)
+        return agreed
 
 
 def train(cfg: Config) -> dict:
     """Train to cfg.train.steps; returns the summary of this run."""
     t0 = time.perf_counter()
-    trainer = Trainer(cfg)
-    cfg = trainer.cfg  # model.vocab_size resolved
-    state = trainer.initial_state()
-    if trainer.is_main:  # after the resume check: a refused resume leaves the run folder as it was
-        config_lib.save(cfg, cfg.run.out_dir)
-    start = int(state.step)
-    if start >= cfg.train.steps:
-        print(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do", file=sys.stderr)
-        return {"steps": start}
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    stop, logger = StopRequest(), None  # from here on a Ctrl-C saves cleanly, also one during compilation
+    stop = preemption.install()  # `python -m jaxtrain.run` installed it before importing jax
+    trainer = logger = None
     try:
-        trainer.compile(state)
+        trainer = Trainer(cfg)
+        cfg, agreed = trainer.cfg, AgreedStop(stop, trainer.mesh)  # cfg: model.vocab_size resolved
+        state = trainer.initial_state()
+        if trainer.is_main:  # after the resume check: a refused resume leaves the run folder as it was
+            config_lib.save(cfg, cfg.run.out_dir)
+        start = int(state.step)
+        if start >= cfg.train.steps:
+            print(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do", file=sys.stderr)
+            return {"steps": start}
+        if not agreed.now():  # a signal during start-up stops it between phases: before or after compiling
+            trainer.compile(state)
+        if agreed.now():
+            print(f"stopped before the first step, nothing new to save; {config_lib.resume_hint(cfg)}",
+                  file=sys.stderr)
+            return {"steps": start, "stopped": True}
+        n_params = sum(x.size for x in jax.tree.leaves(state.params))
         logger = metrics_lib.MetricsLogger(
             cfg, start_step=start, flops_per_token=metrics_lib.flops_per_token(cfg, n_params),
             n_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind, is_main=trainer.is_main)
-        state, summary = loop(trainer, state, start, logger, stop)
+        state, summary = loop(trainer, state, start, logger, agreed)
         summary["wall_s"] = time.perf_counter() - t0  # start-up and compilation included
     finally:
-        stop.restore()
-        trainer.checkpointer.wait()
-        trainer.checkpointer.close()
+        preemption.uninstall()
+        if trainer:
+            trainer.checkpointer.wait()
+            trainer.checkpointer.close()
         if logger:
             logger.close()
     if trainer.is_main:
@@ -178,7 +195,7 @@ def train(cfg: Config) -> dict:
     return summary
 
 
-def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
+def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
     """Steps start+1 .. train.steps. Each step's metrics are pulled to the host one step late, so the device
     never waits for logging; checkpoints, evals and the end sync on the step they follow."""
     cfg, eval_batches = trainer.cfg, trainer.eval_batches()
@@ -188,9 +205,9 @@ def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
         state, metrics = trainer.train_step(state, *trainer.window(step - 1))
         if pending is not None:
             report(pending, logger, divergence)
-        pending = (step, metrics)
+        pending, stopping = (step, metrics), agreed.after_step()
         last = step == cfg.train.steps
-        save = last or step % cfg.checkpoint.every == 0 or stop.requested
+        save = last or step % cfg.checkpoint.every == 0 or stopping
         evaluate = last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
         if save or evaluate:
             summary.update(report(pending, logger, divergence))
@@ -203,7 +220,7 @@ def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
             trainer.checkpointer.save(state, trainer.data_seed)
         if save or evaluate:
             logger.exclude_time()
-        if stop.requested:
+        if stopping:
             print(f"saved step {step}; {config_lib.resume_hint(cfg)}", file=sys.stderr)
             break
     summary["tokens_per_s"] = logger.mean_tokens_per_s()

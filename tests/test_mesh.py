@@ -27,11 +27,6 @@ LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
 def one_device_losses(tmp_path_factory, cache_dir):
     out_dir = str(tmp_path_factory.mktemp("one"))
     run.train(config.load(SMALL + [f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}"]))

@@ -178,15 +178,16 @@ def test_checkpoint_files(straight_run):
     assert state["data"] == {"seed": 0, "next_step": 6, "tokens": 6 * 8 * 16}
 
 
-def test_resume_after_ctrl_c_is_bit_exact(straight_run, token_dir, tmp_path, monkeypatch, capsys):
-    """Ctrl-C during step 3 stops after it with a checkpoint; the same command then finishes the run exactly as
-    the run that never stopped (dropout on, so the RNG state must be restored too)."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_resume_after_a_signal_is_bit_exact(straight_run, token_dir, tmp_path, monkeypatch, capsys, signum):
+    """Ctrl-C or SIGTERM (a preemption) during step 3 stops after it with a checkpoint; the same command then
+    finishes the run exactly as the run that never stopped (dropout on, so the RNG state must be restored too)."""
     calls = []
 
     def interrupted_at_step_3(*args):
         calls.append(1)
         if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
         return train_step(*args)
 
     train_step = run.train_step

@@ -59,6 +59,15 @@ def latest_step(out_dir: str) -> int | None:
     return steps[-1] if steps else None
 
 
+def remove_partial(out_dir: str) -> None:
+    """Delete what a save cut short by a kill or a second signal left: its `.tmp-<step>` folder, never a
+    checkpoint (a save renames its folder to the step only once it is complete)."""
+    root = os.path.join(out_dir, "checkpoints")
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(root, name))
+
+
 def set_aside(out_dir: str) -> list[str]:
     """For run.fresh: move the existing checkpoints and metrics.jsonl to <name>.before-fresh-<time>, and return
     where. Left in place, the checkpoints' higher step numbers would make max_to_keep delete the new run's and a

@@ -6,14 +6,19 @@ The standard loop, in the standard order, once per optimizer step:
               -> optimizer.step() -> scheduler.step()
 
 It reads the same config, trains on the same batches (jaxtrain.data), and writes the same metrics.jsonl and the
-torch checkpoint format, so the parity suite can lay a torchref run beside a jaxtrain run.
+torch checkpoint format, so the parity suite can lay a torchref run beside a jaxtrain run. SIGTERM and Ctrl-C
+stop it as they stop jaxtrain (jaxtrain.preemption): the step in flight is finished (a signal inside
+optimizer.step() could leave some tensors updated and others not), saved, and the run exits 0.
 """
+
+if __name__ == "__main__":  # before the imports below (torch takes seconds): a signal during them stops cleanly
+    from jaxtrain import preemption
+    preemption.install()
 
 import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import time
 
@@ -21,7 +26,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from jaxtrain import config, data, metrics
+from jaxtrain import config, data, metrics, preemption
 from jaxtrain.config import Config
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import exit_on_user_error
@@ -43,6 +48,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg: Config) -> None:
     """Train cfg.train.steps optimizer steps in total, continuing from out_dir's checkpoints when there are any."""
+    stop = preemption.install()  # `python -m torchref.run` installed it before importing torch
+    try:
+        _train(cfg, stop)
+    finally:
+        preemption.uninstall()
+
+
+def _train(cfg: Config, stop: preemption.StopRequest) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.run.seed)
     tokens = data.load(cfg.data, cfg.model.seq_len)
@@ -57,6 +70,9 @@ def train(cfg: Config) -> None:
     if progress.step >= cfg.train.steps:
         print(f"nothing to train: at step {progress.step} of train.steps={cfg.train.steps}", file=sys.stderr)
         return
+    if stop.requested:
+        print(f"stopped before the first step, nothing new to save; {config.resume_hint(cfg)}", file=sys.stderr)
+        return
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16")
     log = MetricsLog(cfg, progress.step if resumed else 0,
                      estimate_flops_per_token(cfg.model, model.num_params()), peak_flops(cfg, device))
@@ -64,7 +80,7 @@ def train(cfg: Config) -> None:
     loss = eval_loss = None
     divergence = Divergence(cfg, lambda: checkpoint.latest_step(cfg.run.out_dir))
     skip_non_finite = cfg.train.nan_policy == "skip"
-    with StopOnCtrlC() as stop, log, bar:
+    with log, bar:
         for step in range(progress.step, cfg.train.steps):
             t0 = time.perf_counter()
             inputs, targets = data.window(tokens, seed=progress.data_seed, step=step, batch_size=cfg.data.batch_size,
@@ -95,6 +111,7 @@ def train(cfg: Config) -> None:
 def start(cfg: Config, model, optimizer) -> tuple[Progress, bool]:
     """Where training begins: out_dir's newest checkpoint (unless run.fresh), else init.from, else step 0 with
     the fresh init. Also says whether this is a resume, whose metrics.jsonl is kept up to the resumed step."""
+    checkpoint.remove_partial(cfg.run.out_dir)
     if cfg.run.fresh:
         for moved in checkpoint.set_aside(cfg.run.out_dir):
             print(f"run.fresh: moved the previous run's files to {moved}", file=sys.stderr)
@@ -253,24 +270,6 @@ class MetricsLog:
     def _write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-
-
-class StopOnCtrlC:
-    """The first Ctrl-C asks the loop to stop once the step in flight is done, so the checkpoint it then saves
-    holds whole updates (a KeyboardInterrupt inside optimizer.step() could leave some tensors updated and others
-    not). A second Ctrl-C interrupts at once."""
-
-    def __enter__(self):
-        self.requested = False
-        self.previous = signal.signal(signal.SIGINT, self._request)
-        return self
-
-    def _request(self, signum, frame):
-        self.requested = True
-        signal.signal(signal.SIGINT, self.previous)
-
-    def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self.previous)
 
 
 def _fmt(x: float | None) -> str:

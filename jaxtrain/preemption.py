@@ -1,0 +1,70 @@
+"""Stopping on a signal, in both backends (pure Python: torchref imports it, and `python -m jaxtrain.run` installs it
+before it imports jax, so that a signal during start-up is handled too).
+
+SIGTERM (what TPU/GCE preemption, SLURM and Kubernetes send, with a grace period) and SIGINT (Ctrl-C) mean: finish
+the step in flight, save it, exit 0 naming the step and the resume command. Before the first step there is nothing
+new to save: the run stops at the end of the start-up phase it is in. A second signal means now: one line, exit
+128 + signal, no traceback; a save it interrupts never becomes a checkpoint (Orbax and torchref write to a
+temporary name and rename only a complete one), and the next start cleans what it left.
+
+On several processes each sees only its own signal (a preemption may reach one host); jaxtrain's loop agrees on the
+request through a collective (mesh.any_process) so that every host saves the same step.
+"""
+
+import os
+import signal
+import sys
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    def __init__(self):
+        self.requested = False
+        self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested:
+            print(f"\n{name} again: stopping now, without saving this step (the checkpoints already saved are "
+                  f"intact)", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.requested = True
+        print(f"\n{name}: stopping once the step in flight is done and saved ({name} again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def reclaim(self) -> None:
+        """Handle the signals again after something took them: jax.distributed.initialize installs TSL's
+        preemption notifier as the SIGTERM handler, which would note the signal for its own sync point and keep
+        training; jaxtrain agrees on a stop through its own collective instead (run.AgreedStop)."""
+        for s in SIGNALS:
+            signal.signal(s, self._handle)
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+_installed: StopRequest | None = None
+
+
+def install() -> StopRequest:
+    """The process's StopRequest, installed on first use (the main thread only: Python's rule for signals)."""
+    global _installed
+    if _installed is None:
+        _installed = StopRequest()
+    return _installed
+
+
+def reclaim() -> None:
+    """After jax.distributed.initialize: the StopRequest, if one is installed, takes the signals back."""
+    if _installed is not None:
+        _installed.reclaim()
+
+
+def uninstall() -> None:
+    """Give the signals back (a run called in-process, as the tests do, must not leave its handlers behind)."""
+    global _installed
+    if _installed is not None:
+        _installed.restore()
+        _installed = None

@@ -1,0 +1,126 @@
+"""Stopping on a signal (jaxtrain.preemption): SIGTERM and Ctrl-C save the step in flight and exit 0, on every
+process the same step; a second signal stops at once; a signal during start-up stops it. Every case then resumes
+with the same command to the uninterrupted run's metrics and params, bit for bit."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from test_mesh import SMALL, free_port
+from test_run import final_params, read_metrics, small_args, without_timing
+from jaxtrain import config, run
+
+# Long enough (~10 s here) that a signal 1 s after compilation lands mid-run.
+LONG = ("--train.steps=600", "--checkpoint.every=200", "--train.eval_every=200")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache_dir):
+    out_dir = str(tmp_path_factory.mktemp("straight"))
+    run.train(config.load(small_args(out_dir, cache_dir, *LONG)))
+    return out_dir
+
+
+def start(out_dir, cache_dir, *extra, env=None):
+    cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, *LONG, *extra)]
+    return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env), cmd
+
+
+def wait_for(proc, words: str) -> str:
+    """stderr up to the first line holding `words`."""
+    seen = ""
+    for line in proc.stderr:
+        seen += line
+        if words in line:
+            return seen
+    raise AssertionError(f"never printed {words!r}:\n{seen}")
+
+
+def assert_resumes_to(out_dir, cache_dir, straight_dir):
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, *LONG)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert not [n for n in os.listdir(os.path.join(out_dir, "checkpoints")) if "tmp" in n]
+    assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(straight_dir))
+    for a, b in zip(final_params(out_dir, cache_dir, *LONG), final_params(straight_dir, cache_dir, *LONG)):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_saves_the_step_in_flight_and_resumes_bitwise(tmp_path, cache_dir, straight, signum):
+    out_dir = str(tmp_path / "stopped")
+    proc, _ = start(out_dir, cache_dir)
+    wait_for(proc, "compiled the train step")
+    time.sleep(1.0)
+    logged = len(read_metrics(out_dir))  # lines are written one step late: the step in flight is at most 2 ahead
+    proc.send_signal(signum)
+    err = proc.stderr.read()
+    assert proc.wait() == 0 and "Traceback" not in err, err
+    saved = int(err.split("saved step ")[1].split(";")[0])
+    assert logged <= saved <= logged + 2 and saved < 600, (logged, saved)
+    assert os.path.isdir(os.path.join(out_dir, "checkpoints", str(saved)))
+    assert_resumes_to(out_dir, cache_dir, straight)
+
+
+@pytest.mark.parametrize("delay", [0.3, 2.5], ids=["during-imports", "during-start-up"])
+def test_ctrl_c_during_start_up_stops_cleanly(tmp_path, cache_dir, straight, delay):
+    out_dir = str(tmp_path / "early")
+    proc, _ = start(out_dir, cache_dir)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait() == 0 and "Traceback" not in err and "Exception ignored" not in err, err
+    assert "stopped before the first step" in err or "saved step" in err, err  # a slow start may reach step 1
+    assert_resumes_to(out_dir, cache_dir, straight)
+
+
+@pytest.mark.slow
+def test_a_second_signal_stops_at_once_and_the_next_start_resumes(tmp_path, cache_dir, straight):
+    """The second SIGTERM lands in the step or the save the first one asked for: exit 143 at once (or 0 when the save
+    won the race), one line, no traceback; a cut save is no checkpoint, and the next start cleans it up."""
+    out_dir = str(tmp_path / "twice")
+    proc, _ = start(out_dir, cache_dir)
+    wait_for(proc, "compiled the train step")
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    wait_for(proc, "SIGTERM: stopping")
+    proc.send_signal(signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.wait() in (0, 128 + signal.SIGTERM) and "Traceback" not in err, err
+    assert_resumes_to(out_dir, cache_dir, straight)
+
+
+def two_processes(out_dir, cache_dir, port):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2")
+    cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}",
+           f"--data.cache_dir={cache_dir}", "--mesh.fsdp=2", "--train.steps=60", "--checkpoint.every=30",
+           "--train.eval_every=30"]
+    return [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(env, JAX_PROCESS_ID=str(i)))
+            for i in range(2)]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_host_saves_the_same_step_on_both(tmp_path, cache_dir):
+    """Two processes on localhost; SIGTERM reaches process 1 only (a preemption notice to one host): both agree,
+    save the same step and exit 0; started again, the pair finishes exactly like a pair never stopped."""
+    straight_dir, out_dir = str(tmp_path / "straight2"), str(tmp_path / "stopped2")
+    for p in two_processes(straight_dir, cache_dir, free_port()):
+        assert p.wait(timeout=600) == 0, p.stderr.read()
+    procs = two_processes(out_dir, cache_dir, free_port())
+    wait_for(procs[0], "compiled the train step")
+    time.sleep(1.0)
+    procs[1].send_signal(signal.SIGTERM)
+    errs = [p.stderr.read() for p in procs]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0], errs
+    saved = {int(e.split("saved step ")[1].split(";")[0]) for e in errs if "saved step " in e}
+    assert len(saved) == 1 and all("saved step" in e for e in errs), errs
+    assert os.path.isdir(os.path.join(out_dir, "checkpoints", str(saved.pop())))
+    for p in two_processes(out_dir, cache_dir, free_port()):
+        assert p.wait(timeout=600) == 0, p.stderr.read()
+    assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(straight_dir))
