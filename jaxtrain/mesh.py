@@ -10,6 +10,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import Config, validate_devices
@@ -32,6 +33,12 @@ def init_distributed() -> None:
         jax.distributed.initialize(num_processes=n, process_id=i)
     elif any(env.get(name) for name in ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")):
         jax.distributed.initialize()
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived (nothing to do on one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def make_mesh(cfg: Config) -> Mesh:

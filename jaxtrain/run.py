@@ -27,6 +27,7 @@ from jaxtrain import metrics as metrics_lib
 from jaxtrain import model as model_lib
 from jaxtrain import optim
 from jaxtrain import preemption
+from jaxtrain import runlock
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
@@ -46,6 +47,16 @@ class Trainer:
         mesh_lib.init_distributed()
         preemption.reclaim()
         self.is_main = jax.process_index() == 0
+        # Taken before anything touches the run folder, so that a refused start leaves it as it was.
+        self.lock = runlock.RunLock(cfg.run.out_dir) if self.is_main else None
+        self.checkpointer = None
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: Config) -> None:
         self.data = data_lib.load(cfg.data, cfg.model.seq_len)
         vocab_size = data_lib.resolve_vocab_size(cfg.model.vocab_size, self.data)
         # Written down, so that config.yaml and every checkpoint say what the model was built with.
@@ -55,6 +66,7 @@ class Trainer:
         self.state_sharding = jax.tree.map(lambda x: x.sharding, self.abstract_state)
         if cfg.run.fresh and self.is_main:
             set_aside_previous_run(cfg.run.out_dir)
+        mesh_lib.barrier("run.fresh")  # no host looks for checkpoints before the set-aside is done
         self.checkpointer = checkpoint_lib.Checkpointer(cfg)
         self.resume_step = self.checkpointer.latest_step()
         self.data_seed = self._data_seed()
@@ -64,6 +76,14 @@ class Trainer:
                                      cfg.model.dropout > 0, skip_non_finite=cfg.train.nan_policy == "skip"),
             donate_argnums=0, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
         self.eval_step = jax.jit(step_lib.make_eval_step(graphdef))
+
+    def close(self) -> None:
+        """Finish the saves in flight and give the run folder back."""
+        if self.checkpointer:
+            self.checkpointer.wait()
+            self.checkpointer.close()
+        if self.lock:
+            self.lock.release()
 
     def _data_seed(self) -> int:
         """Seed of the batch order and dropout: the resumed checkpoint's; a full training state's in init.from
@@ -186,8 +206,7 @@ def train(cfg: Config) -> dict:
     finally:
         preemption.uninstall()
         if trainer:
-            trainer.checkpointer.wait()
-            trainer.checkpointer.close()
+            trainer.close()
         if logger:
             logger.close()
     if trainer.is_main:

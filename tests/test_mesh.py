@@ -55,7 +55,7 @@ cfg = config.load(sys.argv[1:])
 trainer = run.Trainer(cfg)
 kernel = trainer.abstract_state.params["h"][0]["mlp"]["c_fc"]["kernel"]
 print("devices", len(trainer.mesh.devices.flat), "kernel spec", tuple(kernel.sharding.spec), flush=True)
-trainer.checkpointer.close()
+trainer.close()
 run.train(cfg)
 """
 

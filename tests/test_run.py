@@ -36,7 +36,7 @@ def final_params(out_dir, cache_dir, *extra):
     cfg = config.load(small_args(out_dir, cache_dir, *extra))
     trainer = run.Trainer(cfg)
     state = trainer.checkpointer.restore(cfg.train.steps, trainer.abstract_state)
-    trainer.checkpointer.close()
+    trainer.close()
     return jax.tree.leaves(jax.device_get(state))
 
 

@@ -26,7 +26,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from jaxtrain import config, data, metrics, preemption
+from jaxtrain import config, data, metrics, preemption, runlock
 from jaxtrain.config import Config
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import exit_on_user_error
@@ -48,11 +48,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg: Config) -> None:
     """Train cfg.train.steps optimizer steps in total, continuing from out_dir's checkpoints when there are any."""
+    lock = runlock.RunLock(cfg.run.out_dir)  # before anything touches the run folder: a refused start leaves it be
     stop = preemption.install()  # `python -m torchref.run` installed it before importing torch
     try:
         _train(cfg, stop)
     finally:
         preemption.uninstall()
+        lock.release()
 
 
 def _train(cfg: Config, stop: preemption.StopRequest) -> None:
