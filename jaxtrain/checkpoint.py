@@ -1,7 +1,8 @@
 """Orbax checkpoints in <out_dir>/checkpoints/<step>/, verified on resume, with fallback past a bad one.
 
 Each step folder holds `state` (params and the whole optax state, MultiSteps counters included, saved sharded
-by orbax) and `meta` (JSON: the step, the resolved config and a fingerprint of every array). Saves are asynchronous: training continues while the arrays are written, and orbax only renames a
+by orbax) and `meta` (JSON: the step, the resolved config, the eval loss if one ran at that step, and a fingerprint
+of every array). Saves are asynchronous: training continues while the arrays are written, and orbax only renames a
 step folder into place once it is complete, so a crash during a save never leaves a half-written checkpoint where
 resume would find it (its `<step>.orbax-checkpoint-tmp` folder is removed at the next start). Restore places every
 array directly on its target sharding (MaxText-style), so a pod never gathers a full copy on one host.
@@ -11,12 +12,14 @@ Resume takes the newest checkpoint that reads and matches its fingerprint. One t
 older one is tried. When none passes, the run stops and moves nothing. A changed config is not corruption: it is
 refused (config.check_same_trajectory) before any array is read.
 
-Rotation keeps the newest checkpoint.max_to_keep. Orbax deletes the steps that fall out only after the new step is
-committed (CheckpointManager._finalize, after the async write and its rename).
+Rotation keeps the newest checkpoint.max_to_keep, and with checkpoint.keep_best also the one with the lowest eval
+loss so far (only steps where an eval ran have one), whatever its age. Orbax deletes the steps that fall out only
+after the new step is committed (CheckpointManager._finalize, after the async write and its rename).
 """
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import functools
 import os
@@ -48,30 +51,47 @@ class Resumed(NamedTuple):
     data_seed: int  # orders the batches: run.seed, or the data seed of a full state the run started from
 
 
+@dataclasses.dataclass
+class KeepNewestAndBest:
+    """Orbax preservation policy: the newest `n` steps, and `best_step` (set with checkpoint.keep_best).
+    Orbax's own best_fn with max_to_keep keeps the n best instead of the n newest, and reads its metrics file of
+    every step when it starts (a corrupt one stops the start); this policy takes the best from our meta."""
+    n: int
+    best_step: int | None = None
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        newest = sorted(info.step for info in checkpoints)[-self.n:]
+        return [info.step in newest or info.step == self.best_step for info in checkpoints]
+
+
 class Checkpointer:
     def __init__(self, cfg: Config):
         if cfg.model.vocab_size is None:  # the saved config must say what the model was built with
             raise ValueError("Checkpointer needs a config with model.vocab_size resolved (see run.Trainer)")
         self.directory = os.path.abspath(os.path.join(cfg.run.out_dir, "checkpoints"))
+        self.keep = KeepNewestAndBest(cfg.checkpoint.max_to_keep)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.checkpoint.max_to_keep,
+            preservation_policy=self.keep,
             enable_async_checkpointing=cfg.checkpoint.async_save,
             cleanup_tmp_directories=True,  # a killed save's <step>.orbax-checkpoint-tmp; on the primary process
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self.cfg = cfg
+        self.best = None  # {"step", "eval_loss"}: the lowest eval loss among this run's saves
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, state, data_seed: int) -> None:
+    def save(self, state, data_seed: int, eval_loss: float | None = None) -> None:
         """Start saving `state` at its optimizer step (returns once its fingerprint is computed and the arrays are
         copied off the device, before the write completes). `data_seed` orders the batches (run.seed, or the data
-        seed of a full state the run started from: data.continued_seed)."""
+        seed of a full state the run started from: data.continued_seed); `eval_loss`: the eval at this step."""
         step = int(state.step)
-        meta = {"step": step, "data_seed": data_seed, "fingerprint": fingerprint(state),
-                "config": yaml.safe_load(config_lib.dump(self.cfg))}
+        if eval_loss is not None and (self.best is None or eval_loss < self.best["eval_loss"]):
+            self._set_best({"step": step, "eval_loss": eval_loss})
+        meta = {"step": step, "data_seed": data_seed, "eval_loss": eval_loss, "best": self.best,
+                "fingerprint": fingerprint(state), "config": yaml.safe_load(config_lib.dump(self.cfg))}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -86,6 +106,7 @@ class Checkpointer:
                 failed.append((step, str(e)))
                 continue
             self._set_aside(failed)
+            self._set_best(meta.get("best"))
             return Resumed(step, state, meta.get("data_seed", meta["config"]["run"]["seed"]))
         if failed:
             raise UserError(f"none of the {len(failed)} checkpoints in {self.directory} can be resumed (newest: "
@@ -127,6 +148,11 @@ class Checkpointer:
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("jaxtrain: corrupt checkpoints set aside")
         self.manager.reload()
+
+    def _set_best(self, best: dict | None) -> None:
+        self.best = best
+        if self.cfg.checkpoint.keep_best and best is not None:
+            self.keep.best_step = best["step"]
 
     def _step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))

@@ -207,7 +207,7 @@ def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
             summary["eval_loss"] = trainer.evaluate(state.params, eval_batches)
             logger.eval(step, summary["eval_loss"])
         if save:
-            trainer.checkpointer.save(state, trainer.data_seed)
+            trainer.checkpointer.save(state, trainer.data_seed, summary["eval_loss"] if evaluate else None)
         if save or evaluate:
             logger.exclude_time()
         if stop.requested:

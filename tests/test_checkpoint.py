@@ -1,4 +1,4 @@
-"""Checkpoints that verify themselves: the fingerprint, fallback past a corrupt checkpoint, rotation."""
+"""Checkpoints that verify themselves: the fingerprint, fallback past a corrupt checkpoint, rotation, keep_best."""
 
 import glob
 import json
@@ -144,6 +144,33 @@ def test_changed_config_is_refused_not_taken_for_corruption(reference, tmp_path,
     shutil.copytree(reference, out_dir)
     garbage(os.path.join(out_dir, "checkpoints", "8", "meta", "metadata"))
     assert_refused_and_untouched(out_dir, cache_dir, ("--optim.lr=1e-2",), "optim.lr: 0.001 -> 0.01")
+
+
+@pytest.mark.parametrize("max_to_keep", [1, 2])
+def test_keep_best_keeps_the_best_and_the_newest_and_resumes_from_the_newest(tmp_path, cache_dir, capsys,
+                                                                             max_to_keep):
+    """lr 0.05 overshoots, so the lowest eval loss comes at an early step (asserted) that rotation alone deletes."""
+    out_dir = str(tmp_path / "run")
+    args = ("--optim.lr=0.05", "--optim.decay_steps=8", "--checkpoint.every=2", "--train.eval_every=2",
+            "--checkpoint.keep_best=true", f"--checkpoint.max_to_keep={max_to_keep}")
+    run.train(config.load(small_args(out_dir, cache_dir, *args)))
+    best, newest = best_eval_step(out_dir), [2, 4, 6, 8][-max_to_keep:]
+    assert best not in newest  # else this test shows nothing
+    assert saved_steps(out_dir) == sorted([best, *newest])
+
+    run.train(config.load(small_args(out_dir, cache_dir, *args, "--train.steps=10")))
+    assert "resuming from step 8" in capsys.readouterr().err
+    assert best_eval_step(out_dir) == best
+    assert saved_steps(out_dir) == sorted([best, *[4, 6, 8, 10][-max_to_keep:]])
+
+
+def best_eval_step(out_dir) -> int:
+    evals = {line["step"]: line["eval_loss"] for line in read_metrics(out_dir) if "eval_loss" in line}
+    return min(evals, key=evals.get)
+
+
+def saved_steps(out_dir) -> list[int]:
+    return sorted(int(name) for name in os.listdir(os.path.join(out_dir, "checkpoints")))
 
 
 def numpy_checksum(x: np.ndarray) -> int:
