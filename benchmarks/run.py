@@ -4,8 +4,9 @@
 
 Prints one table. Each row times `--steps` optimizer steps after two warm-up steps (compilation, allocator), on
 the same batches, and reports the median step time, tokens/s and MFU (nanoGPT's FLOPs per token; MFU needs the
-device's peak, which is unknown for CPUs: pass --peak-tflops). Run it on a quiet machine: other jobs on the same
-cores show up as noise.
+device's peak, which is unknown for CPUs: pass --peak-tflops). Then the median time of a checkpoint fingerprint
+(checkpoint.fingerprint), which each save adds once. Run it on a quiet machine: other jobs on the same cores show
+up as noise.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import time
 
 import jax
 
+from jaxtrain import checkpoint
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import metrics, optim
@@ -68,6 +70,17 @@ def torchref_step_times(cfg, tokens, steps: int) -> list[float]:
     return times[2:]
 
 
+def fingerprint_times(cfg, steps: int) -> list[float]:
+    """Seconds per checkpoint fingerprint of a fresh state (params and optimizer state): what each save adds."""
+    state = step_lib.fresh_state(cfg, cfg.model.vocab_size)
+    times = []
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        checkpoint.fingerprint(state)  # blocks: the sums come to the host
+        times.append(time.perf_counter() - start)
+    return times[2:]
+
+
 def window(cfg, tokens, step):
     return data_lib.window(tokens, seed=cfg.run.seed, step=step, batch_size=cfg.data.batch_size,
                            accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len)
@@ -108,6 +121,8 @@ def main(argv: list[str]) -> None:
         if not args.skip_torch:
             print(row(f"torchref {precision}", cfg, torchref_step_times(cfg, tokens, args.steps), flops_per_token,
                       peak), flush=True)
+    print(f"\ncheckpoint fingerprint of the whole state, once per save: "
+          f"{statistics.median(fingerprint_times(base, args.steps)) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,36 @@
-"""Orbax checkpoints in <out_dir>/checkpoints/<step>/ and resuming from them.
+"""Orbax checkpoints in <out_dir>/checkpoints/<step>/, verified on resume, with fallback past a bad one.
 
 Each step folder holds `state` (params and the whole optax state, MultiSteps counters included, saved sharded
-by orbax) and `meta` (JSON: the step and the resolved config). Saves are asynchronous: training continues while
-the arrays are written, and orbax only renames a step folder into place once it is complete, so a crash during a
-save never leaves a half-written checkpoint where resume would find it. Restore places every array directly on
-its target sharding (MaxText-style), so a pod never gathers a full copy on one host.
+by orbax) and `meta` (JSON: the step, the resolved config, the eval loss if one ran at that step, and a fingerprint
+of every array). Saves are asynchronous: training continues while the arrays are written, and orbax only renames a
+step folder into place once it is complete, so a crash during a save never leaves a half-written checkpoint where
+resume would find it (its `<step>.orbax-checkpoint-tmp` folder is removed at the next start). Restore places every
+array directly on its target sharding (MaxText-style), so a pod never gathers a full copy on one host.
+
+Resume takes the newest checkpoint that reads and matches its fingerprint. One that does not is moved, whole, to
+<out_dir>/checkpoints.corrupt/<step>-<time> (out of orbax's sight, never deleted), with a warning, and the next
+older one is tried. When none passes, the run stops and moves nothing. A changed config is not corruption: it is
+refused (config.check_same_trajectory) before any array is read.
+
+Rotation keeps the newest checkpoint.max_to_keep, and with checkpoint.keep_best also the one with the lowest eval
+loss so far (only steps where an eval ran have one), whatever its age. Orbax deletes the steps that fall out only
+after the new step is committed (CheckpointManager._finalize, after the async write and its rename).
 """
 
+import asyncio
+import contextlib
+import dataclasses
+import datetime
 import functools
 import os
+import sys
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxtrain import config as config_lib
@@ -22,57 +40,197 @@ from jaxtrain.config import Config
 from jaxtrain.step import TrainState
 from jaxtrain.errors import UserError
 
+
+class CorruptCheckpoint(UserError):
+    """A step folder that cannot be read, or whose arrays do not match the fingerprint saved with them."""
+
+
+class Resumed(NamedTuple):
+    step: int
+    state: TrainState
+    data_seed: int  # orders the batches: run.seed, or the data seed of a full state the run started from
+
+
+@dataclasses.dataclass
+class KeepNewestAndBest:
+    """Orbax preservation policy: the newest `n` steps, and `best_step` (set with checkpoint.keep_best).
+    Orbax's own best_fn with max_to_keep keeps the n best instead of the n newest, and reads its metrics file of
+    every step when it starts (a corrupt one stops the start); this policy takes the best from our meta."""
+    n: int
+    best_step: int | None = None
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        newest = sorted(info.step for info in checkpoints)[-self.n:]
+        return [info.step in newest or info.step == self.best_step for info in checkpoints]
+
+
 class Checkpointer:
     def __init__(self, cfg: Config):
         if cfg.model.vocab_size is None:  # the saved config must say what the model was built with
             raise ValueError("Checkpointer needs a config with model.vocab_size resolved (see run.Trainer)")
         self.directory = os.path.abspath(os.path.join(cfg.run.out_dir, "checkpoints"))
+        self.keep = KeepNewestAndBest(cfg.checkpoint.max_to_keep)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.checkpoint.max_to_keep,
+            preservation_policy=self.keep,
             enable_async_checkpointing=cfg.checkpoint.async_save,
+            cleanup_tmp_directories=True,  # a killed save's <step>.orbax-checkpoint-tmp; on the primary process
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self.cfg = cfg
+        self.best = None  # {"step", "eval_loss"}: the lowest eval loss among this run's saves
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, state, data_seed: int) -> None:
-        """Start saving `state` at its optimizer step (returns before the write completes). `data_seed` orders the
-        batches (run.seed, or the data seed of a full state the run started from: data.continued_seed)."""
+    def save(self, state, data_seed: int, eval_loss: float | None = None) -> None:
+        """Start saving `state` at its optimizer step (returns once its fingerprint is computed and the arrays are
+        copied off the device, before the write completes). `data_seed` orders the batches (run.seed, or the data
+        seed of a full state the run started from: data.continued_seed); `eval_loss`: the eval at this step."""
         step = int(state.step)
-        meta = {"step": step, "data_seed": data_seed, "config": yaml.safe_load(config_lib.dump(self.cfg))}
+        if eval_loss is not None and (self.best is None or eval_loss < self.best["eval_loss"]):
+            self._set_best({"step": step, "eval_loss": eval_loss})
+        meta = {"step": step, "data_seed": data_seed, "eval_loss": eval_loss, "best": self.best,
+                "fingerprint": fingerprint(state), "config": yaml.safe_load(config_lib.dump(self.cfg))}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
-    def data_seed(self, step: int) -> int:
-        """The data seed the checkpoint at `step` was trained with (older checkpoints: their run.seed), after
-        checking from its meta alone that it was written with this config: a refused resume, a changed model shape
-        included, names the changed keys before any array is read."""
-        meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
-        config_lib.check_same_trajectory(meta["config"], self.cfg, os.path.join(self.directory, str(step)))
-        return meta.get("data_seed", meta["config"]["run"]["seed"])
+    def resume(self, abstract_state) -> Resumed | None:
+        """The newest checkpoint that reads and matches its fingerprint; the newer ones that do not are moved
+        aside. None when there is no checkpoint; a UserError when none passes (then nothing is moved)."""
+        failed = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                meta, state = self._load(step, abstract_state)
+            except CorruptCheckpoint as e:
+                failed.append((step, str(e)))
+                continue
+            self._set_aside(failed)
+            self._set_best(meta.get("best"))
+            return Resumed(step, state, meta.get("data_seed", meta["config"]["run"]["seed"]))
+        if failed:
+            raise UserError(f"none of the {len(failed)} checkpoints in {self.directory} can be resumed (newest: "
+                            f"{failed[0][1]}); start over with --run.fresh=true, which moves them aside")
+        return None
 
-    def restore(self, step: int, abstract_state):
-        """The state saved at `step`, laid out as `abstract_state` (ShapeDtypeStructs with shardings)."""
-        return self._restore(step, state=ocp.args.StandardRestore(abstract_state))["state"]
+    def restore(self, step: int, abstract_state) -> TrainState:
+        """The state saved at `step`, laid out as `abstract_state` (ShapeDtypeStructs with shardings), checked
+        against its fingerprint."""
+        return self._load(step, abstract_state)[1]
 
-    def _restore(self, step: int, **items):
-        try:
-            return self.manager.restore(step, args=ocp.args.Composite(**items))
-        except Exception as e:  # orbax raises many types (ValueError, FileNotFoundError, tensorstore errors)
-            steps = [s for s in self.manager.all_steps() if s != step]
-            older = f"move it aside to resume from step {max(steps)}" if steps else "move it aside"
-            raise UserError(f"checkpoint {os.path.join(self.directory, str(step))} cannot be read "
-                            f"({type(e).__name__}: {str(e)[:300]}); {older}, or start over with --run.fresh=true"
-                            ) from None
+    def _load(self, step: int, abstract_state) -> tuple[dict, TrainState]:
+        """Meta, then the config check (from meta alone: a refused resume, a changed model shape included, names
+        the changed keys before any array is read), then the arrays and their fingerprint."""
+        where = self._step_dir(step)
+        with _reading(where):
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            saved_config = meta["config"]
+        config_lib.check_same_trajectory(saved_config, self.cfg, where)
+        with _reading(where):
+            args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            state = self.manager.restore(step, args=args)["state"]
+        if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
+            check_fingerprint(state, meta["fingerprint"], where)
+        return meta, state
+
+    def _set_aside(self, failed: list[tuple[int, str]]) -> None:
+        """Move each failed step folder out of orbax's namespace, whole (the primary process moves; all wait)."""
+        if not failed:
+            return
+        if jax.process_index() == 0:
+            aside = os.path.join(os.path.dirname(self.directory), "checkpoints.corrupt")
+            os.makedirs(aside, exist_ok=True)
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+            for step, reason in failed:
+                target = os.path.join(aside, f"{step}-{stamp}")
+                os.rename(self._step_dir(step), target)
+                print(f"warning: {reason}; moved it to {target}", file=sys.stderr)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxtrain: corrupt checkpoints set aside")
+        self.manager.reload()
+
+    def _set_best(self, best: dict | None) -> None:
+        self.best = best
+        if self.cfg.checkpoint.keep_best and best is not None:
+            self.keep.best_step = best["step"]
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.close()
+
+
+@contextlib.contextmanager
+def _reading(where: str):
+    """Orbax's failures (ValueError, KeyError, FileNotFoundError, tensorstore errors, ...) as one line.
+
+    While orbax reads, its event loops finish their pending tasks before they close: when one array fails to
+    read, orbax closes its loop with the other reads still in flight (_src/asyncio_utils.py,
+    _run_sync_via_new_loop), and their tensorstore callbacks then print "Event loop is closed" tracebacks."""
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_DrainingPolicy())
+    try:
+        yield
+    except Exception as e:
+        while e.__cause__ is not None:  # orbax wraps tensorstore's error, which names the file
+            e = e.__cause__
+        message = " ".join(str(e).split())[:300]  # one line: orbax's messages span many
+        raise CorruptCheckpoint(f"checkpoint {where} cannot be read ({type(e).__name__}: {message})") from None
+    finally:
+        asyncio.set_event_loop_policy(previous)
+
+
+class _DrainingLoop(asyncio.SelectorEventLoop):
+    def close(self):
+        pending = asyncio.all_tasks(self)
+        if pending and not self.is_closed():
+            self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
+
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self):
+        return _DrainingLoop()
+
+
+def fingerprint(state) -> dict[str, int]:
+    """A checksum of every array of `state`, keyed by its tree path ("params/wte/weight/value"): see _checksum.
+    One jitted reduction over the (sharded) arrays; only the small replicated sums come to the host."""
+    sums = jax.device_get(_checksums(state))
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): int(s)
+            for path, s in jax.tree_util.tree_leaves_with_path(sums)}
+
+
+def check_fingerprint(state, saved: dict[str, int], where: str) -> None:
+    """Raise CorruptCheckpoint naming the first array whose checksum differs from `saved`."""
+    read = fingerprint(state)
+    for path in [*read, *(saved.keys() - read.keys())]:
+        if saved.get(path) != read.get(path):
+            raise CorruptCheckpoint(f"checkpoint {where} does not match its fingerprint: {path} was saved with "
+                                    f"checksum {saved.get(path)} and reads {read.get(path)}")
+
+
+@jax.jit
+def _checksums(state):
+    return jax.tree.map(_checksum, state)
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+    """sum(word[i] * (2i + 1)) mod 2^32 over x's bits as uint32 words, i the row-major position of the word.
+    Integer addition is exact and order-free, so any mesh or sharding gives the same value; an odd weight makes
+    any single flipped bit change the sum (2^k * odd is never 0 mod 2^32), the positions make swapped values
+    change it. Positions come from iotas in x's own shape: flattening a sharded array would move data."""
+    if x.dtype.itemsize < 4:  # bf16, int8, ...: zero-extended to one word each
+        x = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+    words = jax.lax.bitcast_convert_type(x, jnp.uint32)  # 8-byte dtypes gain a last axis of 2 words
+    position = jnp.zeros(words.shape, jnp.uint32)
+    for axis, size in enumerate(words.shape):
+        position = position * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+    return jnp.sum(words * (2 * position + 1), dtype=jnp.uint32)
 
 
 def abstract_state(cfg: Config, vocab_size: int, mesh: Mesh) -> TrainState:

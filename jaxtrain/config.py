@@ -87,7 +87,8 @@ class TrainConfig:
 @dataclasses.dataclass
 class CheckpointConfig:
     every: int = 100  # optimizer steps between saves; the last step is always saved
-    max_to_keep: int = 3
+    max_to_keep: int = 3  # the newest checkpoints kept; older ones are deleted once a newer one is complete
+    keep_best: bool = False  # also keep the lowest-eval-loss checkpoint, whatever its age (saves at eval steps)
     async_save: bool = True  # write in the background while training continues
 
 

@@ -68,7 +68,8 @@ class Trainer:
             set_aside_previous_run(cfg.run.out_dir)
         mesh_lib.barrier("run.fresh")  # no host looks for checkpoints before the set-aside is done
         self.checkpointer = checkpoint_lib.Checkpointer(cfg)
-        self.resume_step = self.checkpointer.latest_step()
+        self.resumed = self.checkpointer.resume(self.abstract_state)  # the newest checkpoint that verifies, or None
+        self.resume_step = None if self.resumed is None else self.resumed.step
         self.data_seed = self._data_seed()
         graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision)
         self.jit_train_step = jax.jit(
@@ -89,8 +90,8 @@ class Trainer:
         """Seed of the batch order and dropout: the resumed checkpoint's; a full training state's in init.from
         (data.continued_seed: the rule torchref follows too); else run.seed."""
         cfg = self.cfg
-        if self.resume_step is not None:
-            return self.checkpointer.data_seed(self.resume_step)
+        if self.resumed is not None:
+            return self.resumed.data_seed
         if cfg.init.from_ is not None and torch_format.holds_training_state(cfg.init.from_):
             return data_lib.continued_seed(torch_format.read_trainer_state(cfg.init.from_)["data"]["seed"], cfg)
         return cfg.run.seed
@@ -103,12 +104,12 @@ class Trainer:
             print(f"compiled the train step in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     def initial_state(self) -> step_lib.TrainState:
-        """The newest checkpoint's state; else a fresh one (created directly in its sharding), with a torch-format
-        checkpoint's weights or whole training state in it when init.from names one."""
+        """The newest verified checkpoint's state; else a fresh one (created directly in its sharding), with a
+        torch-format checkpoint's weights or whole training state in it when init.from names one."""
         cfg, latest = self.cfg, self.resume_step
         if latest is not None:
             print(f"resuming from step {latest} ({self.checkpointer.directory}/{latest})", file=sys.stderr)
-            return self.checkpointer.restore(latest, self.abstract_state)
+            return self.resumed.state
         fresh = jax.jit(functools.partial(step_lib.fresh_state, cfg, cfg.model.vocab_size),
                         out_shardings=self.state_sharding)()
         if cfg.init.from_ is None:
@@ -236,7 +237,7 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
             logger.eval(step, summary["eval_loss"])
         if save:
             check_finite_state(state, step)
-            trainer.checkpointer.save(state, trainer.data_seed)
+            trainer.checkpointer.save(state, trainer.data_seed, summary["eval_loss"] if evaluate else None)
         if save or evaluate:
             logger.exclude_time()
         if stopping:

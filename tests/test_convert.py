@@ -211,11 +211,11 @@ def test_convert_cli_round_trip(tmp_path, capsys):
     back = config.load(["--config", str(tmp_path / "back" / "config.yaml")])
     assert back.run.out_dir == str(tmp_path / "back") and back.model.vocab_size == V and back.run.seed == 7
     restorer = checkpoint.Checkpointer(back)
-    assert restorer.data_seed(restorer.latest_step()) == 7
     target = checkpoint.abstract_state(back, V, mesh.make_mesh(back))
-    restored = restorer.restore(restorer.latest_step(), target)
+    resumed = restorer.resume(target)
     restorer.close()
-    assert_same_state(restored, state, target)
+    assert resumed.step == STEPS and resumed.data_seed == 7
+    assert_same_state(resumed.state, state, target)
     with pytest.raises(SystemExit) as e:
         convert.main(["from-torch", str(tmp_path / "nowhere"), str(tmp_path / "out")])
     assert e.value.code == 2 and "trainer_state.json" in capsys.readouterr().err

@@ -1,0 +1,254 @@
+"""Checkpoints that verify themselves: the fingerprint, fallback past a corrupt checkpoint, rotation, keep_best."""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain import checkpoint, config, run
+from jaxtrain import step as step_lib
+from test_run import final_params, read_metrics, small_args, without_timing
+
+# Saves at 2, 4, 6, 8, keeping 4, 6, 8: a corrupt 6 leaves 4 to fall back to.
+EVERY_2 = ("--checkpoint.every=2", "--checkpoint.max_to_keep=3")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir):
+    out_dir = str(tmp_path_factory.mktemp("reference"))
+    run.train(config.load(small_args(out_dir, cache_dir, *EVERY_2)))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def reference_params(reference, cache_dir):
+    return final_params(reference, cache_dir)
+
+
+def tree_bytes(path) -> dict:
+    """Every file below `path` (relative name -> bytes), and every folder (-> None)."""
+    found = {}
+    for root, dirs, files in os.walk(path):
+        found.update({os.path.relpath(os.path.join(root, d), path): None for d in dirs})
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                found[os.path.relpath(os.path.join(root, f), path)] = fh.read()
+    return found
+
+
+def largest_data_file(step_dir) -> str:
+    """The biggest OCDBT data file of the state: array chunks (zstd frames), not orbax's metadata."""
+    return max(glob.glob(os.path.join(step_dir, "state", "ocdbt.process_0", "d", "*")), key=os.path.getsize)
+
+
+def truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def garbage(path):
+    with open(path, "wb") as f:
+        f.write(np.random.default_rng(0).bytes(64))
+
+
+def flip_one_bit(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def empty(step_dir):
+    shutil.rmtree(step_dir)
+    os.mkdir(step_dir)
+
+
+# What orbax 0.12 writes in a step folder: _CHECKPOINT_METADATA, commit_success.txt, meta/metadata (our JSON) and
+# state/: _METADATA (the tree), _sharding, manifest.ocdbt, d/ (the OCDBT root b-tree), array_metadatas/process_0,
+# ocdbt.process_0/{manifest.ocdbt, d/ (the array chunks)}. Garbage in _CHECKPOINT_METADATA, commit_success.txt,
+# _sharding or ocdbt.process_0/manifest.ocdbt restores the same arrays (tried by hand): not corruption that matters.
+CORRUPTIONS = {  # kind -> (corrupt the step folder, what the warning says)
+    "truncated data file": (lambda s: truncate(largest_data_file(s)), "cannot be read"),
+    "one bit flipped in a data file": (lambda s: flip_one_bit(largest_data_file(s)), "does not match its fingerprint"),
+    "deleted data file": (lambda s: os.remove(largest_data_file(s)), "cannot be read"),
+    "deleted state/_METADATA": (lambda s: os.remove(os.path.join(s, "state", "_METADATA")), "cannot be read"),
+    "truncated state/_METADATA": (lambda s: truncate(os.path.join(s, "state", "_METADATA")), "cannot be read"),
+    "garbage state/_METADATA": (lambda s: garbage(os.path.join(s, "state", "_METADATA")), "cannot be read"),
+    "garbage state/manifest.ocdbt": (lambda s: garbage(os.path.join(s, "state", "manifest.ocdbt")), "cannot be read"),
+    "garbage meta/metadata": (lambda s: garbage(os.path.join(s, "meta", "metadata")), "cannot be read"),
+    "no state folder": (lambda s: shutil.rmtree(os.path.join(s, "state")), "cannot be read"),
+    "empty step folder": (empty, "cannot be read"),
+}
+
+
+def run_cli(out_dir, cache_dir, *extra):
+    return subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, *EVERY_2, *extra)],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_checkpoint_is_moved_aside_and_the_run_falls_back(reference, reference_params, tmp_path, cache_dir,
+                                                                 kind):
+    """Killed while saving step 8 (its tmp folder left behind), with step 6 corrupt: the same command moves 6
+    aside byte for byte, resumes from 4 and ends exactly where the uninterrupted run did."""
+    out_dir = str(tmp_path / "run")
+    shutil.copytree(reference, out_dir)
+    checkpoints = os.path.join(out_dir, "checkpoints")
+    os.rename(os.path.join(checkpoints, "8"), os.path.join(checkpoints, "8.orbax-checkpoint-tmp"))
+    corrupt, reason = CORRUPTIONS[kind]
+    corrupt(os.path.join(checkpoints, "6"))
+    corrupted = tree_bytes(os.path.join(checkpoints, "6"))
+
+    proc = run_cli(out_dir, cache_dir)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    [warning] = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    assert warning.startswith(f"warning: checkpoint {checkpoints}/6 {reason}"), warning
+    moved = warning.split("; moved it to ")[1]
+    assert os.path.dirname(moved) == os.path.join(out_dir, "checkpoints.corrupt")
+    assert tree_bytes(moved) == corrupted
+    assert "resuming from step 4" in proc.stderr
+    assert sorted(os.listdir(checkpoints)) == ["4", "6", "8"]  # the tmp folder is gone
+    assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(reference))
+    for a, b in zip(final_params(out_dir, cache_dir), reference_params, strict=True):
+        assert np.array_equal(a, b)
+
+
+def assert_refused_and_untouched(out_dir, cache_dir, extra: tuple, message: str):
+    before = tree_bytes(os.path.join(out_dir, "checkpoints"))
+    proc = run_cli(out_dir, cache_dir, *extra)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert tree_bytes(os.path.join(out_dir, "checkpoints")) == before
+    assert not os.path.exists(os.path.join(out_dir, "checkpoints.corrupt"))
+
+
+def test_all_checkpoints_corrupt_stops_and_moves_nothing(reference, tmp_path, cache_dir):
+    out_dir = str(tmp_path / "run")
+    shutil.copytree(reference, out_dir)
+    for step, kind in ((4, "deleted data file"), (6, "one bit flipped in a data file"), (8, "garbage meta/metadata")):
+        CORRUPTIONS[kind][0](os.path.join(out_dir, "checkpoints", str(step)))
+    assert_refused_and_untouched(out_dir, cache_dir, (), "none of the 3 checkpoints")
+
+
+def test_changed_config_is_refused_not_taken_for_corruption(reference, tmp_path, cache_dir):
+    """Even behind a corrupt newest checkpoint: the next one's config check refuses, and nothing moves."""
+    out_dir = str(tmp_path / "run")
+    shutil.copytree(reference, out_dir)
+    garbage(os.path.join(out_dir, "checkpoints", "8", "meta", "metadata"))
+    assert_refused_and_untouched(out_dir, cache_dir, ("--optim.lr=1e-2",), "optim.lr: 0.001 -> 0.01")
+
+
+@pytest.mark.parametrize("max_to_keep", [1, 2])
+def test_keep_best_keeps_the_best_and_the_newest_and_resumes_from_the_newest(tmp_path, cache_dir, capsys,
+                                                                             max_to_keep):
+    """lr 0.05 overshoots, so the lowest eval loss comes at an early step (asserted) that rotation alone deletes."""
+    out_dir = str(tmp_path / "run")
+    args = ("--optim.lr=0.05", "--optim.decay_steps=8", "--checkpoint.every=2", "--train.eval_every=2",
+            "--checkpoint.keep_best=true", f"--checkpoint.max_to_keep={max_to_keep}")
+    run.train(config.load(small_args(out_dir, cache_dir, *args)))
+    best, newest = best_eval_step(out_dir), [2, 4, 6, 8][-max_to_keep:]
+    assert best not in newest  # else this test shows nothing
+    assert saved_steps(out_dir) == sorted([best, *newest])
+
+    run.train(config.load(small_args(out_dir, cache_dir, *args, "--train.steps=10")))
+    assert "resuming from step 8" in capsys.readouterr().err
+    assert best_eval_step(out_dir) == best
+    assert saved_steps(out_dir) == sorted([best, *[4, 6, 8, 10][-max_to_keep:]])
+
+
+def best_eval_step(out_dir) -> int:
+    evals = {line["step"]: line["eval_loss"] for line in read_metrics(out_dir) if "eval_loss" in line}
+    return min(evals, key=evals.get)
+
+
+def saved_steps(out_dir) -> list[int]:
+    return sorted(int(name) for name in os.listdir(os.path.join(out_dir, "checkpoints")))
+
+
+def numpy_checksum(x: np.ndarray) -> int:
+    """The formula of checkpoint._checksum, written again on the host: sum(word[i] * (2i + 1)) mod 2^32."""
+    words = x.view(np.uint32) if x.dtype.itemsize == 4 else x.view(f"uint{8 * x.dtype.itemsize}")
+    words = words.reshape(-1).astype(np.uint64)  # uint64 products wrap mod 2^64, a multiple of 2^32
+    weights = 2 * np.arange(words.size, dtype=np.uint64) + 1
+    return int(np.sum(words * weights) % 2**32)
+
+
+def test_fingerprint_is_the_written_formula():
+    rng = np.random.default_rng(0)
+    tree = {"kernel": rng.standard_normal((32, 48), dtype=np.float32), "count": np.int32(-7),
+            "deep": [rng.standard_normal((3, 4, 5), dtype=np.float32)],
+            "half": rng.standard_normal(10).astype(jnp.bfloat16)}
+    assert checkpoint.fingerprint(tree) == {"count": numpy_checksum(np.asarray(tree["count"])),
+                                            "deep/0": numpy_checksum(tree["deep"][0]),
+                                            "half": numpy_checksum(np.asarray(tree["half"])),
+                                            "kernel": numpy_checksum(tree["kernel"])}
+
+
+def tiny_cfg(out_dir, *extra):
+    return config.load(["--config", "configs/tiny.yaml", "--model.n_layer=1", "--model.d_model=32",
+                        "--model.n_head=2", "--model.vocab_size=256", f"--run.out_dir={out_dir}", *extra])
+
+
+def test_one_flipped_bit_in_any_array_changes_its_checksum_only(tmp_path):
+    state = jax.device_get(step_lib.fresh_state(tiny_cfg(tmp_path), 256))
+    before = checkpoint.fingerprint(state)
+    leaves, treedef = jax.tree.flatten(state)
+    rng = np.random.default_rng(0)
+    for i, leaf in enumerate(leaves):
+        words = np.array(leaf).reshape(-1).view(np.uint32)  # a copy: every leaf is fp32 or int32
+        words[rng.integers(words.size)] ^= np.uint32(1 << int(rng.integers(32)))
+        flipped = [*leaves[:i], words.view(leaf.dtype).reshape(leaf.shape), *leaves[i + 1:]]
+        after = checkpoint.fingerprint(jax.tree.unflatten(treedef, flipped))
+        assert {k for k in before if before[k] != after[k]} == {list(before)[i]}
+
+
+SHARDED_SCRIPT = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtrain import checkpoint
+rng = np.random.default_rng(0)
+tree = {"a": rng.standard_normal((16, 24), dtype=np.float32), "b": rng.integers(-9, 9, (8, 4), dtype=np.int32)}
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+for spec in (P(), P("fsdp"), P(None, "fsdp"), P("data", "fsdp"), P("fsdp", "data")):
+    sharded = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec)), tree)
+    print(checkpoint.fingerprint(sharded) == checkpoint.fingerprint(tree), flush=True)
+"""
+
+
+def test_fingerprint_is_the_same_however_the_arrays_are_sharded():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True"] * 5, proc.stderr
+
+
+def test_rotation_deletes_only_after_the_next_checkpoint_is_committed(tmp_path):
+    """max_to_keep=1 with async saves: when orbax deletes step 1, step 2 is renamed into place with its meta and
+    fingerprint written (orbax's CheckpointManager._finalize deletes after the async commit)."""
+    cfg = tiny_cfg(tmp_path, "--checkpoint.max_to_keep=1")
+    fresh = step_lib.fresh_state(cfg, 256)
+    states = [fresh._replace(opt_state=fresh.opt_state._replace(gradient_step=jnp.int32(s))) for s in (1, 2)]
+    saver = checkpoint.Checkpointer(cfg)
+    seen = []
+    delete_steps = saver.manager._checkpoint_deleter.delete_steps
+
+    def checking_delete_steps(steps):
+        if steps:
+            with open(os.path.join(saver.directory, "2", "meta", "metadata")) as f:
+                seen.append((steps, sorted(os.listdir(saver.directory)), json.load(f)["fingerprint"]))
+        delete_steps(steps)
+
+    saver.manager._checkpoint_deleter.delete_steps = checking_delete_steps
+    for state in states:
+        saver.save(state, data_seed=0)
+    saver.close()
+    assert [(steps, listed) for steps, listed, _ in seen] == [([1], ["1", "2"])]
+    assert seen[0][2] == checkpoint.fingerprint(states[1])
+    assert sorted(os.listdir(saver.directory)) == ["2"]
