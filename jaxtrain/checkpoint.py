@@ -16,6 +16,7 @@ import yaml
 from jax.sharding import Mesh
 
 from jaxtrain import config as config_lib
+from jaxtrain import data as data_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import step as step_lib
 from jaxtrain.config import Config
@@ -38,20 +39,24 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, state, data_seed: int) -> None:
+    def save(self, state, data_seed: int, data_fingerprint: str | None) -> None:
         """Start saving `state` at its optimizer step (returns before the write completes). `data_seed` orders the
-        batches (run.seed, or the data seed of a full state the run started from: data.continued_seed)."""
+        batches (run.seed, or the data seed of a full state the run started from: data.continued_seed);
+        `data_fingerprint` names the data (data.TokenData.fingerprint; None where unknown, as after a conversion)."""
         step = int(state.step)
-        meta = {"step": step, "data_seed": data_seed, "config": yaml.safe_load(config_lib.dump(self.cfg))}
+        meta = {"step": step, "data_seed": data_seed, "data_fingerprint": data_fingerprint,
+                "config": yaml.safe_load(config_lib.dump(self.cfg))}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
-    def data_seed(self, step: int) -> int:
+    def data_seed(self, step: int, data_fingerprint: str) -> int:
         """The data seed the checkpoint at `step` was trained with (older checkpoints: their run.seed), after
-        checking from its meta alone that it was written with this config: a refused resume, a changed model shape
-        included, names the changed keys before any array is read."""
+        checking from its meta alone that it was written with this config and this data (`data_fingerprint`): a
+        refused resume, a changed model shape included, names the changed keys before any array is read."""
+        where = os.path.join(self.directory, str(step))
         meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
-        config_lib.check_same_trajectory(meta["config"], self.cfg, os.path.join(self.directory, str(step)))
+        config_lib.check_same_trajectory(meta["config"], self.cfg, where)
+        data_lib.check_same_data(meta, data_fingerprint, self.cfg, where)
         return meta.get("data_seed", meta["config"]["run"]["seed"])
 
     def restore(self, step: int, abstract_state):

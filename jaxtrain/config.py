@@ -342,8 +342,9 @@ def resume_hint(cfg: Config) -> str:
 
 
 # Sections and keys that shape the trajectory: resuming with any of them changed is refused. train.steps is not
-# one of them (a finished run may be extended), but the decay length it defaults to is.
-TRAJECTORY_KEYS = ("model", "data", "optim", "train.precision", "run.seed", "decay length")
+# one of them (a finished run may be extended), but the decay length it defaults to is. Where the data lies
+# (data.path, data.cache_dir) is not either: its content is compared instead (data.check_same_data).
+TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "run.seed", "decay length")
 
 
 def check_same_trajectory(saved: dict, cfg: Config, where: str) -> None:

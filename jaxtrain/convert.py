@@ -63,7 +63,7 @@ def from_torch(src: str, out_dir: str) -> None:
                         f"start a run from it with --init.from={src} instead")
     config_lib.save(cfg, out_dir)
     checkpointer = checkpoint_lib.Checkpointer(cfg)
-    checkpointer.save(state, cfg.run.seed)
+    checkpointer.save(state, cfg.run.seed, trainer_state.get("data_fingerprint"))
     checkpointer.wait()
     checkpointer.close()
     print(f"wrote {out_dir} (step {int(state.step)}); resume with "

@@ -50,19 +50,65 @@ class TokenData:
     vocab_size: int
     tokenizer: str
     path: str
+    fingerprint: str  # of the content, wherever the folder lies: checkpoints record it (see _fingerprint)
 
 
 def load(data_cfg: DataConfig, seq_len: int) -> TokenData:
     """The token folder at data_cfg.path, or the embedded corpus (prepared on first use) when path is None.
 
-    Checks the folder against its meta.json and that each split holds at least one window of seq_len + 1 tokens.
+    Checks the folder against its meta.json, that each split holds at least one window of seq_len + 1 tokens, and
+    the token ids it fingerprints (a whole small split; a large one's ends) against vocab_size.
     """
     path = data_cfg.path if data_cfg.path is not None else _embedded_corpus(data_cfg.cache_dir)
     meta = _read_meta(path)
     dtype = np.dtype(meta["dtype"])
     train = _open_split(path, "train", dtype, meta["train_tokens"], seq_len)
     val = _open_split(path, "val", dtype, meta["val_tokens"], seq_len)
-    return TokenData(train, val, meta["vocab_size"], meta["tokenizer"], path)
+    ends = [_ends(train), _ends(val)]
+    _check_ids(max(int(e.max()) for e in ends), meta["vocab_size"], path)
+    return TokenData(train, val, meta["vocab_size"], meta["tokenizer"], path, _fingerprint(meta, ends))
+
+
+# The bytes read from each end of a split for its fingerprint; a split of up to twice this is read whole.
+_FINGERPRINT_BYTES = 2**20
+
+
+def _ends(tokens: np.ndarray) -> np.ndarray:
+    """A split's first and last MiB of tokens, or all of it when that is no more."""
+    n = _FINGERPRINT_BYTES // tokens.itemsize
+    return np.asarray(tokens) if len(tokens) <= 2 * n else np.concatenate([tokens[:n], tokens[-n:]])
+
+
+def _fingerprint(meta: dict, ends: list[np.ndarray]) -> str:
+    """sha256 of meta.json's fields (its token counts among them) and of both splits' ends. Not of whole files: a
+    9B-token split is 18 GB, some 20 s of hashing at every start on every host. Other text, another tokenizer, a
+    re-sample, an append or a cut change the counts or the ends; an edit inside a split over 2 MiB that keeps its
+    length is what this misses."""
+    h = hashlib.sha256(json.dumps({k: meta[k] for k in _META_TYPES}, sort_keys=True).encode())
+    for tokens in ends:
+        h.update(tokens.tobytes())
+    return h.hexdigest()
+
+
+def check_same_data(saved: dict, fingerprint: str, cfg: Config, where: str) -> None:
+    """Refuse to resume from a checkpoint trained on other data; `saved` is its meta (jaxtrain) or trainer_state
+    (torchref), both holding `data_fingerprint` and `config`. The content decides, so a data folder moved or copied
+    elsewhere resumes. Checkpoints from before fingerprints record none: their data.path and data.cache_dir must
+    then be the config's, the rule they were written under."""
+    saved_fingerprint = saved.get("data_fingerprint")
+    fresh = "or start over with --run.fresh=true or a new --run.out_dir"
+    if saved_fingerprint is None:
+        saved_data = saved["config"]["data"]
+        moved = [f"data.{k}: {saved_data.get(k)!r} -> {getattr(cfg.data, k)!r}" for k in ("path", "cache_dir")
+                 if saved_data.get(k) != getattr(cfg.data, k)]
+        if moved:
+            raise UserError(f"{where} records no data fingerprint (an older checkpoint), so its data paths must be "
+                            f"the config's ({', '.join(moved)}); resume with those paths, {fresh}")
+    elif saved_fingerprint != fingerprint:
+        data = cfg.data.path if cfg.data.path is not None else "the embedded corpus"
+        raise UserError(f"the data ({data}) differs from the data that wrote {where} (data fingerprint "
+                        f"{saved_fingerprint[:12]} -> {fingerprint[:12]}: meta.json, a split's length or its first "
+                        f"or last MiB changed); resume with the data it was trained on, {fresh}")
 
 
 def resolve_vocab_size(model_vocab: int | None, data: TokenData) -> int:
@@ -94,6 +140,9 @@ def _read_meta(path: str) -> dict:
     if meta["dtype"] not in ("uint16", "uint32") or meta["vocab_size"] <= 0:
         raise UserError(f"{meta_path} has dtype {meta['dtype']!r} and vocab_size {meta['vocab_size']}; "
                         f"dtype must be uint16 or uint32 and vocab_size > 0")
+    if meta["vocab_size"] > 2**31:  # batches hold ids as int32
+        raise UserError(f"{meta_path} has vocab_size {meta['vocab_size']}, beyond the 2**31 ids of int32; "
+                        f"re-create the folder with the prepare command, or fix vocab_size")
     if meta["dtype"] == "uint16" and meta["vocab_size"] > 2**16:
         raise UserError(f"{meta_path}: dtype mismatch, uint16 cannot hold the ids of vocab_size {meta['vocab_size']}; "
                         f"write the .bin files as uint32 and set \"dtype\": \"uint32\"")
@@ -176,7 +225,8 @@ def _prepare_embedded(root: str, files: list[str], out: str) -> None:
         raise UserError(f"cannot write the embedded corpus to {parent} ({e}); "
                         f"set data.cache_dir to a writable folder") from None
     try:
-        prepare_lib.write_token_dir(tmp, prepare_lib.byte_tokens(splits[False]), prepare_lib.byte_tokens(splits[True]), 256, "bytes")
+        train, val = prepare_lib.byte_tokens(splits[False]), prepare_lib.byte_tokens(splits[True])
+        prepare_lib.write_token_dir(tmp, train, val, 256, "bytes")
         os.rename(tmp, out)
     except OSError as e:
         if not os.path.isdir(out):
@@ -261,11 +311,14 @@ def _rows_of(starts_KxB: np.ndarray, process_index: int, process_count: int) -> 
 def _windows(tokens: np.ndarray, vocab_size: int, starts: np.ndarray, seq_len: int) -> np.ndarray:
     """The windows of seq_len + 1 tokens at `starts`: starts.shape + (seq_len + 1,), int32."""
     w = tokens[starts[..., None] + np.arange(seq_len + 1)]
-    top = int(w.max())  # checked before the int32 cast, which would turn a huge uint32 id into "ignored"
-    if top >= vocab_size:
-        raise UserError(f"token id {top} in the data is >= vocab_size {vocab_size} from meta.json; the files and "
-                        f"meta.json disagree: re-create the folder with the prepare command, or fix vocab_size")
+    _check_ids(int(w.max()), vocab_size, "the data")  # before the int32 cast, which would make a huge id "ignored"
     return w.astype(np.int32)
+
+
+def _check_ids(top: int, vocab_size: int, where: str) -> None:
+    if top >= vocab_size:
+        raise UserError(f"token id {top} in {where} is >= vocab_size {vocab_size} from meta.json; the files and "
+                        f"meta.json disagree: re-create the folder with the prepare command, or fix vocab_size")
 
 
 # Stats -----------------------------------------------------------------------------------------------------------

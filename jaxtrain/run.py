@@ -65,7 +65,7 @@ class Trainer:
         (data.continued_seed: the rule torchref follows too); else run.seed."""
         cfg = self.cfg
         if self.resume_step is not None:
-            return self.checkpointer.data_seed(self.resume_step)
+            return self.checkpointer.data_seed(self.resume_step, self.data.fingerprint)
         if cfg.init.from_ is not None and torch_format.holds_training_state(cfg.init.from_):
             return data_lib.continued_seed(torch_format.read_trainer_state(cfg.init.from_)["data"]["seed"], cfg)
         return cfg.run.seed
@@ -206,7 +206,7 @@ def loop(trainer: Trainer, state, start: int, logger, stop: StopRequest):
             summary["eval_loss"] = trainer.evaluate(state.params, eval_batches)
             logger.eval(step, summary["eval_loss"])
         if save:
-            trainer.checkpointer.save(state, trainer.data_seed)
+            trainer.checkpointer.save(state, trainer.data_seed, trainer.data.fingerprint)
         if save or evaluate:
             logger.exclude_time()
         if stop.requested:

@@ -1,12 +1,15 @@
 """jaxtrain.data: deterministic batches, prepare, the embedded corpus, and one clear error per kind of bad data."""
 
+import dataclasses
 import json
 import math
 import os
+import shutil
 import sysconfig
 
 import numpy as np
 import pytest
+import yaml
 
 from jaxtrain import config, data, prepare
 from jaxtrain.config import DataConfig
@@ -20,7 +23,7 @@ def _synthetic() -> data.TokenData:
     """Token id = position, val ids after train's: a window's first id is its offset, and its split shows."""
     return data.TokenData(train=np.arange(N_TRAIN, dtype=np.uint16),
                           val=np.arange(N_TRAIN, N_TRAIN + N_VAL, dtype=np.uint16),
-                          vocab_size=N_TRAIN + N_VAL, tokenizer="bytes", path="<memory>")
+                          vocab_size=N_TRAIN + N_VAL, tokenizer="bytes", path="<memory>", fingerprint="")
 
 
 def _folder(tmp_path, train=None, val=None, vocab_size=256) -> str:
@@ -248,13 +251,35 @@ def test_bad_folder_is_one_user_error(tmp_path, case):
 
 
 def test_token_id_beyond_vocab_is_named(tmp_path):
+    """data.load checks the ids it fingerprints (all of a small split); a batch checks the windows it draws."""
     path = _folder(tmp_path, train=np.full(100, 300), val=np.full(50, 300), vocab_size=1000)
     _edit_meta(path, vocab_size=256)
-    d = data.load(DataConfig(path=path), seq_len=8)
-    with pytest.raises(UserError, match="token id 300 .* >= vocab_size 256"):
-        data.window(d, seed=0, step=0, batch_size=2, accum_steps=1, seq_len=8)
-    with pytest.raises(UserError, match="token id 300"):
-        data.eval_batch(d, seed=0, index=0, batch_size=2, accum_steps=1, seq_len=8)
+    with pytest.raises(UserError, match="token id 300 in .*tokens is >= vocab_size 256"):
+        data.load(DataConfig(path=path), seq_len=8)
+    d = dataclasses.replace(_synthetic(), vocab_size=N_TRAIN // 2)
+    with pytest.raises(UserError, match=rf"token id \d+ in the data is >= vocab_size {N_TRAIN // 2}"):
+        data.window(d, seed=0, step=0, batch_size=64, accum_steps=1, seq_len=8)
+    with pytest.raises(UserError, match=r"token id \d+ in the data"):  # val ids all lie beyond
+        data.eval_batch(d, seed=0, index=0, batch_size=1, accum_steps=1, seq_len=8)
+
+
+def test_resume_compares_the_data_content_not_its_path(tmp_path):
+    """check_same_data, the rule of both backends' resume: a copy elsewhere is the same data, other tokens under
+    the same path are not; a checkpoint without a fingerprint (written before them) compares the paths."""
+    path, moved = _folder(tmp_path), str(tmp_path / "moved")
+    shutil.copytree(path, moved)
+    cfg, moved_cfg = config.load([f"--data.path={path}"]), config.load([f"--data.path={moved}"])
+    fingerprint = data.load(cfg.data, seq_len=8).fingerprint
+    saved = {"data_fingerprint": fingerprint, "config": yaml.safe_load(config.dump(cfg))}
+    data.check_same_data(saved, data.load(moved_cfg.data, seq_len=8).fingerprint, moved_cfg, "ckpt")
+    prepare.write_token_dir(moved, np.arange(1, 101) % 256, np.arange(50) % 256, 256, "bytes")  # same sizes
+    other = data.load(moved_cfg.data, seq_len=8).fingerprint
+    with pytest.raises(UserError, match=r"the data \(.*moved\) differs from the data that wrote ckpt \(data fingerp"):
+        data.check_same_data(saved, other, moved_cfg, "ckpt")
+    older = {"config": saved["config"]}
+    data.check_same_data(older, other, cfg, "ckpt")
+    with pytest.raises(UserError, match=r"ckpt records no data fingerprint .*data\.path: '.*tokens' -> '.*moved'"):
+        data.check_same_data(older, fingerprint, moved_cfg, "ckpt")
 
 
 def test_resolve_vocab_size(tmp_path):
