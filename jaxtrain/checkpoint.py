@@ -13,12 +13,14 @@ import os
 import jax
 import orbax.checkpoint as ocp
 import yaml
+from etils import epath
 from jax.sharding import Mesh
 
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import step as step_lib
+from jaxtrain import torch_format
 from jaxtrain.config import Config
 from jaxtrain.step import TrainState
 from jaxtrain.errors import UserError
@@ -54,6 +56,8 @@ class Checkpointer:
         checking from its meta alone that it was written with this config and this data (`data_fingerprint`): a
         refused resume, a changed model shape included, names the changed keys before any array is read."""
         where = os.path.join(self.directory, str(step))
+        if not (epath.Path(where) / "meta").is_dir():
+            raise UserError(_not_jaxtrain(where, self.directory))
         meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
         config_lib.check_same_trajectory(meta["config"], self.cfg, where)
         data_lib.check_same_data(meta, data_fingerprint, self.cfg, where)
@@ -70,14 +74,23 @@ class Checkpointer:
             steps = [s for s in self.manager.all_steps() if s != step]
             older = f"move it aside to resume from step {max(steps)}" if steps else "move it aside"
             raise UserError(f"checkpoint {os.path.join(self.directory, str(step))} cannot be read "
-                            f"({type(e).__name__}: {str(e)[:300]}); {older}, or start over with --run.fresh=true"
-                            ) from None
+                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); {older}, or start over with "
+                            f"--run.fresh=true") from None
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _not_jaxtrain(where: str, directory: str) -> str:
+    """What a step folder without meta/ is, and what to do with it (orbax would only say an item is missing)."""
+    if (epath.Path(where) / torch_format.TRAINER_STATE).exists():
+        what = f"a torch-format checkpoint, which a run starts from with --init.from={where}"
+    else:
+        what = "not a jaxtrain checkpoint (it has no meta/)"
+    return f"{where} is {what}; move it out of {directory}, or start over with --run.fresh=true or a new --run.out_dir"
 
 
 def abstract_state(cfg: Config, vocab_size: int, mesh: Mesh) -> TrainState:

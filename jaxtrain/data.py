@@ -132,7 +132,7 @@ def _read_meta(path: str) -> dict:
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8 (both ValueErrors), or nesting too deep to parse
         raise UserError(f"{meta_path} is not valid JSON ({e}); re-create the folder: {_PREPARE_HINT}") from None
     expected = ", ".join(f"{k}: {t.__name__}" for k, t in _META_TYPES.items())
     if not isinstance(meta, dict) or any(type(meta.get(k)) is not t for k, t in _META_TYPES.items()):
