@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import logging
 import os
 import sys
 from typing import NamedTuple
@@ -30,12 +31,15 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
+from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxtrain import config as config_lib
+from jaxtrain import data as data_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import step as step_lib
+from jaxtrain import torch_format
 from jaxtrain.config import Config
 from jaxtrain.step import TrainState
 from jaxtrain.errors import UserError
@@ -65,10 +69,13 @@ class KeepNewestAndBest:
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, data_fingerprint: str | None = None):
+        """`data_fingerprint`: the data the run trains on (data.TokenData.fingerprint), written into every save's
+        meta and checked on resume; None where unknown (a conversion writes a checkpoint without its data)."""
         if cfg.model.vocab_size is None:  # the saved config must say what the model was built with
             raise ValueError("Checkpointer needs a config with model.vocab_size resolved (see run.Trainer)")
         self.directory = os.path.abspath(os.path.join(cfg.run.out_dir, "checkpoints"))
+        _refuse_torch_format(self.directory)
         self.keep = KeepNewestAndBest(cfg.checkpoint.max_to_keep)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=self.keep,
@@ -76,8 +83,9 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # a killed save's <step>.orbax-checkpoint-tmp; on the primary process
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
-        self.cfg = cfg
+        with _orbax_quiet():  # it warns about each step folder it did not write; resume names such a folder itself
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self.cfg, self.data_fingerprint = cfg, data_fingerprint
         self.best = None  # {"step", "eval_loss"}: the lowest eval loss among this run's saves
 
     def latest_step(self) -> int | None:
@@ -90,8 +98,9 @@ class Checkpointer:
         step = int(state.step)
         if eval_loss is not None and (self.best is None or eval_loss < self.best["eval_loss"]):
             self._set_best({"step": step, "eval_loss": eval_loss})
-        meta = {"step": step, "data_seed": data_seed, "eval_loss": eval_loss, "best": self.best,
-                "fingerprint": fingerprint(state), "config": yaml.safe_load(config_lib.dump(self.cfg))}
+        meta = {"step": step, "data_seed": data_seed, "data_fingerprint": self.data_fingerprint,
+                "eval_loss": eval_loss, "best": self.best, "fingerprint": fingerprint(state),
+                "config": yaml.safe_load(config_lib.dump(self.cfg))}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -119,13 +128,15 @@ class Checkpointer:
         return self._load(step, abstract_state)[1]
 
     def _load(self, step: int, abstract_state) -> tuple[dict, TrainState]:
-        """Meta, then the config check (from meta alone: a refused resume, a changed model shape included, names
-        the changed keys before any array is read), then the arrays and their fingerprint."""
+        """Meta, then the config and data checks (from meta alone: a refused resume, a changed model shape
+        included, names the changed keys before any array is read), then the arrays and their fingerprint."""
         where = self._step_dir(step)
         with _reading(where):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             saved_config = meta["config"]
         config_lib.check_same_trajectory(saved_config, self.cfg, where)
+        if self.data_fingerprint is not None:
+            data_lib.check_same_data(meta, self.data_fingerprint, self.cfg, where)
         with _reading(where):
             args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
             state = self.manager.restore(step, args=args)["state"]
@@ -162,6 +173,27 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+@contextlib.contextmanager
+def _orbax_quiet():
+    """Orbax's warnings (absl logging) held back: a user sees one line per problem, jaxtrain's."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logger.setLevel(level)
+
+
+def _refuse_torch_format(directory: str) -> None:
+    """A torch-format checkpoint among the step folders is a mistake to name (before orbax lists the steps and
+    warns about a folder it did not write), not a corrupt checkpoint to move aside."""
+    for found in sorted(epath.Path(directory).glob(f"*/{torch_format.TRAINER_STATE}")):
+        where = str(found.parent)
+        raise UserError(f"{where} is a torch-format checkpoint, which a run starts from with --init.from={where}; "
+                        f"move it out of {directory}, or start over with --run.fresh=true or a new --run.out_dir")
 
 
 @contextlib.contextmanager

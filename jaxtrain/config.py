@@ -2,8 +2,9 @@
 
     python -m jaxtrain.run --config configs/tiny.yaml --optim.lr=3e-4 --train.steps=500
 
-YAML is read and values are decoded into the dataclasses by draccus (the typed-config library Levanter uses);
-unknown keys and wrong types become a `UserError` naming the key. Pure Python: torchref imports this module, so
+The command line and the YAML file are read into one mapping by jaxtrain.cmdline; its values are decoded into
+the dataclasses by draccus (the typed-config library Levanter uses); unknown keys and wrong types become a
+`UserError` naming the key. Pure Python: torchref imports this module, so
 it must never import jax or torch.
 
 Batch sizes: `data.batch_size` is the GLOBAL number of sequences per OPTIMIZER step, summed over all
@@ -12,7 +13,6 @@ batch_size / optim.grad_accum_steps sequences, split evenly over the data-parall
 grad_accum_steps therefore never changes the tokens per optimizer step.
 """
 
-import argparse
 import copy
 import dataclasses
 import difflib
@@ -20,15 +20,14 @@ import hashlib
 import math
 import os
 import sys
+import typing
 from typing import Literal, Optional
 
 import draccus
-import mergedeep
 import yaml
-from draccus.cfgparsing import parse_string
-from draccus.utils import deflatten
 from draccus.wrappers.docstring import get_attribute_docstring
 
+from jaxtrain import cmdline
 from jaxtrain.errors import UserError
 
 
@@ -150,12 +149,7 @@ def load(argv: list[str]) -> Config:
     if "-h" in argv or "--help" in argv:
         print(usage())
         raise SystemExit(0)
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--config")
-    known, rest = ap.parse_known_args(argv)
-    raw = _read_yaml(known.config) if known.config else {}
-    mergedeep.merge(raw, _parse_overrides(rest))
-    cfg = from_dict(raw)
+    cfg = from_dict(cmdline.read(argv))
     validate(cfg)
     return cfg
 
@@ -176,36 +170,6 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def _read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise UserError(f"config file {path!r} not found; pass an existing YAML file to --config (see configs/)")
-    with open(path, encoding="utf-8") as f:
-        try:
-            raw = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise UserError(f"config file {path!r} is not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"config file {path!r} must hold a mapping of sections (run:, model:, ...)")
-    return raw
-
-
-def _parse_overrides(args: list[str]) -> dict:
-    """`--optim.lr=3e-4` or `--optim.lr 3e-4` -> {'optim': {'lr': 3e-4}}; values are parsed as YAML scalars."""
-    flat, i = {}, 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or arg == "--":
-            raise UserError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                raise UserError(f"override --{key} has no value; write --{key}=VALUE")
-            value, i = args[i + 1], i + 1
-        flat[key] = parse_string(value)
-        i += 1
-    return deflatten(flat, sep=".")
-
-
 def from_dict(raw: dict) -> Config:
     """A config mapping (YAML names) -> Config, keys and types checked but values not validated: a saved config
     may name a data.path that does not exist on the machine reading it."""
@@ -219,7 +183,9 @@ def from_dict(raw: dict) -> Config:
     except Exception as e:  # draccus raises DecodingError (and sometimes TypeError) with the key path
         path = ".".join(str(p) for p in getattr(e, "key_path", ()) or ())
         where = f" for {path}" if path else ""
-        raise UserError(f"bad config value{where}: {e}; fix it in the YAML or with --{path or 'section.key'}=VALUE") from None
+        problem = " ".join(str(e).split())  # draccus lists a union's alternatives on several lines
+        raise UserError(f"bad config value{where}: {problem}; fix it in the YAML or with "
+                        f"--{path or 'section.key'}=VALUE") from None
 
 
 def _check_keys(raw: dict, cls, prefix: tuple) -> None:
@@ -233,10 +199,31 @@ def _check_keys(raw: dict, cls, prefix: tuple) -> None:
             hint = f"did you mean {'.'.join(prefix + (close[0],))}?" if close else f"valid keys: {', '.join(names)}"
             raise UserError(f"unknown config key {dotted!r}; {hint}")
         field_type = names[key].type
-        if dataclasses.is_dataclass(field_type):
-            if not isinstance(value, dict):
-                raise UserError(f"config section {dotted!r} must be a mapping of keys, got {value!r}")
+        if not dataclasses.is_dataclass(field_type):
+            _check_scalar(dotted, value, field_type)
+        elif not isinstance(value, dict):
+            raise UserError(f"config section {dotted!r} must be a mapping of keys, got {value!r}")
+        else:
             _check_keys(value, field_type, prefix + (str(key),))
+
+
+def _check_scalar(key: str, value, field_type) -> None:
+    """One plain value of a kind the field takes. draccus would pass null into any field, read a boolean as a
+    number and turn a list or a mapping into a path string, so these are refused before it sees them."""
+    if value is None:
+        if type(None) not in typing.get_args(field_type):
+            raise UserError(f"{key} cannot be null; give it a value (see --help for its default)")
+    elif not isinstance(value, (str, int, float)):
+        raise UserError(f"{key} takes a single value, got {value!r}; quote it if you mean text")
+    elif isinstance(value, bool) and bool not in (field_type, *typing.get_args(field_type)):
+        raise UserError(f"{key} got the boolean {str(value).lower()} (YAML reads true/false/yes/no/on/off as "
+                        f"booleans); give a {_type_name(field_type)} (quoted, if you mean that text)")
+
+
+def _type_name(field_type) -> str:
+    words = {str: "text", int: "whole number", float: "number", bool: "boolean"}
+    kinds = typing.get_args(field_type) or (field_type,)
+    return " or ".join(words.get(t, repr(t)) for t in kinds if t is not type(None))
 
 
 def _yaml_name(prefix: tuple, field_name: str) -> str:
@@ -253,6 +240,9 @@ INT32_MAX = 2**31 - 1
 def validate(cfg: Config) -> None:
     """Check what a wrong value would otherwise turn into a shape error or a silent mistake later."""
     _check_numbers(cfg)
+    _check_text(cfg)
+    _check_optional(cfg)
+    _check_mesh(cfg)
     m, o, t = cfg.model, cfg.optim, cfg.train
     positive = {
         "model.seq_len": m.seq_len, "model.n_layer": m.n_layer, "model.n_head": m.n_head,
@@ -285,24 +275,83 @@ def validate(cfg: Config) -> None:
     if cfg.data.batch_size % o.grad_accum_steps:
         raise UserError(f"data.batch_size={cfg.data.batch_size} is not divisible by optim.grad_accum_steps="
                         f"{o.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a multiple")
+    if "://" not in cfg.run.out_dir:
+        _check_run_folder(cfg.run.out_dir)
     if cfg.data.path is not None and not os.path.isdir(cfg.data.path):
         raise UserError(f"data.path={cfg.data.path!r} is not a folder; create it with "
                         f"`python -m jaxtrain.data prepare --input TEXT --out DIR`, or drop data.path for the embedded corpus")
-    if m.vocab_size is not None and m.vocab_size <= 0:
-        raise UserError(f"model.vocab_size must be > 0 (or null to take it from the data), got {m.vocab_size}")
 
 
 def _check_numbers(cfg: Config) -> None:
     """Every float finite (nan and inf would train, or fail far from the cause); every count within int32."""
+    for key, value in _values(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{key} must be a finite number, got {value}")
+        if key == "run.seed" and not 0 <= value < 2**32:
+            raise UserError(f"run.seed={value} must be in [0, 2**32): the batch order and the init draw from it")
+        if isinstance(value, int) and not isinstance(value, bool) and key != "run.seed" and abs(value) > INT32_MAX:
+            raise UserError(f"{key}={value} is out of range: counts must be at most {INT32_MAX} (2**31 - 1, "
+                            f"the int32 step counters of optax)")
+
+
+def _check_text(cfg: Config) -> None:
+    """Paths not empty (`--run.out_dir=` would write into the current folder) and free of control characters (a
+    newline in a path is a paste gone wrong, and would split every message that names it)."""
+    for key, value in _values(cfg):
+        if isinstance(value, str) and not value.strip():
+            raise UserError(f"{key} is empty; give it a folder, or leave it out for its default")
+        if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise UserError(f"{key}={value!r} holds a control character; give a plain folder name")
+
+
+def _check_optional(cfg: Config) -> None:
+    """Keys that may be null (meaning: derive it) must be in range when set."""
+    m, o = cfg.model, cfg.optim
+    for key, value in {"model.vocab_size": m.vocab_size, "optim.decay_steps": o.decay_steps,
+                       "log.peak_tflops": cfg.log.peak_tflops}.items():
+        if value is not None and value <= 0:
+            raise UserError(f"{key} must be > 0 (or null to derive it), got {value}")
+    if o.warmup_init_lr is not None and o.warmup_init_lr < 0:
+        raise UserError(f"optim.warmup_init_lr must be >= 0 (or null for lr / (warmup_steps + 1)), "
+                        f"got {o.warmup_init_lr}")
+
+
+def _check_mesh(cfg: Config) -> None:
+    """The axis sizes alone; validate_devices checks them against the devices a run finds."""
+    if cfg.mesh.fsdp <= 0:
+        raise UserError(f"mesh.fsdp must be > 0 (1: no sharding), got {cfg.mesh.fsdp}")
+    if cfg.mesh.data != -1 and cfg.mesh.data <= 0:
+        raise UserError(f"mesh.data must be > 0, or -1 for all devices not used by fsdp, got {cfg.mesh.data}")
+
+
+# What a run keeps in run.out_dir: a file or a folder already there under one of these names must be of its kind.
+_RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file", "metrics.jsonl": "file"}
+
+
+def _check_run_folder(out_dir: str) -> None:
+    """run.out_dir can hold a run: otherwise the run would fail at its first write, after the training it could
+    not save (a file where a folder goes, or a step number that is a file). Object-store URIs are not local."""
+    ancestor = os.path.abspath(out_dir)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UserError(f"run.out_dir={out_dir!r} lies under {ancestor}, which is a file; choose another --run.out_dir")
+    entries = list(_RUN_FOLDER_KINDS.items())
+    checkpoints = os.path.join(out_dir, "checkpoints")
+    if os.path.isdir(checkpoints):
+        entries += [(os.path.join("checkpoints", n), "folder") for n in os.listdir(checkpoints) if n.isdigit()]
+    for name, kind in entries:
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path) and os.path.isdir(path) != (kind == "folder"):
+            raise UserError(f"{path} is a {'folder' if kind == 'file' else 'file'} where the run keeps a {kind} of "
+                            f"that name; move it aside, or choose another --run.out_dir")
+
+
+def _values(cfg: Config):
+    """(`section.key` as spelled in YAML, value) for every field."""
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(section.type):
-            value = getattr(getattr(cfg, section.name), f.name)
-            key = f"{section.name}.{_yaml_name((section.name,), f.name)}"
-            if isinstance(value, float) and not math.isfinite(value):
-                raise UserError(f"{key} must be a finite number, got {value}")
-            if isinstance(value, int) and not isinstance(value, bool) and key != "run.seed" and abs(value) > INT32_MAX:
-                raise UserError(f"{key}={value} is out of range: counts must be at most {INT32_MAX} (2**31 - 1, "
-                                f"the int32 step counters of optax)")
+            yield f"{section.name}.{_yaml_name((section.name,), f.name)}", getattr(getattr(cfg, section.name), f.name)
 
 
 def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:
@@ -346,8 +395,9 @@ def resume_hint(cfg: Config) -> str:
 
 
 # Sections and keys that shape the trajectory: resuming with any of them changed is refused. train.steps is not
-# one of them (a finished run may be extended), but the decay length it defaults to is.
-TRAJECTORY_KEYS = ("model", "data", "optim", "train.precision", "run.seed", "decay length")
+# one of them (a finished run may be extended), but the decay length it defaults to is. Where the data lies
+# (data.path, data.cache_dir) is not either: its content is compared instead (data.check_same_data).
+TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "run.seed", "decay length")
 
 
 def check_same_trajectory(saved: dict, cfg: Config, where: str) -> None:

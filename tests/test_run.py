@@ -12,6 +12,7 @@ import pytest
 
 from design_formulas import default_lr_at
 from jaxtrain import config, run
+from jaxtrain.errors import UserError
 
 TIMING_KEYS = ("tokens_per_s", "mfu")  # wall-clock measurements, the only fields that may differ between runs
 
@@ -103,6 +104,25 @@ def test_config_change_refuses_to_resume_and_changes_nothing(reference_run, tmp_
     assert proc.returncode == 2
     assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert {name: open(os.path.join(out_dir, name), "rb").read() for name in before} == before
+
+
+def test_moved_data_resumes_and_other_data_is_refused(reference_run, tmp_path, cache_dir):
+    """The resume check compares the data's content, not where it lies: the corpus copied to another
+    data.cache_dir resumes and finishes like the run that never stopped; one token changed there is refused."""
+    out_dir, moved = str(tmp_path / "run"), str(tmp_path / "moved-cache")
+    shutil.copytree(reference_run[0], out_dir)
+    shutil.rmtree(os.path.join(out_dir, "checkpoints", "8"))
+    shutil.copytree(cache_dir, moved)
+    run.train(config.load(small_args(out_dir, moved)))
+    assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(reference_run[0]))
+    shutil.rmtree(os.path.join(out_dir, "checkpoints", "8"))
+    (corpus,) = os.listdir(moved)
+    tokens = np.memmap(os.path.join(moved, corpus, "train.bin"), np.uint16, "r+")
+    tokens[0] = (tokens[0] + 1) % 256
+    tokens.flush()
+    with pytest.raises(UserError, match=r"the data \(the embedded corpus\) differs from the data that wrote "
+                                        r".*checkpoints/4 \(data fingerprint"):
+        run.Trainer(config.load(small_args(out_dir, moved)))
 
 
 def test_finished_run_does_nothing(reference_run, cache_dir):

@@ -219,6 +219,23 @@ def test_resume_with_a_changed_config_names_the_keys(straight_run, token_dir, tm
         run.train(tiny_cfg(token_dir, out, "--optim.lr=2e-3"))
 
 
+def test_moved_data_resumes_and_other_data_is_refused(straight_run, token_dir, tmp_path):
+    """The resume check compares the data's content, not its data.path: a copy of the token folder resumes and
+    finishes like the run that never stopped; one token changed there is refused, naming the data."""
+    out, moved = str(tmp_path / "run"), str(tmp_path / "moved")
+    shutil.copytree(straight_run, out)
+    shutil.rmtree(os.path.join(out, "checkpoints", "6"))
+    shutil.copytree(token_dir, moved)
+    run.train(tiny_cfg(moved, out))
+    assert trajectory(out) == trajectory(straight_run)
+    shutil.rmtree(os.path.join(out, "checkpoints", "6"))
+    tokens = np.memmap(os.path.join(moved, "train.bin"), np.uint16, "r+")
+    tokens[0] = (tokens[0] + 1) % VOCAB
+    tokens.flush()
+    with pytest.raises(UserError, match=r"the data \(.*moved\) differs from the data that wrote .*checkpoints/3"):
+        run.train(tiny_cfg(moved, out))
+
+
 def test_corrupt_checkpoint_file_is_named(straight_run, token_dir, tmp_path):
     out = str(tmp_path / "run")
     shutil.copytree(straight_run, out)

@@ -3,8 +3,8 @@
     model.safetensors      the state dict by nanoGPT name, fp32 (a tied lm_head.weight is left out: it is wte)
     optimizer.safetensors  AdamW's moments, `<param name>.exp_avg` and `<param name>.exp_avg_sq`
     trainer_state.json     step (windows trained), skipped (windows whose update train.nan_policy=skip left out:
-                           AdamW's step count and LambdaLR stand at step - skipped), scheduler, data position, RNG,
-                           and the config the run was started with
+                           AdamW's step count and LambdaLR stand at step - skipped), scheduler, data position and
+                           fingerprint, RNG, and the config the run was started with
 
 This is also jaxtrain's interchange format (jaxtrain.convert, --init.from), so it holds tensors and JSON only,
 never pickles. A folder appears under its step number only once complete (written as .tmp-<step>, then renamed).
@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from jaxtrain import config
 from jaxtrain.config import Config
+from jaxtrain.data import check_same_data
 from jaxtrain.errors import UserError
 
 FORMAT = "jaxtrain-torch/1"
@@ -82,9 +83,10 @@ def set_aside(out_dir: str) -> list[str]:
     return moved
 
 
-def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Config) -> None:
-    """Write checkpoints/<step>/ whole or not at all, then keep the newest checkpoint.max_to_keep. Refuses a
-    state holding inf or NaN (an overflowed update can follow a finite loss and gradient norm)."""
+def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Config, data_fingerprint: str) -> None:
+    """Write checkpoints/<step>/ whole or not at all, then keep the newest checkpoint.max_to_keep.
+    `data_fingerprint` (data.TokenData.fingerprint) names the data the run trains on. Refuses a state holding inf
+    or NaN (an overflowed update can follow a finite loss and gradient norm)."""
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         raise UserError(f"the state after step {progress.step} holds inf or NaN although its loss and gradient norm "
                         f"are finite (an update overflowed); it was not saved. Lower optim.lr, then run again")
@@ -99,7 +101,7 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
     save_file(weights, os.path.join(tmp, "model.safetensors"))
     save_file(_adam_moments(model, optimizer), os.path.join(tmp, "optimizer.safetensors"))
     with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
-        json.dump(_trainer_state(progress, scheduler, tied, cfg), f, indent=1)
+        json.dump(_trainer_state(progress, scheduler, tied, cfg, data_fingerprint), f, indent=1)
     if os.path.isdir(final):  # a run.fresh run reaching a step that is still on disk
         os.replace(final, tmp + ".old")
         shutil.rmtree(tmp + ".old")
@@ -108,10 +110,11 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
         shutil.rmtree(os.path.join(root, str(step)))
 
 
-def resume(path: str, cfg: Config, model, optimizer) -> Progress:
-    """Restore everything from one of this run's checkpoints; a changed config is an error."""
+def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> Progress:
+    """Restore everything from one of this run's checkpoints; a changed config or other data is an error."""
     state = _read_trainer_state(path)
     config.check_same_trajectory(state.get("config", {}), cfg, path)
+    check_same_data(state, data_fingerprint, cfg, path)
     load_weights(path, model)
     return _restore_training(path, state, model, optimizer)
 
@@ -166,7 +169,7 @@ def _adam_moments(model, optimizer) -> dict:
     return out
 
 
-def _trainer_state(progress: Progress, scheduler, tied: bool, cfg: Config) -> dict:
+def _trainer_state(progress: Progress, scheduler, tied: bool, cfg: Config, data_fingerprint: str) -> dict:
     cuda_rng = _b64(torch.cuda.get_rng_state()) if torch.cuda.is_available() else None
     return {
         "format": FORMAT,
@@ -176,6 +179,7 @@ def _trainer_state(progress: Progress, scheduler, tied: bool, cfg: Config) -> di
         "data": {"seed": progress.data_seed, "next_step": progress.step, "tokens": progress.tokens},
         "skipped": progress.skipped,
         "rng": {"torch": _b64(torch.get_rng_state()), "cuda": cuda_rng},
+        "data_fingerprint": data_fingerprint,
         "config_hash": config.config_hash(cfg),
         "config": _resolved(cfg),
     }

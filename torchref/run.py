@@ -66,7 +66,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
         cfg.model, vocab_size=data.resolve_vocab_size(cfg.model.vocab_size, tokens)))
     model = GPT(cfg.model).to(device)
     optimizer = configure_optimizer(model, cfg)
-    progress, resumed = start(cfg, model, optimizer)
+    progress, resumed = start(cfg, model, optimizer, tokens.fingerprint)
     scheduler = lr_scheduler(optimizer, cfg, progress.updates)
     config.save(cfg, cfg.run.out_dir)
     if progress.step >= cfg.train.steps:
@@ -102,7 +102,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
                 eval_loss = evaluate(model, tokens, cfg, progress.data_seed, device, autocast)
                 log.eval(progress.step, eval_loss)
             if last or stop.requested or progress.step % cfg.checkpoint.every == 0:
-                checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg)
+                checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint)
             if stop.requested:
                 print(f"\ninterrupted: saved step {progress.step}; {config.resume_hint(cfg)}", file=sys.stderr)
                 break
@@ -110,15 +110,16 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
           f"{log.mean_tokens_per_s():,.0f} tokens/s, {log.wall_s():.1f} s wall")
 
 
-def start(cfg: Config, model, optimizer) -> tuple[Progress, bool]:
-    """Where training begins: out_dir's newest checkpoint (unless run.fresh), else init.from, else step 0 with
-    the fresh init. Also says whether this is a resume, whose metrics.jsonl is kept up to the resumed step."""
+def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Progress, bool]:
+    """Where training begins: out_dir's newest checkpoint (unless run.fresh; trained on the data of
+    `data_fingerprint`), else init.from, else step 0 with the fresh init. Also says whether this is a resume, whose
+    metrics.jsonl is kept up to the resumed step."""
     checkpoint.remove_partial(cfg.run.out_dir)
     if cfg.run.fresh:
         for moved in checkpoint.set_aside(cfg.run.out_dir):
             print(f"run.fresh: moved the previous run's files to {moved}", file=sys.stderr)
     elif (path := checkpoint.latest(cfg.run.out_dir)) is not None:
-        progress = checkpoint.resume(path, cfg, model, optimizer)
+        progress = checkpoint.resume(path, cfg, data_fingerprint, model, optimizer)
         print(f"resuming from step {progress.step} ({path})", file=sys.stderr)
         return progress, True
     if cfg.init.from_ is not None:

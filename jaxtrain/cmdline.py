@@ -1,0 +1,86 @@
+"""The command line, `--config FILE.yaml [--section.key=value ...]`, read into one raw mapping of sections: the
+YAML file's, with each override parsed as a YAML value and merged over it. Malformed flags, files that are not
+UTF-8 and YAML errors become one-line `UserError`s; config.load checks the keys and values that come out.
+Pure Python: torchref imports jaxtrain.config, which imports this module.
+"""
+
+import os
+import re
+
+import mergedeep
+import yaml
+
+from jaxtrain.errors import UserError
+
+
+def read(argv: list[str]) -> dict:
+    """{section: {key: value}} from `--config PATH` (the last one given) and the overrides, which win."""
+    args = _split_args(argv)
+    paths = [value for key, value in args if key == "config"]
+    raw = _read_yaml(paths[-1]) if paths else {}
+    return mergedeep.merge(raw, _parse_overrides([(key, value) for key, value in args if key != "config"]))
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"config file {path!r} not found; pass an existing YAML file to --config (see configs/)")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {path!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                        f"save it as UTF-8") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except (yaml.YAMLError, RecursionError) as e:
+        raise UserError(f"config file {path!r} is not valid YAML: {_yaml_problem(e)}; fix that line") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"config file {path!r} must hold a mapping of sections (run:, model:, ...)")
+    return raw
+
+
+def _yaml_problem(e: Exception) -> str:
+    """PyYAML's message, which spans several lines, as one: the problem and where it is."""
+    if isinstance(e, RecursionError):
+        return "lists or mappings nested too deeply"
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(str(getattr(e, "problem", None) or e).split()) + where
+
+
+# An override names one key of one section: the config has no deeper nesting.
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*")
+
+
+def _split_args(argv: list[str]) -> list[tuple[str, str]]:
+    """`--key=value` or `--key value` -> (key, value) pairs, in order, values as written."""
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise UserError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise UserError(f"{arg!r} has no value; write {arg}=VALUE")
+            value, i = argv[i + 1], i + 1
+        if key != "config" and not _OVERRIDE_KEY.fullmatch(key):
+            raise UserError(f"malformed argument {arg!r}; overrides look like --section.key=value "
+                            f"(e.g. --optim.lr=3e-4), and the YAML file comes with --config FILE")
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def _parse_overrides(pairs: list[tuple[str, str]]) -> dict:
+    """[('optim.lr', '3e-4')] -> {'optim': {'lr': 3e-4}}; values are parsed as YAML scalars."""
+    tree = {}
+    for key, value in pairs:
+        section, name = key.split(".")
+        try:  # a blank value stays as it is (safe_load would make it null: a silent default for data.path)
+            tree.setdefault(section, {})[name] = yaml.safe_load(value) if value.strip() else value
+        except (yaml.YAMLError, RecursionError) as e:
+            raise UserError(f"--{key}={value!r} is not a valid YAML value ({_yaml_problem(e)}); quote a text "
+                            f"value that holds YAML syntax: --{key}='\"...\"'") from None
+    return tree
