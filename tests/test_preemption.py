@@ -80,18 +80,20 @@ def test_ctrl_c_during_start_up_stops_cleanly(tmp_path, cache_dir, straight, del
 
 
 @pytest.mark.slow
-def test_a_second_signal_stops_at_once_and_the_next_start_resumes(tmp_path, cache_dir, straight):
-    """The second SIGTERM lands in the step or the save the first one asked for: exit 143 at once (or 0 when the save
-    won the race), one line, no traceback; a cut save is no checkpoint, and the next start cleans it up."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_signal_stops_at_once_and_the_next_start_resumes(tmp_path, cache_dir, straight, signum):
+    """The second signal lands in the step or the save the first one asked for: exit 128 + signal at once (or 0
+    when the save won the race), one line, no traceback; a cut save is no checkpoint, and the next start cleans it
+    up."""
     out_dir = str(tmp_path / "twice")
     proc, _ = start(out_dir, cache_dir)
     wait_for(proc, "compiled the train step")
     time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
-    wait_for(proc, "SIGTERM: stopping")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
+    wait_for(proc, f"{signal.Signals(signum).name}: stopping")
+    proc.send_signal(signum)
     err = proc.stderr.read()
-    assert proc.wait() in (0, 128 + signal.SIGTERM) and "Traceback" not in err, err
+    assert proc.wait() in (0, 128 + signum) and "Traceback" not in err, err
     assert_resumes_to(out_dir, cache_dir, straight)
 
 
