@@ -69,7 +69,6 @@ class Trainer:
         mesh_lib.barrier("run.fresh")  # no host looks for checkpoints before the set-aside is done
         self.checkpointer = checkpoint_lib.Checkpointer(cfg, self.data.fingerprint)
         self.resumed = self.checkpointer.resume(self.abstract_state)  # the newest checkpoint that verifies, or None
-        self.resume_step = None if self.resumed is None else self.resumed.step
         self.data_seed = self._data_seed()
         graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision)
         self.jit_train_step = jax.jit(
@@ -106,10 +105,10 @@ class Trainer:
     def initial_state(self) -> step_lib.TrainState:
         """The newest verified checkpoint's state; else a fresh one (created directly in its sharding), with a
         torch-format checkpoint's weights or whole training state in it when init.from names one."""
-        cfg, latest = self.cfg, self.resume_step
-        if latest is not None:
-            print(f"resuming from step {latest} ({self.checkpointer.directory}/{latest})", file=sys.stderr)
-            return self.resumed.state
+        cfg, resumed = self.cfg, self.resumed
+        if resumed is not None:
+            print(f"resuming from step {resumed.step} ({self.checkpointer.directory}/{resumed.step})", file=sys.stderr)
+            return resumed.state
         fresh = jax.jit(functools.partial(step_lib.fresh_state, cfg, cfg.model.vocab_size),
                         out_shardings=self.state_sharding)()
         if cfg.init.from_ is None:

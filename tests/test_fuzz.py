@@ -557,14 +557,9 @@ def _misplace(out: str, where: str) -> tuple[str, list[str]]:
 
 
 def start_jaxtrain(argv: list[str]) -> None:
-    """What `python -m jaxtrain.run` does before it trains: run.Trainer (config, data, mesh, the resume check), then
-    the restore of the checkpoint it resumes from."""
-    trainer = run.Trainer(config.load(argv))
-    try:
-        if trainer.resume_step is not None:
-            trainer.initial_state()
-    finally:
-        trainer.checkpointer.close()
+    """What `python -m jaxtrain.run` does before it trains: run.Trainer (config, data, mesh, the run lock, the resume
+    check and the restore of the checkpoint it resumes from)."""
+    run.Trainer(config.load(argv)).close()
 
 
 @pytest.mark.parametrize("kind", RUN_FOLDER_KINDS)
