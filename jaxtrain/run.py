@@ -155,6 +155,10 @@ def set_aside_previous_run(out_dir: str) -> None:
             print(f"run.fresh: moved the previous {name} to {path}.{stamp}", file=sys.stderr)
 
 
+class StoppedInStartUp(Exception):
+    """A signal before the first step: nothing trained, nothing to save."""
+
+
 class AgreedStop:
     """Whether the run stops after this step: the same answer on every process. One process: its own signal.
     Several: mesh.any_process over every process's flag, dispatched after each step and read after the next, so the
@@ -164,9 +168,11 @@ class AgreedStop:
         self.stop, self.mesh, self.several = stop, mesh, jax.process_count() > 1
         self.vote = None
 
-    def now(self) -> bool:
-        """Blocking, for start-up."""
-        return bool(mesh_lib.any_process(self.stop.requested, self.mesh)) if self.several else self.stop.requested
+    def check_start_up(self) -> None:
+        """Between start-up phases: raise StoppedInStartUp when any process was signalled (blocking)."""
+        requested = bool(mesh_lib.any_process(self.stop.requested, self.mesh)) if self.several else self.stop.requested
+        if requested:
+            raise StoppedInStartUp
 
     def after_step(self) -> bool:
         if not self.several:
@@ -184,6 +190,7 @@ def train(cfg: Config) -> dict:
     try:
         trainer = Trainer(cfg)
         cfg, agreed = trainer.cfg, AgreedStop(stop, trainer.mesh)  # cfg: model.vocab_size resolved
+        agreed.check_start_up()  # a signal during start-up stops it between phases
         state = trainer.initial_state()
         if trainer.is_main:  # after the resume check: a refused resume leaves the run folder as it was
             config_lib.save(cfg, cfg.run.out_dir)
@@ -191,18 +198,18 @@ def train(cfg: Config) -> dict:
         if start >= cfg.train.steps:
             print(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do", file=sys.stderr)
             return {"steps": start}
-        if not agreed.now():  # a signal during start-up stops it between phases: before or after compiling
-            trainer.compile(state)
-        if agreed.now():
-            print(f"stopped before the first step, nothing new to save; {config_lib.resume_hint(cfg)}",
-                  file=sys.stderr)
-            return {"steps": start, "stopped": True}
+        agreed.check_start_up()
+        trainer.compile(state)
+        agreed.check_start_up()
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         logger = metrics_lib.MetricsLogger(
             cfg, start_step=start, flops_per_token=metrics_lib.flops_per_token(cfg, n_params),
             n_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind, is_main=trainer.is_main)
         state, summary = loop(trainer, state, start, logger, agreed)
         summary["wall_s"] = time.perf_counter() - t0  # start-up and compilation included
+    except StoppedInStartUp:
+        print(f"stopped before the first step, nothing new to save; {config_lib.resume_hint(cfg)}", file=sys.stderr)
+        return {"stopped": True}
     finally:
         preemption.uninstall()
         if trainer:
