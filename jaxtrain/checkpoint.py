@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
 from etils import epath
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxtrain import config as config_lib
@@ -156,8 +155,7 @@ class Checkpointer:
                 target = os.path.join(aside, f"{step}-{stamp}")
                 os.rename(self._step_dir(step), target)
                 print(f"warning: {reason}; moved it to {target}", file=sys.stderr)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("jaxtrain: corrupt checkpoints set aside")
+        mesh_lib.barrier("jaxtrain: corrupt checkpoints set aside")
         self.manager.reload()
 
     def _set_best(self, best: dict | None) -> None:
