@@ -4,21 +4,22 @@
 
 Prints one table. Each row times `--steps` optimizer steps after two warm-up steps (compilation, allocator), on
 the same batches, and reports the median step time, tokens/s and MFU (nanoGPT's FLOPs per token; MFU needs the
-device's peak, which is unknown for CPUs: pass --peak-tflops). Then the median time of a checkpoint fingerprint
-(checkpoint.fingerprint), which each save adds once. Run it on a quiet machine: other jobs on the same cores show
-up as noise.
+device's peak, which is unknown for CPUs: pass --peak-tflops). Then what a checkpoint save costs the training, async
+and sync, from about as many steps of each (benchmarks/save_cost.py). `--only throughput|save` prints one part. Run it
+on a quiet machine: other jobs on the same cores show up as noise.
 """
 
 import argparse
 import dataclasses
 import functools
+import math
 import statistics
 import sys
 import time
 
 import jax
 
-from jaxtrain import checkpoint
+from benchmarks.save_cost import save_cost_table
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import metrics, optim
@@ -30,11 +31,8 @@ def jaxtrain_step_times(cfg, tokens, steps: int, per_micro_call: bool) -> list[f
     """Seconds per optimizer step. per_micro_call: the window's k micro-batches go to k jitted calls of a one-
     micro-batch step (MultiSteps counts them the same way) instead of one call that scans over them. For timing
     only: each call then normalizes the loss by its own micro-batch's tokens."""
-    vocab = cfg.model.vocab_size
-    graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab, precision=cfg.train.precision)
-    train_step = jax.jit(step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg),
-                                                  cfg.run.seed, cfg.model.dropout > 0), donate_argnums=0)
-    state = step_lib.fresh_state(cfg, vocab)
+    train_step = jitted_train_step(cfg)
+    state = step_lib.fresh_state(cfg, cfg.model.vocab_size)
     times = []
     for t in range(steps + 2):
         inputs, targets = window(cfg, tokens, t)
@@ -70,15 +68,11 @@ def torchref_step_times(cfg, tokens, steps: int) -> list[float]:
     return times[2:]
 
 
-def fingerprint_times(cfg, steps: int) -> list[float]:
-    """Seconds per checkpoint fingerprint of a fresh state (params and optimizer state): what each save adds."""
-    state = step_lib.fresh_state(cfg, cfg.model.vocab_size)
-    times = []
-    for _ in range(steps + 2):
-        start = time.perf_counter()
-        checkpoint.fingerprint(state)  # blocks: the sums come to the host
-        times.append(time.perf_counter() - start)
-    return times[2:]
+def jitted_train_step(cfg):
+    """jaxtrain's train step, jitted with the state donated, as run.Trainer does."""
+    graphdef = model_lib.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
+    return jax.jit(step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), cfg.run.seed,
+                                            cfg.model.dropout > 0), donate_argnums=0)
 
 
 def window(cfg, tokens, step):
@@ -98,6 +92,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--peak-tflops", type=float, help="device peak (bf16 dense) for MFU")
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--only", choices=("throughput", "save"), help="print only this part")
     args, rest = ap.parse_known_args(argv)
     base = config_lib.load(rest)
     tokens = data_lib.load(base.data, base.model.seq_len)
@@ -110,6 +105,15 @@ def main(argv: list[str]) -> None:
     k = base.optim.grad_accum_steps
     print(f"{jax.devices()[0].device_kind} x{jax.device_count()}, {n_params:,} params, batch {base.data.batch_size} x "
           f"seq {base.model.seq_len}, accumulation {k}, {args.steps} timed steps\n")
+    if args.only != "save":
+        throughput_table(base, tokens, args, flops_per_token, peak)
+    if args.only != "throughput":
+        print(save_cost_table(base, jitted_train_step(base), step_lib.fresh_state(base, base.model.vocab_size),
+                              functools.partial(window, base, tokens), pairs=math.ceil(args.steps / 2)))
+
+
+def throughput_table(base, tokens, args, flops_per_token: float, peak: float | None) -> None:
+    k = base.optim.grad_accum_steps
     print(f"| {'run':<34} | {'step (ms)':>9} | {'tokens/s':>12} | {'MFU':>6} |\n|{'-' * 36}|{'-' * 11}|{'-' * 14}|{'-' * 8}|")
     for precision in ("fp32", "bf16"):
         cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, precision=precision))
@@ -121,8 +125,7 @@ def main(argv: list[str]) -> None:
         if not args.skip_torch:
             print(row(f"torchref {precision}", cfg, torchref_step_times(cfg, tokens, args.steps), flops_per_token,
                       peak), flush=True)
-    print(f"\ncheckpoint fingerprint of the whole state, once per save: "
-          f"{statistics.median(fingerprint_times(base, args.steps)) * 1e3:.1f} ms")
+    print()
 
 
 if __name__ == "__main__":
