@@ -76,7 +76,11 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # a killed save's <step>.orbax-checkpoint-tmp; on the primary process
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        # Arrays uncompressed: zstd spent most of a save's CPU (taken from training by an async save) to shrink
+        # weights and moments by ~4% (benchmarks/NOTES.md). Restore reads the codec a checkpoint's metadata names,
+        # so the compressed checkpoints of earlier versions still restore.
+        handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False), "meta": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self.cfg = cfg
         self.best = None  # {"step", "eval_loss"}: the lowest eval loss among this run's saves
 
@@ -92,7 +96,7 @@ class Checkpointer:
             self._set_best({"step": step, "eval_loss": eval_loss})
         meta = {"step": step, "data_seed": data_seed, "eval_loss": eval_loss, "best": self.best,
                 "fingerprint": fingerprint(state), "config": yaml.safe_load(config_lib.dump(self.cfg))}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
     def resume(self, abstract_state) -> Resumed | None:
@@ -127,7 +131,8 @@ class Checkpointer:
             saved_config = meta["config"]
         config_lib.check_same_trajectory(saved_config, self.cfg, where)
         with _reading(where):
-            args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)))
             state = self.manager.restore(step, args=args)["state"]
         if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
             check_fingerprint(state, meta["fingerprint"], where)
