@@ -16,6 +16,7 @@ import tensorstore as ts
 
 from jaxtrain import checkpoint, config, run
 from jaxtrain import mesh as mesh_lib
+from jaxtrain.errors import UserError
 from jaxtrain import step as step_lib
 from test_run import final_params, read_metrics, small_args, without_timing
 
@@ -230,6 +231,19 @@ def test_fingerprint_is_the_same_however_the_arrays_are_sharded():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.split() == ["True"] * 5, proc.stderr
+
+
+def test_a_state_holding_inf_or_nan_is_refused_before_anything_is_written(tmp_path):
+    cfg = tiny_cfg(tmp_path)
+    fresh = step_lib.fresh_state(cfg, 256)
+    for bad in (fresh._replace(params=jax.tree.map(lambda x: x.at[0].set(jnp.inf), fresh.params)),
+                fresh._replace(opt_state=fresh.opt_state._replace(  # the optimizer state is checked too
+                    acc_grads=jax.tree.map(lambda x: x.at[0].set(jnp.nan), fresh.opt_state.acc_grads)))):
+        saver = checkpoint.Checkpointer(cfg)
+        with pytest.raises(UserError, match="holds inf or NaN"):
+            saver.save(bad, data_seed=0)
+        saver.close()
+        assert os.listdir(saver.directory) == []
 
 
 def test_rotation_deletes_only_after_the_next_checkpoint_is_committed(tmp_path):
