@@ -82,6 +82,7 @@ class Checkpointer:
         handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False), "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self.cfg = cfg
+        self.saved_config = yaml.safe_load(config_lib.dump(cfg))  # meta's copy: the same at every save
         self.best = None  # {"step", "eval_loss"}: the lowest eval loss among this run's saves
 
     def latest_step(self) -> int | None:
@@ -101,7 +102,7 @@ class Checkpointer:
         if eval_loss is not None and (self.best is None or eval_loss < self.best["eval_loss"]):
             self._set_best({"step": step, "eval_loss": eval_loss})
         meta = {"step": step, "data_seed": data_seed, "eval_loss": eval_loss, "best": self.best,
-                "fingerprint": sums, "config": yaml.safe_load(config_lib.dump(self.cfg))}
+                "fingerprint": sums, "config": self.saved_config}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
