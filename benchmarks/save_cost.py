@@ -1,11 +1,11 @@
 """The training time a checkpoint save costs, through the run loop's own save path.
 
-One state trains on in pairs of steps: a plain step, then what run.loop does at a save step (run.check_finite_state,
-then checkpoint.Checkpointer.save with its fingerprint) followed by the next step and by whatever is left of the
-write. The second minus the first is what that save cost the training: the time the loop waited for it, plus, for an
-async save, the cores its writer threads took from the step after it. Pairs with async and sync saves
-(checkpoint.async_save) take turns, and each difference is taken between neighbouring steps, so that drift on a
-shared machine cancels; the table gives medians.
+One state trains on in pairs of steps: a plain step, then what run.loop does at a save step
+(checkpoint.Checkpointer.save: its finite check and fingerprint, then orbax) followed by the next step and by
+whatever is left of the write. The second minus the first is what that save cost the training: the time the loop
+waited for it, plus, for an async save, the cores its writer threads took from the step after it. Pairs with async
+and sync saves (checkpoint.async_save) take turns, and each difference is taken between neighbouring steps, so that
+drift on a shared machine cancels; the table gives medians.
 """
 
 import dataclasses
@@ -17,7 +17,6 @@ import time
 import jax
 
 from jaxtrain import checkpoint
-from jaxtrain.run import check_finite_state
 
 VARIANTS = {"async (checkpoint.async_save=true)": True, "sync (checkpoint.async_save=false)": False}
 
@@ -33,7 +32,6 @@ def pair_seconds(train_step, state, window, saver) -> tuple[object, dict]:
     """Seconds of a plain step, of a save (until the loop goes on) and of the save and the next step together."""
     state, plain = step_seconds(train_step, state, window)
     start = time.perf_counter()
-    check_finite_state(state, int(state.step))
     saver.save(state, data_seed=0)
     held = time.perf_counter() - start
     state, _ = step_seconds(train_step, state, window)

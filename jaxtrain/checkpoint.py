@@ -82,9 +82,14 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # a killed save's <step>.orbax-checkpoint-tmp; on the primary process
             create=True,
         )
+        # Arrays uncompressed: zstd spent most of a save's CPU (taken from training by an async save) to shrink
+        # weights and moments by ~4% (benchmarks/NOTES.md). Restore reads the codec a checkpoint's metadata names,
+        # so the compressed checkpoints of earlier versions still restore.
+        handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False), "meta": ocp.JsonCheckpointHandler()}
         with _orbax_quiet():  # it warns about each step folder it did not write; resume names such a folder itself
-            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self.cfg, self.data_fingerprint = cfg, data_fingerprint
+        self.saved_config = yaml.safe_load(config_lib.dump(cfg))  # meta's copy: the same at every save
         self.best = None  # {"step", "eval_loss"}: the lowest eval loss among this run's saves
 
     def latest_step(self) -> int | None:
@@ -93,14 +98,19 @@ class Checkpointer:
     def save(self, state, data_seed: int, eval_loss: float | None = None) -> None:
         """Start saving `state` at its optimizer step (returns once its fingerprint is computed and the arrays are
         copied off the device, before the write completes). `data_seed` orders the batches (run.seed, or the data
-        seed of a full state the run started from: data.continued_seed); `eval_loss`: the eval at this step."""
+        seed of a full state the run started from: data.continued_seed); `eval_loss`: the eval at this step.
+        A state holding inf or NaN is refused (a UserError) before anything is written: finite metrics can still
+        follow an update that overflowed the params (a huge LR times a finite gradient)."""
         step = int(state.step)
+        sums = finite_fingerprint(state)
+        if sums is None:
+            raise UserError(f"the state after step {step} holds inf or NaN although its loss and gradient norm are "
+                            f"finite (an update overflowed); it was not saved. Lower optim.lr, then run again")
         if eval_loss is not None and (self.best is None or eval_loss < self.best["eval_loss"]):
             self._set_best({"step": step, "eval_loss": eval_loss})
         meta = {"step": step, "data_seed": data_seed, "data_fingerprint": self.data_fingerprint,
-                "eval_loss": eval_loss, "best": self.best, "fingerprint": fingerprint(state),
-                "config": yaml.safe_load(config_lib.dump(self.cfg))}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                "eval_loss": eval_loss, "best": self.best, "fingerprint": sums, "config": self.saved_config}
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
     def resume(self, abstract_state) -> Resumed | None:
@@ -137,7 +147,8 @@ class Checkpointer:
         if self.data_fingerprint is not None:
             data_lib.check_same_data(meta, self.data_fingerprint, self.cfg, where)
         with _reading(where):
-            args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)))
             state = self.manager.restore(step, args=args)["state"]
         if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
             check_fingerprint(state, meta["fingerprint"], where)
@@ -230,7 +241,17 @@ class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
 def fingerprint(state) -> dict[str, int]:
     """A checksum of every array of `state`, keyed by its tree path ("params/wte/weight/value"): see _checksum.
     One jitted reduction over the (sharded) arrays; only the small replicated sums come to the host."""
-    sums = jax.device_get(_checksums(state))
+    return _by_path(jax.device_get(_checksums(state)))
+
+
+def finite_fingerprint(state) -> dict[str, int] | None:
+    """The fingerprint of `state`, or None when a float in it is inf or NaN: both from one jitted call and one
+    transfer to the host."""
+    sums, finite = jax.device_get(_checksums_and_finite(state))
+    return _by_path(sums) if finite else None
+
+
+def _by_path(sums) -> dict[str, int]:
     return {jax.tree_util.keystr(path, simple=True, separator="/"): int(s)
             for path, s in jax.tree_util.tree_leaves_with_path(sums)}
 
@@ -247,6 +268,11 @@ def check_fingerprint(state, saved: dict[str, int], where: str) -> None:
 @jax.jit
 def _checksums(state):
     return jax.tree.map(_checksum, state)
+
+
+@jax.jit
+def _checksums_and_finite(state):
+    return _checksums(state), step_lib.all_finite(state)
 
 
 def _checksum(x: jax.Array) -> jax.Array:

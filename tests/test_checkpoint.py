@@ -10,9 +10,13 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 
 from jaxtrain import checkpoint, config, run
+from jaxtrain import mesh as mesh_lib
+from jaxtrain.errors import UserError
 from jaxtrain import step as step_lib
 from test_run import final_params, read_metrics, small_args, without_timing
 
@@ -229,6 +233,19 @@ def test_fingerprint_is_the_same_however_the_arrays_are_sharded():
     assert proc.returncode == 0 and proc.stdout.split() == ["True"] * 5, proc.stderr
 
 
+def test_a_state_holding_inf_or_nan_is_refused_before_anything_is_written(tmp_path):
+    cfg = tiny_cfg(tmp_path)
+    fresh = step_lib.fresh_state(cfg, 256)
+    for bad in (fresh._replace(params=jax.tree.map(lambda x: x.at[0].set(jnp.inf), fresh.params)),
+                fresh._replace(opt_state=fresh.opt_state._replace(  # the optimizer state is checked too
+                    acc_grads=jax.tree.map(lambda x: x.at[0].set(jnp.nan), fresh.opt_state.acc_grads)))):
+        saver = checkpoint.Checkpointer(cfg)
+        with pytest.raises(UserError, match="holds inf or NaN"):
+            saver.save(bad, data_seed=0)
+        saver.close()
+        assert os.listdir(saver.directory) == []
+
+
 def test_rotation_deletes_only_after_the_next_checkpoint_is_committed(tmp_path):
     """max_to_keep=1 with async saves: when orbax deletes step 1, step 2 is renamed into place with its meta and
     fingerprint written (orbax's CheckpointManager._finalize deletes after the async commit)."""
@@ -252,3 +269,32 @@ def test_rotation_deletes_only_after_the_next_checkpoint_is_committed(tmp_path):
     assert [(steps, listed) for steps, listed, _ in seen] == [([1], ["1", "2"])]
     assert seen[0][2] == checkpoint.fingerprint(states[1])
     assert sorted(os.listdir(saver.directory)) == ["2"]
+
+
+def array_compressors(state_dir) -> set:
+    """The compressor in the zarr metadata of every array of a saved state (None: uncompressed)."""
+    kvstore = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state_dir}/"}).result()
+    return {json.loads(kvstore.read(key).result().value)["compressor"] and "zstd"
+            for key in kvstore.list().result() if key.endswith(b"/.zarray")}
+
+
+def test_a_checkpoint_with_compressed_arrays_still_resumes(tmp_path):
+    """Until the arrays were saved uncompressed, orbax's StandardSave wrote them zstd-compressed (its default):
+    such a checkpoint resumes, bit for bit, and passes its fingerprint."""
+    cfg = tiny_cfg(tmp_path)
+    fresh = step_lib.fresh_state(cfg, 256)
+    state = fresh._replace(params=jax.tree.map(lambda x: x + 0.5, fresh.params))
+    saver = checkpoint.Checkpointer(cfg)
+    saver.save(state, data_seed=0)
+    saver.close()
+    state_dir = os.path.join(saver.directory, "0", "state")
+    assert array_compressors(state_dir) == {None}
+    shutil.rmtree(state_dir)
+    with ocp.StandardCheckpointer() as earlier:  # the state as jaxtrain wrote it before
+        earlier.save(state_dir, state)
+    assert array_compressors(state_dir) == {"zstd"}
+
+    resumed = checkpoint.Checkpointer(cfg).resume(checkpoint.abstract_state(cfg, 256, mesh_lib.make_mesh(cfg)))
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed.state)), jax.tree.leaves(jax.device_get(state)),
+                    strict=True):
+        assert np.array_equal(a, b)
