@@ -6,9 +6,10 @@ path joined with dots, under `transformer.` except `lm_head`, where a Linear `ke
 model on them, so jit, grad and optax see params as a plain pytree.
 
 Precision "bf16" follows autocast: every matmul takes bf16 operands and accumulates in fp32, in the backward pass too
-(`_bf16_matmul`); Linear outputs, attention and MLP activations are bf16; the residual stream, LayerNorm, softmax and
-logits are fp32. Precision "fp32" runs every dot at Precision.HIGHEST, since the default may use bf16 passes on
-GPU/TPU.
+(`_bf16_matmul`); Linear outputs, attention and MLP activations and the logits are bf16; the residual stream,
+LayerNorm and softmax are fp32, and the loss upcasts the logits. Precision "fp32" runs every dot at
+Precision.HIGHEST, since the default may use bf16 passes on GPU/TPU. On a GPU under bf16, attention runs as cuDNN's
+fused kernel (model.attention).
 """
 
 import functools
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.config import ModelConfig
+from jaxtrain.errors import UserError
 
 COMPUTE_DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
@@ -137,20 +139,40 @@ class CausalSelfAttention(nnx.Module):
         self.c_attn = Linear(d, 3 * d, bias=cfg.bias, std=INIT_STD, precision=precision, rngs=rngs)
         self.c_proj = Linear(d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
         self.n_head, self.dropout, self.precision = cfg.n_head, cfg.dropout, precision
+        self.fused = fused_attention(cfg, precision)
 
     def __call__(self, x_BxTxD, key):
         B, T, D = x_BxTxD.shape
         probs_key, resid_key = _split(key, 2)
-        q, k, v = (t.reshape(B, T, self.n_head, D // self.n_head).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
-                   for t in jnp.split(self.c_attn(x_BxTxD), 3, axis=-1))
-        scores_BxHxTxT = matmul(q, jnp.swapaxes(k, -1, -2), self.precision) * (1.0 / math.sqrt(D // self.n_head))
+        q, k, v = (t.reshape(B, T, self.n_head, D // self.n_head) for t in jnp.split(self.c_attn(x_BxTxD), 3, -1))
+        if self.fused:
+            y_BxTxHxS = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        else:
+            y_BxTxHxS = self._written_out(q, k, v, probs_key)
+        return _dropout(self.c_proj(y_BxTxHxS.reshape(B, T, D)), self.dropout, resid_key)
+
+    def _written_out(self, q_BxTxHxS, k_BxTxHxS, v_BxTxHxS, probs_key):
+        """softmax(q k^T / sqrt(hs)) v with the (B, nh, T, T) scores and probabilities in memory, as torchref."""
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q_BxTxHxS, k_BxTxHxS, v_BxTxHxS))  # (B, nh, T, hs)
+        T, head_size = q.shape[2], q.shape[3]
+        scores_BxHxTxT = matmul(q, jnp.swapaxes(k, -1, -2), self.precision) * (1.0 / math.sqrt(head_size))
         causal_TxT = jnp.tril(jnp.ones((T, T), bool))
         scores_BxHxTxT = jnp.where(causal_TxT, scores_BxHxTxT, -jnp.inf)
         probs_BxHxTxT = jax.nn.softmax(scores_BxHxTxT, axis=-1).astype(q.dtype)
         probs_BxHxTxT = _dropout(probs_BxHxTxT, self.dropout, probs_key)
         y_BxHxTxS = matmul(probs_BxHxTxT, v, self.precision).astype(q.dtype)
-        y_BxTxD = y_BxHxTxS.transpose(0, 2, 1, 3).reshape(B, T, D)
-        return _dropout(self.c_proj(y_BxTxD), self.dropout, resid_key)
+        return y_BxHxTxS.transpose(0, 2, 1, 3)
+
+
+def fused_attention(cfg: ModelConfig, precision: str) -> bool:
+    """Whether attention runs as cuDNN's fused flash-attention kernel (model.attention). It never holds the
+    (B, nh, T, T) scores, so memory grows with T, not T^2; it takes bf16 only, has no dropout on the
+    probabilities, and exists on NVIDIA GPUs only. auto picks it where it can run."""
+    possible = precision == "bf16" and cfg.dropout == 0.0 and jax.default_backend() == "gpu"
+    if cfg.attention == "cudnn" and not possible:
+        raise UserError(f"model.attention=cudnn needs train.precision=bf16, model.dropout=0 and a GPU (got "
+                         f"{precision}, dropout {cfg.dropout}, {jax.default_backend()}); use model.attention=auto")
+    return cfg.attention == "cudnn" or (cfg.attention == "auto" and possible)
 
 
 class MLP(nnx.Module):
@@ -178,8 +200,8 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Token ids (B, T) -> fp32 logits (B, T, V). vocab_size is explicit because cfg.vocab_size may be None (taken
-    from the data); it wins over cfg.vocab_size."""
+    """Token ids (B, T) -> logits (B, T, V) in the compute dtype. vocab_size is explicit because cfg.vocab_size
+    may be None (taken from the data); it wins over cfg.vocab_size."""
 
     def __init__(self, cfg: ModelConfig, *, vocab_size: int, precision: str, rngs: nnx.Rngs):
         if precision not in COMPUTE_DTYPES:
@@ -203,9 +225,11 @@ class GPT(nnx.Module):
         return self._logits(self.ln_f(x_BxTxD))
 
     def _logits(self, x_BxTxD):
-        """fp32 logits; under bf16 from bf16 operands with fp32 accumulation, the head tied to wte or not."""
+        """Logits in the compute dtype, the head tied to wte or not: under bf16 from bf16 operands with fp32
+        accumulation, rounded once to bf16 as autocast's head returns them (the loss upcasts). B x T x V is the
+        step's largest tensor: in bf16 it moves half the bytes (GPT-2 124M on an H100: see benchmarks/NOTES.md)."""
         w_DxV = self.wte.weight[...].T if self.lm_head is None else self.lm_head.kernel[...]
-        return matmul(x_BxTxD, w_DxV, self.precision)
+        return matmul(x_BxTxD, w_DxV, self.precision).astype(COMPUTE_DTYPES[self.precision])
 
 
 def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int) -> tuple[nnx.GraphDef, nnx.State]:

@@ -1,5 +1,6 @@
 """jaxtrain.model alone: shapes, causality, names, init, tying, dropout, the bf16 policy (forward, backward, HLO), GELU."""
 
+import dataclasses
 import math
 import re
 
@@ -11,6 +12,7 @@ from flax import nnx
 
 from jaxtrain import model as M
 from jaxtrain.config import ModelConfig
+from jaxtrain.errors import UserError
 
 V = 97
 SMALL = ModelConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
@@ -37,9 +39,11 @@ def _dots(hlo: str) -> list[tuple[str, str, str]]:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_logits_shape_and_dtype(precision):
+    """Under bf16 the head returns bf16 logits, as autocast's lm_head does; the loss upcasts them."""
     graphdef, params = _init(precision=precision)
     logits = apply(graphdef, params, _idx())
-    assert logits.shape == (3, 16, V) and logits.dtype == jnp.float32
+    assert logits.shape == (3, 16, V)
+    assert logits.dtype == {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
 
 
 def test_vocab_size_argument_wins_over_config():
@@ -203,6 +207,34 @@ def test_model_gradient_dots_follow_the_policy(precision, expected):
     if precision == "fp32":  # true fp32 on GPU/TPU too, whose default precision may use bf16 passes
         dot_lines = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
         assert all("precision = [HIGHEST, HIGHEST]" in line for line in dot_lines)
+
+
+@pytest.mark.parametrize("attention,precision,dropout,fused", [
+    ("auto", "bf16", 0.0, jax.default_backend() == "gpu"), ("auto", "fp32", 0.0, False), ("auto", "bf16", 0.1, False),
+    ("xla", "bf16", 0.0, False)])
+def test_attention_choice(attention, precision, dropout, fused):
+    cfg = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=dropout, attention=attention)
+    assert M.fused_attention(cfg, precision) == fused
+
+
+@pytest.mark.parametrize("precision,dropout", [("fp32", 0.0), ("bf16", 0.1)] + (
+    [] if jax.default_backend() == "gpu" else [("bf16", 0.0)]))
+def test_cudnn_attention_where_it_cannot_run_is_a_user_error(precision, dropout):
+    cfg = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=dropout, attention="cudnn")
+    with pytest.raises(UserError, match="model.attention=cudnn needs"):
+        M.fused_attention(cfg, precision)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")
+def test_cudnn_attention_matches_the_written_out_one():
+    cfg = ModelConfig(seq_len=128, n_layer=2, n_head=4, d_model=256)
+    graphdef_xla, params = M.init_params(dataclasses.replace(cfg, attention="xla"), vocab_size=V, precision="bf16",
+                                         seed=0)
+    graphdef_cudnn = M.graphdef(dataclasses.replace(cfg, attention="cudnn"), vocab_size=V, precision="bf16")
+    idx = _idx(B=4, T=128)
+    # Both take bf16 q, k, v and accumulate in fp32; they differ in where probabilities are rounded to bf16.
+    assert _rel_err(apply(graphdef_cudnn, params, idx).astype(jnp.float32),
+                    apply(graphdef_xla, params, idx).astype(jnp.float32)) < 0.01
 
 
 def _erf_gelu(x):

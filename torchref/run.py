@@ -178,9 +178,9 @@ def cross_entropy_sum(logits, targets) -> torch.Tensor:
 
     Under bf16 autocast the head's matmul returns bf16 logits, and torch has no CPU matmul that takes bf16 and
     returns fp32 (torch.mm's out_dtype=torch.float32 is CUDA-only), so the logits are cast up here: the loss and
-    its softmax run in fp32, from logits rounded once to bf16. jaxtrain's head accumulates and returns fp32 from
-    the same bf16 inputs, so the two differ by that one rounding. Any negative target is padding; ignore_index
-    takes a single value, so all of them become -1."""
+    its softmax run in fp32, from logits rounded once to bf16, as jaxtrain's head rounds them (step.token_ce
+    upcasts them the same way). Any negative target is padding; ignore_index takes a single value, so all of them
+    become -1."""
     return F.cross_entropy(upcast(logits).view(-1, logits.size(-1)), targets.view(-1).clamp(min=-1),
                            ignore_index=-1, reduction="sum")
 
