@@ -1,131 +1,194 @@
-"""Throughput of jaxtrain and torchref on one config, and jaxtrain's accumulation by scan vs k jitted calls.
+"""jaxtrain against the PyTorch loop it mirrors, on one config and one device, in one table.
 
-    python -m benchmarks.run --config configs/tiny.yaml [--steps 20] [--peak-tflops 989] [--section.key=value ...]
+    python -m benchmarks.run --config configs/small.yaml [--rounds 2] [--steps 6] [--rows a,b] [--synthetic]
+                             [--one-at-a-time] [--json out.json] [--peak-tflops P] [--only throughput|save] [--section.key=value ...]
 
-Prints one table. Each row times `--steps` optimizer steps after two warm-up steps (compilation, allocator), on
-the same batches, and reports the median step time, tokens/s and MFU (nanoGPT's FLOPs per token; MFU needs the
-device's peak, which is unknown for CPUs: pass --peak-tflops). Then what a checkpoint save costs the training, async
-and sync, from about as many steps of each (benchmarks/save_cost.py). `--only throughput|save` prints one part. Run it
-on a quiet machine: other jobs on the same cores show up as noise.
+Rows: jaxtrain bf16 and fp32; torchref eager bf16 and fp32; torchref under torch.compile bf16; jaxtrain bf16 with
+one micro-batch and with four at the same tokens per step; and the matmul ceiling of each framework (the model's
+largest weight matmul). Each row runs in its own process (benchmarks/workers.py), warmed up, and the rows take turns:
+`--rounds` rounds of `--steps` timed steps each (A B C A B C), so drift of a shared machine falls on all of them.
+Then the cost of a checkpoint save (benchmarks/save_cost.py). MFU is nanoGPT's FLOPs per token against the best
+measured matmul of the row's precision, and against the device's nominal bf16 peak where it is known
+(jaxtrain.metrics.PEAK_FLOPS, or --peak-tflops). `--synthetic`: uniform random token ids, no data folder needed.
 """
 
 import argparse
 import dataclasses
 import functools
-import math
+import json
+import os
 import statistics
 import sys
-import time
 
-import jax
-
-from benchmarks.save_cost import save_cost_table
+from benchmarks import workers
+from benchmarks.steps import matmul_shape, with_precision
 from jaxtrain import config as config_lib
-from jaxtrain import data as data_lib
-from jaxtrain import metrics, optim
-from jaxtrain import model as model_lib
-from jaxtrain import step as step_lib
 
-
-def jaxtrain_step_times(cfg, tokens, steps: int, per_micro_call: bool) -> list[float]:
-    """Seconds per optimizer step. per_micro_call: the window's k micro-batches go to k jitted calls of a one-
-    micro-batch step (MultiSteps counts them the same way) instead of one call that scans over them. For timing
-    only: each call then normalizes the loss by its own micro-batch's tokens."""
-    train_step = jitted_train_step(cfg)
-    state = step_lib.fresh_state(cfg, cfg.model.vocab_size)
-    times = []
-    for t in range(steps + 2):
-        inputs, targets = window(cfg, tokens, t)
-        start = time.perf_counter()
-        if per_micro_call:
-            for i in range(inputs.shape[0]):
-                state, m = train_step(state, inputs[i:i + 1], targets[i:i + 1])
-        else:
-            state, m = train_step(state, inputs, targets)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - start)
-    return times[2:]
-
-
-def torchref_step_times(cfg, tokens, steps: int) -> list[float]:
-    import torch
-    from torchref.model import GPT
-    from torchref.optim import configure_optimizer, lr_scheduler
-    from torchref.run import to_device, train_step
-
-    torch.manual_seed(cfg.run.seed)
-    model = GPT(cfg.model)
-    optimizer = configure_optimizer(model, cfg)
-    scheduler = lr_scheduler(optimizer, cfg)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16")
-    times = []
-    for t in range(steps + 2):
-        inputs, targets = window(cfg, tokens, t)
-        start = time.perf_counter()
-        train_step(model, optimizer, scheduler, to_device(inputs, "cpu"), to_device(targets, "cpu"), autocast,
-                   cfg.optim.max_grad_norm)
-        times.append(time.perf_counter() - start)
-    return times[2:]
-
-
-def jitted_train_step(cfg):
-    """jaxtrain's train step, jitted with the state donated, as run.Trainer does."""
-    graphdef = model_lib.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
-    return jax.jit(step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), cfg.run.seed,
-                                            cfg.model.dropout > 0), donate_argnums=0)
-
-
-def window(cfg, tokens, step):
-    return data_lib.window(tokens, seed=cfg.run.seed, step=step, batch_size=cfg.data.batch_size,
-                           accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len)
-
-
-def row(name: str, cfg, times: list[float], flops_per_token: float, peak: float | None) -> str:
-    step_s = statistics.median(times)
-    tokens_per_s = cfg.data.batch_size * cfg.model.seq_len / step_s
-    mfu = f"{tokens_per_s * flops_per_token / peak:6.1%}" if peak else "   n/a"
-    return f"| {name:<34} | {step_s * 1e3:9.1f} | {tokens_per_s:12,.0f} | {mfu} |"
+# key -> (row name, steps builder, precision, grad_accum_steps (None: the config's), builder args)
+ROWS = {
+    "jax-bf16": ("jaxtrain bf16", "jaxtrain", "bf16", None, ()),
+    "torch-bf16": ("torchref eager bf16", "torchref", "bf16", None, (False,)),
+    "compile-bf16": ("torchref torch.compile bf16", "torchref", "bf16", None, (True,)),
+    "jax-fp32": ("jaxtrain fp32", "jaxtrain", "fp32", None, ()),
+    "torch-fp32": ("torchref eager fp32", "torchref", "fp32", None, (False,)),
+    "jax-bf16-k1": ("jaxtrain bf16, k=1", "jaxtrain", "bf16", 1, ()),
+    "jax-bf16-k4": ("jaxtrain bf16, k=4", "jaxtrain", "bf16", 4, ()),
+    "matmul-jax-bf16": ("matmul jax bf16", "jax_matmul", "bf16", None, ("bf16",)),
+    "matmul-torch-bf16": ("matmul torch bf16", "torch_matmul", "bf16", None, ("bf16",)),
+    "matmul-jax-fp32": ("matmul jax fp32", "jax_matmul", "fp32", None, ("fp32",)),
+    "matmul-torch-fp32": ("matmul torch fp32", "torch_matmul", "fp32", None, ("fp32",)),
+}
 
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--peak-tflops", type=float, help="device peak (bf16 dense) for MFU")
-    ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per row and round")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
+    ap.add_argument("--synthetic", action="store_true", help="random token ids instead of data.path")
+    ap.add_argument("--peak-tflops", type=float, help="the device's nominal dense bf16 peak, for MFU")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="each row's process runs all its rounds alone (a GPU that cannot hold every row at once)")
+    ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--only", choices=("throughput", "save"), help="print only this part")
     args, rest = ap.parse_known_args(argv)
-    base = config_lib.load(rest)
-    tokens = data_lib.load(base.data, base.model.seq_len)
-    base = dataclasses.replace(base, model=dataclasses.replace(
-        base.model, vocab_size=data_lib.resolve_vocab_size(base.model.vocab_size, tokens)))
-    abstract = jax.eval_shape(functools.partial(step_lib.fresh_state, base, base.model.vocab_size))
-    n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
-    flops_per_token = metrics.flops_per_token(base, n_params)
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
-    k = base.optim.grad_accum_steps
-    print(f"{jax.devices()[0].device_kind} x{jax.device_count()}, {n_params:,} params, batch {base.data.batch_size} x "
-          f"seq {base.model.seq_len}, accumulation {k}, {args.steps} timed steps\n")
+    workers.quiet_gpu_allocators()
+    base = resolved_config(rest, args.synthetic)
+    device, n_params, peak = describe_device(base, args.peak_tflops)
+    print(f"{device}; {n_params:,} params; batch {base.data.batch_size} x seq {base.model.seq_len} in "
+          f"{base.optim.grad_accum_steps} micro-batches; {args.rounds} rounds x {args.steps} steps per row\n",
+          flush=True)
+    results = {"device": device, "config": rest, "n_params": n_params, "rows": []}
     if args.only != "save":
-        throughput_table(base, tokens, args, flops_per_token, peak)
+        keys = [k.strip() for k in args.rows.split(",") if k.strip()]
+        unknown = [k for k in keys if k not in ROWS]
+        if unknown:
+            sys.exit(f"error: unknown --rows {unknown}; choose from {', '.join(ROWS)}")
+        results["rows"] = measure(base, keys, args)
+        print(table(results["rows"], base, n_params, peak), flush=True)
     if args.only != "throughput":
-        print(save_cost_table(base, jitted_train_step(base), step_lib.fresh_state(base, base.model.vocab_size),
-                              functools.partial(window, base, tokens), pairs=math.ceil(args.steps / 2)))
+        print(save_cost(base, args), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
-def throughput_table(base, tokens, args, flops_per_token: float, peak: float | None) -> None:
-    k = base.optim.grad_accum_steps
-    print(f"| {'run':<34} | {'step (ms)':>9} | {'tokens/s':>12} | {'MFU':>6} |\n|{'-' * 36}|{'-' * 11}|{'-' * 14}|{'-' * 8}|")
-    for precision in ("fp32", "bf16"):
-        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, precision=precision))
-        print(row(f"jaxtrain {precision}, scan over {k}", cfg,
-                  jaxtrain_step_times(cfg, tokens, args.steps, False), flops_per_token, peak), flush=True)
-        if k > 1:
-            print(row(f"jaxtrain {precision}, {k} jitted calls", cfg,
-                      jaxtrain_step_times(cfg, tokens, args.steps, True), flops_per_token, peak), flush=True)
-        if not args.skip_torch:
-            print(row(f"torchref {precision}", cfg, torchref_step_times(cfg, tokens, args.steps), flops_per_token,
-                      peak), flush=True)
-    print()
+def resolved_config(overrides: list[str], synthetic: bool):
+    base = config_lib.load(overrides + ["--data.path=null"] if synthetic else overrides)
+    if synthetic:
+        if base.model.vocab_size is None:
+            sys.exit("error: --synthetic needs model.vocab_size (there is no data to take it from)")
+        return base
+    from jaxtrain import data as data_lib
+    vocab = data_lib.resolve_vocab_size(base.model.vocab_size, data_lib.load(base.data, base.model.seq_len))
+    return dataclasses.replace(base, model=dataclasses.replace(base.model, vocab_size=vocab))
+
+
+def describe_device(cfg, peak_tflops: float | None) -> tuple[str, int, float | None]:
+    """The device in words, the model's params (jax's count, wpe included) and the nominal peak FLOP/s."""
+    import jax
+    from jaxtrain import metrics, step as step_lib
+    abstract = jax.eval_shape(functools.partial(step_lib.fresh_state, cfg, cfg.model.vocab_size))
+    n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
+    kind = jax.devices()[0].device_kind
+    if jax.default_backend() == "cpu":
+        kind = f"{_cpu_model()} ({os.cpu_count()} cores), jax {jax.__version__}"
+    peak = peak_tflops * 1e12 if peak_tflops else metrics.peak_flops(cfg, jax.devices()[0].device_kind)
+    return kind, n_params, peak
+
+
+def _cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+
+
+def measure(base, keys: list[str], args) -> list[dict]:
+    """Start each row's process (one after the other, so warm-ups do not share the machine), then the rounds: each
+    round gives every live row its turn. With --one-at-a-time a row's process runs all its rounds and ends before
+    the next starts, for a GPU whose memory cannot hold every row's activations and caches at once."""
+    rows = [{"key": key, "name": ROWS[key][0], "precision": ROWS[key][2], "times": [],
+             "cfg": with_precision(base, ROWS[key][2], ROWS[key][3])} for key in keys]
+    groups = [[r] for r in rows] if args.one_at_a_time else [rows]
+    for group in groups:
+        for r in group:
+            r["worker"] = workers.Worker(workers.Row(r["name"], ROWS[r["key"]][1], r["cfg"], ROWS[r["key"]][4]),
+                                         args.synthetic)
+            r.update(r["worker"].warmup)
+            print(f"  started {r['name']}: {r['worker'].warmup}", flush=True)
+        live = [r for r in group if "error" not in r]
+        for _ in range(args.rounds):
+            for r in live:
+                r["times"] += r["worker"].times(args.steps)
+        for r in group:
+            r["peak_memory"] = r["worker"].peak_memory() if "error" not in r else None
+            r.pop("worker").close()
+    return rows
+
+
+def table(rows: list[dict], base, n_params: int, peak: float | None) -> str:
+    from jaxtrain import metrics
+    flops_per_token = metrics.flops_per_token(base, n_params)
+    m, k, n = matmul_shape(base)
+    for r in rows:
+        r["cfg"] = dataclasses.asdict(r.pop("cfg"))
+        if r["times"]:
+            per_s = [(2 * m * k * n if r["key"].startswith("matmul") else
+                      base.data.batch_size * base.model.seq_len) / t for t in r["times"]]
+            r.update(median=statistics.median(per_s), low=min(per_s), high=max(per_s),
+                     step_ms=statistics.median(r["times"]) * 1e3)
+    ceiling = {p: max((r["median"] for r in rows if r["key"].startswith("matmul") and r["precision"] == p
+                       and "median" in r), default=None) for p in ("bf16", "fp32")}
+    jax_main = {r["precision"]: r["median"] for r in rows if r["key"] in ("jax-bf16", "jax-fp32") and "median" in r}
+    lines = [f"| run | tokens/s median (min-max) | step ms | MFU of the measured matmul | MFU of nominal peak | "
+             f"first step s | peak memory GB | jaxtrain / this |", "|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if not r["key"].startswith("matmul")):
+        if "median" not in r:
+            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | |")
+            continue
+        achieved = r["median"] * flops_per_token
+        r["mfu_ceiling"] = achieved / ceiling[r["precision"]] if ceiling[r["precision"]] else None
+        r["mfu_peak"] = achieved / peak if peak else None
+        ratio = jax_main.get(r["precision"], 0) / r["median"] if r["precision"] in jax_main else None
+        lines.append(f"| {r['name']} | {r['median']:,.0f} ({r['low']:,.0f}-{r['high']:,.0f}) | {r['step_ms']:,.1f} | "
+                     f"{_pct(r['mfu_ceiling'])} | {_pct(r['mfu_peak'])} | {r['first_step_s']:.1f} | "
+                     f"{r['peak_memory'] / 1e9:.2f} | {f'{ratio:.2f}' if ratio else 'n/a'} |")
+    lines += ["", f"matmul ceiling, ({m} x {k}) @ ({k} x {n}), the MLP's c_fc on one micro-batch:", "",
+              "| framework | TFLOP/s median (min-max) | of nominal peak |", "|---|---|---|"]
+    for r in (r for r in rows if r["key"].startswith("matmul")):
+        lines.append(f"| {r['name']} | " + (f"failed: {r['error']} | |" if "median" not in r else
+                     f"{r['median'] / 1e12:.2f} ({r['low'] / 1e12:.2f}-{r['high'] / 1e12:.2f}) | "
+                     f"{_pct(r['median'] / peak if peak else None)} |"))
+    return "\n".join(lines) + "\n\n" + summary(rows)
+
+
+def summary(rows: list[dict]) -> str:
+    """The issue's goals, as ratios of this run's medians."""
+    median = {r["key"]: r["median"] for r in rows if "median" in r}
+    out = []
+    best_torch = max((median[k] for k in ("torch-bf16", "compile-bf16") if k in median), default=None)
+    if "jax-bf16" in median and best_torch:
+        out.append(f"jaxtrain bf16 / best torch bf16: {median['jax-bf16'] / best_torch:.2f} (goal >= 0.7)")
+    if "jax-fp32" in median and "torch-fp32" in median:
+        out.append(f"jaxtrain fp32 / torchref eager fp32: {median['jax-fp32'] / median['torch-fp32']:.2f} "
+                   f"(goal >= 0.8)")
+    if "jax-bf16-k1" in median and "jax-bf16-k4" in median:
+        out.append(f"accumulation k=4 costs {1 - median['jax-bf16-k4'] / median['jax-bf16-k1']:.1%} of k=1's "
+                   f"tokens/s (goal <= 5%)")
+    return "\n".join(out) + "\n"
+
+
+def _pct(x: float | None) -> str:
+    return f"{x:.1%}" if x is not None else "n/a"
+
+
+def save_cost(base, args) -> str:
+    from benchmarks.save_cost import save_cost_table
+    from benchmarks.steps import jaxtrain_train_step, windows
+    from jaxtrain import step as step_lib
+    data = workers.tokens(base, args.synthetic)
+    state = step_lib.fresh_state(base, base.model.vocab_size)
+    return save_cost_table(base, jaxtrain_train_step(base), state, windows(base, data),
+                           pairs=max(args.rounds * args.steps // 2, 2))
 
 
 if __name__ == "__main__":

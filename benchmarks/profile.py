@@ -1,0 +1,78 @@
+"""Where jaxtrain's train step spends its time: a profiler trace of a few steps, summed by op.
+
+    python -m benchmarks.profile --config configs/small.yaml [--steps 3] [--top 25] [--synthetic] [--section.key=v ...]
+
+Traces `--steps` warm steps with jax.profiler and reads the trace back (jax.profiler.ProfileData): for each
+timeline of the device (GPU: XLA's ops and the kernels on each stream; CPU: the runtime's threads), the ops with
+the most time, and a breakdown into matmuls, attention, copies and the rest by name. Times are summed over the
+traced steps and divided by their number.
+"""
+
+import argparse
+import collections
+import glob
+import re
+import sys
+import tempfile
+
+# Op and kernel names -> what they are; the first pattern that matches wins.
+CATEGORIES = [
+    ("attention", re.compile(r"cudnn.*(fmha|flash|attn)|fmha|flash|dot_product_attention|custom-call.*cudnn", re.I)),
+    ("matmul", re.compile(r"gemm|cublas|matmul|dot|sm90_xmma|nvjet|cutlass", re.I)),
+    ("copy/transpose", re.compile(r"copy|transpose|bitcast", re.I)),
+    ("reduction", re.compile(r"reduce|reduction", re.I)),
+    ("loop/elementwise fusion", re.compile(r"fusion|loop", re.I)),
+]
+
+
+def category(name: str) -> str:
+    return next((label for label, pattern in CATEGORIES if pattern.search(name)), "other")
+
+
+def trace_steps(cfg, synthetic: bool, steps: int) -> str:
+    """Runs two warm-up steps, then `steps` traced ones; the path of the trace's .xplane.pb."""
+    import jax
+    from benchmarks import steps as steps_lib, workers
+    timed = steps_lib.jaxtrain(cfg, workers.tokens(cfg, synthetic))
+    timed.step(), timed.step()
+    folder = tempfile.mkdtemp(prefix="jaxtrain-profile-")
+    with jax.profiler.trace(folder):
+        for _ in range(steps):
+            timed.step()
+    return glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0]
+
+
+def summarize(path: str, steps: int, top: int) -> str:
+    from jax.profiler import ProfileData
+    out = []
+    for plane in ProfileData.from_file(path).planes:
+        if not (plane.name.startswith("/device:") or plane.name == "/host:CPU"):
+            continue
+        for line in plane.lines:
+            totals = collections.Counter()
+            for event in line.events:
+                totals[event.name] += event.duration_ns / 1e6 / steps
+            if sum(totals.values()) < 1.0 or line.name == "python":
+                continue
+            by_category = collections.Counter()
+            for name, ms in totals.items():
+                by_category[category(name)] += ms
+            out.append(f"\n{plane.name} / {line.name}: {sum(totals.values()):,.1f} ms per step\n  " + ", ".join(
+                f"{label} {ms:,.1f}" for label, ms in by_category.most_common()))
+            out += [f"    {ms:9.2f} ms  {name[:110]}" for name, ms in totals.most_common(top)]
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--synthetic", action="store_true")
+    args, rest = ap.parse_known_args(argv)
+    from benchmarks.run import resolved_config
+    cfg = resolved_config(rest, args.synthetic)
+    print(summarize(trace_steps(cfg, args.synthetic, args.steps), args.steps, args.top))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

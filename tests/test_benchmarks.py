@@ -1,0 +1,50 @@
+"""benchmarks/run.py: the table's arithmetic on hand-made rows, and one short run end to end."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import run as bench
+from jaxtrain import config
+
+TINY = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16", "--data.batch_size=8",
+        "--optim.grad_accum_steps=2", "--model.vocab_size=64"]
+
+
+def _row(key, times, precision="bf16"):
+    return {"key": key, "name": key, "precision": precision, "times": times, "first_step_s": 1.0,
+            "peak_memory": 2e9, "cfg": config.load([])}
+
+
+def test_table_rates_and_ratios():
+    cfg = config.load(TINY)  # 8 x 16 = 128 tokens per step; the matmul is (4*16) x 32 @ 32 x 128
+    rows = [_row("jax-bf16", [0.5, 1.0, 2.0]), _row("torch-bf16", [0.25, 0.25]), _row("compile-bf16", [2.0]),
+            _row("jax-bf16-k1", [1.0]), _row("jax-bf16-k4", [1.25]), _row("matmul-jax-bf16", [2 * 64 * 32 * 128 / 1e6])]
+    text = bench.table(rows, cfg, n_params=10_000, peak=None)
+    assert rows[0]["median"] == 128 / 1.0 and rows[0]["low"] == 64 and rows[0]["high"] == 256
+    assert rows[5]["median"] == pytest.approx(1e6)  # FLOP/s of the matmul row: 2mkn / seconds
+    assert "jaxtrain bf16 / best torch bf16: 0.25" in text  # 128 tokens/s against torch eager's 512
+    assert "accumulation k=4 costs 20.0% of k=1's tokens/s" in text
+    assert "| torch-bf16 | 512 (512-512) | 250.0 |" in text and "| 0.25 |" in text  # jaxtrain / this
+
+
+def test_failed_row_is_reported_not_fatal():
+    rows = [_row("jax-bf16", [1.0]), {**_row("torch-bf16", []), "error": "OutOfMemoryError: CUDA out of memory"}]
+    text = bench.table(rows, config.load(TINY), n_params=10_000, peak=None)
+    assert "| torch-bf16 | failed: OutOfMemoryError: CUDA out of memory |" in text
+
+
+def test_one_short_run(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", *TINY, "--synthetic", "--rounds", "2", "--steps", "1",
+         "--rows", "jax-bf16,torch-bf16,matmul-jax-bf16", "--only", "throughput", "--json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"jax-bf16", "torch-bf16", "matmul-jax-bf16"}
+    assert all(len(r["times"]) == 2 and r["median"] > 0 and "error" not in r for r in rows.values())
+    assert rows["jax-bf16"]["peak_memory"] > 0  # the row's own process's peak RSS
+    assert "jaxtrain bf16 / best torch bf16:" in proc.stdout
