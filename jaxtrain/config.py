@@ -36,6 +36,9 @@ class RunConfig:
     out_dir: str = "out/run"  # metrics.jsonl, config.yaml, checkpoints/<step>/
     seed: int = 0  # params init, data order and dropout all derive from it
     fresh: bool = False  # ignore checkpoints already in out_dir and start from step 0 (they are kept)
+    dry_run: bool = False  # compile the train step and print its memory per device; train nothing (jaxtrain/dryrun.py)
+    dry_run_devices: Optional[int] = None  # compile for this many fake CPU devices (a pod's count); None: this host's
+    target_device: Optional[Literal["v4", "v5e", "v5p", "v6e", "a100-40gb", "a100-80gb", "h100", "h200"]] = None
 
 
 @dataclasses.dataclass
@@ -51,6 +54,9 @@ class ModelConfig:
     # auto: cuDNN's fused flash attention on a GPU under bf16 without dropout, the written-out attention elsewhere;
     # xla: always written out (fp32 scores, as torchref); cudnn: always fused, an error where it cannot run
     attention: Literal["auto", "xla", "cudnn"] = "auto"
+    # recompute each block's activations in the backward pass instead of keeping them: full keeps only each block's
+    # input; dots keeps the outputs of its weight matmuls too (less memory than none, less recompute than full)
+    remat: Literal["none", "full", "dots"] = "none"
 
 
 @dataclasses.dataclass
@@ -280,7 +286,8 @@ def validate(cfg: Config) -> None:
                         f"{o.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a multiple")
     if "://" not in cfg.run.out_dir:
         _check_run_folder(cfg.run.out_dir)
-    if cfg.data.path is not None and not os.path.isdir(cfg.data.path):
+    if cfg.data.path is not None and not os.path.isdir(cfg.data.path) and not (
+            cfg.run.dry_run and cfg.model.vocab_size is not None):  # a dry run reads no data when it knows the vocab
         raise UserError(f"data.path={cfg.data.path!r} is not a folder; create it with "
                         f"`python -m jaxtrain.data prepare --input TEXT --out DIR`, or drop data.path for the embedded corpus")
 
@@ -311,7 +318,7 @@ def _check_optional(cfg: Config) -> None:
     """Keys that may be null (meaning: derive it) must be in range when set."""
     m, o = cfg.model, cfg.optim
     for key, value in {"model.vocab_size": m.vocab_size, "optim.decay_steps": o.decay_steps,
-                       "log.peak_tflops": cfg.log.peak_tflops}.items():
+                       "log.peak_tflops": cfg.log.peak_tflops, "run.dry_run_devices": cfg.run.dry_run_devices}.items():
         if value is not None and value <= 0:
             raise UserError(f"{key} must be > 0 (or null to derive it), got {value}")
     if o.warmup_init_lr is not None and o.warmup_init_lr < 0:
@@ -399,8 +406,11 @@ def resume_hint(cfg: Config) -> str:
 
 # Sections and keys that shape the trajectory: resuming with any of them changed is refused. train.steps is not
 # one of them (a finished run may be extended), but the decay length it defaults to is. Where the data lies
-# (data.path, data.cache_dir) is not either: its content is compared instead (data.check_same_data).
+# (data.path, data.cache_dir) is not either: its content is compared instead (data.check_same_data). How the model
+# computes (attention kernel, rematerialisation) is not: it may change on resume, to fit another device, and
+# checkpoints written before these keys existed still resume.
 TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "run.seed", "decay length")
+HOW_NOT_WHAT = ("model.attention", "model.remat")
 
 
 def check_same_trajectory(saved: dict, cfg: Config, where: str) -> None:
@@ -425,7 +435,7 @@ def _trajectory(raw: dict) -> dict:
     """The flattened keys that shape the trajectory, with the effective decay length spelled out."""
     flat = _flatten(raw)
     flat["decay length"] = flat.get("optim.decay_steps") or flat.get("train.steps")
-    return {k: v for k, v in flat.items() if k.startswith(TRAJECTORY_KEYS)}
+    return {k: v for k, v in flat.items() if k.startswith(TRAJECTORY_KEYS) and k not in HOW_NOT_WHAT}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

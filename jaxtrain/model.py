@@ -199,6 +199,17 @@ class Block(nnx.Module):
         return x_BxTxD + self.mlp(self.ln_2(x_BxTxD), mlp_key)
 
 
+# model.remat: what the backward pass finds kept from each block's forward (the rest it recomputes). full: nothing
+# but the block's input; dots: also the outputs of matmuls without batch dimensions (the weight matmuls, not the
+# attention's), as MaxText's and Levanter's save-dots policies.
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _run_block(block, x_BxTxD, key):
+    return block(x_BxTxD, key)
+
+
 class GPT(nnx.Module):
     """Token ids (B, T) -> logits (B, T, V) in the compute dtype. vocab_size is explicit because cfg.vocab_size
     may be None (taken from the data); it wins over cfg.vocab_size."""
@@ -212,7 +223,7 @@ class GPT(nnx.Module):
         self.ln_f = LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = None if cfg.tie_embeddings else Linear(
             cfg.d_model, vocab_size, bias=False, std=INIT_STD, precision=precision, rngs=rngs)
-        self.dropout, self.precision = cfg.dropout, precision
+        self.dropout, self.precision, self.remat = cfg.dropout, precision, cfg.remat
 
     def __call__(self, idx_BxT, *, dropout_key: jax.Array | None = None):
         T = idx_BxT.shape[1]
@@ -220,8 +231,9 @@ class GPT(nnx.Module):
             raise ValueError(f"sequence of length {T} is longer than the model's seq_len {self.wpe.weight.shape[0]}")
         emb_key, *block_keys = _split(dropout_key, len(self.h) + 1)
         x_BxTxD = _dropout(self.wte(idx_BxT) + self.wpe(jnp.arange(T)), self.dropout, emb_key)
+        run_block = _run_block if self.remat == "none" else nnx.remat(_run_block, policy=REMAT_POLICIES[self.remat])
         for block, key in zip(self.h, block_keys):
-            x_BxTxD = block(x_BxTxD, key)
+            x_BxTxD = run_block(block, x_BxTxD, key)
         return self._logits(self.ln_f(x_BxTxD))
 
     def _logits(self, x_BxTxD):

@@ -21,6 +21,7 @@ import numpy as np
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
+from jaxtrain import dryrun
 from jaxtrain.divergence import Divergence
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
@@ -99,6 +100,7 @@ class Trainer:
         """Compile the train step ahead of the loop, so that step 1's throughput is not the compile time."""
         t0 = time.perf_counter()
         self.train_step = self.jit_train_step.lower(state, *self.window(int(state.step))).compile()
+        dryrun.check_fits(self.train_step, self.abstract_state, jax.local_devices()[0])  # before an OOM in step 1
         if self.is_main:
             print(f"compiled the train step in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
@@ -183,7 +185,9 @@ class AgreedStop:
 
 
 def train(cfg: Config) -> dict:
-    """Train to cfg.train.steps; returns the summary of this run."""
+    """Train to cfg.train.steps; returns the summary of this run. run.dry_run: only say whether it fits."""
+    if cfg.run.dry_run:
+        return dryrun.report(cfg)
     t0 = time.perf_counter()
     stop = preemption.install()  # `python -m jaxtrain.run` installed it before importing jax
     trainer = logger = None

@@ -105,6 +105,12 @@ def test_trajectory_check_names_changed_keys_and_allows_extending(yaml_path):
     longer = config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=300",
                           "--run.out_dir=/elsewhere", "--checkpoint.every=7"])
     config.check_same_trajectory(saved, longer, "ckpt")  # same schedule and model: extending is fine
+    other_kernels = config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=100",
+                                 "--model.remat=full", "--model.attention=xla"])
+    config.check_same_trajectory(saved, other_kernels, "ckpt")  # how the model computes may change
+    for key in ("attention", "remat"):  # a checkpoint written before these keys existed
+        del saved["model"][key]
+    config.check_same_trajectory(saved, cfg, "ckpt")
     with pytest.raises(UserError, match=r"decay length: 100 -> 300"):  # the default decay follows train.steps
         config.check_same_trajectory(saved, config.load(["--config", yaml_path, "--train.steps=300"]), "ckpt")
     with pytest.raises(UserError, match=r"model.n_layer: 4 -> 2.*--run.fresh=true"):

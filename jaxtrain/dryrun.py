@@ -1,0 +1,134 @@
+"""`--run.dry_run=true`: whether a config fits its devices, known before a pod spends half an hour starting.
+
+The train step is lowered and compiled ahead of time for the configured mesh from abstract shapes (nothing is
+allocated, no data is read, no checkpoint touched), on this machine's devices or on `run.dry_run_devices` fake
+CPU devices. Per device it prints the bytes of params, AdamW's moments, MultiSteps' gradient accumulator (from the
+shardings) and the step's temporaries (XLA's `memory_analysis()` of the compiled step), and, with
+`run.target_device`, whether that total fits the device's memory. What it proves: the mesh and batch split, and the
+sharded state's exact size. What it does not: temporaries compiled for CPU are XLA:CPU's buffer assignment, not
+the TPU's or GPU's (other fusions, other scheduling; XLA:CPU does not schedule to save rematerialised memory), so
+they are an estimate; and it does not run a step.
+"""
+
+import dataclasses
+import math
+import os
+import sys
+
+import jax
+import numpy as np
+
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import data as data_lib
+from jaxtrain import mesh as mesh_lib
+from jaxtrain import model as model_lib
+from jaxtrain import optim
+from jaxtrain import step as step_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+
+GIB = 2**30
+# Memory per device, bytes (vendor datasheets): what run.target_device names.
+DEVICE_MEMORY = {
+    "v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB,
+    "a100-40gb": 40 * GIB, "a100-80gb": 80 * GIB, "h100": 80 * GIB, "h200": 141 * GIB,
+}
+# What the runtime keeps for itself (XLA's own allocator reserve, cuDNN/cuBLAS workspaces, fragmentation): a
+# config is said to fit only below this fraction of the device's memory.
+USABLE_FRACTION = 0.9
+LEVERS = ("mesh.fsdp (shards params and optimizer state over more devices), optim.grad_accum_steps (smaller "
+          "micro-batches: fewer activations), model.remat=dots or full (recompute activations in the backward pass)")
+
+
+def use_fake_devices(n: int) -> None:
+    """n CPU devices in place of this machine's: must run before jax first looks at its devices. XLA:CPU's default
+    scheduler orders the step for concurrency, keeping more alive than a TPU's or GPU's memory-aware scheduler
+    would (GPT-2 124M on 64 devices: 18.2 GiB of temporaries, 16.0 with the list scheduler); a dry run runs nothing,
+    so it compiles for memory."""
+    flag = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard, for uneven splits)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def compiled_step(cfg: Config, abstract_state, mesh):
+    """The train step as run.Trainer jits it, compiled from abstract arguments."""
+    graphdef = model_lib.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
+    state_sharding = jax.tree.map(lambda x: x.sharding, abstract_state)
+    train_step = jax.jit(
+        step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), cfg.run.seed,
+                                 cfg.model.dropout > 0, skip_non_finite=cfg.train.nan_policy == "skip"),
+        donate_argnums=0, out_shardings=(state_sharding, mesh_lib.replicated(mesh)))
+    k = cfg.optim.grad_accum_steps
+    window = jax.ShapeDtypeStruct((k, cfg.data.batch_size // k, cfg.model.seq_len), np.int32,
+                                  sharding=mesh_lib.window_sharding(mesh))
+    return train_step.lower(abstract_state, window, window).compile()
+
+
+def memory_table(abstract_state, compiled) -> tuple[list[tuple[str, int]], int]:
+    """(what, bytes per device) rows and their total, the peak the step needs on one device."""
+    opt_state = abstract_state.opt_state
+    adam = optim.adam_state(opt_state)
+    params = per_device_bytes(abstract_state.params)
+    moments = per_device_bytes((adam.mu, adam.nu))
+    accumulator = per_device_bytes(opt_state.acc_grads)
+    state = per_device_bytes(abstract_state)
+    stats = compiled.memory_analysis()
+    rows = [("params (fp32)", params), ("AdamW moments (fp32)", moments),
+            ("gradient accumulator (fp32)", accumulator), ("other optimizer state", state - params - moments - accumulator),
+            ("step temporaries (activations, gradients, XLA buffers)", stats.temp_size_in_bytes),
+            ("batch, metrics, and any state output not donated in place", stats.argument_size_in_bytes
+             + stats.output_size_in_bytes - stats.alias_size_in_bytes - state)]
+    return rows, sum(b for _, b in rows)
+
+
+def check_fits(compiled, abstract_state, device) -> None:
+    """Before a real run's first step: a UserError naming the levers when the compiled step needs more than the
+    device's memory (devices that report it: GPUs and TPUs; a CPU has no fixed limit)."""
+    stats = device.memory_stats()
+    limit = stats.get("bytes_limit") if stats else None
+    if not limit:
+        return
+    _, total = memory_table(abstract_state, compiled)
+    if total > limit:
+        raise UserError(f"the train step needs {total / GIB:.2f} GiB per device and {device.device_kind} has "
+                        f"{limit / GIB:.2f} GiB for it; levers: {LEVERS}")
+
+
+def report(cfg: Config) -> dict:
+    """Compile, print the memory table and the verdict; a target it does not fit is a UserError naming levers."""
+    if cfg.run.dry_run_devices:
+        use_fake_devices(cfg.run.dry_run_devices)
+    if cfg.model.vocab_size is None:  # the data's: read its meta.json (the embedded corpus is prepared if need be)
+        vocab_size = data_lib.load(cfg.data, cfg.model.seq_len).vocab_size
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+    mesh = mesh_lib.make_mesh(cfg)
+    abstract_state = checkpoint_lib.abstract_state(cfg, cfg.model.vocab_size, mesh)
+    compiled = compiled_step(cfg, abstract_state, mesh)
+    rows, total = memory_table(abstract_state, compiled)
+    n_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))
+    devices = jax.devices()
+    print(f"dry run: {n_params:,} params on {len(devices)} x {devices[0].device_kind} as mesh (data "
+          f"{mesh.shape['data']}, fsdp {mesh.shape['fsdp']}); per device {cfg.micro_batch_size // len(devices)} "
+          f"sequences of {cfg.model.seq_len} per micro-batch, {cfg.optim.grad_accum_steps} micro-batches per step; "
+          f"compiled for {jax.default_backend()}\n")
+    print(f"| per device | GiB |\n|---|---|")
+    for what, size in rows:
+        print(f"| {what} | {size / GIB:.3f} |")
+    print(f"| **total** | **{total / GIB:.3f}** |\n")
+    summary = {"total_bytes": total, "rows": dict(rows), "fits": None}
+    if cfg.run.target_device:
+        limit = DEVICE_MEMORY[cfg.run.target_device]
+        summary["fits"] = total <= USABLE_FRACTION * limit
+        verdict = (f"{total / GIB:.2f} GiB of {cfg.run.target_device}'s {limit / GIB:.0f} GiB per device "
+                   f"({total / limit:.0%}; {USABLE_FRACTION:.0%} usable)")
+        if not summary["fits"]:
+            raise UserError(f"does not fit: {verdict}; levers: {LEVERS}")
+        print(f"fits: {verdict}", file=sys.stderr)
+    return summary
