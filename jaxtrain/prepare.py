@@ -1,18 +1,27 @@
 """Writing token folders: the byte and GPT-2 tokenizers, and `prepare`, which turns text files into the
 folder jaxtrain.data reads (`python -m jaxtrain.data prepare ...` is its command line).
 
-numpy and the standard library (tiktoken for gpt2, imported only then): torchref imports jaxtrain.data, which
+numpy, tqdm and the standard library (tiktoken for gpt2, imported only then): torchref imports jaxtrain.data, which
 imports this module, so it must never import jax or torch.
 """
 
+import codecs
+import collections
+import concurrent.futures
+import ctypes
+import ctypes.util
 import hashlib
 import importlib.util
 import json
 import os
 import pathlib
+import re
+import sys
 import tempfile
+import time
 
 import numpy as np
+from tqdm import tqdm
 
 from jaxtrain.errors import UserError
 
@@ -97,22 +106,109 @@ def _input_files(inputs: list[str]) -> list[pathlib.Path]:
     return files
 
 
-def _tokenize(files: list[pathlib.Path], tokenizer: str) -> tuple[np.ndarray, int]:
-    """All documents as one token stream and the vocab size. gpt2 ends each document with <|endoftext|>, as
-    nanoGPT's openwebtext; bytes joins them as they are."""
+# Text is tokenized in pieces of about this many bytes, so that memory stays flat whatever the corpus size. A piece
+# of GPT-2 text ends at a line break between two characters that are not whitespace: GPT-2's pre-tokenizer never joins
+# across such a point, so the pieces' tokens are the whole text's.
+PIECE_BYTES = 2**22
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
+_SAFE_CUT = re.compile(r"(?<=\S)\n(?=\S)")
+
+
+def _pieces(files: list[pathlib.Path], tokenizer: str):
+    """(text or bytes, whether it ends its document, input bytes read for it) in order: every file in pieces of
+    about PIECE_BYTES. A GPT-2 text without line breaks stays one piece (memory then grows with the line)."""
+    for path in files:
+        decoder = None if tokenizer == "bytes" else codecs.getincrementaldecoder("utf-8")(errors="replace")
+        pending, read = "", 0
+        with open(path, "rb") as f:
+            while chunk := f.read(PIECE_BYTES):
+                if decoder is None:
+                    yield chunk, False, len(chunk)
+                    continue
+                pending, read = pending + decoder.decode(chunk), read + len(chunk)
+                cut = max((m.end() for m in _SAFE_CUT.finditer(pending, len(pending) // 2)), default=0)
+                if cut:
+                    yield pending[:cut], False, read
+                    pending, read = pending[cut:], 0
+        yield (b"" if decoder is None else pending + decoder.decode(b"", final=True)), True, read
+
+
+def _encoder(tokenizer: str):
+    """(piece -> (token ids, input bytes), vocab size). gpt2 ends each document with <|endoftext|>, as nanoGPT's
+    openwebtext; bytes joins documents as they are."""
     if tokenizer == "bytes":
-        return byte_tokens([f.read_bytes() for f in files]), 256
+        return lambda piece: (np.frombuffer(piece[0], dtype=np.uint8), piece[2]), 256
     enc = _gpt2_encoding()
-    docs = [enc.encode_ordinary(f.read_bytes().decode("utf-8", errors="replace")) + [enc.eot_token] for f in files]
-    return np.concatenate([np.asarray(d, dtype=np.uint32) for d in docs]), enc.n_vocab
+    eot = np.array([enc.eot_token], np.uint32)
+
+    def encode(piece):  # tiktoken's Rust encoder releases the GIL: threads encode in parallel
+        text, ends_document, n_bytes = piece
+        ids = enc.encode_to_numpy(text, disallowed_special=())  # special tokens' text as ordinary text
+        return (np.concatenate([ids, eot]) if ends_document else ids), n_bytes
+    return encode, enc.n_vocab
 
 
-def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0.1) -> None:
-    """Tokenize text files into a data folder. val is the last val_fraction of the token stream, as nanoGPT's
-    shakespeare prepare: deterministic, and with several files mostly whole held-out files."""
+def _stream_tokens(files: list[pathlib.Path], tokenizer: str, encode, workers: int):
+    """(token ids, input bytes) in order, encoded by `workers` threads with a bounded number of pieces in flight."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        in_flight = collections.deque()
+        for piece in _pieces(files, tokenizer):
+            in_flight.append(pool.submit(encode, piece))
+            if len(in_flight) > 2 * workers:
+                yield in_flight.popleft().result()
+        while in_flight:
+            yield in_flight.popleft().result()
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0.1, workers: int | None = None) -> None:
+    """Tokenize text files into a data folder, streaming: tokens go to disk as they come, so memory stays flat. val
+    is the last val_fraction of the token stream, as nanoGPT's shakespeare prepare: deterministic, and with several
+    files mostly whole held-out files."""
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-    tokens, vocab_size = _tokenize(_input_files(inputs), tokenizer)
-    n_val = int(len(tokens) * val_fraction)
-    write_token_dir(out, tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:], vocab_size, tokenizer)
-    print(f"wrote {len(tokens) - n_val:,} train and {n_val:,} val tokens ({tokenizer}, vocab {vocab_size}) to {out}")
+    files = _input_files(inputs)
+    encode, vocab_size = _encoder(tokenizer)
+    dtype = _dtype_for(vocab_size)
+    os.makedirs(out, exist_ok=True)
+    for stale in ("meta.json", "val.bin"):  # meta.json is written last: a cut-short folder has none
+        if os.path.exists(os.path.join(out, stale)):
+            os.remove(os.path.join(out, stale))
+    partial, start = os.path.join(out, "train.bin.partial"), time.perf_counter()
+    n_tokens = 0
+    with open(partial, "wb") as f, tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
+                                        desc=f"prepare ({tokenizer})", disable=None) as bar:
+        for i, (ids, n_bytes) in enumerate(_stream_tokens(files, tokenizer, encode, workers or os.cpu_count() or 1)):
+            ids.astype(dtype).tofile(f)
+            n_tokens += len(ids)
+            if i % 8 == 7:
+                _give_back_freed_memory()
+            bar.update(n_bytes)
+            bar.set_postfix_str(f"{n_tokens / (time.perf_counter() - start):,.0f} tokens/s", refresh=False)
+    n_val = int(n_tokens * val_fraction)
+    _split_tail(partial, os.path.join(out, "val.bin"), n_tokens - n_val, dtype)
+    os.replace(partial, os.path.join(out, "train.bin"))
+    meta = {"vocab_size": vocab_size, "dtype": dtype.name, "tokenizer": tokenizer,
+            "train_tokens": n_tokens - n_val, "val_tokens": n_val}
+    with open(os.path.join(out, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+    seconds = time.perf_counter() - start
+    print(f"wrote {n_tokens - n_val:,} train and {n_val:,} val tokens ({tokenizer}, vocab {vocab_size}) to {out} in "
+          f"{seconds:.1f}s ({n_tokens / seconds:,.0f} tokens/s)")
+
+
+def _give_back_freed_memory() -> None:
+    """glibc keeps the pieces' freed multi-MB buffers in each thread's arena, and the heap grows with the input
+    (one 1 GB file: 784 MB peak RSS; with this every 8 pieces 365 MB, and 293 MB for 128 MB of the same text);
+    malloc_trim returns them to the system."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _split_tail(path: str, tail_path: str, keep: int, dtype: np.dtype, chunk: int = 2**24) -> None:
+    """Move the tokens of `path` after the first `keep` into `tail_path`, in chunks, and cut `path` there."""
+    offset = keep * dtype.itemsize
+    with open(path, "r+b") as src, open(tail_path, "wb") as dst:
+        src.seek(offset)
+        while block := src.read(chunk):
+            dst.write(block)
+        src.truncate(offset)

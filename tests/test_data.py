@@ -298,3 +298,40 @@ def test_a_full_state_continues_its_data_seed_unless_reseeded(run_seed, reseed, 
     assert data.continued_seed(3, cfg) == want
     err = capsys.readouterr().err
     assert (says in err) if says else err == ""
+
+
+def _mixed_text_files(folder, n_files=4) -> list[bytes]:
+    """Text with what trips a piecewise tokenizer: runs of newlines and spaces, multi-byte characters, the literal
+    text of GPT-2's special token, and invalid UTF-8 (in the second file)."""
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "fox", "<|endoftext|>", "naïve", "日本語", "  ", "\n", "\n\n", " \n", "\t", "123",
+             "it's", "--", "ü"]
+    contents = []
+    for i in range(n_files):
+        text = "".join(words[a] + [" ", "", "\n", "  "][b] for a, b in rng.integers(0, [15, 4], (3000 * (i + 1), 2)))
+        raw = text.encode()
+        if i == 1:
+            raw = raw[:1500] + b"\xff\xe2\x82" + raw[1500:2990] + b"\xe6\x97" + raw[2990:]
+        (folder / f"f{i}.txt").write_bytes(raw)
+        contents.append(raw)
+    return contents
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bytes"])
+def test_streaming_prepare_gives_the_whole_text_tokens(tmp_path, monkeypatch, tokenizer):
+    """Files cut into ~1 kB pieces tokenize exactly as whole files do (the pre-streaming implementation: each file
+    decoded and encoded at once, <|endoftext|> after each for gpt2), and split the same way into train and val."""
+    (tmp_path / "in").mkdir()
+    contents = _mixed_text_files(tmp_path / "in")
+    monkeypatch.setattr(prepare, "PIECE_BYTES", 997)
+    prepare.prepare([str(tmp_path / "in")], str(tmp_path / "out"), tokenizer, 0.1, workers=2)
+    if tokenizer == "gpt2":
+        enc = prepare._gpt2_encoding()
+        expected = np.concatenate([enc.encode_ordinary(raw.decode("utf-8", errors="replace")) + [enc.eot_token]
+                                   for raw in contents]).astype(np.uint16)
+    else:
+        expected = np.frombuffer(b"".join(contents), np.uint8).astype(np.uint16)
+    n_val = int(len(expected) * 0.1)
+    assert (tmp_path / "out" / "train.bin").read_bytes() == expected[:len(expected) - n_val].tobytes()
+    assert (tmp_path / "out" / "val.bin").read_bytes() == expected[len(expected) - n_val:].tobytes()
+    assert sorted(os.listdir(tmp_path / "out")) == ["meta.json", "train.bin", "val.bin"]  # no partial file left
