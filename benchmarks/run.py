@@ -9,7 +9,7 @@ largest weight matmul). Each row runs in its own process (benchmarks/workers.py)
 `--rounds` rounds of `--steps` timed steps each (A B C A B C), so drift of a shared machine falls on all of them.
 Then the cost of a checkpoint save (benchmarks/save_cost.py). MFU is nanoGPT's FLOPs per token against the best
 measured matmul of the row's precision, and against the device's nominal bf16 peak where it is known
-(jaxtrain.metrics.PEAK_FLOPS, or --peak-tflops). `--synthetic`: uniform random token ids, no data folder needed.
+(jaxtrain.metrics.PEAK_TFLOPS, or --peak-tflops). `--synthetic`: uniform random token ids, no data folder needed.
 """
 
 import argparse

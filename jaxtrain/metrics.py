@@ -16,11 +16,12 @@ from tqdm import tqdm
 
 from jaxtrain.config import Config
 
-# Dense bf16 peak per device, FLOP/s, by jax's device_kind (vendor datasheets). CPUs vary too much to list.
-PEAK_FLOPS = {
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
-    "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA H100 80GB HBM3": 989e12,
-    "NVIDIA H100": 989e12, "NVIDIA H200": 989e12,
+# Dense bf16 peak TFLOP/s per device (vendor datasheets), matched in order as substrings of the device's name:
+# jax's device_kind and torch.cuda.get_device_name() alike, so both backends take MFU against the same peak (in fp32
+# runs too, as nanoGPT does). CPUs vary too much to list: log.peak_tflops sets any device's peak.
+PEAK_TFLOPS = {
+    "H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+    "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0,
 }
 
 
@@ -32,10 +33,11 @@ def flops_per_token(cfg: Config, n_params: int) -> float:
     return 6 * n_matmul + 12 * m.n_layer * m.d_model * m.seq_len
 
 
-def peak_flops(cfg: Config, device_kind: str) -> float | None:
+def peak_flops(cfg: Config, device_name: str) -> float | None:
+    """FLOP/s for MFU: log.peak_tflops, else PEAK_TFLOPS's first key found in device_name, else unknown (None)."""
     if cfg.log.peak_tflops is not None:
         return cfg.log.peak_tflops * 1e12
-    return PEAK_FLOPS.get(device_kind)
+    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in device_name), None)
 
 
 def kept_lines(path: str, step: int) -> list[str]:

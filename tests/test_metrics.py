@@ -3,6 +3,8 @@ torchref's does (README, "Metrics"). A fake clock makes every number below a han
 
 import json
 
+import pytest
+
 from jaxtrain import config, metrics
 
 
@@ -42,3 +44,14 @@ def test_a_resumed_run_keeps_the_lines_up_to_its_step_and_drops_a_cut_last_line(
     assert metrics.kept_lines(str(path), 2) == lines[:2]
     assert metrics.kept_lines(str(path), 3) == lines
     assert metrics.kept_lines(str(tmp_path / "none.jsonl"), 3) == []
+
+
+@pytest.mark.parametrize("name,tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA A100-SXM4-40GB", 312), ("NVIDIA L4", 121),
+    ("NVIDIA L40S", 362), ("TPU v5 lite", 197), ("TPU v5p", 459), ("cpu", None)])
+def test_peak_flops_one_table_for_both_backends(name, tflops):
+    """jax's device_kind and torch's get_device_name() both contain these names (vendor datasheet peaks, bf16
+    dense); log.peak_tflops wins over the table."""
+    cfg = config.load([])
+    assert metrics.peak_flops(cfg, name) == (tflops * 1e12 if tflops else None)
+    assert metrics.peak_flops(config.load(["--log.peak_tflops=2.5"]), name) == 2.5e12

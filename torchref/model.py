@@ -108,13 +108,10 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self, non_embedding=True):
-        """Parameter count, shared tensors once. As nanoGPT, the position embedding is left out by default: it
-        costs no matmul FLOPs, while wte does as the tied lm_head."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+    def num_params(self) -> int:
+        """Parameter count, shared tensors once (jaxtrain.metrics.flops_per_token leaves the position embedding
+        out: it costs no matmul FLOPs, while wte does as the tied lm_head)."""
+        return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx):
         """idx: (B, T) token ids -> logits (B, T, V). Under bf16 autocast the logits come out in bf16."""
@@ -125,10 +122,3 @@ class GPT(nn.Module):
             x = block(x)
         x = self.transformer.ln_f(x)
         return self.lm_head(x)
-
-
-def estimate_flops_per_token(cfg: ModelConfig, n_params: int) -> float:
-    """Training FLOPs per token (forward + backward), the numerator of nanoGPT's estimate_mfu (PaLM appendix B):
-    6 per parameter, plus attention's 12 * L * H * hs * T. n_params: GPT.num_params() (non-embedding)."""
-    head_size = cfg.d_model // cfg.n_head
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * head_size * cfg.seq_len

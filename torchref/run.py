@@ -32,13 +32,8 @@ from jaxtrain.divergence import Divergence
 from jaxtrain.errors import exit_on_user_error
 from torchref import checkpoint
 from torchref.checkpoint import Progress
-from torchref.model import GPT, estimate_flops_per_token, upcast
+from torchref.model import GPT, upcast
 from torchref.optim import configure_optimizer, lr_scheduler
-
-# Dense bf16 peak TFLOP/s per GPU, matched in order as substrings of torch.cuda.get_device_name(). MFU is taken
-# against this peak in fp32 runs too, as nanoGPT does. Other devices (CPU included) log mfu null unless
-# log.peak_tflops is set.
-PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,8 +71,9 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
         print(f"stopped before the first step, nothing new to save; {config.resume_hint(cfg)}", file=sys.stderr)
         return
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16")
-    log = MetricsLog(cfg, progress.step if resumed else 0,
-                     estimate_flops_per_token(cfg.model, model.num_params()), peak_flops(cfg, device))
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    flops_per_token = metrics.flops_per_token(cfg, model.num_params())  # jaxtrain's rule
+    log = MetricsLog(cfg, progress.step if resumed else 0, flops_per_token, metrics.peak_flops(cfg, device_name))
     bar = tqdm(total=cfg.train.steps, initial=progress.step, disable=not cfg.log.progress, unit="step")
     loss = eval_loss = None
     divergence = Divergence(cfg, lambda: checkpoint.latest_step(cfg.run.out_dir))
@@ -206,16 +202,6 @@ def evaluate(model, tokens, cfg: Config, seed: int, device: str, autocast) -> fl
 def to_device(batch, device: str) -> torch.Tensor:
     """int32 numpy ids -> int64 tensor (what nn.Embedding and cross_entropy index with)."""
     return torch.from_numpy(batch).to(device=device, dtype=torch.long)
-
-
-def peak_flops(cfg: Config, device: str) -> float | None:
-    """Peak FLOP/s of the device for MFU: log.peak_tflops, else the table for known GPUs, else unknown."""
-    if cfg.log.peak_tflops is not None:
-        return cfg.log.peak_tflops * 1e12
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-        return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in name), None)
-    return None
 
 
 class MetricsLog:
