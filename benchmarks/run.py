@@ -139,8 +139,8 @@ def table(rows: list[dict], base, n_params: int, peak: float | None) -> str:
     ceiling = {p: max((r["median"] for r in rows if r["key"].startswith("matmul") and r["precision"] == p
                        and "median" in r), default=None) for p in ("bf16", "fp32")}
     jax_main = {r["precision"]: r["median"] for r in rows if r["key"] in ("jax-bf16", "jax-fp32") and "median" in r}
-    lines = [f"| run | tokens/s median (min-max) | step ms | MFU of the measured matmul | MFU of nominal peak | "
-             f"first step s | peak memory GB | jaxtrain / this |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | tokens/s median (min-max) | step ms | MFU of the measured matmul | MFU of nominal peak | "
+             "first step s | peak memory GB | jaxtrain / this |", "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if not r["key"].startswith("matmul")):
         if "median" not in r:
             lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | |")
@@ -183,11 +183,11 @@ def _pct(x: float | None) -> str:
 
 def save_cost(base, args) -> str:
     from benchmarks.save_cost import save_cost_table
-    from benchmarks.steps import jaxtrain_train_step, windows
+    from benchmarks.steps import windows
     from jaxtrain import step as step_lib
     data = workers.tokens(base, args.synthetic)
     state = step_lib.fresh_state(base, base.model.vocab_size)
-    return save_cost_table(base, jaxtrain_train_step(base), state, windows(base, data),
+    return save_cost_table(base, step_lib.jit_train_step(base, base.run.seed), state, windows(base, data),
                            pairs=max(args.rounds * args.steps // 2, 2))
 
 

@@ -32,19 +32,10 @@ def windows(cfg, data) -> Callable[[int], tuple[np.ndarray, np.ndarray]]:
                                         accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len)
 
 
-def jaxtrain_train_step(cfg):
-    """jaxtrain's train step, jitted with the state donated, as run.Trainer builds it."""
-    import jax
-    from jaxtrain import model as model_lib, optim, step as step_lib
-    graphdef = model_lib.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
-    return jax.jit(step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), cfg.run.seed,
-                                            cfg.model.dropout > 0), donate_argnums=0)
-
-
 def jaxtrain(cfg, data) -> Timed:
     import jax
     from jaxtrain import step as step_lib
-    train_step, window = jaxtrain_train_step(cfg), windows(cfg, data)
+    train_step, window = step_lib.jit_train_step(cfg, cfg.run.seed), windows(cfg, data)
     state = step_lib.fresh_state(cfg, cfg.model.vocab_size)
     device = jax.devices()[0]
 

@@ -21,7 +21,6 @@ import numpy as np
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
 from jaxtrain import mesh as mesh_lib
-from jaxtrain import model as model_lib
 from jaxtrain import optim
 from jaxtrain import step as step_lib
 from jaxtrain.config import Config
@@ -59,12 +58,8 @@ def per_device_bytes(tree) -> int:
 
 def compiled_step(cfg: Config, abstract_state, mesh):
     """The train step as run.Trainer jits it, compiled from abstract arguments."""
-    graphdef = model_lib.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
     state_sharding = jax.tree.map(lambda x: x.sharding, abstract_state)
-    train_step = jax.jit(
-        step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), cfg.run.seed,
-                                 cfg.model.dropout > 0, skip_non_finite=cfg.train.nan_policy == "skip"),
-        donate_argnums=0, out_shardings=(state_sharding, mesh_lib.replicated(mesh)))
+    train_step = step_lib.jit_train_step(cfg, cfg.run.seed, out_shardings=(state_sharding, mesh_lib.replicated(mesh)))
     k = cfg.optim.grad_accum_steps
     window = jax.ShapeDtypeStruct((k, cfg.data.batch_size // k, cfg.model.seq_len), np.int32,
                                   sharding=mesh_lib.window_sharding(mesh))
@@ -118,7 +113,7 @@ def report(cfg: Config) -> dict:
           f"{mesh.shape['data']}, fsdp {mesh.shape['fsdp']}); per device {cfg.micro_batch_size // len(devices)} "
           f"sequences of {cfg.model.seq_len} per micro-batch, {cfg.optim.grad_accum_steps} micro-batches per step; "
           f"compiled for {jax.default_backend()}\n")
-    print(f"| per device | GiB |\n|---|---|")
+    print("| per device | GiB |\n|---|---|")
     for what, size in rows:
         print(f"| {what} | {size / GIB:.3f} |")
     print(f"| **total** | **{total / GIB:.3f}** |\n")

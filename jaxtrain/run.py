@@ -26,7 +26,6 @@ from jaxtrain.divergence import Divergence
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import model as model_lib
-from jaxtrain import optim
 from jaxtrain import preemption
 from jaxtrain import runlock
 from jaxtrain import step as step_lib
@@ -71,11 +70,9 @@ class Trainer:
         self.checkpointer = checkpoint_lib.Checkpointer(cfg, self.data.fingerprint)
         self.resumed = self.checkpointer.resume(self.abstract_state)  # the newest checkpoint that verifies, or None
         self.data_seed = self._data_seed()
+        self.jit_train_step = step_lib.jit_train_step(
+            cfg, self.data_seed, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
         graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision)
-        self.jit_train_step = jax.jit(
-            step_lib.make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), self.data_seed,
-                                     cfg.model.dropout > 0, skip_non_finite=cfg.train.nan_policy == "skip"),
-            donate_argnums=0, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
         self.eval_step = jax.jit(step_lib.make_eval_step(graphdef))
 
     def close(self) -> None:

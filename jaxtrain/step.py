@@ -131,6 +131,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     return train_step
 
 
+def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
+    """The run's train step (cfg's model with its resolved vocab_size, optimizer, schedule, nan_policy), jitted with
+    the state donated: what run.Trainer trains with, the dry run compiles and the benchmarks time."""
+    graphdef = model.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
+    train_step = make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), seed, cfg.model.dropout > 0,
+                                 skip_non_finite=cfg.train.nan_policy == "skip")
+    return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
+
+
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
     """eval_step(params, inputs_KxBxT, targets_KxBxT) -> (sum CE, valid tokens) over the k micro-batches, one at
     a time (a scan: evaluation fits where a training micro-step does). The caller sums over batches, so that the
