@@ -4,8 +4,10 @@ Each step folder holds `state` (params and the whole optax state, MultiSteps cou
 by orbax) and `meta` (JSON: the step, the resolved config, the eval loss if one ran at that step, and a fingerprint
 of every array). Saves are asynchronous: training continues while the arrays are written, and orbax only renames a
 step folder into place once it is complete, so a crash during a save never leaves a half-written checkpoint where
-resume would find it (its `<step>.orbax-checkpoint-tmp` folder is removed at the next start). Restore places every
-array directly on its target sharding (MaxText-style), so a pod never gathers a full copy on one host.
+resume would find it (its `<step>.orbax-checkpoint-tmp` folder is removed at the next start; in a gs:// run
+folder, which has no rename, orbax writes in place and a step counts once its commit_success.txt is written).
+Restore places every array directly on its target sharding (MaxText-style), so a pod never gathers a full copy
+on one host.
 
 Resume takes the newest checkpoint that reads and matches its fingerprint. One that does not is moved, whole, to
 <out_dir>/checkpoints.corrupt/<step>-<time> (out of orbax's sight, never deleted), with a warning, and the next
@@ -37,6 +39,7 @@ from jax.sharding import Mesh
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import mesh as mesh_lib
+from jaxtrain import runfolder
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
@@ -73,7 +76,7 @@ class Checkpointer:
         meta and checked on resume; None where unknown (a conversion writes a checkpoint without its data)."""
         if cfg.model.vocab_size is None:  # the saved config must say what the model was built with
             raise ValueError("Checkpointer needs a config with model.vocab_size resolved (see run.Trainer)")
-        self.directory = os.path.abspath(os.path.join(cfg.run.out_dir, "checkpoints"))
+        self.directory = os.fspath(runfolder.path(cfg.run.out_dir, "checkpoints"))
         _refuse_torch_format(self.directory)
         self.keep = KeepNewestAndBest(cfg.checkpoint.max_to_keep)
         options = ocp.CheckpointManagerOptions(
@@ -159,12 +162,11 @@ class Checkpointer:
         if not failed:
             return
         if jax.process_index() == 0:
-            aside = os.path.join(os.path.dirname(self.directory), "checkpoints.corrupt")
-            os.makedirs(aside, exist_ok=True)
+            aside = epath.Path(self.directory).with_name("checkpoints.corrupt")
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
             for step, reason in failed:
-                target = os.path.join(aside, f"{step}-{stamp}")
-                os.rename(self._step_dir(step), target)
+                target = aside / f"{step}-{stamp}"
+                runfolder.move(epath.Path(self._step_dir(step)), target)
                 print(f"warning: {reason}; moved it to {target}", file=sys.stderr)
         mesh_lib.barrier("jaxtrain: corrupt checkpoints set aside")
         self.manager.reload()

@@ -4,12 +4,12 @@ UTF-8 and YAML errors become one-line `UserError`s; config.load checks the keys 
 Pure Python: torchref imports jaxtrain.config, which imports this module.
 """
 
-import os
 import re
 
 import mergedeep
 import yaml
 
+from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
 
@@ -22,10 +22,12 @@ def read(argv: list[str]) -> dict:
 
 
 def _read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
+    """A local file, or a run folder's config.yaml in an object store (gs://...: what a stopped run's resume
+    hint names)."""
+    file = runfolder.path(path)
+    if not file.is_file():
         raise UserError(f"config file {path!r} not found; pass an existing YAML file to --config (see configs/)")
-    with open(path, "rb") as f:
-        data = f.read()
+    data = file.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

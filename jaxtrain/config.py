@@ -24,10 +24,12 @@ import typing
 from typing import Literal, Optional
 
 import draccus
+import fsspec
 import yaml
 from draccus.wrappers.docstring import get_attribute_docstring
 
 from jaxtrain import cmdline
+from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
 
@@ -39,6 +41,7 @@ class RunConfig:
     dry_run: bool = False  # compile the train step and print its memory per device; train nothing (jaxtrain/dryrun.py)
     dry_run_devices: Optional[int] = None  # compile for this many fake CPU devices (a pod's count); None: this host's
     target_device: Optional[Literal["v4", "v5e", "v5p", "v6e", "a100-40gb", "a100-80gb", "h100", "h200"]] = None
+    lock_timeout_s: float = 60.0  # gs:// run folders: a lock not renewed this long belongs to a dead run (runlock.py)
 
 
 @dataclasses.dataclass
@@ -258,7 +261,7 @@ def validate(cfg: Config) -> None:
         "model.d_model": m.d_model, "data.batch_size": cfg.data.batch_size, "optim.grad_accum_steps": o.grad_accum_steps,
         "train.steps": t.steps, "train.eval_batches": t.eval_batches, "checkpoint.every": cfg.checkpoint.every,
         "checkpoint.max_to_keep": cfg.checkpoint.max_to_keep, "log.every": cfg.log.every, "optim.lr": o.lr,
-        "train.nan_skip_limit": t.nan_skip_limit,
+        "train.nan_skip_limit": t.nan_skip_limit, "run.lock_timeout_s": cfg.run.lock_timeout_s,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -284,7 +287,9 @@ def validate(cfg: Config) -> None:
     if cfg.data.batch_size % o.grad_accum_steps:
         raise UserError(f"data.batch_size={cfg.data.batch_size} is not divisible by optim.grad_accum_steps="
                         f"{o.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a multiple")
-    if "://" not in cfg.run.out_dir:
+    if runfolder.is_url(cfg.run.out_dir):
+        _check_run_url(cfg.run.out_dir, writes=not cfg.run.dry_run)
+    else:
         _check_run_folder(cfg.run.out_dir)
     if cfg.data.path is not None and not os.path.isdir(cfg.data.path) and not (
             cfg.run.dry_run and cfg.model.vocab_size is not None):  # a dry run reads no data when it knows the vocab
@@ -357,6 +362,27 @@ def _check_run_folder(out_dir: str) -> None:
                             f"that name; move it aside, or choose another --run.out_dir")
 
 
+# Object stores a run folder may lie in: each has a TensorStore driver (orbax's arrays), an fsspec file system
+# (metrics.jsonl, config.yaml) and a tensorboardX writer; the package that brings the file system.
+RUN_URL_SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}
+
+
+def _check_run_url(out_dir: str, writes: bool) -> None:
+    """A URL run.out_dir names a bucket in a store the run can write, with that store's package installed where
+    the run `writes` (a dry run writes nothing)."""
+    scheme, _, rest = out_dir.partition("://")
+    if scheme not in RUN_URL_SCHEMES or not rest.strip("/"):
+        raise UserError(f"run.out_dir={out_dir!r} is not a folder this run can write: give a local path, or "
+                        f"{' or '.join(f'{s}://bucket/path' for s in RUN_URL_SCHEMES)}")
+    if not writes:
+        return
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError:
+        raise UserError(f"run.out_dir={out_dir!r} needs the {RUN_URL_SCHEMES[scheme]} package: "
+                        f"pip install '{RUN_URL_SCHEMES[scheme]}' (for gs://: pip install 'jaxtrain[gcs]')") from None
+
+
 def _values(cfg: Config):
     """(`section.key` as spelled in YAML, value) for every field."""
     for section in dataclasses.fields(Config):
@@ -394,9 +420,9 @@ def dump(cfg: Config) -> str:
 def save(cfg: Config, out_dir: str) -> None:
     """<out_dir>/config.yaml: the run's config, readable by --config. run.fresh is written false: it acts once, when
     the run starts, so `--config <out_dir>/config.yaml` resumes the run instead of setting it aside again."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        f.write(dump(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, fresh=False))))
+    folder = runfolder.path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    runfolder.write_whole(folder / "config.yaml", dump(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, fresh=False))))
 
 
 def resume_hint(cfg: Config) -> str:

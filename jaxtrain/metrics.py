@@ -11,9 +11,11 @@ import json
 import os
 import time
 
+from etils import epath
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
+from jaxtrain import runfolder
 from jaxtrain.config import Config
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets), matched in order as substrings of the device's name:
@@ -40,34 +42,19 @@ def peak_flops(cfg: Config, device_name: str) -> float | None:
     return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in device_name), None)
 
 
-def kept_lines(path: str, step: int) -> list[str]:
-    """The lines of metrics.jsonl up to `step`, unchanged: what a run resumed at `step` keeps, in both backends
-    (torchref imports this). Reading stops at a line that does not parse: a kill can cut the last line short."""
-    if not os.path.exists(path):
-        return []
+def kept_lines(path, step: int) -> list[str]:
+    """The lines of metrics.jsonl (a path or URL) up to `step`, unchanged: what a run resumed at `step` keeps, in
+    both backends (torchref imports this). Reading stops at a line that does not parse: a kill can cut the last
+    line short."""
     kept = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                logged = json.loads(line)["step"]
-            except (ValueError, KeyError, TypeError):
-                break
-            if logged <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
+    for line in runfolder.read_lines(epath.Path(path)):
+        try:
+            logged = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            break
+        if logged <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
     return kept
-
-
-def truncate_after(path: str, step: int) -> dict | None:
-    """Drop the lines of metrics.jsonl past `step` (left by a run that went on after its last checkpoint), so a
-    resumed run rewrites them instead of duplicating them. Returns the last kept train line."""
-    if not os.path.exists(path):
-        return None
-    kept = kept_lines(path, step)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-    train_lines = [record for record in map(json.loads, kept) if "loss" in record]
-    return train_lines[-1] if train_lines else None
 
 
 class MetricsLogger:
@@ -76,8 +63,11 @@ class MetricsLogger:
     def __init__(self, cfg: Config, *, start_step: int, flops_per_token: float, n_devices: int,
                  device_kind: str, is_main: bool):
         self.cfg, self.is_main = cfg, is_main
-        self.path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
-        last = truncate_after(self.path, start_step) if is_main else None
+        # The lines past start_step, left by a run that went on after its last checkpoint, are dropped: the
+        # resumed run writes them again.
+        kept = kept_lines(runfolder.path(cfg.run.out_dir, "metrics.jsonl"), start_step) if is_main else []
+        train_lines = [record for record in map(json.loads, kept) if "loss" in record]
+        last = train_lines[-1] if train_lines else None
         tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
         self.tokens = last["tokens"] if last and last["step"] == start_step else start_step * tokens_per_step
         peak = peak_flops(cfg, device_kind)
@@ -86,8 +76,8 @@ class MetricsLogger:
         self.last_time = time.perf_counter()
         self.line_tokens = self.line_seconds = 0  # since the last metrics line
         self.run_tokens = self.run_seconds = 0  # this process's training, for the summary
-        self.file = open(self.path, "a", encoding="utf-8") if is_main else None
-        self.tb = SummaryWriter(os.path.join(cfg.run.out_dir, "tb"), purge_step=start_step + 1) \
+        self.log = runfolder.LineLog(runfolder.path(cfg.run.out_dir, "metrics.jsonl"), kept) if is_main else None
+        self.tb = SummaryWriter(os.fspath(runfolder.path(cfg.run.out_dir, "tb")), purge_step=start_step + 1) \
             if is_main and cfg.log.tensorboard else None
         self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not (is_main and cfg.log.progress))
@@ -129,16 +119,21 @@ class MetricsLogger:
     def _write(self, line: dict) -> None:
         if not self.is_main:
             return
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
+        self.log.write(json.dumps(line) + "\n")
         if self.tb:
             for key, value in line.items():
                 if key != "step" and value is not None:
                     self.tb.add_scalar(key if key == "eval_loss" else f"train/{key}", value, line["step"])
 
+    def sync(self) -> None:
+        """Every line written so far is in the run folder (an object store's copy is uploaded): called before a
+        checkpoint save, so that a resumed run finds the lines up to its checkpoint."""
+        if self.log:
+            self.log.sync()
+
     def close(self) -> None:
         self.bar.close()
-        if self.file:
-            self.file.close()
+        if self.log:
+            self.log.close()
         if self.tb:
             self.tb.close()

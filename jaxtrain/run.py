@@ -11,7 +11,6 @@ if __name__ == "__main__":  # before the imports below (jax takes seconds): a si
 
 import dataclasses
 import functools
-import os
 import sys
 import time
 
@@ -27,6 +26,7 @@ from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import model as model_lib
 from jaxtrain import preemption
+from jaxtrain import runfolder
 from jaxtrain import runlock
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
@@ -48,7 +48,7 @@ class Trainer:
         preemption.reclaim()
         self.is_main = jax.process_index() == 0
         # Taken before anything touches the run folder, so that a refused start leaves it as it was.
-        self.lock = runlock.RunLock(cfg.run.out_dir) if self.is_main else None
+        self.lock = runlock.take(cfg.run.out_dir, cfg.run.lock_timeout_s) if self.is_main else None
         self.checkpointer = None
         try:
             self._build(cfg)
@@ -148,9 +148,9 @@ def set_aside_previous_run(out_dir: str) -> None:
     """run.fresh keeps what an earlier run saved: its checkpoints and metrics move to a dated name."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for name in ("checkpoints", "metrics.jsonl"):
-        path = os.path.join(out_dir, name)
-        if os.path.exists(path):
-            os.replace(path, f"{path}.{stamp}")
+        path = runfolder.path(out_dir, name)
+        if path.exists():
+            runfolder.move(path, path.with_name(f"{name}.{stamp}"))
             print(f"run.fresh: moved the previous {name} to {path}.{stamp}", file=sys.stderr)
 
 
@@ -243,6 +243,7 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
             summary["eval_loss"] = trainer.evaluate(state.params, eval_batches)
             logger.eval(step, summary["eval_loss"])
         if save:  # refuses a state holding inf or NaN
+            logger.sync()  # metrics.jsonl reaches this step before its checkpoint can exist
             trainer.checkpointer.save(state, trainer.data_seed, summary["eval_loss"] if evaluate else None)
         if save or evaluate:
             logger.exclude_time()

@@ -1,24 +1,49 @@
 """A run folder belongs to one run at a time: `<out_dir>/.lock`, held for the whole run by both backends (pure
-Python: torchref imports it).
+Python: torchref imports it). On several processes only process 0 holds it (the others write into the same folder
+as part of the same run). A refused start touches nothing else in the folder, and the lock says who holds it.
 
-An exclusive flock on an open file: the kernel drops it when the process ends however it ends (kill -9 included),
-so a killed run never leaves the folder locked, and a stale file is simply locked again. The file also says who
-holds it, for the message of a refused start. A refused start touches nothing else in the folder. On several
-processes only process 0 holds it (the others write into the same folder as part of the same run). flock works on
-local disks; object stores (run.out_dir=gs://...) and network file systems need the pod issue's own lock.
+On a local disk (or a network file system with flock): an exclusive flock on an open file. The kernel drops it when
+the process ends however it ends (kill -9 included), so a killed run never leaves the folder locked.
+
+In a gs:// folder there is no flock and nobody drops a lock for a dead process: a lease instead (GcsLease).
+Another object store (s3://, ...) gets no lock, and a warning says so.
 """
 
 import fcntl
 import os
 import socket
+import sys
+import threading
 import time
 
+from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
 NAME = ".lock"
 
 
-class RunLock:
+def take(out_dir: str, timeout_s: float = 60.0):
+    """The lock of `out_dir`, taken; release() gives it back. `timeout_s`: how long a gs:// lease may go without a
+    heartbeat before a new run takes it over (run.lock_timeout_s)."""
+    if not runfolder.is_url(out_dir):
+        return FileLock(out_dir)
+    if out_dir.startswith("gs://"):
+        return GcsLease(out_dir, timeout_s)
+    print(f"warning: run.out_dir={out_dir} is not locked (locks exist for local folders and gs:// only): a second "
+          f"run started on it now would write into this one", file=sys.stderr)
+    return NoLock()
+
+
+def _holder() -> str:
+    return f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+
+
+def _in_use(out_dir: str, holder: str) -> UserError:
+    return UserError(f"run folder {out_dir} is in use by {holder}; wait for that run to finish (or stop it), "
+                     f"or give this one another run.out_dir")
+
+
+class FileLock:
     def __init__(self, out_dir: str):
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, NAME)
@@ -28,13 +53,89 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(self.fd, 1000).decode("utf-8", "replace").strip() or "another process"
             os.close(self.fd)
-            raise UserError(f"run folder {out_dir} is in use by {holder}; wait for that run to finish (or stop it), "
-                            f"or give this one another run.out_dir") from None
+            raise _in_use(out_dir, holder) from None
         os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                 .encode())
+        os.write(self.fd, _holder().encode())
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing the file drops the lock
             self.fd = None
+
+
+class GcsLease:
+    """`<out_dir>/.lock` as a GCS object, written only where it is absent (ifGenerationMatch=0) and rewritten by
+    its holder every timeout_s/4 (each rewrite conditional on the generation it last wrote).
+
+    A start that finds the object watches it, up to timeout_s: rewritten meanwhile, a live run holds it and the
+    start is refused; unchanged that long, its holder died (kill -9, a lost VM) and the lease is taken over by a
+    write conditional on the generation watched, so of two starts racing for a dead lease exactly one wins.
+    Watching the object, not comparing timestamps, needs no agreement between the hosts' clocks. A run stopped
+    cleanly deletes the object, so its restart waits for nothing; one killed waits timeout_s."""
+
+    def __init__(self, out_dir: str, timeout_s: float):
+        from google.api_core import exceptions  # gcsfs depends on google-cloud-storage: `pip install jaxtrain[gcs]`
+        from google.cloud import storage
+
+        self.out_dir, self.timeout_s, self.gone = out_dir, timeout_s, exceptions.PreconditionFailed
+        bucket, _, prefix = out_dir[len("gs://"):].partition("/")
+        self.blob = storage.Client().bucket(bucket).blob(f"{prefix.rstrip('/')}/{NAME}".lstrip("/"))
+        self.generation = self._take(exceptions)
+        self.stopped = threading.Event()
+        self.heartbeat = threading.Thread(target=self._beat, name="jaxtrain-lease", daemon=True)
+        self.heartbeat.start()
+
+    def _take(self, exceptions) -> int:
+        """The generation this run wrote the lease at: a new lease, or a dead run's taken over."""
+        try:
+            return self._write(0)
+        except exceptions.PreconditionFailed:
+            pass
+        seen = self.blob.bucket.get_blob(self.blob.name)
+        if seen is None:  # released between the two calls
+            return self._write(0)
+        holder = seen.download_as_text()
+        print(f"run folder {self.out_dir} is locked by {holder}; watching the lock for up to {self.timeout_s:.0f} s "
+              f"to tell a live run from a dead one", file=sys.stderr)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, self.timeout_s / 8))
+            now = self.blob.bucket.get_blob(self.blob.name)
+            if now is None or now.generation != seen.generation:
+                raise _in_use(self.out_dir, holder)
+        try:
+            generation = self._write(seen.generation)
+        except exceptions.PreconditionFailed:  # another start took it over first
+            raise _in_use(self.out_dir, "another run that took over its dead lock") from None
+        print(f"took over the lock of a run that stopped renewing it ({holder})", file=sys.stderr)
+        return generation
+
+    def _write(self, generation: int) -> int:
+        self.blob.upload_from_string(_holder(), if_generation_match=generation)
+        return self.blob.generation
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(self.timeout_s / 4):
+            try:
+                self.generation = self._write(self.generation)
+            except self.gone:
+                print(f"warning: the lock of {self.out_dir} was taken over by another run (this one did not renew "
+                      f"it for {self.timeout_s:.0f} s); both now write into the folder", file=sys.stderr)
+                return
+            except Exception as e:  # a network error: the next beat tries again, well before the timeout
+                print(f"warning: could not renew the lock of {self.out_dir}: {e}", file=sys.stderr)
+
+    def release(self) -> None:
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        self.heartbeat.join()
+        try:
+            self.blob.delete(if_generation_match=self.generation)
+        except Exception as e:  # taken over, or unreachable: the lease times out on its own
+            print(f"warning: could not delete the lock of {self.out_dir}: {e}", file=sys.stderr)
+
+
+class NoLock:
+    def release(self) -> None:
+        pass

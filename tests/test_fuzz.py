@@ -118,7 +118,8 @@ def _floats(lo, hi, **kw):
 _BOOL, _NULL = st.sampled_from(["true", "false"]), st.just("null")
 _UNIT = _floats(0.0, 1.0, exclude_max=True)
 VALID = {
-    "run.out_dir": _text().map(lambda s: f"/nonexistent/{s}"), "run.seed": _ints(0, 2**32 - 1), "run.fresh": _BOOL,
+    "run.out_dir": _text().map(lambda s: f"/nonexistent/{s}") | _text().map(lambda s: f"gs://bucket/{s}"),
+    "run.seed": _ints(0, 2**32 - 1), "run.fresh": _BOOL, "run.lock_timeout_s": _floats(1e-3, 1e6),
     "model.vocab_size": _NULL | _ints(1, INT32_MAX), "model.seq_len": _ints(1, INT32_MAX),
     "model.n_layer": _ints(1, INT32_MAX), "model.n_head": st.sampled_from(["1", "2", "4", "8", "32", "128"]),
     "model.d_model": st.integers(1, 2**20).map(lambda k: str(128 * k)), "model.dropout": _UNIT,
@@ -153,7 +154,10 @@ OUT_OF_RANGE = {
     "model.n_head": _NEGATIVE | st.sampled_from(["3", "5", "6", "7", "100", "256"]),
     "model.d_model": _NEGATIVE | st.integers(1, 10**6).filter(lambda d: d % 4).map(str),
     "model.dropout": _floats(1.0, 1e6) | _BELOW_ZERO,
-    "run.dry_run_devices": _NEGATIVE,
+    "run.dry_run_devices": _NEGATIVE, "run.lock_timeout_s": _floats(-1e6, 0.0),
+    # a store a run cannot write to, or no bucket
+    "run.out_dir": st.sampled_from(["http", "file", "az", "hf", "memory", "gcs"]).flatmap(
+        lambda scheme: _text().map(lambda s: f"{scheme}://bucket/{s}")) | st.sampled_from(["gs://", "s3:///"]),
     "data.path": _text().map(lambda s: f"/nonexistent/{s}"),
     "data.batch_size": _NEGATIVE,
     "optim.lr": _floats(-1e6, 0.0) | _floats(1e-12, 9.9e-5), "optim.min_lr": _BELOW_ZERO | _floats(1.01e-3, 1e6),

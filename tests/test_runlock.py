@@ -12,24 +12,54 @@ from test_preemption import LONG, start, wait_for
 from test_run import read_metrics, small_args, without_timing
 from jaxtrain import config, run
 
-HOLD = "from jaxtrain import runlock; import sys, time; runlock.RunLock(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+HOLD = ("from jaxtrain import runlock; import sys, time; runlock.take(sys.argv[1], float(sys.argv[2])); "
+        "print('held', flush=True); time.sleep(600)")
+TAKE = ("import sys; from jaxtrain import runlock; from jaxtrain.errors import exit_on_user_error\n"
+        "with exit_on_user_error(): runlock.take(sys.argv[1], float(sys.argv[2])).release()")
+LEASE_S = 2.0  # run.lock_timeout_s of the gs:// cases: a dead holder's lease is taken over after this long
 
 
-def try_lock(out_dir) -> subprocess.CompletedProcess:
-    code = "import sys; from jaxtrain import runlock; from jaxtrain.errors import exit_on_user_error\n" \
-           "with exit_on_user_error(): runlock.RunLock(sys.argv[1])"
-    return subprocess.run([sys.executable, "-c", code, out_dir], capture_output=True, text=True)
+def hold(out_dir) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, out_dir, str(LEASE_S)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def try_lock(out_dir, background=False):
+    """A start that takes the lock and gives it back; its CompletedProcess, or with `background` its Popen."""
+    cmd = [sys.executable, "-c", TAKE, out_dir, str(LEASE_S)]
+    if background:
+        return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=10 * LEASE_S)
 
 
 def test_a_held_folder_refuses_and_a_killed_holder_leaves_no_lock(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
+    holder = hold(str(tmp_path))
     refused = try_lock(str(tmp_path))
     assert refused.returncode == 2 and f"is in use by pid {holder.pid} on " in refused.stderr, refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     assert try_lock(str(tmp_path)).returncode == 0  # the kernel dropped the lock with the process
+
+
+def test_a_gs_lease_refuses_while_renewed_and_passes_to_one_start_once_its_holder_is_killed(gcs):
+    """A live holder renews its lease: a second start watches it change and refuses. Killed, it renews no more:
+    of two starts racing for the dead lease, exactly one takes it over. Released, the lease is gone: the next
+    start takes it at once."""
+    out_dir = f"{gcs()}/run"
+    holder = hold(out_dir)
+    refused = try_lock(out_dir)
+    assert refused.returncode == 2 and f"is in use by pid {holder.pid} on " in refused.stderr, refused.stderr
+    holder.kill()
+    holder.wait()
+    racers = [try_lock(out_dir, background=True) for _ in range(2)]
+    ends = sorted((racer.wait(timeout=10 * LEASE_S), racer.stderr.read()) for racer in racers)
+    assert [code for code, _ in ends] == [0, 2], ends
+    assert f"took over the lock of a run that stopped renewing it (pid {holder.pid} on " in ends[0][1]
+    assert "in use by" in ends[1][1]
+    again = try_lock(out_dir)
+    assert again.returncode == 0 and again.stderr == "", again.stderr  # released: nothing to watch
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from jaxtrain import config, data, metrics, preemption, runlock
 from jaxtrain.config import Config
 from jaxtrain.divergence import Divergence
-from jaxtrain.errors import exit_on_user_error
+from jaxtrain.errors import UserError, exit_on_user_error
 from torchref import checkpoint
 from torchref.checkpoint import Progress
 from torchref.model import GPT, upcast
@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg: Config) -> None:
     """Train cfg.train.steps optimizer steps in total, continuing from out_dir's checkpoints when there are any."""
-    lock = runlock.RunLock(cfg.run.out_dir)  # before anything touches the run folder: a refused start leaves it be
+    if "://" in cfg.run.out_dir:  # the reference loop writes with torch.save and open(): local folders only
+        raise UserError(f"run.out_dir={cfg.run.out_dir!r}: torchref writes its run folder on a local disk only; "
+                        f"give it a local path (jaxtrain.run writes to gs:// and s3://)")
+    lock = runlock.take(cfg.run.out_dir)  # before anything touches the run folder: a refused start leaves it be
     stop = preemption.install()  # `python -m torchref.run` installed it before importing torch
     try:
         _train(cfg, stop)

@@ -1,0 +1,94 @@
+"""The run folder on any storage: run.out_dir is a local path or a URL that etils.epath opens (gs://, s3://, ...).
+
+Orbax writes the checkpoints itself (on gs:// through TensorStore's gcs driver, with a commit_success.txt file
+standing in for the atomic rename an object store lacks); the run's other files go through here. An object store
+has no append and no atomic rename, but an upload is atomic: a reader sees the old object or the new one, never a
+part. So config.yaml is written whole, and metrics.jsonl, appended a line at a time on a local disk, is uploaded
+whole in an object store (LineLog).
+"""
+
+import os
+import time
+
+import fsspec
+from etils import epath
+
+# gcsfs caches directory listings for the life of a process, and misses what TensorStore and other hosts write
+# there (a stale listing hid TensorBoard's events in a test). Off, unless the user's fsspec config says otherwise.
+fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
+
+# An object-store LineLog uploads the lines written since its last upload at most this often (and at each sync).
+UPLOAD_EVERY_S = 30.0
+
+
+def is_url(out_dir: str) -> bool:
+    return "://" in out_dir
+
+
+def path(out_dir: str, *names: str) -> epath.Path:
+    """`out_dir`/names: a URL as it is, a local path made absolute (orbax takes absolute paths only)."""
+    base = epath.Path(out_dir if is_url(out_dir) else os.path.abspath(out_dir))
+    return base.joinpath(*names)
+
+
+def write_whole(file: epath.Path, text: str) -> None:
+    """Replace `file` with `text` so that no reader, and no kill, meets half of it: a local file through a
+    temporary file and a rename; an object in one upload."""
+    if is_url(os.fspath(file)):
+        file.write_text(text, encoding="utf-8")
+        return
+    temporary = file.with_name(file.name + ".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    temporary.replace(file)
+
+
+def move(source: epath.Path, target: epath.Path) -> None:
+    """Move a file or a folder, whole, to `target` (its parent made where needed). In an object store a folder has
+    no existence of its own (etils' rename refuses a target whose parent has no object yet), and a move is a
+    copy and a delete per object (on GCS the server-side moveTo where the bucket offers it): fsspec's mv."""
+    if is_url(os.fspath(source)):
+        file_system, _ = fsspec.core.url_to_fs(os.fspath(source))
+        file_system.mv(os.fspath(source), os.fspath(target), recursive=True)
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source.rename(target)
+
+
+def read_lines(file: epath.Path) -> list[str]:
+    """The lines of `file`, each with its line end; none when it does not exist."""
+    if not file.exists():
+        return []
+    return file.read_text(encoding="utf-8").splitlines(keepends=True)
+
+
+class LineLog:
+    """A file of lines that grows (metrics.jsonl), starting as `lines`. On a local disk each line is appended and
+    flushed as it is written. An object store has no append: there the lines are kept, and the whole object
+    uploaded at sync() (the run syncs before each checkpoint save, so the file always reaches the newest
+    checkpoint), at close(), and at a write UPLOAD_EVERY_S seconds after the last upload."""
+
+    def __init__(self, file: epath.Path, lines: list[str]):
+        self.file, self.remote = file, is_url(os.fspath(file))
+        self.lines, self.uploaded_at = list(lines), 0.0
+        write_whole(file, "".join(lines))
+        self.local = None if self.remote else open(file, "a", encoding="utf-8")
+
+    def write(self, line: str) -> None:
+        if self.local:
+            self.local.write(line)
+            self.local.flush()
+            return
+        self.lines.append(line)
+        if time.monotonic() - self.uploaded_at >= UPLOAD_EVERY_S:
+            self.sync()
+
+    def sync(self) -> None:
+        if self.remote:
+            self.file.write_text("".join(self.lines), encoding="utf-8")
+            self.uploaded_at = time.monotonic()
+
+    def close(self) -> None:
+        if self.local:
+            self.local.close()
+        else:
+            self.sync()

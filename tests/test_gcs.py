@@ -1,0 +1,72 @@
+"""run.out_dir=gs://... against a GCS emulator on 127.0.0.1 (tests/gcs_emulator.py): a run killed with -9 and
+started again with the same command ends bit for bit where the same run on a local disk ends (params, AdamW's
+moments, every metrics line); keep-K, TensorBoard, the lease lock and the corruption fallback work there too."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from etils import epath
+
+from test_run import final_params, read_metrics, small_args, without_timing
+from jaxtrain import config, run
+
+# 200 steps with a save every 10: the run is killed once its step-20 checkpoint is committed, far from the end.
+ARGS = ("--train.steps=200", "--checkpoint.every=10", "--checkpoint.max_to_keep=2", "--train.eval_every=50",
+        "--log.tensorboard=true", "--run.lock_timeout_s=3")
+TIME_LIMIT_S = 240  # bounded: a hang fails the test instead of stalling CI
+
+
+@pytest.mark.slow
+def test_a_gs_run_killed_and_resumed_matches_a_local_run_bit_for_bit(gcs, tmp_path, cache_dir):
+    local, remote = str(tmp_path / "local"), f"{gcs()}/runs/remote"
+    run.train(config.load(small_args(local, cache_dir, *ARGS)))
+    cmd = [sys.executable, "-m", "jaxtrain.run", *small_args(remote, cache_dir, *ARGS)]
+    deadline = time.monotonic() + TIME_LIMIT_S
+    with open(tmp_path / "killed.txt", "w") as err:
+        killed = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        while not epath.Path(f"{remote}/checkpoints/20/commit_success.txt").exists():
+            assert killed.poll() is None and time.monotonic() < deadline, open(tmp_path / "killed.txt").read()
+            time.sleep(0.05)
+        killed.kill()
+        assert killed.wait() == -9
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=TIME_LIMIT_S)
+    assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr
+    assert "took over the lock of a run that stopped renewing it" in resumed.stderr  # the killed run's lease
+    assert "resuming from step " in resumed.stderr, resumed.stderr
+
+    lines = [json.loads(line) for line in epath.Path(f"{remote}/metrics.jsonl").read_text().splitlines()]
+    assert without_timing(lines) == without_timing(read_metrics(local))
+    for a, b in zip(final_params(remote, cache_dir, *ARGS), final_params(local, cache_dir, *ARGS)):
+        assert np.array_equal(a, b)
+    folder = epath.Path(remote)
+    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["190", "200"]  # keep-K, nothing else
+    assert not (folder / ".lock").exists()  # released at the end
+    assert config.load(["--config", os.fspath(folder / "config.yaml")]).run.out_dir == remote
+    assert [p.name for p in (folder / "tb").iterdir() if p.name.startswith("events.out.tfevents")]
+
+
+@pytest.mark.slow
+def test_a_corrupt_gs_checkpoint_is_moved_aside_and_the_run_falls_back(gcs, tmp_path, cache_dir):
+    """The newest checkpoint's array data overwritten: the same command moves it, whole, to checkpoints.corrupt,
+    resumes from the one before and ends where the run ended before."""
+    extra = ("--train.steps=20", "--checkpoint.every=10", "--train.eval_every=10", "--log.tensorboard=false")
+    remote = f"{gcs()}/run"
+    run.train(config.load(small_args(remote, cache_dir, *extra)))
+    before = final_params(remote, cache_dir, *extra)
+    step = epath.Path(f"{remote}/checkpoints/20")
+    data = max((p for p in step.glob("state/ocdbt.process_0/d/*")), key=lambda p: len(p.read_bytes()))
+    data.write_bytes(b"\0" * len(data.read_bytes()))
+    again = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(remote, cache_dir, *extra)],
+                           capture_output=True, text=True, timeout=TIME_LIMIT_S)
+    assert again.returncode == 0, again.stderr
+    assert "resuming from step 10" in again.stderr and "moved it to gs://" in again.stderr, again.stderr
+    moved = list(epath.Path(f"{remote}/checkpoints.corrupt").iterdir())
+    assert [p.name.split("-")[0] for p in moved] == ["20"]
+    assert (moved[0] / "state").exists()  # moved whole
+    for a, b in zip(final_params(remote, cache_dir, *extra), before):
+        assert np.array_equal(a, b)
