@@ -65,7 +65,8 @@ class MetricsLogger:
         self.cfg, self.is_main = cfg, is_main
         # The lines past start_step, left by a run that went on after its last checkpoint, are dropped: the
         # resumed run writes them again.
-        kept = kept_lines(runfolder.path(cfg.run.out_dir, "metrics.jsonl"), start_step) if is_main else []
+        path = runfolder.path(cfg.run.out_dir, "metrics.jsonl")
+        kept = kept_lines(path, start_step) if is_main else []
         train_lines = [record for record in map(json.loads, kept) if "loss" in record]
         last = train_lines[-1] if train_lines else None
         tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
@@ -76,7 +77,7 @@ class MetricsLogger:
         self.last_time = time.perf_counter()
         self.line_tokens = self.line_seconds = 0  # since the last metrics line
         self.run_tokens = self.run_seconds = 0  # this process's training, for the summary
-        self.log = runfolder.LineLog(runfolder.path(cfg.run.out_dir, "metrics.jsonl"), kept) if is_main else None
+        self.log = runfolder.LineLog(path, kept) if is_main else None
         self.tb = SummaryWriter(os.fspath(runfolder.path(cfg.run.out_dir, "tb")), purge_step=start_step + 1) \
             if is_main and cfg.log.tensorboard else None
         self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True,

@@ -69,8 +69,9 @@ class LineLog:
 
     def __init__(self, file: epath.Path, lines: list[str]):
         self.file, self.remote = file, is_url(os.fspath(file))
-        self.lines, self.uploaded_at = list(lines), 0.0
+        self.lines = list(lines)
         write_whole(file, "".join(lines))
+        self.uploaded_at = time.monotonic()
         self.local = None if self.remote else open(file, "a", encoding="utf-8")
 
     def write(self, line: str) -> None:
