@@ -18,6 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
@@ -49,12 +50,27 @@ def _bf16_matmul_bwd(dtypes, res, g_f32):
     written out, both gradient dots take bf16 operands and accumulate in fp32, as autocast's do."""
     a, b = res
     g = g_f32.astype(jnp.bfloat16)
-    da = _dot_f32acc(g, jnp.swapaxes(b, -1, -2))
     if b.ndim == 2:  # a weight shared over a's leading axes: its gradient sums over them
-        db = _dot_f32acc(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]))
+        da = _dot_f32acc(g, b.T)
+        db = _dot_f32acc(_row_major(a.reshape(-1, a.shape[-1]).T), g.reshape(-1, g.shape[-1]))
     else:
-        db = _dot_f32acc(jnp.swapaxes(a, -1, -2), g)
-    return da.astype(dtypes[0]), db.astype(dtypes[1])
+        g = _row_major(g)
+        da = _dot_f32acc(g, _row_major(jnp.swapaxes(b, -1, -2)))
+        db = _dot_f32acc(_row_major(jnp.swapaxes(a, -1, -2)), g)
+    return da.astype(dtypes[0]), _row_major(db).astype(dtypes[1])
+
+
+def _row_major(x):
+    """x, laid out row-major in memory on a CPU. XLA:CPU runs a bf16 dot in bf16 (YNNPACK) only when its left
+    operand is row-major and contracts its last axis, and otherwise converts both operands to fp32: a transpose of
+    the activations that the weight gradient x^T g contracts over, pinned to memory, made those dots 1.7x faster
+    on configs/small.yaml, copy included (benchmarks/NOTES.md). Pinning the gradient too keeps XLA from folding a
+    later transpose (a tied head's) into the dot, which would make its left operand column-major again. GPUs and
+    TPUs read transposed operands natively, so there the layout is XLA's to choose; and across several devices the
+    pin would hide the batch split from XLA's sharding propagation (it gathered the pinned activations whole)."""
+    if jax.default_backend() != "cpu" or jax.sharding.get_abstract_mesh().size > 1:
+        return x
+    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 
 _bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
@@ -154,9 +170,10 @@ class CausalSelfAttention(nnx.Module):
 
     def _written_out(self, q_BxTxHxS, k_BxTxHxS, v_BxTxHxS, probs_key):
         """softmax(q k^T / sqrt(hs)) v with the (B, nh, T, T) scores and probabilities in memory, as torchref."""
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q_BxTxHxS, k_BxTxHxS, v_BxTxHxS))  # (B, nh, T, hs)
+        q, k, v = (_row_major(t.transpose(0, 2, 1, 3)) for t in (q_BxTxHxS, k_BxTxHxS, v_BxTxHxS))  # (B, nh, T, hs)
         T, head_size = q.shape[2], q.shape[3]
-        scores_BxHxTxT = matmul(q, jnp.swapaxes(k, -1, -2), self.precision) * (1.0 / math.sqrt(head_size))
+        k_T = _row_major(jnp.swapaxes(k, -1, -2))
+        scores_BxHxTxT = matmul(q, k_T, self.precision) * (1.0 / math.sqrt(head_size))
         causal_TxT = jnp.tril(jnp.ones((T, T), bool))
         scores_BxHxTxT = jnp.where(causal_TxT, scores_BxHxTxT, -jnp.inf)
         probs_BxHxTxT = jax.nn.softmax(scores_BxHxTxT, axis=-1).astype(q.dtype)

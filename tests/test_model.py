@@ -280,3 +280,23 @@ def test_mlp_uses_exact_gelu():
     out = mlp(x_BxTxD, None)
     np.testing.assert_allclose(out, exact, atol=1e-7)
     assert jnp.abs(out - tanh).max() > 1e-6
+
+
+def _compiled_dot_operand_types(hlo: str) -> list[tuple[str, str]]:
+    """(lhs, rhs) element types of every dot in optimized HLO text, operands looked up by their definitions."""
+    defined = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    operands = re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+    return [(defined[lhs], defined[rhs]) for lhs, rhs in operands]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's rule for which dots stay bf16")
+@pytest.mark.parametrize("tie", [True, False])
+def test_compiled_cpu_gradient_keeps_every_dot_bf16(tie):
+    """XLA:CPU converts a bf16 dot whose left operand contracts along columns to fp32 (the weight gradients, x^T g,
+    were such dots: 2 per Linear and per attention matmul); model._row_major lays the transposes out so none is.
+    d_model 64 and 32 tokens keep every dot above YNNPACK's size floor (8)."""
+    cfg = dataclasses.replace(SMALL, d_model=64, tie_embeddings=tie)
+    graphdef, params = _init(cfg, precision="bf16")
+    grad = jax.jit(jax.grad(lambda p, idx: apply(graphdef, p, idx).astype(jnp.float32).std()))
+    types = _compiled_dot_operand_types(grad.lower(params, _idx(B=2)).compile().as_text())
+    assert len(types) >= 3 * (4 * cfg.n_layer + 1) and set(types) == {("bf16", "bf16")}
