@@ -4,8 +4,10 @@
 
 Traces `--steps` warm steps with jax.profiler and reads the trace back (jax.profiler.ProfileData): for each
 timeline of the device (GPU: XLA's ops and the kernels on each stream; CPU: the runtime's threads), the ops with
-the most time, and a breakdown into matmuls, attention, copies and the rest by name. Times are summed over the
-traced steps and divided by their number.
+the most time, and a breakdown into matmuls, attention, data movement, reductions and elementwise work. An op that
+is an instruction of the step's optimized HLO is put in its category by what it computes (a fusion by the ops it
+fuses: on a CPU, YNNPACK's `ynn_fusion`s hold dots and elementwise work alike); a GPU kernel, by its name. Times are
+summed over the traced steps and divided by their number.
 """
 
 import argparse
@@ -29,8 +31,41 @@ def category(name: str) -> str:
     return next((label for label, pattern in CATEGORIES if pattern.search(name)), "other")
 
 
-def trace_steps(cfg, synthetic: bool, steps: int) -> str:
-    """Runs two warm-up steps, then `steps` traced ones; the path of the trace's .xplane.pb."""
+DATA_MOVEMENT = {"parameter", "copy", "transpose", "bitcast", "reshape", "slice", "concatenate", "convert",
+                 "broadcast", "constant", "tuple", "get-tuple-element", "dynamic-slice", "dynamic-update-slice"}
+
+
+CONTROL = {"while", "conditional", "call", "custom-call", "all-reduce", "all-gather", "reduce-scatter"}
+
+
+def hlo_categories(hlo: str) -> dict[str, str]:
+    """Instruction name -> category for each instruction of an optimized HLO module's text; a fusion by the ops of
+    the computation it calls: any dot -> matmul, a cuDNN attention call -> attention, any reduce -> reduction,
+    only data movement (copies, transposes, converts, slices) -> copy/transpose, else elementwise."""
+    ops_in, current = collections.defaultdict(set), None
+    instructions = []
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):
+            current = (re.match(r"(?:ENTRY )?%?([\w.\-]+)", line) or [None, None])[1]
+            continue
+        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?[\]\)}] ([a-z\-]+)\(", line)
+        if match and current:
+            ops_in[current].add(match[2])
+            instructions.append((match[1], match[2], re.search(r"calls=%?([\w.\-]+)", line), line))
+    by_name = {}
+    for name, opcode, calls, line in instructions:
+        ops = ops_in[calls[1]] if calls else {opcode}
+        by_name[name] = ("attention" if "fmha" in line else
+                         "matmul" if ops & {"dot", "convolution"} else
+                         "other" if ops & CONTROL else
+                         "reduction" if ops & {"reduce", "reduce-window"} else
+                         "copy/transpose" if ops <= DATA_MOVEMENT else "elementwise")
+    return by_name
+
+
+def trace_steps(cfg, synthetic: bool, steps: int) -> tuple[str, str]:
+    """Runs two warm-up steps, then `steps` traced ones: the path of the trace's .xplane.pb, and the step's
+    optimized HLO."""
     import jax
     from benchmarks import steps as steps_lib, workers
     timed = steps_lib.jaxtrain(cfg, workers.tokens(cfg, synthetic))
@@ -39,11 +74,12 @@ def trace_steps(cfg, synthetic: bool, steps: int) -> str:
     with jax.profiler.trace(folder):
         for _ in range(steps):
             timed.step()
-    return glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0]
+    return glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0], timed.program()
 
 
-def summarize(path: str, steps: int, top: int) -> str:
+def summarize(path: str, hlo: str, steps: int, top: int) -> str:
     from jax.profiler import ProfileData
+    by_hlo = hlo_categories(hlo)
     out = []
     for plane in ProfileData.from_file(path).planes:
         if not (plane.name.startswith("/device:") or plane.name == "/host:CPU"):
@@ -51,12 +87,13 @@ def summarize(path: str, steps: int, top: int) -> str:
         for line in plane.lines:
             totals = collections.Counter()
             for event in line.events:
-                totals[event.name] += event.duration_ns / 1e6 / steps
+                if not event.name.startswith("ThunkExecutor::Execute"):  # XLA:CPU's span around the ops below it
+                    totals[event.name] += event.duration_ns / 1e6 / steps
             if sum(totals.values()) < 1.0 or line.name == "python":
                 continue
             by_category = collections.Counter()
             for name, ms in totals.items():
-                by_category[category(name)] += ms
+                by_category[by_hlo.get(name) or category(name)] += ms
             out.append(f"\n{plane.name} / {line.name}: {sum(totals.values()):,.1f} ms per step\n  " + ", ".join(
                 f"{label} {ms:,.1f}" for label, ms in by_category.most_common()))
             out += [f"    {ms:9.2f} ms  {name[:110]}" for name, ms in totals.most_common(top)]
@@ -71,7 +108,7 @@ def main(argv: list[str]) -> None:
     args, rest = ap.parse_known_args(argv)
     from benchmarks.run import resolved_config
     cfg = resolved_config(rest, args.synthetic)
-    print(summarize(trace_steps(cfg, args.synthetic, args.steps), args.steps, args.top))
+    print(summarize(*trace_steps(cfg, args.synthetic, args.steps), args.steps, args.top))
 
 
 if __name__ == "__main__":

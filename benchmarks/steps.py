@@ -18,6 +18,7 @@ from jaxtrain import data as data_lib
 class Timed(NamedTuple):
     step: Callable[[], float]
     peak_memory: Callable[[], int]
+    program: Callable[[], str] | None = None  # the optimized HLO of what step() runs (jax rows)
 
 
 def peak_rss() -> int:
@@ -50,7 +51,11 @@ def jaxtrain(cfg, data) -> Timed:
         stats = device.memory_stats() if device.platform != "cpu" else None
         return stats["peak_bytes_in_use"] if stats else peak_rss()
 
-    return Timed(step, peak_memory)
+    def program() -> str:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        return train_step.lower(abstract, *window(0)).compile().as_text()
+
+    return Timed(step, peak_memory, program)
 
 
 def torchref(cfg, data, compiled: bool) -> Timed:

@@ -48,3 +48,52 @@ def test_one_short_run(tmp_path):
     assert all(len(r["times"]) == 2 and r["median"] > 0 and "error" not in r for r in rows.values())
     assert rows["jax-bf16"]["peak_memory"] > 0  # the row's own process's peak RSS
     assert "jaxtrain bf16 / best torch bf16:" in proc.stdout
+
+
+def test_profile_puts_each_hlo_op_in_its_category():
+    """A hand-written optimized module: a YNNPACK fusion holding a dot (and an add) is a matmul, one holding only an
+    add is elementwise; a transpose-and-convert fusion is data movement; a fusion with a reduce is a reduction; the
+    loop and a cuDNN attention call are what they are."""
+    from benchmarks.profile import hlo_categories
+    hlo = """HloModule m
+
+%fused_dot (p0: bf16[8,4], p1: bf16[4,2]) -> f32[8,2] {
+  %param_0 = bf16[8,4]{1,0} parameter(0)
+  %param_1 = bf16[4,2]{1,0} parameter(1)
+  %dot.1 = f32[8,2]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %add.1 = f32[8,2]{1,0} add(%dot.1, %dot.1)
+}
+
+%fused_add (p0: f32[8,2]) -> f32[8,2] {
+  %param_0.1 = f32[8,2]{1,0} parameter(0)
+  ROOT %add.2 = f32[8,2]{1,0} add(%param_0.1, %param_0.1)
+}
+
+%fused_copy (p0: f32[8,2]) -> bf16[2,8] {
+  %param_0.2 = f32[8,2]{1,0} parameter(0)
+  %transpose.1 = f32[2,8]{1,0} transpose(%param_0.2), dimensions={1,0}
+  ROOT %convert.1 = bf16[2,8]{1,0} convert(%transpose.1)
+}
+
+%fused_sum (p0: f32[8,2], p1: f32[]) -> f32[2] {
+  %param_0.3 = f32[8,2]{1,0} parameter(0)
+  %param_1.3 = f32[] parameter(1)
+  ROOT %reduce.1 = f32[2]{0} reduce(%param_0.3, %param_1.3), dimensions={0}, to_apply=%region
+}
+
+ENTRY %main (a: bf16[8,4], b: bf16[4,2]) -> f32[2] {
+  %a = bf16[8,4]{1,0} parameter(0)
+  %b = bf16[4,2]{1,0} parameter(1)
+  %ynn_fusion.3 = f32[8,2]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+  %ynn_fusion.4 = f32[8,2]{1,0} fusion(%ynn_fusion.3), kind=kCustom, calls=%fused_add
+  %transpose_copy_fusion = bf16[2,8]{1,0} fusion(%ynn_fusion.4), kind=kLoop, calls=%fused_copy
+  %while.2 = (s32[], f32[8,2]{1,0}) while(%t), condition=%cond, body=%body
+  %custom-call.7 = (bf16[8,2]{1,0}, u8[0]{0}) custom-call(%a, %b), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %reduce_fusion = f32[2]{0} fusion(%ynn_fusion.4, %c), kind=kLoop, calls=%fused_sum
+}
+"""
+    categories = hlo_categories(hlo)
+    assert {name: categories[name] for name in ("ynn_fusion.3", "ynn_fusion.4", "transpose_copy_fusion", "while.2",
+                                                "custom-call.7", "reduce_fusion")} == {
+        "ynn_fusion.3": "matmul", "ynn_fusion.4": "elementwise", "transpose_copy_fusion": "copy/transpose",
+        "while.2": "other", "custom-call.7": "attention", "reduce_fusion": "reduction"}
