@@ -363,7 +363,7 @@ def _check_run_folder(out_dir: str) -> None:
 
 
 # Object stores a run folder may lie in: each has a TensorStore driver (orbax's arrays), an fsspec file system
-# (metrics.jsonl, config.yaml) and a tensorboardX writer; the package that brings the file system.
+# (metrics.jsonl, config.yaml, TensorBoard's events); the package that brings the file system.
 RUN_URL_SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}
 
 

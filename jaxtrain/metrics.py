@@ -7,12 +7,16 @@ trained since the previous line over the training time they took, evaluation and
 loop calls `exclude_time` after them; an async save's background writing that slows later steps still counts).
 """
 
+import itertools
 import json
 import os
+import socket
 import time
 
 from etils import epath
-from tensorboardX import SummaryWriter
+from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.summary.writer.record_writer import RecordWriter
 from tqdm import tqdm
 
 from jaxtrain import runfolder
@@ -77,8 +81,8 @@ class MetricsLogger:
         self.last_time = time.perf_counter()
         self.line_tokens = self.line_seconds = 0  # since the last metrics line
         self.run_tokens = self.run_seconds = 0  # this process's training, for the summary
-        self.log = runfolder.LineLog(path, kept) if is_main else None
-        self.tb = SummaryWriter(os.fspath(runfolder.path(cfg.run.out_dir, "tb")), purge_step=start_step + 1) \
+        self.log = runfolder.GrowingFile(path, kept) if is_main else None
+        self.tb = TensorBoardLog(runfolder.path(cfg.run.out_dir, "tb"), first_step=start_step + 1) \
             if is_main and cfg.log.tensorboard else None
         self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not (is_main and cfg.log.progress))
@@ -124,13 +128,15 @@ class MetricsLogger:
         if self.tb:
             for key, value in line.items():
                 if key != "step" and value is not None:
-                    self.tb.add_scalar(key if key == "eval_loss" else f"train/{key}", value, line["step"])
+                    self.tb.scalar(key if key == "eval_loss" else f"train/{key}", value, line["step"])
 
     def sync(self) -> None:
         """Every line written so far is in the run folder (an object store's copy is uploaded): called before a
         checkpoint save, so that a resumed run finds the lines up to its checkpoint."""
         if self.log:
             self.log.sync()
+        if self.tb:
+            self.tb.file.sync()
 
     def close(self) -> None:
         self.bar.close()
@@ -138,3 +144,34 @@ class MetricsLogger:
             self.log.close()
         if self.tb:
             self.tb.close()
+
+
+_FILE_COUNT = itertools.count()
+
+
+class TensorBoardLog:
+    """Scalars in a TensorBoard event file of its own in `folder`, one per process that logs. Written with
+    tensorboard's protos and record framing, not tensorboardX's SummaryWriter: that imports torch wherever torch is
+    installed, and a jaxtrain process never loads torch. The file grows as metrics.jsonl does (runfolder.GrowingFile:
+    appended locally, uploaded whole to an object store). It opens with a SessionLog START at `first_step`:
+    TensorBoard then drops the events that earlier files of the folder hold from that step on (a run that went on
+    past its last checkpoint before it stopped), so a resumed run's curves never go back in step."""
+
+    def __init__(self, folder: epath.Path, *, first_step: int):
+        # TensorBoard reads a folder's event files in name order; the count keeps two in one second apart.
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_COUNT)}"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = runfolder.GrowingFile(folder / name, [], binary=True)
+        self.records = RecordWriter(self.file)  # frames each event: length, data, masked CRC-32Cs
+        self._add(Event(file_version="brain.Event:2"))
+        self._add(Event(step=first_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self._add(Event(step=step, summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
+
+    def _add(self, event: Event) -> None:
+        event.wall_time = time.time()
+        self.records.write(event.SerializeToString())
+
+    def close(self) -> None:
+        self.file.close()

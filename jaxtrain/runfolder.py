@@ -3,8 +3,8 @@
 Orbax writes the checkpoints itself (on gs:// through TensorStore's gcs driver, with a commit_success.txt file
 standing in for the atomic rename an object store lacks); the run's other files go through here. An object store
 has no append and no atomic rename, but an upload is atomic: a reader sees the old object or the new one, never a
-part. So config.yaml is written whole, and metrics.jsonl, appended a line at a time on a local disk, is uploaded
-whole in an object store (LineLog).
+part. So config.yaml is written whole, and metrics.jsonl and TensorBoard's event file, appended a record at a time
+on a local disk, are uploaded whole in an object store (GrowingFile).
 """
 
 import os
@@ -17,7 +17,7 @@ from etils import epath
 # there (a stale listing hid TensorBoard's events in a test). Off, unless the user's fsspec config says otherwise.
 fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
 
-# An object-store LineLog uploads the lines written since its last upload at most this often (and at each sync).
+# An object-store GrowingFile uploads the records written since its last upload at most this often (and at each sync).
 UPLOAD_EVERY_S = 30.0
 
 
@@ -31,14 +31,15 @@ def path(out_dir: str, *names: str) -> epath.Path:
     return base.joinpath(*names)
 
 
-def write_whole(file: epath.Path, text: str) -> None:
-    """Replace `file` with `text` so that no reader, and no kill, meets half of it: a local file through a
-    temporary file and a rename; an object in one upload."""
+def write_whole(file: epath.Path, content: str | bytes) -> None:
+    """Replace `file` with `content` (text is written as UTF-8) so that no reader, and no kill, meets half of it: a
+    local file through a temporary file and a rename; an object in one upload."""
+    data = content.encode("utf-8") if isinstance(content, str) else content
     if is_url(os.fspath(file)):
-        file.write_text(text, encoding="utf-8")
+        file.write_bytes(data)
         return
     temporary = file.with_name(file.name + ".tmp")
-    temporary.write_text(text, encoding="utf-8")
+    temporary.write_bytes(data)
     temporary.replace(file)
 
 
@@ -61,31 +62,32 @@ def read_lines(file: epath.Path) -> list[str]:
     return file.read_text(encoding="utf-8").splitlines(keepends=True)
 
 
-class LineLog:
-    """A file of lines that grows (metrics.jsonl), starting as `lines`. On a local disk each line is appended and
-    flushed as it is written. An object store has no append: there the lines are kept, and the whole object
-    uploaded at sync() (the run syncs before each checkpoint save, so the file always reaches the newest
-    checkpoint), at close(), and at a write UPLOAD_EVERY_S seconds after the last upload."""
+class GrowingFile:
+    """A file that grows by records, starting as `records`: lines of text (metrics.jsonl) or bytes (TensorBoard's
+    event records). On a local disk each record is appended and flushed as it is written. An object store has no
+    append: there the records are kept, and the whole object uploaded at sync() (the run syncs before each
+    checkpoint save, so the file always reaches the newest checkpoint), at close(), and at a write UPLOAD_EVERY_S
+    seconds after the last upload."""
 
-    def __init__(self, file: epath.Path, lines: list[str]):
-        self.file, self.remote = file, is_url(os.fspath(file))
-        self.lines = list(lines)
-        write_whole(file, "".join(lines))
+    def __init__(self, file: epath.Path, records: list[str] | list[bytes], *, binary: bool = False):
+        self.file, self.remote, self.empty = file, is_url(os.fspath(file)), b"" if binary else ""
+        self.records = list(records)
+        write_whole(file, self.empty.join(self.records))
         self.uploaded_at = time.monotonic()
-        self.local = None if self.remote else open(file, "a", encoding="utf-8")
+        self.local = None if self.remote else open(file, "ab") if binary else open(file, "a", encoding="utf-8")
 
-    def write(self, line: str) -> None:
+    def write(self, record: str | bytes) -> None:
         if self.local:
-            self.local.write(line)
+            self.local.write(record)
             self.local.flush()
             return
-        self.lines.append(line)
+        self.records.append(record)
         if time.monotonic() - self.uploaded_at >= UPLOAD_EVERY_S:
             self.sync()
 
     def sync(self) -> None:
         if self.remote:
-            self.file.write_text("".join(self.lines), encoding="utf-8")
+            write_whole(self.file, self.empty.join(self.records))
             self.uploaded_at = time.monotonic()
 
     def close(self) -> None:

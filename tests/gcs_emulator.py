@@ -2,7 +2,7 @@
 folders. Started by the test session that needs it and stopped with it.
 
 Every client in the stack is pointed at it through its own environment variable, inherited by the subprocesses a
-test starts: gcsfs and google-cloud-storage (and so tensorboardX) read STORAGE_EMULATOR_HOST; TensorStore, which
+test starts: gcsfs and google-cloud-storage read STORAGE_EMULATOR_HOST; TensorStore, which
 orbax writes the arrays through, reads TENSORSTORE_GCS_HTTP_URL and sends GOOGLE_AUTH_TOKEN_FOR_TESTING instead of
 fetching credentials. gcsfs's bucket-type lookup goes through the storage-control gRPC API, which the emulator does
 not serve: GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false turns the lookup off (it falls back to the same plain GCS

@@ -55,3 +55,38 @@ def test_peak_flops_one_table_for_both_backends(name, tflops):
     cfg = config.load([])
     assert metrics.peak_flops(cfg, name) == (tflops * 1e12 if tflops else None)
     assert metrics.peak_flops(config.load(["--log.peak_tflops=2.5"]), name) == 2.5e12
+
+
+def test_tensorboard_events_read_back_by_tensorboard_and_never_go_back_in_step(tmp_path):
+    """The event files, read by TensorBoard's own loader and accumulator: each logged field under its tag at its step,
+    and a run resumed at step 4 after the first had logged up to 6 shows steps 1..8 once each, 5 and 6 from the
+    resumed run. The resumed file opens with a SessionLog START at its first step, which tells TensorBoard to drop
+    the earlier file's events from there."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    def log(start_step, last_step, loss_at):
+        cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=1", "--log.progress=false",
+                           f"--train.steps={last_step}", "--optim.warmup_steps=1", "--model.vocab_size=256"])
+        logger = metrics.MetricsLogger(cfg, start_step=start_step, flops_per_token=1.0, n_devices=1,
+                                       device_kind="cpu", is_main=True)
+        for step in range(start_step + 1, last_step + 1):
+            logger.train(step, loss_at(step), 1e-3 * step, 0.5, 100)
+        logger.eval(last_step, 2.5)
+        logger.close()
+
+    log(0, 6, lambda step: 10.0 + step)
+    log(4, 8, lambda step: 20.0 + step)
+    files = sorted((tmp_path / "tb").iterdir())
+    assert len(files) == 2
+    resumed = list(EventFileLoader(str(files[1])).Load())
+    assert resumed[0].file_version == "brain.Event:2"
+    assert (resumed[1].step, resumed[1].session_log.status) == (5, resumed[1].session_log.START)
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    loss = [(event.step, event.value) for event in accumulator.Scalars("train/loss")]
+    assert loss == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 14.0), (5, 25.0), (6, 26.0), (7, 27.0), (8, 28.0)]
+    assert [event.value for event in accumulator.Scalars("train/lr")] == pytest.approx([1e-3 * s for s in range(1, 9)])
+    assert [(event.step, event.value) for event in accumulator.Scalars("eval_loss")] == [(8, 2.5)]
+    assert set(accumulator.Tags()["scalars"]) == {"train/loss", "train/lr", "train/grad_norm", "train/tokens",
+                                                  "train/tokens_per_s", "eval_loss"}

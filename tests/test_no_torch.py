@@ -1,0 +1,32 @@
+"""A jaxtrain process never loads torch, though torch is installed here (the [test] extra brings it): not the
+trainer, not the converter, not --help. Python's -X importtime lists every module a process imports, lazily
+imported ones included, on stderr; no line may name torch or one of its submodules."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+
+from test_run import small_args
+
+TORCH_IMPORT = re.compile(r"^import time:.*\|\s+torch(\.|$)", re.M)
+
+
+def imports_of(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def test_torch_is_installed_so_the_checks_below_mean_something():
+    assert importlib.util.find_spec("torch") is not None
+    assert TORCH_IMPORT.search(imports_of("torchref.run", "--help"))  # the pattern does find torch's imports
+
+
+def test_training_and_converting_never_import_torch(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    trained = imports_of("jaxtrain.run", *small_args(out, cache_dir, "--train.steps=4", "--log.tensorboard=true"))
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    converted = imports_of("jaxtrain.convert", "to-torch", str(out / "checkpoints" / "4"), str(tmp_path / "torch"))
+    for stderr in (imports_of("jaxtrain.run", "--help"), trained, converted):
+        assert "jaxtrain" in stderr and not TORCH_IMPORT.search(stderr), TORCH_IMPORT.findall(stderr)[:5]
