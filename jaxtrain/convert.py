@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
+from jaxtrain import hf_format
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.errors import UserError, exit_on_user_error
@@ -30,6 +31,46 @@ from jaxtrain.errors import UserError, exit_on_user_error
 def to_torch(step_dir: str, out_dir: str) -> None:
     """A jaxtrain step folder (<out_dir>/checkpoints/<step>) -> a torch-format folder."""
     torch_format.check_new_folder(out_dir)
+    state, cfg, meta = restore_step(step_dir)
+    torch_format.export(state, cfg, out_dir, meta.get("data_seed", cfg.run.seed), meta.get("data_fingerprint"))
+    print(f"wrote {out_dir} (step {int(state.step)}) from {step_dir}", file=sys.stderr)
+
+
+def to_hf(src: str, out_dir: str) -> None:
+    """A jaxtrain step folder or a torch-format folder (one from-hf wrote, too) -> a Hugging Face GPT-2 folder."""
+    torch_format.check_new_folder(out_dir)
+    if not os.path.exists(os.path.join(src, torch_format.MODEL)):
+        state, cfg, _ = restore_step(src)
+        tensors = torch_format.model_tensors(state.params)
+        config = hf_format.hf_config(cfg.model, tensors[torch_format.WTE].shape[0])
+    elif torch_format.holds_training_state(src):
+        tensors = hf_format.read_tensors(src)
+        model_cfg = config_lib.from_dict(torch_format.read_trainer_state(src)["config"]).model
+        config = hf_format.hf_config(model_cfg, tensors[torch_format.WTE].shape[0])
+    else:  # weights that from-hf wrote, with the model's config.json beside them
+        tensors, config = hf_format.read_tensors(src), hf_format.read_config(src)
+    hf_format.write(out_dir, hf_format.from_nanogpt(tensors), config)
+    print(f"wrote {out_dir}: load it with transformers.GPT2LMHeadModel.from_pretrained({out_dir!r})", file=sys.stderr)
+
+
+def from_hf(src: str, out_dir: str) -> None:
+    """A Hugging Face GPT-2 folder -> a torch-format folder of weights (its config.json kept beside them), which
+    `--init.from` starts a run from."""
+    torch_format.check_new_folder(out_dir)
+    config = hf_format.read_config(src)
+    model = hf_format.model_overrides(config, os.path.join(src, hf_format.CONFIG))
+    tensors = hf_format.read_tensors(src)
+    if model["tie_embeddings"]:
+        tensors.pop(hf_format.LM_HEAD, None)  # the same array as wte's, where a writer kept it
+    hf_format.write(out_dir, hf_format.to_nanogpt(tensors), config)
+    flags = " ".join(f"--model.{key}={str(value).lower() if isinstance(value, bool) else value}"
+                     for key, value in model.items())
+    print(f"wrote {out_dir}; fine-tune it with `python -m jaxtrain.run --config CONFIG {flags} "
+          f"--init.from={out_dir}`", file=sys.stderr)
+
+
+def restore_step(step_dir: str):
+    """(state, config, meta) of a jaxtrain step folder, restored on one device."""
     root, name = os.path.split(os.path.normpath(os.path.abspath(step_dir)))
     if not (name.isdigit() and os.path.isdir(os.path.join(step_dir, "state"))):
         raise UserError(f"{step_dir} is not a jaxtrain checkpoint step folder; pass one like "
@@ -43,8 +84,7 @@ def to_torch(step_dir: str, out_dir: str) -> None:
         target = checkpoint_lib.abstract_state(cfg, cfg.model.vocab_size, _one_device_mesh())
         with _unreadable(step_dir):
             state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
-    torch_format.export(state, cfg, out_dir, meta.get("data_seed", cfg.run.seed), meta.get("data_fingerprint"))
-    print(f"wrote {out_dir} (step {int(state.step)}) from {step_dir}", file=sys.stderr)
+    return state, cfg, meta
 
 
 def from_torch(src: str, out_dir: str) -> None:
@@ -105,13 +145,19 @@ def _parser() -> argparse.ArgumentParser:
     back.add_argument("src", help="a torch-format folder (model.safetensors, optimizer.safetensors, "
                                   "trainer_state.json)")
     back.add_argument("dst", help="the jaxtrain run folder to create (must not exist, or be empty)")
+    for name, direction in (("to-hf", "jaxtrain step folder or torch-format folder -> Hugging Face GPT-2 folder"),
+                            ("from-hf", "Hugging Face GPT-2 folder -> torch-format weights for --init.from")):
+        hf = sub.add_parser(name, help=direction, description=direction)
+        hf.add_argument("src")
+        hf.add_argument("dst", help="the folder to create (must not exist, or be empty)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     with exit_on_user_error():
-        (to_torch if args.command == "to-torch" else from_torch)(args.src, args.dst)
+        commands = {"to-torch": to_torch, "from-torch": from_torch, "to-hf": to_hf, "from-hf": from_hf}
+        commands[args.command](args.src, args.dst)
 
 
 if __name__ == "__main__":

@@ -162,6 +162,11 @@ def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, data_seed: 
     }
 
 
+def model_tensors(params: nnx.State) -> dict[str, np.ndarray]:
+    """The params as the torch format's model.safetensors holds them: nanoGPT's names and layout, fp32."""
+    return _torch_arrays(params, model.torch_names(params))
+
+
 def _torch_arrays(tree: nnx.State, names: dict) -> dict[str, np.ndarray]:
     """nanoGPT name -> fp32 host array in torch's layout, for the params or a tree shaped like them (mu, nu)."""
     leaves = {path: var.get_value() for path, var in nnx.to_flat_state(tree)}

@@ -28,5 +28,6 @@ def test_training_and_converting_never_import_torch(tmp_path, cache_dir):
     trained = imports_of("jaxtrain.run", *small_args(out, cache_dir, "--train.steps=4", "--log.tensorboard=true"))
     assert list((out / "tb").glob("events.out.tfevents.*"))
     converted = imports_of("jaxtrain.convert", "to-torch", str(out / "checkpoints" / "4"), str(tmp_path / "torch"))
-    for stderr in (imports_of("jaxtrain.run", "--help"), trained, converted):
+    exported = imports_of("jaxtrain.convert", "to-hf", str(out / "checkpoints" / "4"), str(tmp_path / "hf"))
+    for stderr in (imports_of("jaxtrain.run", "--help"), trained, converted, exported):
         assert "jaxtrain" in stderr and not TORCH_IMPORT.search(stderr), TORCH_IMPORT.findall(stderr)[:5]

@@ -1,0 +1,108 @@
+"""Hugging Face transformers' GPT-2 format (a `GPT2LMHeadModel` folder: config.json, model.safetensors), written
+and read with json, numpy and safetensors only: jaxtrain never imports transformers (nor, through it, torch).
+
+nanoGPT took GPT-2's parameter names, so the torch format's model.safetensors (torch_format.py) and HF's differ in
+two things only: HF's attention and MLP projections are `Conv1D`s, whose weight is (in, out), the transpose of
+nanoGPT's Linear (out, in); and HF leaves `lm_head.weight` out when the head is tied to `wte`. config.json states
+what nanoGPT's model is: exact GELU (`activation_function="gelu"`, not GPT-2's tanh approximation `gelu_new`),
+LayerNorm eps 1e-5, an MLP of 4 x n_embd, biases everywhere. Models that differ (no biases, another activation or
+MLP width) are refused with the reason: converting them would change what they compute.
+"""
+
+import json
+import os
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.errors import UserError
+from jaxtrain.model import LN_EPS
+
+CONFIG, MODEL = "config.json", "model.safetensors"
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+LM_HEAD = "lm_head.weight"
+
+
+def hf_config(model: ModelConfig, vocab_size: int) -> dict:
+    """config.json of a GPT2LMHeadModel that computes what jaxtrain's `model` computes."""
+    if not model.bias:
+        raise UserError("the model has no biases (model.bias=false); Hugging Face's GPT-2 always has them, so it "
+                        "cannot be exported as GPT2LMHeadModel. Export it to the torch format (to-torch) instead")
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
+            "n_positions": model.seq_len, "n_embd": model.d_model, "n_layer": model.n_layer,
+            "n_head": model.n_head, "n_inner": None, "activation_function": "gelu",
+            "layer_norm_epsilon": LN_EPS, "resid_pdrop": model.dropout, "embd_pdrop": model.dropout,
+            "attn_pdrop": model.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": model.tie_embeddings}
+
+
+def model_overrides(hf: dict, file: str) -> dict:
+    """The jaxtrain model.* settings of an HF GPT-2 config.json, or one UserError naming what jaxtrain's model
+    cannot compute the same way."""
+    if hf.get("model_type") != "gpt2":
+        raise UserError(f"{file}: model_type {hf.get('model_type')!r}; only GPT-2 (GPT2LMHeadModel) converts")
+    d = hf.get("n_embd", 768)
+    unlike = {"activation_function": (hf.get("activation_function", "gelu_new"), "gelu"),
+              "n_inner": (hf.get("n_inner"), None if hf.get("n_inner") in (None, 4 * d) else 4 * d),
+              "layer_norm_epsilon": (hf.get("layer_norm_epsilon", 1e-5), LN_EPS),
+              "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), False),
+              "reorder_and_upcast_attn": (hf.get("reorder_and_upcast_attn", False), False),
+              "scale_attn_weights": (hf.get("scale_attn_weights", True), True)}
+    for key, (found, jaxtrain_has) in unlike.items():
+        if found != jaxtrain_has:
+            raise UserError(f"{file}: {key}={found!r}, where jaxtrain's model (nanoGPT's) has {jaxtrain_has!r}; "
+                            f"converted, the model would compute something else. (GPT-2's own checkpoints use "
+                            f"the tanh GELU, gelu_new, which jaxtrain does not implement)")
+    return {"vocab_size": hf.get("vocab_size", 50257), "seq_len": hf.get("n_positions", 1024),
+            "n_layer": hf.get("n_layer", 12), "n_head": hf.get("n_head", 12), "d_model": d,
+            "dropout": hf.get("resid_pdrop", 0.1), "bias": True, "tie_embeddings": hf.get("tie_word_embeddings", True)}
+
+
+def from_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """nanoGPT's state dict (the torch format's) -> HF's: Conv1D weights transposed; a tied head left out."""
+    return {name: np.ascontiguousarray(x.T) if name.endswith(CONV1D) else x for name, x in tensors.items()}
+
+
+def to_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF's state dict -> nanoGPT's (its own inverse: the Conv1D weights transposed back)."""
+    return from_nanogpt(tensors)
+
+
+def write(out_dir: str, tensors: dict[str, np.ndarray], config: dict) -> None:
+    """An HF model folder, written under a temporary name and renamed into place."""
+    tmp = out_dir.rstrip("/") + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    save_file(tensors, os.path.join(tmp, MODEL), metadata={"format": "pt"})
+    with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, out_dir)
+
+
+def read_config(src: str) -> dict:
+    file = os.path.join(src, CONFIG)
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{file} is missing or not JSON ({e}); point at a folder that "
+                        f"GPT2LMHeadModel.save_pretrained wrote") from None
+
+
+def read_tensors(src: str) -> dict[str, np.ndarray]:
+    """The fp32 tensors of src's model.safetensors (transformers' default format), HF's causal-mask buffers left
+    out (older checkpoints saved them)."""
+    weights = os.path.join(src, MODEL)
+    if not os.path.exists(weights):
+        raise UserError(f"{src} has no {MODEL} (a sharded or pytorch_model.bin checkpoint?); load it in "
+                        f"transformers and save it again with model.save_pretrained(dir) (safetensors, one file)")
+    try:
+        with safe_open(weights, framework="np") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, SafetensorError, TypeError) as e:
+        raise UserError(f"{weights} is unreadable ({e}); save it in float32, or copy it again if it was "
+                        f"truncated") from None
+    return {name: x.astype(np.float32) for name, x in tensors.items()
+            if not name.endswith((".attn.bias", ".attn.masked_bias"))}

@@ -1,0 +1,87 @@
+"""python -m jaxtrain.convert to-hf / from-hf against Hugging Face transformers itself: exports load in
+GPT2LMHeadModel with no missing or unexpected keys and compute the same logits; a model transformers wrote
+round-trips bit for bit and fine-tunes with --init.from; models jaxtrain cannot compute the same way are refused."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from jaxtrain import config, convert, hf_format, model, run, torch_format
+from test_run import small_args
+
+DIMS = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)  # test_run's small model, bytes
+
+
+def hf_model(tmp_path, **overrides):
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(**{**DIMS, "activation_function": "gelu", **overrides})
+    path = tmp_path / "hf"
+    transformers.GPT2LMHeadModel(hf_config).save_pretrained(path)
+    return str(path)
+
+
+def tensors(folder):
+    with safe_open(f"{folder}/model.safetensors", framework="np") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_model_transformers_wrote_round_trips_bit_for_bit(tmp_path, tie):
+    source = hf_model(tmp_path, tie_word_embeddings=tie)
+    convert.main(["from-hf", source, str(tmp_path / "jt")])
+    convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back")])
+    before, after = tensors(source), tensors(tmp_path / "back")
+    assert set(before) == set(after) and ("lm_head.weight" in after) == (not tie)
+    assert all(np.array_equal(before[name], after[name]) for name in before)
+    # nanoGPT's layout in between: Linear weights (out, in), the transpose of HF's Conv1D (in, out)
+    np.testing.assert_array_equal(tensors(tmp_path / "jt")["transformer.h.0.mlp.c_fc.weight"],
+                                  before["transformer.h.0.mlp.c_fc.weight"].T)
+
+
+def test_a_trained_run_loads_in_transformers_with_the_same_logits(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    run.train(config.load(small_args(out, cache_dir, "--train.steps=4")))
+    convert.main(["to-hf", str(out / "checkpoints" / "4"), str(tmp_path / "hf")])
+    loaded, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert all(not keys for keys in info.values()), info
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["activation_function"] == "gelu"
+    state, cfg, _ = convert.restore_step(str(out / "checkpoints" / "4"))
+    idx = np.random.default_rng(0).integers(0, 256, (3, 32))
+    graphdef = model.graphdef(cfg.model, vocab_size=256, precision="fp32")
+    ours = np.asarray(jax.jit(model.apply, static_argnums=0)(graphdef, state.params, idx), np.float64)
+    with torch.no_grad():
+        theirs = loaded.eval()(torch.from_numpy(idx)).logits.double().numpy()
+    # fp32 both sides, summed in other orders: each of the 2 * 4 + 1 matmuls (<= 128 terms) and 5 LayerNorms adds
+    # a few fp32 ulps of its output; 1e-5 of the logits' scale is ~100 ulps (measured 2.1e-7: 3.5 ulps).
+    assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+
+
+def test_a_model_from_transformers_fine_tunes(tmp_path, cache_dir):
+    """--init.from starts from exactly transformers' weights (checked against the HF file), and trains."""
+    source = hf_model(tmp_path)
+    convert.main(["from-hf", source, str(tmp_path / "jt")])
+    cfg = config.load(small_args(tmp_path / "run", cache_dir, "--train.steps=3", f"--init.from={tmp_path / 'jt'}"))
+    trainer = run.Trainer(cfg)
+    start = torch_format.model_tensors(trainer.initial_state().params)
+    trainer.close()
+    hf = tensors(source)
+    assert all(np.array_equal(start[name], hf[name].T if name.endswith(hf_format.CONV1D) else hf[name])
+               for name in start) and set(start) == set(hf)
+    run.train(cfg)
+    losses = [line for line in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in line]
+    assert losses[-1]["step"] == 3 and all(np.isfinite(line["loss"]) for line in losses)
+
+
+@pytest.mark.parametrize("overrides,named", [({"activation_function": "gelu_new"}, "gelu_new"),
+                                             ({"n_inner": 48}, "n_inner"),
+                                             ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon")])
+def test_what_jaxtrain_cannot_compute_the_same_is_refused(tmp_path, capsys, overrides, named):
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(["from-hf", hf_model(tmp_path, **overrides), str(tmp_path / "jt")])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "jt").exists()
