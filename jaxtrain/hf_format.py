@@ -62,7 +62,7 @@ def model_overrides(hf: dict, file: str) -> dict:
 
 
 def from_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """nanoGPT's state dict (the torch format's) -> HF's: Conv1D weights transposed; a tied head left out."""
+    """nanoGPT's state dict (the torch format's) -> HF's: the Conv1D weights transposed. Both leave a tied head out."""
     return {name: np.ascontiguousarray(x.T) if name.endswith(CONV1D) else x for name, x in tensors.items()}
 
 
