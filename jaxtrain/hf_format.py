@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.model import LN_EPS
+from jaxtrain.torch_format import folder_into_place
 
 CONFIG, MODEL = "config.json", "model.safetensors"
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -73,12 +74,10 @@ def to_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def write(out_dir: str, tensors: dict[str, np.ndarray], config: dict) -> None:
     """An HF model folder, written under a temporary name and renamed into place."""
-    tmp = out_dir.rstrip("/") + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    save_file(tensors, os.path.join(tmp, MODEL), metadata={"format": "pt"})
-    with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
-    os.replace(tmp, out_dir)
+    with folder_into_place(out_dir) as tmp:
+        save_file(tensors, os.path.join(tmp, MODEL), metadata={"format": "pt"})
+        with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
 
 
 def read_config(src: str) -> dict:

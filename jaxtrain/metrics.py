@@ -136,7 +136,7 @@ class MetricsLogger:
         if self.log:
             self.log.sync()
         if self.tb:
-            self.tb.file.sync()
+            self.tb.sync()
 
     def close(self) -> None:
         self.bar.close()
@@ -172,6 +172,9 @@ class TensorBoardLog:
     def _add(self, event: Event) -> None:
         event.wall_time = time.time()
         self.records.write(event.SerializeToString())
+
+    def sync(self) -> None:
+        self.file.sync()
 
     def close(self) -> None:
         self.file.close()

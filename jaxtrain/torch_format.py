@@ -14,6 +14,7 @@ out (absent: 0); step - skipped is AdamW's bias-correction count and the schedul
 comes from model.torch_names alone.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -56,14 +57,22 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
     step = int(state.step)
     moments = {f"{name}.{key}": x for field, key in MOMENTS
                for name, x in _torch_arrays(getattr(adam, field), names).items()}
+    with folder_into_place(out_dir) as tmp:
+        save_file(_torch_arrays(state.params, names), os.path.join(tmp, MODEL))
+        save_file(moments, os.path.join(tmp, OPTIMIZER))
+        with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
+            json.dump(_trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg,
+                                     cfg.run.seed if data_seed is None else data_seed, data_fingerprint), f, indent=1)
+
+
+@contextlib.contextmanager
+def folder_into_place(out_dir: str):
+    """Yields a temporary folder beside out_dir to write into, renamed to out_dir when the block ends without an
+    error: out_dir either holds a complete conversion or does not exist (a stale temporary folder is replaced)."""
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file(_torch_arrays(state.params, names), os.path.join(tmp, MODEL))
-    save_file(moments, os.path.join(tmp, OPTIMIZER))
-    with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
-        json.dump(_trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg,
-                                 cfg.run.seed if data_seed is None else data_seed, data_fingerprint), f, indent=1)
+    yield tmp
     os.replace(tmp, out_dir)
 
 
