@@ -29,7 +29,9 @@ import yaml
 from draccus.wrappers.docstring import get_attribute_docstring
 
 from jaxtrain import cmdline
+from jaxtrain import param_groups
 from jaxtrain import runfolder
+from jaxtrain.param_groups import ParamGroup
 from jaxtrain.errors import UserError
 
 
@@ -69,10 +71,17 @@ class DataConfig:
     cache_dir: Optional[str] = None  # where the embedded corpus is prepared; None: ~/.cache/jaxtrain
 
 
+# LR(t) after the warmup (optim.py): cosine or linear from lr to min_lr at decay_steps; constant lr; cosine with
+# hard restarts (optim.cycles cosines from lr to min_lr). constant has no warmup; all are flat at min_lr past decay.
+SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "cosine_with_restarts")
+DECAYING_SCHEDULES = ("cosine", "linear", "cosine_with_restarts")
+
+
 @dataclasses.dataclass
 class OptimConfig:
+    schedule: Literal[SCHEDULES] = "cosine"  # cosine | linear | constant | constant_with_warmup | cosine_with_restarts
     lr: float = 1e-3  # peak learning rate, reached at the end of warmup
-    min_lr: float = 1e-4  # end of the cosine, and flat after decay_steps
+    min_lr: float = 1e-4  # end of the decay, and flat after decay_steps
     warmup_steps: int = 100  # optimizer steps of linear warmup
     warmup_init_lr: Optional[float] = None  # LR at step 0; None: lr / (warmup_steps + 1), as nanoGPT
     decay_steps: Optional[int] = None  # step where the cosine reaches min_lr, warmup included; None: train.steps
@@ -83,6 +92,9 @@ class OptimConfig:
     decay_mask: Literal["ndim", "names"] = "ndim"  # ndim: decay params with ndim >= 2; names: all but bias/norm/embedding
     max_grad_norm: float = 1.0  # clip by global norm; 0 disables clipping
     grad_accum_steps: int = 1  # micro-batches per optimizer step
+    cycles: int = 1  # schedule=cosine_with_restarts: cosines between warmup and decay_steps, each from lr to min_lr
+    # name pattern -> {lr_scale, weight_decay}: per-group LR multiplier and weight decay (jaxtrain/param_groups.py)
+    groups: dict[str, ParamGroup] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -211,12 +223,26 @@ def _check_keys(raw: dict, cls, prefix: tuple) -> None:
             hint = f"did you mean {'.'.join(prefix + (close[0],))}?" if close else f"valid keys: {', '.join(names)}"
             raise UserError(f"unknown config key {dotted!r}; {hint}")
         field_type = names[key].type
-        if not dataclasses.is_dataclass(field_type):
+        if typing.get_origin(field_type) is dict:
+            _check_mapping(dotted, value, typing.get_args(field_type)[1])
+        elif not dataclasses.is_dataclass(field_type):
             _check_scalar(dotted, value, field_type)
         elif not isinstance(value, dict):
             raise UserError(f"config section {dotted!r} must be a mapping of keys, got {value!r}")
         else:
             _check_keys(value, field_type, prefix + (str(key),))
+
+
+def _check_mapping(key: str, value, entry_type) -> None:
+    """A mapping of text -> `entry_type` sections (optim.groups: pattern -> {lr_scale, weight_decay})."""
+    if not isinstance(value, dict):
+        raise UserError(f"{key} must be a mapping, e.g. {{'wte|wpe': {{lr_scale: 0.1}}}}, got {value!r}")
+    for name, entry in value.items():
+        if not isinstance(name, str):
+            raise UserError(f"{key}: the key {name!r} must be text (quote it)")
+        if not isinstance(entry, dict):
+            raise UserError(f"{key}[{name!r}] must be a mapping of keys, got {entry!r}")
+        _check_keys(entry, entry_type, (f"{key}[{name!r}]",))
 
 
 def _check_scalar(key: str, value, field_type) -> None:
@@ -262,6 +288,7 @@ def validate(cfg: Config) -> None:
         "train.steps": t.steps, "train.eval_batches": t.eval_batches, "checkpoint.every": cfg.checkpoint.every,
         "checkpoint.max_to_keep": cfg.checkpoint.max_to_keep, "log.every": cfg.log.every, "optim.lr": o.lr,
         "train.nan_skip_limit": t.nan_skip_limit, "run.lock_timeout_s": cfg.run.lock_timeout_s,
+        "optim.cycles": o.cycles,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -279,9 +306,16 @@ def validate(cfg: Config) -> None:
     for key in ("b1", "b2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             raise UserError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
-    if o.warmup_steps >= cfg.decay_steps:
+    param_groups.validate(o.groups)
+    if o.schedule == "constant" and o.warmup_steps:
+        raise UserError(f"optim.schedule=constant has no warmup, but optim.warmup_steps={o.warmup_steps}; set "
+                        f"optim.warmup_steps=0, or use optim.schedule=constant_with_warmup")
+    if o.schedule in DECAYING_SCHEDULES and o.warmup_steps >= cfg.decay_steps:
         raise UserError(f"optim.warmup_steps={o.warmup_steps} must be smaller than the decay length {cfg.decay_steps} "
                         f"(optim.decay_steps, default train.steps); lower warmup_steps or raise decay_steps")
+    if o.schedule == "cosine_with_restarts" and not o.cycles * (cfg.decay_steps - o.warmup_steps) <= INT32_MAX:
+        raise UserError(f"optim.cycles={o.cycles} over {cfg.decay_steps - o.warmup_steps} decay steps is past the "
+                        f"int32 arithmetic of the schedule's phase; use fewer cycles")
     if o.min_lr > o.lr:
         raise UserError(f"optim.min_lr={o.min_lr} is larger than optim.lr={o.lr}; the cosine decays from lr to min_lr")
     if cfg.data.batch_size % o.grad_accum_steps:
@@ -443,23 +477,24 @@ def check_same_trajectory(saved: dict, cfg: Config, where: str) -> None:
     """Refuse to resume from a checkpoint written with another config (`saved`, as `dump` wrote it), naming the
     keys that changed. Keys that do not shape the trajectory (out_dir, logging, checkpoint cadence, train.steps
     when optim.decay_steps is set) may change."""
-    saved, current = _trajectory(saved), _trajectory(yaml.safe_load(dump(cfg)))
-    changed = [k for k in current if saved.get(k) != current[k]]
+    defaults = _flatten(yaml.safe_load(dump(Config())))  # what a key added after `saved` was written held there
+    saved, current = _trajectory({**defaults, **_flatten(saved)}), _trajectory(_flatten(yaml.safe_load(dump(cfg))))
+    changed = [k for k in {**saved, **current} if saved.get(k) != current.get(k)]  # optim.groups may lose keys
     if changed:
-        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed)
+        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
         raise UserError(f"the config differs from the one that wrote {where} ({diffs}); resume with the same "
                         f"config, or start over with --run.fresh=true or a new --run.out_dir")
 
 
 def config_hash(cfg: Config) -> str:
     """sha256 of the resolved config's trajectory keys: written into torch-format checkpoints."""
-    trajectory = _trajectory(yaml.safe_load(dump(cfg)))
+    trajectory = _trajectory(_flatten(yaml.safe_load(dump(cfg))))
     return hashlib.sha256(yaml.safe_dump(trajectory, sort_keys=True).encode()).hexdigest()
 
 
-def _trajectory(raw: dict) -> dict:
-    """The flattened keys that shape the trajectory, with the effective decay length spelled out."""
-    flat = _flatten(raw)
+def _trajectory(flat: dict) -> dict:
+    """The keys (flattened) that shape the trajectory, with the effective decay length spelled out."""
+    flat = dict(flat)
     flat["decay length"] = flat.get("optim.decay_steps") or flat.get("train.steps")
     return {k: v for k, v in flat.items() if k.startswith(TRAJECTORY_KEYS) and k not in HOW_NOT_WHAT}
 

@@ -1,6 +1,9 @@
-"""The update rule, written once: LR schedule, weight-decay mask, and the optax chain.
+"""The update rule, written once: LR schedule, weight-decay mask, param groups, and the optax chain.
 
     MultiSteps(k)( clip_by_global_norm(c) -> adamw(schedule, b1, b2, eps, wd, mask) )
+
+With optim.groups, adamw's one weight decay and mask become one (weight decay, LR multiplier) per parameter
+(param_groups.py): the same chain with a per-group step in the middle (`grouped_adamw`).
 
 Step t = 0, 1, 2, ... counts optimizer updates. MultiSteps feeds the inner chain once per k micro-batches, so the
 schedule and AdamW's bias correction advance once per window, never per micro-batch. torchref writes the same rule
@@ -13,6 +16,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from flax import nnx
+
+from jaxtrain import model
+from jaxtrain import param_groups
 from jaxtrain.config import Config
 
 # Path components that the `names` decay rule leaves undecayed (nanoGPT-style names; see model.py).
@@ -20,15 +27,38 @@ NO_DECAY_NAMES = ("bias", "ln_1", "ln_2", "ln_f", "wte", "wpe")
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
-    """LR(t): linear warmup warmup_init_lr -> lr over warmup_steps, cosine lr -> min_lr at decay_steps, then flat.
+    """LR(t), optim.schedule: a linear warmup warmup_init_lr -> lr over warmup_steps, then a cosine (the default)
+    or linear decay from lr to min_lr at decay_steps, a constant lr, or cycles cosines from lr to min_lr with hard
+    restarts; flat at min_lr past decay_steps. `constant` has no warmup.
 
     With the default warmup_init_lr = lr / (W + 1), LR(t) = lr * (t + 1) / (W + 1) during warmup (nanoGPT's
     get_lr), so the first update is never a no-op.
     """
-    o = cfg.optim
-    return optax.warmup_cosine_decay_schedule(
-        init_value=cfg.warmup_init_lr, peak_value=o.lr, warmup_steps=o.warmup_steps,
-        decay_steps=cfg.decay_steps, end_value=o.min_lr)
+    o, W, D = cfg.optim, cfg.optim.warmup_steps, cfg.decay_steps
+    if o.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=cfg.warmup_init_lr, peak_value=o.lr, warmup_steps=W, decay_steps=D, end_value=o.min_lr)
+    if o.schedule == "constant":
+        return optax.constant_schedule(o.lr)
+    if o.schedule == "linear":
+        after_warmup = optax.linear_schedule(o.lr, o.min_lr, D - W)
+    elif o.schedule == "cosine_with_restarts":
+        after_warmup = cosine_restarts(o.lr, o.min_lr, D - W, o.cycles)
+    else:  # constant_with_warmup
+        after_warmup = optax.constant_schedule(o.lr)
+    if W == 0:
+        return after_warmup
+    return optax.join_schedules([optax.linear_schedule(cfg.warmup_init_lr, o.lr, W), after_warmup], [W])
+
+
+def cosine_restarts(peak: float, end: float, steps: int, cycles: int) -> optax.Schedule:
+    """`cycles` cosines from peak to end over `steps` (HF's cosine_with_restarts), then end. The position in the
+    cycle, (t * cycles mod steps) / steps, is taken in integers: exact, so each restart is at peak on its step."""
+    def schedule(count):
+        phase = jnp.mod(count * cycles, steps) / steps  # config.validate keeps cycles * steps within int32
+        value = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * phase))
+        return jnp.where(count >= steps, end, value)
+    return schedule
 
 
 def decay_mask(rule: str):
@@ -75,13 +105,47 @@ def optimizer(cfg: Config) -> optax.MultiSteps:
     gradient is exactly the gradient of the window's token-weighted mean loss."""
     o = cfg.optim
     clip = optax.clip_by_global_norm(o.max_grad_norm) if o.max_grad_norm > 0 else optax.identity()
-    inner = optax.chain(
-        record_grad_norm(),
-        clip,
-        optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, eps_root=0.0,
-                    weight_decay=o.weight_decay, mask=decay_mask(o.decay_mask)),
-    )
+    if o.groups:
+        adamw = grouped_adamw(lr_schedule(cfg), cfg)
+    else:
+        adamw = optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, eps_root=0.0,
+                            weight_decay=o.weight_decay, mask=decay_mask(o.decay_mask))
+    inner = optax.chain(record_grad_norm(), clip, adamw)
     return optax.MultiSteps(inner, every_k_schedule=o.grad_accum_steps, use_grad_mean=False)
+
+
+def grouped_adamw(schedule: optax.Schedule, cfg: Config) -> optax.GradientTransformation:
+    """optax.adamw's chain with a Setting per parameter (optim.groups):
+    update = -LR(t) * lr_scale * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p), as torch AdamW steps a param
+    group at lr = LR(t) * lr_scale. Adam's moments do not depend on the groups, so the state keeps adamw's
+    ScaleByAdamState over all params (what the torch bridge maps)."""
+    o = cfg.optim
+
+    def labels(params):
+        names = model.torch_names(params)
+        by_path = {names[name][0]: _label(s) for name, s in param_settings(cfg, params).items()}
+        return nnx.from_flat_state([(path, var.replace(by_path[path])) for path, var in nnx.to_flat_state(params)])
+
+    possible = {param_groups.Setting(1.0, o.weight_decay), param_groups.Setting(1.0, 0.0)}
+    for g in o.groups.values():
+        wds = [o.weight_decay, 0.0] if g.weight_decay is None else [g.weight_decay]
+        possible |= {param_groups.Setting(g.lr_scale, wd) for wd in wds}
+    per_setting = {_label(s): optax.chain(optax.add_decayed_weights(s.weight_decay), optax.scale(s.lr_scale))
+                   for s in possible}
+    return optax.chain(optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps, eps_root=0.0),
+                       optax.multi_transform(per_setting, labels),
+                       optax.scale_by_learning_rate(schedule))
+
+
+def param_settings(cfg: Config, params: nnx.State) -> dict[str, param_groups.Setting]:
+    """nanoGPT name -> (lr_scale, weight_decay) of every parameter: optim.groups over the decay mask."""
+    mask = {path: var.get_value() for path, var in nnx.to_flat_state(decay_mask(cfg.optim.decay_mask)(params))}
+    decays = {name: bool(mask[path]) for name, (path, _) in model.torch_names(params).items()}
+    return param_groups.assign(decays, cfg.optim.groups, cfg.optim.weight_decay)
+
+
+def _label(setting: param_groups.Setting) -> str:
+    return f"lr_scale={setting.lr_scale!r} weight_decay={setting.weight_decay!r}"
 
 
 def grad_norm(opt_state: optax.MultiStepsState) -> jax.Array:

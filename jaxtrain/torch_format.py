@@ -30,6 +30,7 @@ from safetensors.numpy import save_file
 from jaxtrain import config as config_lib
 from jaxtrain import model
 from jaxtrain import optim
+from jaxtrain import param_groups
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.step import TrainState
@@ -38,7 +39,6 @@ FORMAT = "jaxtrain-torch/1"
 MODEL, OPTIMIZER, TRAINER_STATE = "model.safetensors", "optimizer.safetensors", "trainer_state.json"
 MOMENTS = (("mu", "exp_avg"), ("nu", "exp_avg_sq"))  # optax ScaleByAdamState field -> torch AdamW state key
 WTE = "transformer.wte.weight"  # its rows are the vocab size, whatever the config says
-TORCH_PARAM_GROUPS = 2  # torchref's AdamW groups (decay, no decay); LambdaLR keeps one LR per group
 
 
 def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None = None,
@@ -55,13 +55,15 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
     check_new_folder(out_dir)
     names, adam = model.torch_names(state.params), optim.adam_state(state.opt_state)
     step = int(state.step)
+    # torchref's AdamW param groups, each with its LR in LambdaLR's state
+    lr_scales = [s.lr_scale for s, _ in param_groups.torch_order(optim.param_settings(cfg, state.params))]
     moments = {f"{name}.{key}": x for field, key in MOMENTS
                for name, x in _torch_arrays(getattr(adam, field), names).items()}
     with folder_into_place(out_dir) as tmp:
         save_file(_torch_arrays(state.params, names), os.path.join(tmp, MODEL))
         save_file(moments, os.path.join(tmp, OPTIMIZER))
         with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
-            json.dump(_trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg,
+            json.dump(_trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg, lr_scales,
                                      cfg.run.seed if data_seed is None else data_seed, data_fingerprint), f, indent=1)
 
 
@@ -147,7 +149,7 @@ def check_new_folder(out_dir: str) -> None:
                         f"delete it")
 
 
-def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, data_seed: int,
+def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, lr_scales: list[float], data_seed: int,
                    data_fingerprint: str | None) -> dict:
     """What torchref resumes from besides the tensors. LambdaLR, stepped once per applied update, stands at
     last_epoch = step - skipped with the next update's LR; jaxtrain has no torch RNG state to give, hence the
@@ -160,7 +162,7 @@ def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, data_seed: 
         "step": step,
         "skipped": skipped,
         "lr_scheduler": {"last_epoch": updates, "_step_count": updates + 1,
-                         "base_lrs": [cfg.optim.lr] * TORCH_PARAM_GROUPS, "_last_lr": [next_lr] * TORCH_PARAM_GROUPS},
+                         "base_lrs": [cfg.optim.lr * s for s in lr_scales], "_last_lr": [next_lr * s for s in lr_scales]},
         "tied_embeddings": tied,
         # Random windows have no padding, so every update trained on batch_size x seq_len tokens.
         "data": {"seed": data_seed, "next_step": step, "tokens": step * cfg.data.batch_size * cfg.model.seq_len},

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from jaxtrain import optim
 from parity_tests.conftest import U32, assert_close, make_cfg, report
@@ -35,6 +36,13 @@ CASES = {  # the explicit configs, and how far past decay_steps each runs
     # min_lr = 0: relative rounding grows ~4 T U32 at the last cosine step (module docstring), so T stays short
     "warmup_init_lr=0": (["--optim.lr=1e-3", "--optim.min_lr=0", "--optim.warmup_steps=10",
                           "--optim.warmup_init_lr=0", "--train.steps=40"], 50),
+    # the other schedules with a min_lr (HF's have none: test_schedule_matches_transformers_get_scheduler)
+    "linear": (["--optim.schedule=linear", "--optim.lr=1e-3", "--optim.min_lr=1e-4", "--optim.warmup_steps=10",
+                "--train.steps=60"], 80),
+    "cosine_with_restarts": (["--optim.schedule=cosine_with_restarts", "--optim.cycles=2", "--optim.lr=1e-3",
+                              "--optim.min_lr=1e-4", "--optim.warmup_steps=10", "--train.steps=60"], 80),
+    "constant_with_warmup": (["--optim.schedule=constant_with_warmup", "--optim.lr=1e-3", "--optim.warmup_steps=10",
+                              "--train.steps=60"], 80),
 }
 
 
@@ -92,7 +100,10 @@ def test_lr_curve_matches_lambdalr_every_step(case):
 
     # The landmarks, from DESIGN.md's closed forms (not from either implementation).
     init = o.warmup_init_lr if o.warmup_init_lr is not None else o.lr / (W + 1)
-    landmarks = {0: init if W else o.lr, W: o.lr, D: o.min_lr, last: o.min_lr}
+    end = o.lr if o.schedule == "constant_with_warmup" else o.min_lr
+    landmarks = {0: init if W else o.lr, W: o.lr, D: end, last: end}
+    if o.schedule == "cosine_with_restarts":  # a restart: the second cycle starts at lr
+        landmarks[W + (D - W) // o.cycles] = o.lr
     for t, want in landmarks.items():
         for side, lrs in (("jaxtrain", jl), ("torchref", tl)):
             assert lrs[t] == pytest.approx(want, rel=RTOL, abs=1e-12), f"{side} LR at step {t} ({case})"
@@ -105,6 +116,52 @@ def test_lr_curve_matches_lambdalr_every_step(case):
         assert_close(jl[:W], warm, rtol=RTOL, what=f"jaxtrain warmup ({case})")
     else:
         assert jl[0] == tl[0] == 0.0
+
+
+# optim.schedule vs Hugging Face's get_scheduler (issue 12): HF warms up from 0 and decays to 0 at
+# num_training_steps, so the configs set warmup_init_lr = 0 and min_lr = 0, and decay_steps = train.steps = 40.
+# HF's cosine rises again past num_training_steps and constant ignores warmup: the comparison covers the steps a run
+# takes (0..39) and `constant` runs without warmup. The decay is 30 steps long, the bound of the min_lr = 0 case.
+HF_STEPS, HF_WARMUP = 40, 10
+HF_CASES = {  # case -> (optim.schedule, optim.cycles, get_scheduler's name, its scheduler_specific_kwargs)
+    "cosine": ("cosine", 1, "cosine", {}),
+    "linear": ("linear", 1, "linear", {}),
+    "constant": ("constant", 1, "constant", {}),
+    "constant_with_warmup": ("constant_with_warmup", 1, "constant_with_warmup", {}),
+    "cosine_with_restarts, 3 cycles of 10 steps": ("cosine_with_restarts", 3, "cosine_with_restarts", {"num_cycles": 3}),
+    "cosine_with_restarts, 4 cycles of 7.5 steps": ("cosine_with_restarts", 4, "cosine_with_restarts", {"num_cycles": 4}),
+}
+
+
+def hf_lrs(name: str, kwargs: dict, lr: float, warmup: int, n_steps: int) -> np.ndarray:
+    """The LR transformers' scheduler gives each of the first n_steps optimizer steps."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = transformers.get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=n_steps,
+                                           scheduler_specific_kwargs=kwargs)
+    lrs = []
+    for _ in range(n_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return np.array(lrs)
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_schedule_matches_transformers_get_scheduler(case):
+    """jaxtrain (float32, rtol 1e-5: the module docstring's bound, T = 30) and torchref (float64 LambdaLR, measured
+    through the parameters: 1e-9 relative, as torch_lrs) against HF's curve at every step; HF's zeros (its step 0,
+    and the end of each restart cycle that lands on a step) within 1e-12 absolute: the float32 curve passes
+    through 0 there too, up to a rounding of lr."""
+    schedule, cycles, name, kwargs = HF_CASES[case]
+    warmup = 0 if schedule == "constant" else HF_WARMUP
+    cfg = make_cfg("--optim.lr=1e-3", "--optim.min_lr=0", "--optim.warmup_init_lr=0", f"--optim.warmup_steps={warmup}",
+                   f"--train.steps={HF_STEPS}", f"--optim.schedule={schedule}", f"--optim.cycles={cycles}")
+    hf = hf_lrs(name, kwargs, cfg.optim.lr, warmup, HF_STEPS)
+    assert len(set(np.round(hf / cfg.optim.lr, 9))) >= (1 if schedule == "constant" else 10), "HF's curve is flat"
+    jl, tl = jax_lrs(cfg, HF_STEPS), torch_lrs(cfg, HF_STEPS)
+    _, max_rel = assert_close(jl, hf, rtol=RTOL, atol=1e-12, what=f"{case}: jaxtrain vs transformers, by step")
+    assert_close(tl, hf, rtol=1e-9, atol=1e-12, what=f"{case}: torchref vs transformers, by step")
+    report(f"schedule {case} vs transformers.get_scheduler: max rel diff over steps 0..{HF_STEPS - 1}", max_rel, RTOL)
 
 
 def test_off_by_one_schedule_would_fail():

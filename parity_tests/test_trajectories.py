@@ -139,6 +139,35 @@ def test_bf16_trajectory(bf16, fp32):
                 f"{own.mean():.3g}, final params {own_p:.3g})")
 
 
+# Issue 12: param groups and a linear schedule, end to end -------------------------------------------------------
+
+# The embeddings at a tenth of the LR, no decay on LayerNorms, the MLP's first Linear at twice the LR and more decay.
+GROUPS = '--optim.groups={"wte|wpe": {lr_scale: 0.1}, "ln_": {weight_decay: 0.0}, "c_fc": {lr_scale: 2.0, weight_decay: 0.2}}'
+MAX_LR_SCALE = 2.0
+
+
+@pytest.fixture(scope="module")
+def grouped(work, args, init):
+    return _train_both(work, args, init, "groups", GROUPS, "--optim.schedule=linear")
+
+
+@pytest.mark.slow
+def test_param_groups_trajectory(grouped, fp32):
+    """optim.groups (optax.multi_transform in jaxtrain, torch param groups in torchref) under a linear schedule:
+    the fp32 trajectory's bounds per step, and final params within params_bound of the largest group LR (the most
+    a coordinate can move is now lr_scale x sum lr). The groups move the run far outside those bounds, so a backend
+    that ignored them, or the schedule, would fail."""
+    jax_lines, torch_lines = (runs.read_metrics(grouped[b]) for b in runs.BACKENDS)
+    rows = runs.compare_metrics(jax_lines, torch_lines, FP32)
+    jax_state, torch_state = (runs.final_state(b, grouped[b], STEPS) for b in runs.BACKENDS)
+    moved = MAX_LR_SCALE * column(grouped["torchref"], "lr")
+    rows += runs.compare_states(jax_state, torch_state, {"params": runs.params_bound(moved), "exp_avg": None,
+                                                         "exp_avg_sq": None})
+    check(rows, "optim.groups + linear schedule, jaxtrain vs torchref (jaxtrain first, torchref second)")
+    plain = np.abs(column(grouped["torchref"], "loss") - column(fp32["torchref"], "loss"))
+    assert plain[-1] > 100 * FP32["loss"].atol, f"the groups barely changed the run: |dloss| at step {STEPS} {plain[-1]}"
+
+
 # Test 9: resume, and the bridge both ways ------------------------------------------------------------------------
 
 @pytest.mark.slow

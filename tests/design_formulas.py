@@ -20,3 +20,24 @@ def lr_at(t: int, lr: float, min_lr: float, warmup: int, decay: int, init: float
 def default_lr_at(t: int, lr: float, min_lr: float, warmup: int, decay: int) -> float:
     """The same with the default warmup_init_lr = lr / (warmup + 1): lr * (t + 1) / (warmup + 1) in warmup."""
     return lr_at(t, lr, min_lr, warmup, decay, lr / (warmup + 1))
+
+
+def schedule_lr_at(t: int, schedule: str, lr: float, min_lr: float, warmup: int, decay: int, init: float,
+                   cycles: int = 1) -> float:
+    """optim.schedule's LR at step t: `constant` is lr throughout (no warmup); the others warm up as lr_at, then
+    constant_with_warmup stays at lr, linear falls in a straight line to min_lr at `decay`, cosine_with_restarts
+    runs `cycles` equal cosines from lr to min_lr between warmup and decay; all but the constants flat at min_lr
+    from `decay` on."""
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine" or t < warmup:
+        return lr_at(t, lr, min_lr, warmup, decay, init)
+    if schedule == "constant_with_warmup":
+        return lr
+    if t >= decay:
+        return min_lr
+    fraction = (t - warmup) / (decay - warmup)
+    if schedule == "linear":
+        return lr - (lr - min_lr) * fraction
+    cycle_fraction = fraction * cycles - math.floor(fraction * cycles + 1e-9)  # + 1e-9: a restart is exactly 0
+    return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * cycle_fraction))

@@ -54,6 +54,12 @@ def test_dump_reads_back(yaml_path, tmp_path):
     (["--optim.weight_decay=-inf"], ["optim.weight_decay", "finite"]),
     (["--train.steps=99999999999999999999999"], ["train.steps", "2147483647"]),
     (["--checkpoint.every=2147483648"], ["checkpoint.every", "2147483647"]),
+    (["--optim.schedule=constant"], ["optim.schedule=constant", "optim.warmup_steps=5", "constant_with_warmup"]),
+    (["--optim.schedule=step"], ["optim.schedule", "cosine_with_restarts"]),
+    (["--optim.schedule=cosine_with_restarts", "--optim.cycles=30000000", "--train.steps=100"],
+     ["optim.cycles=30000000", "int32"]),
+    (["--optim.groups={wte: {lr_scale: 0}}"], ["optim.groups['wte'].lr_scale", "> 0"]),
+    (["--optim.groups={'[': {}}"], ["optim.groups['[']", "regular expression"]),
 ])
 def test_user_errors_name_the_key(yaml_path, args, words):
     with pytest.raises(UserError) as e:
@@ -116,3 +122,20 @@ def test_trajectory_check_names_changed_keys_and_allows_extending(yaml_path):
     with pytest.raises(UserError, match=r"model.n_layer: 4 -> 2.*--run.fresh=true"):
         config.check_same_trajectory(saved, config.load(["--config", yaml_path, "--optim.decay_steps=100",
                                                          "--train.steps=100", "--model.n_layer=2"]), "ckpt")
+
+
+def test_trajectory_check_reads_keys_added_since_as_their_defaults(yaml_path):
+    """A checkpoint written before optim.schedule, cycles and groups existed resumes under the defaults, and only
+    under them; groups added or dropped are both a different trajectory."""
+    cfg = config.load(["--config", yaml_path])
+    saved = yaml.safe_load(config.dump(cfg))
+    for key in ("schedule", "cycles", "groups"):
+        del saved["optim"][key]
+    config.check_same_trajectory(saved, cfg, "ckpt")
+    with pytest.raises(UserError, match=r"optim.schedule: 'cosine' -> 'linear'"):
+        config.check_same_trajectory(saved, config.load(["--config", yaml_path, "--optim.schedule=linear"]), "ckpt")
+    grouped = config.load(["--config", yaml_path, "--optim.groups={wte: {lr_scale: 0.5}}"])
+    with pytest.raises(UserError, match=r"optim.groups.wte.lr_scale: None -> 0.5"):
+        config.check_same_trajectory(saved, grouped, "ckpt")
+    with pytest.raises(UserError, match=r"optim.groups.wte.lr_scale: 0.5 -> None"):
+        config.check_same_trajectory(yaml.safe_load(config.dump(grouped)), cfg, "ckpt")

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from jaxtrain import config, data, prepare, run, runlock
 from jaxtrain.config import INT32_MAX
 from jaxtrain.errors import UserError
+from jaxtrain.param_groups import ParamGroup
 
 FUZZ = settings(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -116,6 +117,23 @@ def _floats(lo, hi, **kw):
 
 
 _BOOL, _NULL = st.sampled_from(["true", "false"]), st.just("null")
+
+
+@st.composite
+def _groups(draw, valid: bool = True) -> str:
+    """optim.groups as YAML flow text: patterns (any regular expressions; whether they match the model's names is
+    checked where the optimizer is built) -> lr_scale > 0 and weight_decay >= 0 or null. Invalid: one entry
+    broken."""
+    patterns = draw(st.lists(st.sampled_from(["wte", "wpe|wte", "ln_", "bias$", r"h\.0\.", "c_(fc|proj)"]),
+                             max_size=3, unique=True))
+    entries = {p: {"lr_scale": draw(st.floats(1e-6, 1e6)), "weight_decay": draw(st.none() | st.floats(0.0, 10.0))}
+               for p in patterns}
+    if not valid:
+        pattern = draw(st.sampled_from(["(", "[a-", "*", ""]) | st.just("a"))
+        entries[pattern] = ({"lr_scale": 1.0} if pattern != "a" else draw(st.sampled_from([
+            {"lr_scale": 0.0}, {"lr_scale": -1.0}, {"lr_scale": float("nan")}, {"lr_scale": float("inf")},
+            {"weight_decay": -0.1}, {"weight_decay": float("nan")}, {"lr_scal": 1.0}, {"lr_scale": "x"}])))
+    return yaml.safe_dump(entries, default_flow_style=True, width=10**6).strip()
 _UNIT = _floats(0.0, 1.0, exclude_max=True)
 VALID = {
     "run.out_dir": _text().map(lambda s: f"/nonexistent/{s}") | _text().map(lambda s: f"gs://bucket/{s}"),
@@ -134,6 +152,8 @@ VALID = {
     "optim.b1": _UNIT, "optim.b2": _UNIT, "optim.eps": _floats(0.0, 1.0), "optim.weight_decay": _floats(0.0, 10.0),
     "optim.decay_mask": st.sampled_from(["ndim", "names"]), "optim.max_grad_norm": _floats(0.0, 100.0),
     "optim.grad_accum_steps": st.sampled_from(["1", "2", "4", "8", "16", "32"]),
+    "optim.schedule": st.sampled_from(["cosine", "linear", "constant_with_warmup", "cosine_with_restarts"]),
+    "optim.cycles": _ints(1, 2**20), "optim.groups": _groups(),
     "train.steps": _ints(8, INT32_MAX), "train.precision": st.sampled_from(["bf16", "fp32"]),
     "train.eval_every": _ints(0, INT32_MAX), "train.eval_batches": _ints(1, INT32_MAX),
     "checkpoint.every": _ints(1, INT32_MAX), "checkpoint.max_to_keep": _ints(1, INT32_MAX),
@@ -166,6 +186,8 @@ OUT_OF_RANGE = {
     "optim.b1": _floats(1.0, 1e6) | _BELOW_ZERO, "optim.b2": _floats(1.0, 1e6) | _BELOW_ZERO,
     "optim.eps": _BELOW_ZERO, "optim.weight_decay": _BELOW_ZERO, "optim.max_grad_norm": _BELOW_ZERO,
     "optim.grad_accum_steps": _NEGATIVE | st.sampled_from(["3", "5", "6", "7", "64", "33"]),
+    "optim.schedule": st.just("constant"),  # with BASE's warmup: constant has none
+    "optim.cycles": _NEGATIVE, "optim.groups": _groups(valid=False),
     "train.steps": st.integers(-INT32_MAX, 2).map(str), "train.eval_every": st.integers(-10**6, -1).map(str),
     "train.eval_batches": _NEGATIVE, "checkpoint.every": _NEGATIVE, "checkpoint.max_to_keep": _NEGATIVE,
     "mesh.data": st.just("0") | st.integers(-10**6, -2).map(str), "mesh.fsdp": _NEGATIVE,
@@ -189,6 +211,8 @@ def _kinds(field_type) -> tuple:
 def wrong_type(key: str):
     """A value of another kind than the field's: text for a number, a list, a boolean for a path, null, ..."""
     field_type = FIELDS[key]
+    if typing.get_origin(field_type) is dict:  # a mapping of sections: anything else, or entries that are not
+        return st.sampled_from(["[1, 2]", "[]", "- x", "3", "text", "true", "null", "{a: 1}", "{a: [1]}", "{a: x}"])
     kinds, options = _kinds(field_type), [CONTAINERS]
     if type(None) not in typing.get_args(field_type):
         options.append(st.sampled_from(["null", "~", "#comment"]))
@@ -282,6 +306,9 @@ def test_valid_overrides_load_as_given(overrides):
         section, name = key.split(".")
         got = getattr(getattr(cfg, section), "from_" if key == "init.from" else name)
         want = yaml.safe_load(value)
+        if key == "optim.groups":  # sections: compare their fields, absent ones at their defaults
+            got = {p: dataclasses.asdict(g) for p, g in got.items()}
+            want = {p: {**dataclasses.asdict(ParamGroup()), **g} for p, g in want.items()}
         assert got == (float(want) if isinstance(want, str) and float in _kinds(FIELDS[key]) else want), key
 
 

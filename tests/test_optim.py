@@ -6,8 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from design_formulas import lr_at
-from jaxtrain import config, optim
+from design_formulas import lr_at, schedule_lr_at
+from jaxtrain import config, optim, param_groups
+from jaxtrain.errors import UserError
+from jaxtrain.param_groups import ParamGroup, Setting
 
 
 def make_cfg(*overrides):
@@ -28,6 +30,24 @@ def test_schedule_matches_formula_every_step(overrides, warmup, decay, init):
         expected = lr_at(t, 1e-3, 1e-4, warmup, decay, init)
         # optax evaluates the schedule in float32: relative rounding of a few ulps (2^-24 ~ 6e-8 each).
         assert float(schedule(t)) == pytest.approx(expected, rel=1e-6, abs=1e-12), t
+
+
+@pytest.mark.parametrize("schedule, cycles", [("linear", 1), ("constant_with_warmup", 1), ("cosine_with_restarts", 3),
+                                             ("cosine_with_restarts", 7)])
+def test_other_schedules_match_formula_every_step(schedule, cycles):
+    """The schedules beside the cosine, with a min_lr (their HF counterparts have none: parity_tests compares
+    those), warmup 10, decay at 100 and past it."""
+    schedule_fn = optim.lr_schedule(make_cfg(f"--optim.schedule={schedule}", f"--optim.cycles={cycles}"))
+    for t in range(0, 130):
+        expected = schedule_lr_at(t, schedule, 1e-3, 1e-4, 10, 100, 1e-3 / 11, cycles)
+        # float32 schedule: a few ulps relative (the restarts' phase is exact integer arithmetic)
+        assert float(schedule_fn(t)) == pytest.approx(expected, rel=1e-6, abs=1e-12), t
+
+
+def test_constant_schedule_is_lr_from_step_zero():
+    schedule = optim.lr_schedule(make_cfg("--optim.schedule=constant", "--optim.warmup_steps=0"))
+    for t in range(0, 130):  # lr itself, or its float32 rounding (6e-8 relative) once jitted
+        assert float(schedule(t)) == pytest.approx(1e-3, rel=1e-7), t
 
 
 def test_first_lr_is_not_zero_by_default():
@@ -86,3 +106,37 @@ def test_multisteps_counts_optimizer_steps_and_sums_grads():
     # (bias-corrected m/sqrt(v) = g/|g| when eps << |g|), no decay since params are 0.
     lr0 = 1e-3 / 11  # make_cfg's lr * (0 + 1) / (warmup 10 + 1)
     np.testing.assert_allclose(updates["w"], -lr0 * np.sign(summed["w"]), rtol=1e-5)
+
+
+# optim.groups' rule (param_groups.assign, shared by both backends) on nanoGPT names, expectations by hand.
+NAMES = {"transformer.wte.weight": True, "transformer.h.0.ln_1.weight": False, "transformer.h.0.mlp.c_fc.weight": True,
+         "transformer.h.0.mlp.c_fc.bias": False, "lm_head.weight": True}  # name -> the decay mask's verdict
+
+
+def test_groups_set_lr_scale_and_weight_decay_over_the_mask():
+    groups = {"wte": ParamGroup(lr_scale=0.1), "c_fc": ParamGroup(lr_scale=2.0, weight_decay=0.3)}
+    assert param_groups.assign(NAMES, groups, weight_decay=0.5) == {
+        "transformer.wte.weight": Setting(0.1, 0.5), "transformer.h.0.ln_1.weight": Setting(1.0, 0.0),
+        "transformer.h.0.mlp.c_fc.weight": Setting(2.0, 0.3), "transformer.h.0.mlp.c_fc.bias": Setting(2.0, 0.3),
+        "lm_head.weight": Setting(1.0, 0.5)}
+
+
+@pytest.mark.parametrize("groups, words", [
+    ({"weight": ParamGroup(), "wte": ParamGroup()}, "transformer.wte.weight matches several"),
+    ({"wte": ParamGroup(), "attn": ParamGroup()}, "'attn' matches no parameter"),
+])
+def test_groups_that_overlap_or_match_nothing_are_refused(groups, words):
+    with pytest.raises(UserError, match=words):
+        param_groups.assign(NAMES, groups, weight_decay=0.1)
+
+
+def test_torch_groups_put_lr_scale_one_and_decay_first():
+    """torchref's param groups: with no optim.groups [decay, no decay] as before groups existed; group 0 at
+    lr_scale 1 where there is one, since the metrics' lr is read from it."""
+    plain = param_groups.torch_order(param_groups.assign(NAMES, {}, weight_decay=0.5))
+    assert [s for s, _ in plain] == [Setting(1.0, 0.5), Setting(1.0, 0.0)]
+    grouped = param_groups.torch_order(param_groups.assign(NAMES, {"wte": ParamGroup(lr_scale=0.1)}, 0.5))
+    assert [(s, names) for s, names in grouped] == [
+        (Setting(1.0, 0.5), ["transformer.h.0.mlp.c_fc.weight", "lm_head.weight"]),
+        (Setting(1.0, 0.0), ["transformer.h.0.ln_1.weight", "transformer.h.0.mlp.c_fc.bias"]),
+        (Setting(0.1, 0.5), ["transformer.wte.weight"])]

@@ -33,7 +33,7 @@ from jaxtrain.errors import UserError, exit_on_user_error
 from torchref import checkpoint
 from torchref.checkpoint import Progress
 from torchref.model import GPT, upcast
-from torchref.optim import configure_optimizer, lr_scheduler
+from torchref.optim import configure_optimizer, lr_scheduler, schedule_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,7 +145,7 @@ def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    lr = optimizer.param_groups[0]["lr"]
+    lr = schedule_lr(optimizer)
     loss, grad_norm = loss.item(), grad_norm.item()
     if skip_non_finite and not (math.isfinite(loss) and math.isfinite(grad_norm)):
         return loss, grad_norm, lr, False
