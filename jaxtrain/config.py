@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import difflib
 import hashlib
+import importlib
 import math
 import os
 import sys
@@ -127,6 +128,10 @@ class LogConfig:
     tensorboard: bool = True  # also write TensorBoard events to <out_dir>/tb
     progress: bool = True  # progress bar on stderr
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None: looked up from the device kind (CPU: unknown, mfu null)
+    wandb: bool = False  # also log to Weights & Biases, one W&B run per run folder (pip install 'jaxtrain[wandb]')
+    wandb_project: str = "jaxtrain"  # W&B project (the entity: WANDB_ENTITY, else your default)
+    wandb_name: Optional[str] = None  # W&B run name; None: the run folder's name
+    wandb_mode: Optional[Literal["online", "offline"]] = None  # None: WANDB_MODE, else online (offline if that fails)
 
 
 @dataclasses.dataclass
@@ -325,6 +330,8 @@ def validate(cfg: Config) -> None:
         _check_run_url(cfg.run.out_dir, writes=not cfg.run.dry_run)
     else:
         _check_run_folder(cfg.run.out_dir)
+    if cfg.log.wandb and not cfg.run.dry_run:
+        _check_wandb_installed()
     if cfg.data.path is not None and not os.path.isdir(cfg.data.path) and not (
             cfg.run.dry_run and cfg.model.vocab_size is not None):  # a dry run reads no data when it knows the vocab
         raise UserError(f"data.path={cfg.data.path!r} is not a folder; create it with "
@@ -374,7 +381,8 @@ def _check_mesh(cfg: Config) -> None:
 
 
 # What a run keeps in run.out_dir: a file or a folder already there under one of these names must be of its kind.
-_RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file", "metrics.jsonl": "file"}
+_RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file", "metrics.jsonl": "file",
+                     "wandb.json": "file", "wandb": "folder"}
 
 
 def _check_run_folder(out_dir: str) -> None:
@@ -415,6 +423,15 @@ def _check_run_url(out_dir: str, writes: bool) -> None:
     except ImportError:
         raise UserError(f"run.out_dir={out_dir!r} needs the {RUN_URL_SCHEMES[scheme]} package: "
                         f"pip install '{RUN_URL_SCHEMES[scheme]}' (for gs://: pip install 'jaxtrain[gcs]')") from None
+
+
+def _check_wandb_installed() -> None:
+    """log.wandb=true needs the wandb package (an optional extra): a missing one stops the run before it starts."""
+    try:
+        importlib.import_module("wandb")
+    except ImportError as e:
+        raise UserError(f"log.wandb=true needs the wandb package ({e}): pip install 'jaxtrain[wandb]', "
+                        f"or drop --log.wandb=true") from None
 
 
 def _values(cfg: Config):

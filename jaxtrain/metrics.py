@@ -1,4 +1,4 @@
-"""What a run reports: metrics.jsonl, TensorBoard, the progress bar, and MFU.
+"""What a run reports: metrics.jsonl, TensorBoard, W&B (jaxtrain/wandb_log.py), the progress bar, and MFU.
 
 metrics.jsonl has one JSON object per logged optimizer step: step (updates completed, 1-based), loss, lr,
 grad_norm, tokens (cumulative), tokens_per_s, mfu (null where the device's peak is unknown), and with
@@ -20,6 +20,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 from tqdm import tqdm
 
 from jaxtrain import runfolder
+from jaxtrain import wandb_log
 from jaxtrain.config import Config
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets), matched in order as substrings of the device's name:
@@ -48,17 +49,33 @@ def peak_flops(cfg: Config, device_name: str) -> float | None:
 
 def kept_lines(path, step: int) -> list[str]:
     """The lines of metrics.jsonl (a path or URL) up to `step`, unchanged: what a run resumed at `step` keeps, in
-    both backends (torchref imports this). Reading stops at a line that does not parse: a kill can cut the last
-    line short."""
-    kept = []
+    both backends (torchref imports this)."""
+    return [line if line.endswith("\n") else line + "\n" for logged, line in _logged(path) if logged <= step]
+
+
+def last_step(path) -> int | None:
+    """The step of metrics.jsonl's last line (a path or URL), None when it has none: how far an earlier process
+    of the run logged (jaxtrain.wandb_log)."""
+    return max((logged for logged, _ in _logged(path)), default=None)
+
+
+def _logged(path) -> list[tuple[int, str]]:
+    """(step, line) for each line of metrics.jsonl. Reading stops at a line that does not parse: a kill can cut the
+    last line short."""
+    logged = []
     for line in runfolder.read_lines(epath.Path(path)):
         try:
-            logged = json.loads(line)["step"]
+            logged.append((json.loads(line)["step"], line))
         except (ValueError, KeyError, TypeError):
             break
-        if logged <= step:
-            kept.append(line if line.endswith("\n") else line + "\n")
-    return kept
+    return logged
+
+
+def scalars(line: dict) -> dict:
+    """A metrics line's values as TensorBoard and W&B show them: train lines' fields under train/, eval_loss as
+    it is; the step and unknown values (mfu null) left out."""
+    return {key if key == "eval_loss" else f"train/{key}": value for key, value in line.items()
+            if key != "step" and value is not None}
 
 
 class MetricsLogger:
@@ -71,6 +88,7 @@ class MetricsLogger:
         # resumed run writes them again.
         path = runfolder.path(cfg.run.out_dir, "metrics.jsonl")
         kept = kept_lines(path, start_step) if is_main else []
+        last_jsonl_step = last_step(path) if is_main and cfg.log.wandb else None
         train_lines = [record for record in map(json.loads, kept) if "loss" in record]
         last = train_lines[-1] if train_lines else None
         tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
@@ -84,6 +102,8 @@ class MetricsLogger:
         self.log = runfolder.GrowingFile(path, kept) if is_main else None
         self.tb = TensorBoardLog(runfolder.path(cfg.run.out_dir, "tb"), first_step=start_step + 1) \
             if is_main and cfg.log.tensorboard else None
+        self.wandb = wandb_log.WandbLog(cfg, start_step=start_step, last_jsonl_step=last_jsonl_step) \
+            if is_main and cfg.log.wandb else None
         self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not (is_main and cfg.log.progress))
 
@@ -126,9 +146,10 @@ class MetricsLogger:
             return
         self.log.write(json.dumps(line) + "\n")
         if self.tb:
-            for key, value in line.items():
-                if key != "step" and value is not None:
-                    self.tb.scalar(key if key == "eval_loss" else f"train/{key}", value, line["step"])
+            for tag, value in scalars(line).items():
+                self.tb.scalar(tag, value, line["step"])
+        if self.wandb:  # after metrics.jsonl, whose last step bounds what W&B may have (wandb_log)
+            self.wandb.log(line["step"], scalars(line))
 
     def sync(self) -> None:
         """Every line written so far is in the run folder (an object store's copy is uploaded): called before a
@@ -137,6 +158,8 @@ class MetricsLogger:
             self.log.sync()
         if self.tb:
             self.tb.sync()
+        if self.wandb:
+            self.wandb.sync()
 
     def close(self) -> None:
         self.bar.close()
@@ -144,6 +167,8 @@ class MetricsLogger:
             self.log.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.close()
 
 
 _FILE_COUNT = itertools.count()

@@ -31,6 +31,7 @@ from jaxtrain import runfolder
 from jaxtrain import runlock
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
+from jaxtrain import wandb_log
 from jaxtrain.config import Config
 from jaxtrain.errors import exit_on_user_error
 
@@ -148,9 +149,10 @@ class Trainer:
 
 
 def set_aside_previous_run(out_dir: str) -> None:
-    """run.fresh keeps what an earlier run saved: its checkpoints and metrics move to a dated name."""
+    """run.fresh keeps what an earlier run saved: its checkpoints, metrics and W&B run (its id and local files) move
+    to a dated name, so the new run starts a W&B run of its own."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for name in ("checkpoints", "metrics.jsonl"):
+    for name in ("checkpoints", "metrics.jsonl", wandb_log.RUN_FILE, "wandb"):
         path = runfolder.path(out_dir, name)
         if path.exists():
             runfolder.move(path, path.with_name(f"{name}.{stamp}"))

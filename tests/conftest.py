@@ -37,3 +37,32 @@ def gcs(tmp_path_factory):
             os.environ.pop(key)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def wandb_offline(tmp_path_factory):
+    """W&B's environment for the session, in this process and every subprocess: offline runs, no error reports,
+    its config and cache folders in a temporary folder, no API key, and its server address a port on 127.0.0.1
+    where nothing listens, so that nothing here can reach a network even if a run went online."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    home = tmp_path_factory.mktemp("wandb-home")
+    env = {"WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false", "WANDB_SILENT": "true",
+           "WANDB_BASE_URL": f"http://127.0.0.1:{closed_port}", "WANDB_API_KEY": None,
+           "WANDB_CONFIG_DIR": str(home / "config"), "WANDB_CACHE_DIR": str(home / "cache"),
+           "WANDB_DATA_DIR": str(home / "data"), "NETRC": str(home / "netrc")}
+    saved = {key: os.environ.get(key) for key in env}
+    _set_environ(env)
+    yield env
+    _set_environ(saved)
+
+
+def _set_environ(values: dict) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

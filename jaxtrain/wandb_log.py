@@ -1,0 +1,100 @@
+"""Weights & Biases (log.wandb=true): the fields of metrics.jsonl in one W&B run per run folder, across resumes.
+
+Pure Python, no jax: torchref logs through it too. `wandb` is an optional package (`pip install 'jaxtrain[wandb]'`),
+imported only when log.wandb is set; config.validate checks for it before anything starts (a missing one: one
+line naming the fix, exit 2).
+
+- The run: its id is drawn once and kept in <out_dir>/wandb.json; every later start of the same run folder passes it
+  to wandb.init with resume="allow", so a resumed run continues the same W&B run. run.fresh sets wandb.json aside
+  with the checkpoints (run.set_aside_previous_run) and so starts a new W&B run. Its name is log.wandb_name, else the
+  run folder's name; its config, the resolved config.
+- Local files: W&B's own folder (offline-run-*/ or run-*/, each holding a .wandb transaction log) goes into
+  <out_dir>/wandb/ when the run folder is local; beside a gs:// run folder W&B cannot write, so it goes where
+  WANDB_DIR says (default ./wandb). `wandb sync <that folder>` uploads offline runs, every process of a resumed run
+  in order, as one run.
+- Mode: log.wandb_mode, else WANDB_MODE, else online. Online without an API key or without the server (wandb.init
+  raises, after WANDB_INIT_TIMEOUT, 90 s by default) falls back to offline with one line saying so: training never
+  waits on W&B, and never stops for it.
+
+Each step at most once. A W&B run's history takes each step once and only in increasing order: wandb-core drops (live)
+or renumbers (`wandb sync`) a row whose step is not above the run's last one, and W&B has no way to take rows back
+(rewinding, `resume_from="<id>?_step=N"`, is a server feature in private preview, absent from self-hosted servers,
+that an offline run only records for the sync to request). A resumed run therefore logs only the steps above every
+step W&B may hold: above the step it resumed at, above the last step of metrics.jsonl as the earlier process left it
+(it may have gone on past its last checkpoint before it stopped: those steps are trained again and rewritten in
+metrics.jsonl, but W&B keeps the first process's values, the same losses in a bit-exact resume), and, online, above
+the last step the server reports (run.starting_step - 1). A step's row is sent whole: the lines of one step (a train
+line and an eval line) are gathered and sent when a later step begins, at each checkpoint save (sync) and at the end,
+so a kill -9 can lose at most the rows since the last save, never duplicate one.
+"""
+
+import json
+import os
+import sys
+
+import yaml
+
+from jaxtrain import config as config_lib
+from jaxtrain import runfolder
+
+RUN_FILE = "wandb.json"  # in the run folder: {"id": ...}, written once
+
+
+class WandbLog:
+    """The W&B run of cfg.run.out_dir, for the lines of steps above `logged_step` (see the module's docstring):
+    `start_step`, the step this process resumed at; `last_jsonl_step`, the last step metrics.jsonl held before this
+    start (None where there was none)."""
+
+    def __init__(self, cfg, *, start_step: int, last_jsonl_step: int | None):
+        run_file = runfolder.path(cfg.run.out_dir, RUN_FILE)
+        run_id = json.loads(run_file.read_text())["id"] if run_file.exists() else None
+        self.run = _start(cfg, run_id)
+        self.logged_step = start_step
+        if run_id is None:  # a new W&B run: its id, drawn by wandb, is this run folder's from now on
+            runfolder.write_whole(run_file, json.dumps({"id": self.run.id}) + "\n")
+        else:  # steps an earlier process of this run may have sent
+            self.logged_step = max(start_step, last_jsonl_step or 0, self.run.starting_step - 1)
+        self.row, self.row_step = {}, None
+
+    def log(self, step: int, scalars: dict) -> None:
+        """Add a metrics line's scalars (already named as W&B shows them) to the row of `step`."""
+        if step <= self.logged_step:
+            return
+        if self.row_step is not None and step != self.row_step:
+            self.sync()
+        self.row.update(scalars)
+        self.row_step = step
+
+    def sync(self) -> None:
+        """Send the gathered row."""
+        if self.row_step is not None:
+            self.run.log(self.row, step=self.row_step, commit=True)
+            self.logged_step, self.row, self.row_step = self.row_step, {}, None
+
+    def close(self) -> None:
+        self.sync()
+        self.run.finish()
+
+
+def _start(cfg, run_id: str | None):
+    """wandb.init for this run folder, continuing run `run_id` (None: a new run); online failing falls back to
+    offline (one line, no traceback)."""
+    import wandb
+
+    local = not runfolder.is_url(cfg.run.out_dir)
+    out_dir = cfg.run.out_dir.rstrip("/")
+    args = dict(id=run_id, resume="allow" if run_id else None, project=cfg.log.wandb_project,
+                name=cfg.log.wandb_name or os.path.basename(out_dir) or out_dir,
+                dir=str(runfolder.path(out_dir)) if local else None, config=yaml.safe_load(config_lib.dump(cfg)))
+    mode = cfg.log.wandb_mode or os.environ.get("WANDB_MODE") or "online"
+    if mode != "online":
+        return wandb.init(mode=mode, **args)
+    try:
+        return wandb.init(mode="online", **args)
+    except wandb.errors.Error as e:  # no API key, no server, refused: wandb's own errors, all raised at start
+        where = runfolder.path(out_dir, "wandb") if local else "WANDB_DIR (default ./wandb)"
+        reason = " ".join(str(e).split())[:300]
+        print(f"W&B could not start online ({reason}); logging offline to {where} instead: `wandb sync` uploads it",
+              file=sys.stderr)
+        return wandb.init(mode="offline", **args)
+

@@ -1,0 +1,142 @@
+"""Weights & Biases (log.wandb=true, jaxtrain/wandb_log.py), all offline: one W&B run per run folder, each step once
+and in order across a Ctrl-C and a resume, the values of metrics.jsonl. W&B's offline files are read back with
+wandb's own reader (`wandb leet inspect --json`, the transaction log's records as JSON lines); the expectation is
+metrics.jsonl, written by other code."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_preemption import LONG, wait_for
+from test_run import read_metrics, small_args
+from jaxtrain import config, run
+
+pytestmark = pytest.mark.usefixtures("wandb_offline")
+
+WANDB = ("--log.wandb=true",)
+EVAL_EVERY_2 = ("--optim.decay_steps=8", "--train.eval_every=2")  # the same schedule and evals for 6 or 8 steps
+
+
+def wandb_records(out_dir) -> list[list[dict]]:
+    """The records of each offline W&B run in <out_dir>/wandb (one per process), in the order the processes
+    started, as `wandb leet inspect --json` prints them."""
+    runs = []
+    for folder in (out_dir / "wandb").glob("offline-run-*"):
+        [log] = folder.glob("run-*.wandb")
+        printed = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
+                                 capture_output=True, text=True, check=True).stdout
+        runs.append([json.loads(line) for line in printed.splitlines()])
+    return sorted(runs, key=lambda records: next(r["run"]["start_time"] for r in records if r["type"] == "run"))
+
+
+def run_ids(runs) -> list[str]:
+    return [next(r["run"]["run_id"] for r in records if r["type"] == "run") for records in runs]
+
+
+def history(runs) -> list[dict]:
+    """Every history row of every process, in order: _step and the logged fields, W&B's own (_runtime,
+    _timestamp) left out."""
+    return [{k: v for k, v in r["history"]["item"].items() if k == "_step" or not k.startswith("_")}
+            for records in runs for r in records if r["type"] == "history"]
+
+
+def expected_rows(lines) -> list[dict]:
+    """metrics.jsonl's lines as W&B rows: one row per step, train fields under train/, eval_loss as it is, mfu
+    (null on a CPU) absent."""
+    rows = {}
+    for line in lines:
+        row = rows.setdefault(line["step"], {"_step": line["step"]})
+        row.update({k if k == "eval_loss" else f"train/{k}": v for k, v in line.items()
+                    if k != "step" and v is not None})
+    return list(rows.values())
+
+
+def logged_steps(out_dir) -> int:
+    path = out_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_run_stopped_by_ctrl_c_and_resumed_is_one_wandb_run_with_each_step_once(tmp_path, cache_dir):
+    """Ctrl-C as a terminal sends it, to the whole process group (wandb-core included, were it in the group),
+    mid-run; then the same command to the end. Two processes, one run id (the one in wandb.json), steps 1..600 once
+    each and in order, every value equal to metrics.jsonl's."""
+    out_dir = tmp_path / "run"
+    cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, *LONG, *WANDB)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(proc, "compiled the train step")
+    while proc.poll() is None and logged_steps(out_dir) <= 200:  # past the first checkpoint: a real resume
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait() == 0 and "Traceback" not in err, err
+    saved = int(err.split("saved step ")[1].split(";")[0])
+    assert 200 <= saved < 600, saved
+    resumed = subprocess.run(cmd, capture_output=True, text=True)
+    assert resumed.returncode == 0 and f"resuming from step {saved}" in resumed.stderr, resumed.stderr
+
+    runs = wandb_records(out_dir)
+    assert len(runs) == 2
+    assert run_ids(runs) == [json.loads((out_dir / "wandb.json").read_text())["id"]] * 2
+    rows = history(runs)
+    assert [row["_step"] for row in rows] == list(range(1, 601))
+    assert rows == expected_rows(read_metrics(out_dir))
+
+
+def test_steps_logged_past_the_last_checkpoint_are_not_logged_again(tmp_path, cache_dir):
+    """A process that logged steps 5 and 6 and died before saving step 6 (its checkpoint removed): the resumed
+    process trains 5 and 6 again and rewrites them in metrics.jsonl, but W&B, which has them, gets only 7 and 8.
+    The values W&B keeps for 5 and 6 are the first process's: the same, timing aside, in a bit-exact resume."""
+    out_dir = tmp_path / "run"
+    run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=6", *EVAL_EVERY_2, *WANDB)))
+    shutil.rmtree(out_dir / "checkpoints" / "6")
+    summary = run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=8", *EVAL_EVERY_2, *WANDB)))
+    assert summary["start_step"] == 4
+
+    runs = wandb_records(out_dir)
+    assert len(set(run_ids(runs))) == 1 and len(runs) == 2
+    assert [[row["_step"] for row in history([records])] for records in runs] == [[1, 2, 3, 4, 5, 6], [7, 8]]
+    timing = ("train/tokens_per_s",)
+    assert [{k: v for k, v in row.items() if k not in timing} for row in history(runs)] == \
+        [{k: v for k, v in row.items() if k not in timing} for row in expected_rows(read_metrics(out_dir))]
+
+
+def test_fresh_starts_a_new_wandb_run_and_sets_the_old_one_aside(tmp_path, cache_dir):
+    out_dir = tmp_path / "run"
+    run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=3", *WANDB)))
+    first_id = json.loads((out_dir / "wandb.json").read_text())["id"]
+    run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=3", "--run.fresh=true", *WANDB)))
+    [moved] = out_dir.glob("wandb.json.*")
+    assert json.loads(moved.read_text())["id"] == first_id
+    runs = wandb_records(out_dir)
+    assert run_ids(runs) == [json.loads((out_dir / "wandb.json").read_text())["id"]] != [first_id]
+    assert [row["_step"] for row in history(runs)] == [1, 2, 3]
+
+
+def test_online_without_an_api_key_logs_offline_and_says_so_in_one_line(tmp_path, cache_dir):
+    """No API key (the session's W&B environment has none, and no netrc): wandb.init refuses to start online
+    before it contacts anything; the run logs offline instead, with one line saying so, and trains to the end."""
+    out_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(
+        out_dir, cache_dir, "--train.steps=3", "--log.wandb_mode=online", *WANDB)], capture_output=True, text=True)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "W&B could not start online" in line]
+    assert len(said) == 1 and "No API key configured" in said[0] and "offline" in said[0], proc.stderr
+    assert [row["_step"] for row in history(wandb_records(out_dir))] == [1, 2, 3]
+
+
+def test_without_the_package_one_line_names_the_fix_and_nothing_starts(tmp_path, cache_dir):
+    out_dir = tmp_path / "run"
+    code = ("import sys; sys.modules['wandb'] = None\n"  # what `import wandb` meets where it is not installed
+            "from jaxtrain import run; run.main(sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-c", code, *small_args(out_dir, cache_dir, *WANDB)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("error: log.wandb=true needs the wandb package") and "pip install 'jaxtrain[wandb]'" in line
+    assert not out_dir.exists()
