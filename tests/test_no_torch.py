@@ -23,10 +23,15 @@ def test_torch_is_installed_so_the_checks_below_mean_something():
     assert TORCH_IMPORT.search(imports_of("torchref.run", "--help"))  # the pattern does find torch's imports
 
 
-def test_training_and_converting_never_import_torch(tmp_path, cache_dir):
+def test_training_and_converting_never_import_torch(tmp_path, cache_dir, wandb_offline):
+    """Training with every logger on: TensorBoard, and W&B (offline; wandb has integrations with torch that it
+    imports lazily)."""
     out = tmp_path / "run"
-    trained = imports_of("jaxtrain.run", *small_args(out, cache_dir, "--train.steps=4", "--log.tensorboard=true"))
+    trained = imports_of("jaxtrain.run", *small_args(out, cache_dir, "--train.steps=4", "--log.tensorboard=true",
+                                                     "--log.wandb=true"))
     assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert re.search(r"^import time:.*\|\s+wandb\.sdk\.wandb_init$", trained, re.M)  # W&B loaded in this process
     converted = imports_of("jaxtrain.convert", "to-torch", str(out / "checkpoints" / "4"), str(tmp_path / "torch"))
     exported = imports_of("jaxtrain.convert", "to-hf", str(out / "checkpoints" / "4"), str(tmp_path / "hf"))
     for stderr in (imports_of("jaxtrain.run", "--help"), trained, converted, exported):
