@@ -152,7 +152,7 @@ def set_aside_previous_run(out_dir: str) -> None:
     """run.fresh keeps what an earlier run saved: its checkpoints, metrics and W&B run (its id and local files) move
     to a dated name, so the new run starts a W&B run of its own."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for name in ("checkpoints", "metrics.jsonl", wandb_log.RUN_FILE, "wandb"):
+    for name in ("checkpoints", "metrics.jsonl", *wandb_log.FILES):
         path = runfolder.path(out_dir, name)
         if path.exists():
             runfolder.move(path, path.with_name(f"{name}.{stamp}"))

@@ -4,28 +4,29 @@ Pure Python, no jax: torchref logs through it too. `wandb` is an optional packag
 imported only when log.wandb is set; config.validate checks for it before anything starts (a missing one: one
 line naming the fix, exit 2).
 
-- The run: its id is drawn once and kept in <out_dir>/wandb.json; every later start of the same run folder passes it
-  to wandb.init with resume="allow", so a resumed run continues the same W&B run. run.fresh sets wandb.json aside
-  with the checkpoints (run.set_aside_previous_run) and so starts a new W&B run. Its name is log.wandb_name, else the
-  run folder's name; its config, the resolved config.
+- The run: wandb draws its id at the first start, kept in <out_dir>/wandb.json from then on; every later start of the
+  run folder passes it to wandb.init with resume="allow", so a resumed run continues the same W&B run. run.fresh
+  sets wandb.json aside with the checkpoints and so starts a new W&B run. Its name is log.wandb_name, else the run
+  folder's name; its config, the resolved config.
 - Local files: W&B's own folder (offline-run-*/ or run-*/, each holding a .wandb transaction log) goes into
-  <out_dir>/wandb/ when the run folder is local; beside a gs:// run folder W&B cannot write, so it goes where
-  WANDB_DIR says (default ./wandb). `wandb sync <that folder>` uploads offline runs, every process of a resumed run
-  in order, as one run.
-- Mode: log.wandb_mode, else WANDB_MODE, else online. Online without an API key or without the server (wandb.init
-  raises, after WANDB_INIT_TIMEOUT, 90 s by default) falls back to offline with one line saying so: training never
-  waits on W&B, and never stops for it.
+  <out_dir>/wandb/ when the run folder is local; beside a gs:// run folder, where W&B cannot write, WANDB_DIR says
+  where (default ./wandb). `wandb sync .../offline-run-*` uploads offline runs, the processes of a resumed run in
+  order, as one run.
+- Mode: log.wandb_mode, else WANDB_MODE, else online. Online without an API key or without the server, wandb.init
+  raises (at once, or after WANDB_INIT_TIMEOUT, 90 s by default); the run then logs offline, with one line saying
+  so. A run never stops for W&B.
 
-Each step at most once. A W&B run's history takes each step once and only in increasing order: wandb-core drops (live)
-or renumbers (`wandb sync`) a row whose step is not above the run's last one, and W&B has no way to take rows back
+Each step at most once. A W&B run's history takes each step once and only in increasing order: wandb-core drops or
+(`wandb sync`) renumbers a row whose step is not above the run's last one, and W&B has no way to take rows back
 (rewinding, `resume_from="<id>?_step=N"`, is a server feature in private preview, absent from self-hosted servers,
 that an offline run only records for the sync to request). A resumed run therefore logs only the steps above every
 step W&B may hold: above the step it resumed at, above the last step of metrics.jsonl as the earlier process left it
 (it may have gone on past its last checkpoint before it stopped: those steps are trained again and rewritten in
 metrics.jsonl, but W&B keeps the first process's values, the same losses in a bit-exact resume), and, online, above
 the last step the server reports (run.starting_step - 1). A step's row is sent whole: the lines of one step (a train
-line and an eval line) are gathered and sent when a later step begins, at each checkpoint save (sync) and at the end,
-so a kill -9 can lose at most the rows since the last save, never duplicate one.
+line and an eval line) are gathered and sent when a later step begins, before each checkpoint save (sync: a run
+resumed there would not send it again) and at the end. A kill -9 can lose the last row (and what wandb-core had not
+yet written), never send one twice.
 """
 
 import json
@@ -38,6 +39,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import runfolder
 
 RUN_FILE = "wandb.json"  # in the run folder: {"id": ...}, written once
+FILES = (RUN_FILE, "wandb")  # what a W&B run leaves in a local run folder: run.fresh sets them aside
 
 
 class WandbLog:

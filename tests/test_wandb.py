@@ -13,13 +13,15 @@ import time
 
 import pytest
 
-from test_preemption import LONG, wait_for
+from test_preemption import wait_for
 from test_run import read_metrics, small_args
 from jaxtrain import config, run
+from torchref import run as torchref_run
 
 pytestmark = pytest.mark.usefixtures("wandb_offline")
 
 WANDB = ("--log.wandb=true",)
+STEPS_300 = ("--train.steps=300", "--checkpoint.every=100", "--train.eval_every=100")  # ~5 s: a signal lands mid-run
 EVAL_EVERY_2 = ("--optim.decay_steps=8", "--train.eval_every=2")  # the same schedule and evals for 6 or 8 steps
 
 
@@ -57,26 +59,26 @@ def expected_rows(lines) -> list[dict]:
     return list(rows.values())
 
 
-def logged_steps(out_dir) -> int:
+def logged_lines(out_dir) -> int:
     path = out_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def test_a_run_stopped_by_ctrl_c_and_resumed_is_one_wandb_run_with_each_step_once(tmp_path, cache_dir):
     """Ctrl-C as a terminal sends it, to the whole process group (wandb-core included, were it in the group),
-    mid-run; then the same command to the end. Two processes, one run id (the one in wandb.json), steps 1..600 once
+    mid-run; then the same command to the end. Two processes, one run id (the one in wandb.json), steps 1..300 once
     each and in order, every value equal to metrics.jsonl's."""
     out_dir = tmp_path / "run"
-    cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, *LONG, *WANDB)]
+    cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, *STEPS_300, *WANDB)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for(proc, "compiled the train step")
-    while proc.poll() is None and logged_steps(out_dir) <= 200:  # past the first checkpoint: a real resume
+    while proc.poll() is None and logged_lines(out_dir) <= 100:  # past the first checkpoint: a real resume
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)
     err = proc.stderr.read()
     assert proc.wait() == 0 and "Traceback" not in err, err
     saved = int(err.split("saved step ")[1].split(";")[0])
-    assert 200 <= saved < 600, saved
+    assert 100 <= saved < 300, saved
     resumed = subprocess.run(cmd, capture_output=True, text=True)
     assert resumed.returncode == 0 and f"resuming from step {saved}" in resumed.stderr, resumed.stderr
 
@@ -84,19 +86,20 @@ def test_a_run_stopped_by_ctrl_c_and_resumed_is_one_wandb_run_with_each_step_onc
     assert len(runs) == 2
     assert run_ids(runs) == [json.loads((out_dir / "wandb.json").read_text())["id"]] * 2
     rows = history(runs)
-    assert [row["_step"] for row in rows] == list(range(1, 601))
+    assert [row["_step"] for row in rows] == list(range(1, 301))
     assert rows == expected_rows(read_metrics(out_dir))
 
 
-def test_steps_logged_past_the_last_checkpoint_are_not_logged_again(tmp_path, cache_dir):
+@pytest.mark.parametrize("backend", [run, torchref_run], ids=["jaxtrain", "torchref"])
+def test_steps_logged_past_the_last_checkpoint_are_not_logged_again(tmp_path, cache_dir, capsys, backend):
     """A process that logged steps 5 and 6 and died before saving step 6 (its checkpoint removed): the resumed
     process trains 5 and 6 again and rewrites them in metrics.jsonl, but W&B, which has them, gets only 7 and 8.
     The values W&B keeps for 5 and 6 are the first process's: the same, timing aside, in a bit-exact resume."""
     out_dir = tmp_path / "run"
-    run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=6", *EVAL_EVERY_2, *WANDB)))
+    backend.train(config.load(small_args(out_dir, cache_dir, "--train.steps=6", *EVAL_EVERY_2, *WANDB)))
     shutil.rmtree(out_dir / "checkpoints" / "6")
-    summary = run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=8", *EVAL_EVERY_2, *WANDB)))
-    assert summary["start_step"] == 4
+    backend.train(config.load(small_args(out_dir, cache_dir, "--train.steps=8", *EVAL_EVERY_2, *WANDB)))
+    assert "resuming from step 4 " in capsys.readouterr().err
 
     runs = wandb_records(out_dir)
     assert len(set(run_ids(runs))) == 1 and len(runs) == 2

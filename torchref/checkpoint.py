@@ -22,7 +22,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from jaxtrain import config
+from jaxtrain import config, wandb_log
 from jaxtrain.config import Config
 from jaxtrain.data import check_same_data
 from jaxtrain.errors import UserError
@@ -70,12 +70,12 @@ def remove_partial(out_dir: str) -> None:
 
 
 def set_aside(out_dir: str) -> list[str]:
-    """For run.fresh: move the existing checkpoints and metrics.jsonl to <name>.before-fresh-<time>, and return
-    where. Left in place, the checkpoints' higher step numbers would make max_to_keep delete the new run's and a
-    later resume pick the old run, and the new run would overwrite the old metrics."""
+    """For run.fresh: move the existing checkpoints, metrics.jsonl and W&B run to <name>.before-fresh-<time>, and
+    return where. Left in place, the checkpoints' higher step numbers would make max_to_keep delete the new run's
+    and a later resume pick the old run, the new run would overwrite the old metrics, and log to the old W&B run."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     moved = []
-    for name in ("checkpoints", "metrics.jsonl"):
+    for name in ("checkpoints", "metrics.jsonl", *wandb_log.FILES):
         path = os.path.join(out_dir, name)
         if os.path.exists(path):
             os.replace(path, f"{path}.before-fresh-{stamp}")

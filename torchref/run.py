@@ -26,7 +26,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from jaxtrain import config, data, metrics, preemption, runlock
+from jaxtrain import config, data, metrics, preemption, runlock, wandb_log
 from jaxtrain.config import Config
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import UserError, exit_on_user_error
@@ -101,6 +101,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
                 eval_loss = evaluate(model, tokens, cfg, progress.data_seed, device, autocast)
                 log.eval(progress.step, eval_loss)
             if last or stop.requested or progress.step % cfg.checkpoint.every == 0:
+                log.sync()  # W&B has this step before its checkpoint can exist
                 checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint)
             if stop.requested:
                 print(f"\ninterrupted: saved step {progress.step}; {config.resume_hint(cfg)}", file=sys.stderr)
@@ -212,12 +213,14 @@ class MetricsLog:
     training time only (evaluation and checkpoints left out), over the steps since the previous line.
 
     A resumed run first drops the lines past its checkpoint, so the file reads as if it had never stopped;
-    any other start begins the file empty."""
+    any other start begins the file empty. log.wandb=true: the same lines to W&B (jaxtrain.wandb_log)."""
 
     def __init__(self, cfg: Config, resumed_step: int, flops_per_token: float, peak_flops: float | None):
         self.path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
         self.every, self.flops_per_token, self.peak_flops = cfg.log.every, flops_per_token, peak_flops
         kept = metrics.kept_lines(self.path, resumed_step) if resumed_step else []
+        self.wandb = wandb_log.WandbLog(cfg, start_step=resumed_step, last_jsonl_step=metrics.last_step(self.path)) \
+            if cfg.log.wandb else None
         with open(self.path, "w", encoding="utf-8") as f:
             f.writelines(kept)
         self.tokens = self.seconds = 0  # since the last line
@@ -230,6 +233,8 @@ class MetricsLog:
 
     def __exit__(self, *exc):
         self.file.close()
+        if self.wandb:
+            self.wandb.close()
 
     def train(self, progress: Progress, loss: float, lr: float, grad_norm: float, n_tokens: int,
               seconds: float, divergence: Divergence) -> float:
@@ -253,6 +258,10 @@ class MetricsLog:
     def eval(self, step: int, eval_loss: float) -> None:
         self._write({"step": step, "eval_loss": eval_loss})
 
+    def sync(self) -> None:
+        if self.wandb:
+            self.wandb.sync()
+
     def mean_tokens_per_s(self) -> float:
         return self.total_tokens / self.total_seconds if self.total_seconds else 0.0
 
@@ -262,6 +271,8 @@ class MetricsLog:
     def _write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.wandb:  # after metrics.jsonl, whose last step bounds what W&B may have (jaxtrain.wandb_log)
+            self.wandb.log(record["step"], metrics.scalars(record))
 
 
 def _fmt(x: float | None) -> str:
