@@ -10,10 +10,15 @@ Precision "bf16" follows autocast: every matmul takes bf16 operands and accumula
 LayerNorm and softmax are fp32, and the loss upcasts the logits. Precision "fp32" runs every dot at
 Precision.HIGHEST, since the default may use bf16 passes on GPU/TPU. On a GPU under bf16, attention runs as cuDNN's
 fused kernel (model.attention).
+
+Decoding (`extend`) runs the same blocks on new tokens only, with the keys and values of the earlier positions kept
+in a `KVCache` per layer: the attention takes the cache as an optional argument, and the math is the training
+forward pass's (the written-out attention, whatever model.attention says).
 """
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +155,22 @@ class Embed(nnx.Module):
         return self.weight[...][idx]
 
 
+class KVCache(NamedTuple):
+    """One attention layer's keys and values for decoding: the first `length` of model.seq_len positions hold those
+    of the tokens seen so far, in the compute dtype; the rest is zeros, masked out."""
+    k_BxLxHxS: jax.Array
+    v_BxLxHxS: jax.Array
+    length: jax.Array  # int32 scalar: where the next token's key goes
+
+    def append(self, k_BxTxHxS, v_BxTxHxS) -> "KVCache":
+        """The cache with T more positions written at `length`; the caller keeps length + T <= seq_len (past it,
+        dynamic_update_slice would clamp the write onto earlier positions)."""
+        at = (0, self.length, 0, 0)
+        return KVCache(jax.lax.dynamic_update_slice(self.k_BxLxHxS, k_BxTxHxS.astype(self.k_BxLxHxS.dtype), at),
+                       jax.lax.dynamic_update_slice(self.v_BxLxHxS, v_BxTxHxS.astype(self.v_BxLxHxS.dtype), at),
+                       self.length + k_BxTxHxS.shape[1])
+
+
 class CausalSelfAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, precision: str, rngs: nnx.Rngs):
         d = cfg.d_model
@@ -158,27 +179,34 @@ class CausalSelfAttention(nnx.Module):
         self.n_head, self.dropout, self.precision = cfg.n_head, cfg.dropout, precision
         self.fused = fused_attention(cfg, precision)
 
-    def __call__(self, x_BxTxD, key):
+    def __call__(self, x_BxTxD, key, cache: KVCache | None = None):
+        """(y, cache): with a cache (decoding), x continues the positions it holds, and comes back with x's keys and
+        values added; without one, x starts at position 0 and the cache stays None."""
         B, T, D = x_BxTxD.shape
         probs_key, resid_key = _split(key, 2)
         q, k, v = (t.reshape(B, T, self.n_head, D // self.n_head) for t in jnp.split(self.c_attn(x_BxTxD), 3, -1))
-        if self.fused:
+        if cache is not None:
+            cache = cache.append(k, v)
+            y_BxTxHxS = self._written_out(q, cache.k_BxLxHxS, cache.v_BxLxHxS, probs_key, start=cache.length - T)
+        elif self.fused:
             y_BxTxHxS = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         else:
             y_BxTxHxS = self._written_out(q, k, v, probs_key)
-        return _dropout(self.c_proj(y_BxTxHxS.reshape(B, T, D)), self.dropout, resid_key)
+        return _dropout(self.c_proj(y_BxTxHxS.reshape(B, T, D)), self.dropout, resid_key), cache
 
-    def _written_out(self, q_BxTxHxS, k_BxTxHxS, v_BxTxHxS, probs_key):
-        """softmax(q k^T / sqrt(hs)) v with the (B, nh, T, T) scores and probabilities in memory, as torchref."""
-        q, k, v = (_row_major(t.transpose(0, 2, 1, 3)) for t in (q_BxTxHxS, k_BxTxHxS, v_BxTxHxS))  # (B, nh, T, hs)
-        T, head_size = q.shape[2], q.shape[3]
+    def _written_out(self, q_BxTxHxS, k_BxLxHxS, v_BxLxHxS, probs_key, start=0):
+        """softmax(q k^T / sqrt(hs)) v with the (B, nh, T, L) scores and probabilities in memory, as torchref. The
+        T queries sit at positions start .. start+T-1 of the L keys, and each sees the keys up to its own position:
+        in training start is 0 and L = T (the causal triangle); in decoding L is the cache's length."""
+        q, k, v = (_row_major(t.transpose(0, 2, 1, 3)) for t in (q_BxTxHxS, k_BxLxHxS, v_BxLxHxS))  # (B, nh, ., hs)
+        T, L, head_size = q.shape[2], k.shape[2], q.shape[3]
         k_T = _row_major(jnp.swapaxes(k, -1, -2))
-        scores_BxHxTxT = matmul(q, k_T, self.precision) * (1.0 / math.sqrt(head_size))
-        causal_TxT = jnp.tril(jnp.ones((T, T), bool))
-        scores_BxHxTxT = jnp.where(causal_TxT, scores_BxHxTxT, -jnp.inf)
-        probs_BxHxTxT = jax.nn.softmax(scores_BxHxTxT, axis=-1).astype(q.dtype)
-        probs_BxHxTxT = _dropout(probs_BxHxTxT, self.dropout, probs_key)
-        y_BxHxTxS = matmul(probs_BxHxTxT, v, self.precision).astype(q.dtype)
+        scores_BxHxTxL = matmul(q, k_T, self.precision) * (1.0 / math.sqrt(head_size))
+        causal_TxL = jnp.arange(L)[None, :] <= start + jnp.arange(T)[:, None]
+        scores_BxHxTxL = jnp.where(causal_TxL, scores_BxHxTxL, -jnp.inf)
+        probs_BxHxTxL = jax.nn.softmax(scores_BxHxTxL, axis=-1).astype(q.dtype)
+        probs_BxHxTxL = _dropout(probs_BxHxTxL, self.dropout, probs_key)
+        y_BxHxTxS = matmul(probs_BxHxTxL, v, self.precision).astype(q.dtype)
         return y_BxHxTxS.transpose(0, 2, 1, 3)
 
 
@@ -211,10 +239,12 @@ class Block(nnx.Module):
         self.ln_2 = LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg, precision=precision, rngs=rngs)
 
-    def __call__(self, x_BxTxD, key):
+    def __call__(self, x_BxTxD, key, cache: KVCache | None = None):
+        """(x, cache): the attention's cache passed through (see CausalSelfAttention)."""
         attn_key, mlp_key = _split(key, 2)
-        x_BxTxD = x_BxTxD + self.attn(self.ln_1(x_BxTxD), attn_key)  # fp32 + bf16 -> fp32, as in torch
-        return x_BxTxD + self.mlp(self.ln_2(x_BxTxD), mlp_key)
+        y_BxTxD, cache = self.attn(self.ln_1(x_BxTxD), attn_key, cache)
+        x_BxTxD = x_BxTxD + y_BxTxD  # fp32 + bf16 -> fp32, as in torch
+        return x_BxTxD + self.mlp(self.ln_2(x_BxTxD), mlp_key), cache
 
 
 # model.remat: what the backward pass finds kept from each block's forward (the rest it recomputes). full: nothing
@@ -225,7 +255,7 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
 
 
 def _run_block(block, x_BxTxD, key):
-    return batch_sharded(block(x_BxTxD, key))
+    return batch_sharded(block(x_BxTxD, key)[0])
 
 
 def batch_sharded(x_BxTxD):
@@ -264,6 +294,18 @@ class GPT(nnx.Module):
             x_BxTxD = run_block(block, x_BxTxD, key)
         return self._logits(self.ln_f(x_BxTxD))
 
+    def extend(self, idx_BxT, caches: list[KVCache]) -> tuple[jax.Array, list[KVCache]]:
+        """Logits (B, T, V) of tokens that continue the positions `caches` hold (one per layer, all of the same
+        length), and the caches with their keys and values added. No dropout: this is for decoding. The caller
+        keeps length + T <= seq_len: past it, the position lookup and the cache writes would clamp silently."""
+        positions_T = caches[0].length + jnp.arange(idx_BxT.shape[1])
+        x_BxTxD = self.wte(idx_BxT) + self.wpe(positions_T)
+        extended = []
+        for block, cache in zip(self.h, caches):
+            x_BxTxD, cache = block(x_BxTxD, None, cache)
+            extended.append(cache)
+        return self._logits(self.ln_f(x_BxTxD)), extended
+
     def _logits(self, x_BxTxD):
         """Logits in the compute dtype, the head tied to wte or not: under bf16 from bf16 operands with fp32
         accumulation, rounded once to bf16 as autocast's head returns them (the loss upcasts). B x T x V is the
@@ -281,6 +323,18 @@ def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int)
 def apply(graphdef: nnx.GraphDef, params: nnx.State, idx_BxT, *, dropout_key: jax.Array | None = None):
     """Logits (B, T, V) fp32 of the model `graphdef` with `params`, a pure function for jit and grad."""
     return nnx.merge(graphdef, params)(idx_BxT, dropout_key=dropout_key)
+
+
+def extend(graphdef: nnx.GraphDef, params: nnx.State, idx_BxT, caches: list[KVCache]):
+    """(logits (B, T, V), caches): GPT.extend as a pure function for jit."""
+    return nnx.merge(graphdef, params).extend(idx_BxT, caches)
+
+
+def empty_caches(cfg: ModelConfig, *, batch: int, precision: str) -> list[KVCache]:
+    """One zero KVCache of cfg.seq_len positions per layer, for `batch` sequences."""
+    shape = (batch, cfg.seq_len, cfg.n_head, cfg.d_model // cfg.n_head)
+    zeros = jnp.zeros(shape, COMPUTE_DTYPES[precision])
+    return [KVCache(zeros, zeros, jnp.zeros((), jnp.int32)) for _ in range(cfg.n_layer)]
 
 
 def torch_names(params: nnx.State) -> dict[str, tuple[tuple, bool]]:
