@@ -186,6 +186,18 @@ class Checkpointer:
         self.manager.close()
 
 
+def saved_steps(out_dir: str) -> list[int]:
+    """The steps of a run folder's complete checkpoints, oldest first, as orbax lists them (a save cut short, still
+    in its temporary folder, is not one); reads only, creates nothing."""
+    directory = runfolder.path(out_dir, "checkpoints")
+    if not directory.is_dir():
+        return []
+    with _orbax_quiet():  # read_only warns of each saving option it turns off
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+        with ocp.CheckpointManager(os.fspath(directory), options=options) as manager:
+            return sorted(manager.all_steps())
+
+
 @contextlib.contextmanager
 def _orbax_quiet():
     """Orbax's warnings (absl logging) held back: a user sees one line per problem, jaxtrain's."""

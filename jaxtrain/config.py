@@ -132,6 +132,8 @@ class LogConfig:
     wandb_project: str = "jaxtrain"  # W&B project (the entity: WANDB_ENTITY, else your default)
     wandb_name: Optional[str] = None  # W&B run name; None: the run folder's name
     wandb_mode: Optional[Literal["online", "offline"]] = None  # None: WANDB_MODE, else online (offline if that fails)
+    sample_tokens: int = 0  # print this many tokens the model writes after sample_prompt at the end of training; 0: no
+    sample_prompt: str = "\n"  # the text the end-of-training sample continues (jaxtrain.sample's defaults draw it)
 
 
 @dataclasses.dataclass
@@ -194,6 +196,7 @@ def usage() -> str:
         for f in dataclasses.fields(section.type):
             name = _yaml_name((section.name,), f.name)
             default = getattr(section.type(), f.name)
+            default = default if not isinstance(default, str) or default.isprintable() else repr(default)
             comment = get_attribute_docstring(section.type, f.name).comment_inline
             lines.append(f"    {f'--{section.name}.{name}={default}':<34} {comment}".rstrip())
     return "\n".join(lines)
@@ -299,7 +302,8 @@ def validate(cfg: Config) -> None:
         if value <= 0:
             raise UserError(f"{key} must be > 0, got {value}")
     non_negative = {"optim.warmup_steps": o.warmup_steps, "optim.min_lr": o.min_lr, "optim.weight_decay": o.weight_decay,
-                    "optim.max_grad_norm": o.max_grad_norm, "optim.eps": o.eps, "train.eval_every": t.eval_every}
+                    "optim.max_grad_norm": o.max_grad_norm, "optim.eps": o.eps, "train.eval_every": t.eval_every,
+                    "log.sample_tokens": cfg.log.sample_tokens}
     for key, value in non_negative.items():
         if value < 0:
             raise UserError(f"{key} must be >= 0, got {value}")
@@ -354,6 +358,10 @@ def _check_text(cfg: Config) -> None:
     """Paths not empty (`--run.out_dir=` would write into the current folder) and free of control characters (a
     newline in a path is a paste gone wrong, and would split every message that names it)."""
     for key, value in _values(cfg):
+        if key == "log.sample_prompt":  # text to continue, not a path: any characters, new lines included
+            if not value:
+                raise UserError(f"{key} is empty: the sample needs text to continue; leave it out for a new line")
+            continue
         if isinstance(value, str) and not value.strip():
             raise UserError(f"{key} is empty; give it a folder, or leave it out for its default")
         if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):

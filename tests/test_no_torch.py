@@ -1,6 +1,6 @@
 """A jaxtrain process never loads torch, though torch is installed here (the [test] extra brings it): not the
-trainer, not the converter, not --help. Python's -X importtime lists every module a process imports, lazily
-imported ones included, on stderr; no line may name torch or one of its submodules."""
+trainer, not the converter, not the sampler, not --help. Python's -X importtime lists every module a process
+imports, lazily imported ones included, on stderr; no line may name torch or one of its submodules."""
 
 import importlib.util
 import re
@@ -34,5 +34,6 @@ def test_training_and_converting_never_import_torch(tmp_path, cache_dir, wandb_o
     assert re.search(r"^import time:.*\|\s+wandb\.sdk\.wandb_init$", trained, re.M)  # W&B loaded in this process
     converted = imports_of("jaxtrain.convert", "to-torch", str(out / "checkpoints" / "4"), str(tmp_path / "torch"))
     exported = imports_of("jaxtrain.convert", "to-hf", str(out / "checkpoints" / "4"), str(tmp_path / "hf"))
-    for stderr in (imports_of("jaxtrain.run", "--help"), trained, converted, exported):
+    sampled = imports_of("jaxtrain.sample", "--run", str(out), "--max_new_tokens", "3")
+    for stderr in (imports_of("jaxtrain.run", "--help"), trained, converted, exported, sampled):
         assert "jaxtrain" in stderr and not TORCH_IMPORT.search(stderr), TORCH_IMPORT.findall(stderr)[:5]

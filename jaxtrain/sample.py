@@ -1,0 +1,213 @@
+"""`python -m jaxtrain.sample --run out/tiny [--step N] --prompt "def "`: text from a trained run.
+
+    python -m jaxtrain.sample --run out/tiny --prompt "def " --max_new_tokens 200 --temperature 0.8 --top_k 40
+
+Loads a checkpoint of the run (the newest complete one, or --step), encodes the prompt with the tokenizer of the
+data the run trained on (bytes or GPT-2's BPE), generates, and prints the prompt and its continuation decoded.
+
+Generation is one jitted call: the prompt runs through the model once (the prefill), filling a KV cache of
+model.seq_len positions (model.KVCache), and each further token is one cached step of a `fori_loop`. The model has
+no positions past seq_len, so once the text outgrows them each token is predicted as nanoGPT's `generate` does: a
+full forward pass over the last seq_len tokens. Either way the token after a text of n tokens is drawn from the
+model's logits at the last of its last min(n, seq_len) tokens, so the cache changes the cost, never the text. The
+draw: temperature 0 is the argmax; otherwise softmax(logits / temperature) over the top_k largest logits (nanoGPT's
+rule: ties with the k-th are kept), with token i's key jax.random.fold_in(key(seed), i), the same text for a seed.
+"""
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import convert
+from jaxtrain import data as data_lib
+from jaxtrain import model as model_lib
+from jaxtrain import prepare as prepare_lib
+from jaxtrain.config import ModelConfig
+from jaxtrain.errors import UserError, exit_on_user_error
+
+TOKENIZERS = ("bytes", "gpt2")
+REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How each token is drawn. nanoGPT's sample.py defaults; temperature 0 is greedy, top_k 0 keeps every token."""
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 200
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise UserError(f"--max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"--temperature must be a finite number >= 0 (0: always the likeliest token), "
+                            f"got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"--top_k must be >= 0 (0: every token), got {self.top_k}")
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"--seed must be in [0, 2**32), got {self.seed}")
+
+
+class Tokenizer(NamedTuple):
+    encode: Callable[[str], list[int]]
+    token_bytes: Callable[[int], bytes]
+    size: int  # ids below this have bytes; a model's vocabulary may be padded past it
+
+    def decode(self, ids) -> str:
+        """Each id's bytes, read as UTF-8 with U+FFFD where they are not (a byte token may be part of a character),
+        as tiktoken's decode does; ids past the tokenizer's, which training never showed, read as U+FFFD too."""
+        pieces = (self.token_bytes(i) if i < self.size else REPLACEMENT for i in map(int, ids))
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+
+def tokenizer(name: str) -> Tokenizer:
+    if name == "bytes":  # surrogateescape: bytes of the command line that were not UTF-8 come back as they were
+        return Tokenizer(lambda text: list(text.encode("utf-8", "surrogateescape")), lambda i: bytes([i]), 256)
+    enc = prepare_lib.gpt2_encoding()
+    # <|endoftext|> may start a prompt, as in nanoGPT's sample.py (tiktoken refuses special tokens unless allowed)
+    return Tokenizer(lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}),
+                     enc.decode_single_token_bytes, enc.n_vocab)
+
+
+def next_token(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
+    """Token ids (B,) drawn from the logits: see the module's docstring."""
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    if temperature == 0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logits_BxV = logits_BxV / temperature
+    if 0 < top_k < logits_BxV.shape[-1]:
+        kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
+        logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
+    return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampling):
+    """A jitted (params, prompt (B, P) int32) -> tokens (B, P + max_new_tokens): the prompt and its continuation."""
+    L, N = model_cfg.seq_len, sampling.max_new_tokens
+    base_key = jax.random.key(sampling.seed)
+
+    def generate(params, prompt_BxP):
+        B, P = prompt_BxP.shape
+        tokens_BxS = jnp.zeros((B, P + N), jnp.int32).at[:, :P].set(prompt_BxP)
+
+        def put(i, tokens_BxS, logits_BxV):  # token i of the continuation, drawn and written at position P + i
+            token_B = next_token(logits_BxV, jax.random.fold_in(base_key, i), sampling.temperature, sampling.top_k)
+            return jax.lax.dynamic_update_slice(tokens_BxS, token_B[:, None], (0, P + i))
+
+        # Token i follows a text of P + i tokens: from the cache while that fits in seq_len, cropped past it.
+        n_cached = max(0, min(N, L - P + 1))
+        if n_cached:
+            logits_BxPxV, caches = model_lib.extend(graphdef, params, prompt_BxP,
+                                                    model_lib.empty_caches(model_cfg, batch=B, precision=precision))
+            tokens_BxS = put(0, tokens_BxS, logits_BxPxV[:, -1])
+
+            def cached_step(i, carry):
+                tokens_BxS, caches = carry
+                last_Bx1 = jax.lax.dynamic_slice(tokens_BxS, (0, P + i - 1), (B, 1))
+                logits_Bx1xV, caches = model_lib.extend(graphdef, params, last_Bx1, caches)
+                return put(i, tokens_BxS, logits_Bx1xV[:, 0]), caches
+
+            tokens_BxS, _ = jax.lax.fori_loop(1, n_cached, cached_step, (tokens_BxS, caches))
+
+        def cropped_step(i, tokens_BxS):
+            context_BxL = jax.lax.dynamic_slice(tokens_BxS, (0, P + i - L), (B, L))
+            return put(i, tokens_BxS, model_lib.apply(graphdef, params, context_BxL)[:, -1])
+
+        if n_cached < N:  # (a loop of no steps is traced all the same, and its slice would not fit)
+            tokens_BxS = jax.lax.fori_loop(n_cached, N, cropped_step, tokens_BxS)
+        return tokens_BxS
+
+    return jax.jit(generate)
+
+
+def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str,
+                sampling: Sampling) -> str:
+    """The prompt and its continuation, as text, from the model `model_cfg` with `params` computing in `precision`.
+
+    Attention is the written-out one (model.attention xla), which the cached steps take whatever the config says:
+    one computation for the whole text, and cuDNN's kernel is no choice on a machine without a GPU."""
+    sampling.check()
+    ids = tok.encode(prompt)
+    if not ids:
+        raise UserError("the prompt is empty; give one with --prompt (e.g. --prompt $'\\n' for a new line)")
+    if max(ids) >= model_cfg.vocab_size:
+        raise UserError(f"the prompt encodes to token id {max(ids)}, beyond the model's vocabulary of "
+                        f"{model_cfg.vocab_size}: the run was trained with another tokenizer; leave --tokenizer out "
+                        f"to use the run's own")
+    model_cfg = dataclasses.replace(model_cfg, attention="xla")
+    graphdef = model_lib.graphdef(model_cfg, vocab_size=model_cfg.vocab_size, precision=precision)
+    tokens = generator(graphdef, model_cfg, precision, sampling)(params, np.asarray([ids], np.int32))
+    return tok.decode(jax.device_get(tokens)[0])
+
+
+class Loaded(NamedTuple):
+    params: object  # nnx.State on one device
+    model_cfg: ModelConfig
+    precision: str
+    tokenizer: Tokenizer
+    step: int
+
+
+def load(run_dir: str, step: int | None, precision: str | None, tokenizer_name: str | None) -> Loaded:
+    """The run's params at `step` (None: the newest complete checkpoint) on one device, its model config, the
+    precision to compute in (None: the run's train.precision) and the tokenizer (None: that of the run's data)."""
+    steps = checkpoint_lib.saved_steps(run_dir)
+    if not steps:
+        raise UserError(f"{run_dir} holds no complete checkpoint (no {os.path.join(run_dir, 'checkpoints', '<step>')}"
+                        f"); pass the run.out_dir of a run that saved one")
+    if step is not None and step not in steps:
+        raise UserError(f"{run_dir} has no checkpoint of step {step}; its steps are {', '.join(map(str, steps))}")
+    step = steps[-1] if step is None else step
+    state, cfg, _ = convert.restore_step(os.path.join(run_dir, "checkpoints", str(step)))
+    name = tokenizer_name or data_lib.tokenizer_name(cfg.data)
+    if name is None:
+        raise UserError(f"the run's data folder {cfg.data.path} is not here to say which tokenizer it used (its "
+                        f"meta.json); pass --tokenizer bytes or --tokenizer gpt2")
+    return Loaded(state.params, cfg.model, precision or cfg.train.precision, tokenizer(name), step)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(f"{message}; see python -m jaxtrain.sample --help")
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = Sampling()
+    ap = _Parser(prog="python -m jaxtrain.sample", description="Text from a checkpoint of a trained run.",
+                 epilog='example: python -m jaxtrain.sample --run out/tiny --prompt "def " --temperature 0')
+    ap.add_argument("--run", required=True, help="the run folder (its run.out_dir), e.g. out/tiny")
+    ap.add_argument("--step", type=int, help="the checkpoint's step; default: the newest complete one")
+    ap.add_argument("--prompt", default="\n", help="the text to continue (default: a new line)")
+    ap.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens)
+    ap.add_argument("--temperature", type=float, default=defaults.temperature,
+                    help=f"0: always the likeliest token (default {defaults.temperature})")
+    ap.add_argument("--top_k", type=int, default=defaults.top_k,
+                    help=f"draw among the k likeliest tokens; 0: all (default {defaults.top_k})")
+    ap.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same text")
+    ap.add_argument("--precision", choices=("bf16", "fp32"), help="default: the run's train.precision")
+    ap.add_argument("--tokenizer", choices=TOKENIZERS, help="default: that of the data the run trained on")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    with exit_on_user_error():
+        args = _parser().parse_args(argv)
+        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        sampling.check()  # before the checkpoint is read
+        run = load(args.run, args.step, args.precision, args.tokenizer)
+        print(f"step {run.step} of {args.run}, {run.precision}, temperature {sampling.temperature}, top_k "
+              f"{sampling.top_k}, seed {sampling.seed}", file=sys.stderr)
+        print(sample_text(run.params, run.model_cfg, run.precision, run.tokenizer, args.prompt, sampling))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Sampling (jaxtrain.sample): the KV-cached generation against nanoGPT's rule written out with the full forward
+pass, the draw against softmax written out in numpy, the tokenizers against known ids, and the command line."""
+
+import os
+import subprocess
+import sys
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from test_run import small_args
+from jaxtrain import data, model, prepare, sample
+
+STEPS = 40  # enough that the logits are far from uniform: top-2 gaps well above the rounding bounds below
+PROMPT = "def "
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    """A run of the small model (fp32, seq_len 32) to step 40, through `python -m jaxtrain.run` with the
+    end-of-run sample on: (run folder, the run's stdout, its stderr)."""
+    out_dir = str(tmp_path_factory.mktemp("trained"))
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(
+        out_dir, cache_dir, f"--train.steps={STEPS}", "--checkpoint.every=20", "--train.eval_every=20",
+        "--log.sample_tokens=40", f"--log.sample_prompt='{PROMPT}'")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out_dir, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def loaded(trained):
+    return sample.load(trained[0], None, None, None)
+
+
+_apply = jax.jit(model.apply, static_argnums=0)
+
+
+def full_forward_logits(graphdef, params, ids: list[int], seq_len: int) -> np.ndarray:
+    """nanoGPT's generate written out: the next token's logits (V,) from the whole context, cropped to its last
+    seq_len tokens."""
+    context = jnp.asarray([ids[-seq_len:]], jnp.int32)
+    return np.asarray(_apply(graphdef, params, context)[0, -1], np.float32)
+
+
+def greedy_reference(graphdef, params, prompt: list[int], n: int, seq_len: int) -> tuple[list[int], list[float]]:
+    """The prompt and n tokens, each the argmax of the full forward pass; and each step's top-2 logit gap."""
+    ids, gaps = list(prompt), []
+    for _ in range(n):
+        logits = full_forward_logits(graphdef, params, ids, seq_len)
+        top2 = np.sort(logits)[-2:]
+        gaps.append(float(top2[1] - top2[0]))
+        ids.append(int(np.argmax(logits)))
+    return ids, gaps
+
+
+# A prompt of 20 tokens and 30 more: 13 continue from the KV cache, the rest past seq_len 32 from a cropped context.
+LONG_PROMPT = list(b"def forward(self, x)")
+N_NEW = 30
+
+
+def _generate(loaded, precision, **sampling):
+    graphdef = model.graphdef(loaded.model_cfg, vocab_size=loaded.model_cfg.vocab_size, precision=precision)
+    generate = sample.generator(graphdef, loaded.model_cfg, precision, sample.Sampling(max_new_tokens=N_NEW,
+                                                                                        **sampling))
+    return graphdef, [int(t) for t in generate(loaded.params, np.asarray([LONG_PROMPT], np.int32))[0]]
+
+
+def _generate_seeing_logits(loaded, precision, monkeypatch, **sampling):
+    """_generate, and the logits (V,) each new token was drawn from, in order: a spy around sample.next_token."""
+    seen, draw = [], sample.next_token
+
+    def spy(logits_BxV, key, temperature, top_k):
+        jax.debug.callback(lambda x: seen.append(np.asarray(x, np.float32)), logits_BxV[0], ordered=True)
+        return draw(logits_BxV, key, temperature, top_k)
+
+    monkeypatch.setattr(sample, "next_token", spy)
+    graphdef, tokens = _generate(loaded, precision, **sampling)
+    assert len(seen) == N_NEW
+    return graphdef, tokens, seen
+
+
+# fp32 logits of the cached steps and the full forward pass differ by summation order only (the cache's masked zero
+# keys, other dot shapes): measured 4.8e-7 on logits of scale 1.1, bound 1e-5, margin 20x. Under bf16 a sum taken in
+# another order can move a bf16 activation by one ulp (2^-8 relative) and a logit by about as much: bound 4 ulps of
+# that scale, 0.02 (measured 0 here: XLA:CPU computed the same bits both ways).
+LOGIT_ATOL = {"fp32": 1e-5, "bf16": 0.02}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_greedy_continuation_is_the_full_forward_argmax(loaded, precision, monkeypatch):
+    assert len(LONG_PROMPT) + N_NEW > loaded.model_cfg.seq_len  # the cropped steps are covered too
+    graphdef, got, logits = _generate_seeing_logits(loaded, precision, monkeypatch, temperature=0.0)
+    want, gaps = greedy_reference(graphdef, loaded.params, LONG_PROMPT, N_NEW, loaded.model_cfg.seq_len)
+    assert min(gaps) > 2 * LOGIT_ATOL[precision], gaps  # no near-tie that rounding alone could flip
+    assert got == want
+    for i, step_logits in enumerate(logits):  # each token's whole distribution, not only its argmax
+        np.testing.assert_allclose(step_logits, full_forward_logits(
+            graphdef, loaded.params, got[:len(LONG_PROMPT) + i], loaded.model_cfg.seq_len),
+            rtol=0, atol=LOGIT_ATOL[precision], err_msg=f"token {i}")
+
+
+def test_sampled_tokens_come_from_the_full_forward_top_k(loaded, monkeypatch):
+    """At temperature 1 the text varies, and so the contexts: each token's logits are the full forward's on its
+    context, and the token is among their 10 largest."""
+    graphdef, got, logits = _generate_seeing_logits(loaded, "fp32", monkeypatch, temperature=1.0, top_k=10, seed=5)
+    assert len(set(got[len(LONG_PROMPT):])) > 5, got
+    for i, step_logits in enumerate(logits):
+        want = full_forward_logits(graphdef, loaded.params, got[:len(LONG_PROMPT) + i], loaded.model_cfg.seq_len)
+        np.testing.assert_allclose(step_logits, want, rtol=0, atol=LOGIT_ATOL["fp32"], err_msg=f"token {i}")
+        assert want[got[len(LONG_PROMPT) + i]] >= np.sort(want)[-10], i
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cached_logits_are_the_full_forward_logits(loaded, precision):
+    """Prefill 20 tokens, then 12 cached steps of one token, against model.apply on all 32 at once."""
+    cfg = loaded.model_cfg
+    graphdef = model.graphdef(cfg, vocab_size=cfg.vocab_size, precision=precision)
+    ids = jnp.asarray([list(b"def forward(self, x):\n    return self.proj(x) + 1")[:cfg.seq_len]], jnp.int32)
+    full = np.asarray(_apply(graphdef, loaded.params, ids), np.float32)
+    extend = jax.jit(model.extend, static_argnums=0)
+    logits, caches = extend(graphdef, loaded.params, ids[:, :20], model.empty_caches(cfg, batch=1,
+                                                                                     precision=precision))
+    cached = [logits]
+    for t in range(20, cfg.seq_len):
+        logits, caches = extend(graphdef, loaded.params, ids[:, t:t + 1], caches)
+        cached.append(logits)
+    cached = np.asarray(jnp.concatenate(cached, axis=1), np.float32)
+    assert int(caches[0].length) == cfg.seq_len
+    np.testing.assert_allclose(cached, full, rtol=0, atol=LOGIT_ATOL[precision])
+
+
+def test_top_k_1_is_greedy_and_a_seed_fixes_the_text(loaded):
+    graphdef, greedy = _generate(loaded, "fp32", temperature=0.0)
+    assert _generate(loaded, "fp32", temperature=1.0, top_k=1, seed=3)[1] == greedy
+    seed_0 = _generate(loaded, "fp32", temperature=1.0, top_k=0, seed=0)[1]
+    assert _generate(loaded, "fp32", temperature=1.0, top_k=0, seed=0)[1] == seed_0
+    # 30 draws at temperature 1 from a barely trained byte model: the same 30 tokens again is vanishingly unlikely
+    assert _generate(loaded, "fp32", temperature=1.0, top_k=0, seed=1)[1] != seed_0
+
+
+def _frequencies(logits, temperature, top_k, n=20000) -> np.ndarray:
+    keys = jax.random.split(jax.random.key(0), n)
+    draw = jax.vmap(lambda key: sample.next_token(jnp.asarray([logits]), key, temperature, top_k)[0])
+    return np.bincount(np.asarray(draw(keys)), minlength=len(logits)) / n
+
+
+def _softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+# 20000 draws: a frequency's standard deviation is at most sqrt(0.25 / 20000) = 0.0035; 5 of them.
+FREQ_ATOL = 0.018
+
+
+def test_draws_follow_softmax_over_temperature_among_the_top_k():
+    logits = np.array([2.0, 1.0, 0.5, -1.0, 0.0], np.float32)
+    want = np.zeros(5)
+    want[:3] = _softmax(logits[:3] / 0.5)  # the 3 largest, sharpened by temperature 0.5: 0.84, 0.11, 0.04
+    got = _frequencies(logits, 0.5, 3)
+    assert got[3] == got[4] == 0
+    np.testing.assert_allclose(got, want, rtol=0, atol=FREQ_ATOL)
+    np.testing.assert_allclose(_frequencies(logits, 1.0, 0), _softmax(logits.astype(np.float64)), atol=FREQ_ATOL)
+
+
+def test_ties_with_the_kth_logit_are_kept_and_temperature_0_is_argmax():
+    logits = np.array([1.0, 0.0, 1.0, 1.0], np.float32)  # nanoGPT keeps every logit >= the k-th largest
+    np.testing.assert_allclose(_frequencies(logits, 1.0, 1), [1 / 3, 0, 1 / 3, 1 / 3], atol=FREQ_ATOL)
+    assert int(sample.next_token(jnp.asarray([[0.5, 3.0, -1.0]]), jax.random.key(0), 0.0, 0)[0]) == 1
+
+
+def test_tokenizers_encode_and_decode_known_ids():
+    tok = sample.tokenizer("bytes")
+    assert tok.encode("dé") == [0x64, 0xC3, 0xA9]
+    assert tok.encode(os.fsdecode(b"a\xff")) == [0x61, 0xFF]  # a command line's undecodable byte, as it was given
+    assert tok.decode([0x64, 0xC3, 0xA9]) == "dé"
+    assert tok.decode([0x64, 0xE2, 0x82]) == "d\ufffd"  # half a character
+    assert tok.decode([0x64, 300]) == "d\ufffd"  # an id of a vocabulary padded past 256
+    gpt2 = sample.tokenizer("gpt2")
+    assert gpt2.encode("Hello world") == [15496, 995]  # GPT-2's own ids
+    assert gpt2.encode("<|endoftext|>def") == [50256, 4299]
+    assert gpt2.decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
+    assert gpt2.decode([15496, 50300]) == "Hello\ufffd"  # 50257..50303: the padding of vocab_size 50304
+
+
+def test_the_tokenizer_is_the_datas(tmp_path):
+    assert data.tokenizer_name(data.DataConfig()) == "bytes"  # the embedded corpus
+    tokens = np.arange(100, dtype=np.uint16)
+    prepare.write_token_dir(str(tmp_path / "d"), tokens, tokens, 50257, "gpt2")
+    assert data.tokenizer_name(data.DataConfig(path=str(tmp_path / "d"))) == "gpt2"
+    assert data.tokenizer_name(data.DataConfig(path=str(tmp_path / "elsewhere"))) is None
+
+
+def test_the_run_prints_a_sample_at_the_end(trained):
+    _, stdout, stderr = trained
+    assert "sample (40 tokens, temperature 0.8, top_k 200):" in stderr
+    printed = stdout.split(f"step {STEPS}: eval loss ")[1].split("\n", 1)[1]  # after the last step's eval line
+    assert printed.startswith(PROMPT) and len(printed) > len(PROMPT) + 1, stdout
+
+
+def test_command_line_prints_the_prompt_and_its_continuation(trained):
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.sample", "--run", trained[0], "--prompt", PROMPT,
+                           "--max_new_tokens", "50", "--temperature", "0"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(PROMPT) and len(proc.stdout) > len(PROMPT) + 1, proc.stdout
+    assert f"step {STEPS} of {trained[0]}, fp32, temperature 0.0" in proc.stderr
+
+
+def refused(capsys, argv: list[str], named: str) -> None:
+    """jaxtrain.sample exits 2 with one line on stderr, naming `named`."""
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and named in lines[0] and "Traceback" not in err, err
+
+
+def test_run_and_step_errors(trained, tmp_path, capsys):
+    refused(capsys, ["--run", str(tmp_path / "nowhere")], "holds no complete checkpoint")
+    refused(capsys, ["--run", str(tmp_path)], "holds no complete checkpoint")
+    refused(capsys, ["--run", trained[0], "--step", "7"], "no checkpoint of step 7; its steps are 20, 40")
+    refused(capsys, ["--run", trained[0], "--prompt", ""], "the prompt is empty")
+    refused(capsys, ["--run", trained[0], "--tokenizer", "gpt2", "--prompt", "Hello"],
+            "token id 15496, beyond the model's vocabulary of 256")
+
+
+INVALID_FLAGS = st.one_of(
+    st.integers(-10**9, 0).map(lambda n: ([f"--max_new_tokens={n}"], "--max_new_tokens must be > 0")),
+    st.floats(max_value=-1e-30).map(lambda t: ([f"--temperature={t!r}"], "--temperature must be")),
+    st.sampled_from(["nan", "inf", "-inf"]).map(lambda t: ([f"--temperature={t}"], "--temperature must be")),
+    st.integers(-10**9, -1).map(lambda k: ([f"--top_k={k}"], "--top_k must be >= 0")),
+    (st.integers(-10**9, -1) | st.integers(2**32, 2**70)).map(lambda s: ([f"--seed={s}"], "--seed must be")),
+    st.sampled_from(["--max_new_tokens", "--top_k", "--seed", "--step", "--temperature"]).flatmap(
+        lambda flag: st.sampled_from(["x", "1e", "", "--"]).map(lambda v: ([flag, v], flag))),
+    st.sampled_from([["--precision", "fp16"], ["--tokenizer", "utf8"], ["--unknown", "1"]]).map(
+        lambda args: (args, args[0])),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=INVALID_FLAGS)
+def test_invalid_flags_are_refused_in_one_line_before_the_run_is_read(case, capsys, tmp_path):
+    args, named = case
+    refused(capsys, ["--run", str(tmp_path / "never-read"), *args], named)
