@@ -22,9 +22,12 @@ from jax.sharding import Mesh
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
+from jaxtrain import data as data_lib
 from jaxtrain import hf_format
+from jaxtrain import prepare
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
+from jaxtrain.config import Config
 from jaxtrain.errors import UserError, exit_on_user_error
 
 
@@ -39,18 +42,32 @@ def to_torch(step_dir: str, out_dir: str) -> None:
 def to_hf(src: str, out_dir: str) -> None:
     """A jaxtrain step folder or a torch-format folder (one from-hf wrote, too) -> a Hugging Face GPT-2 folder."""
     torch_format.check_new_folder(out_dir)
+    cfg = None  # a run's config, which names its data and so its tokenizer
     if not os.path.exists(os.path.join(src, torch_format.MODEL)):
         state, cfg, _ = restore_step(src)
         tensors = torch_format.model_tensors(state.params)
-        config = hf_format.hf_config(cfg.model, tensors[torch_format.WTE].shape[0])
-    elif torch_format.holds_training_state(src):
+    else:
         tensors = hf_format.read_tensors(src)
-        model_cfg = config_lib.from_dict(torch_format.read_trainer_state(src)["config"]).model
-        config = hf_format.hf_config(model_cfg, tensors[torch_format.WTE].shape[0])
-    else:  # weights that from-hf wrote, with the model's config.json beside them
-        tensors, config = hf_format.read_tensors(src), hf_format.read_config(src)
-    hf_format.write(out_dir, hf_format.from_nanogpt(tensors), config)
-    print(f"wrote {out_dir}: load it with transformers.GPT2LMHeadModel.from_pretrained({out_dir!r})", file=sys.stderr)
+        if torch_format.holds_training_state(src):
+            cfg = config_lib.from_dict(torch_format.read_trainer_state(src)["config"])
+    # without a run's config: weights that from-hf wrote, with the model's config.json beside them
+    config = hf_format.hf_config(cfg.model, tensors[torch_format.WTE].shape[0]) if cfg else hf_format.read_config(src)
+    tokenizer = data_lib.tokenizer_name(cfg.data) if cfg else None
+    gpt2_files = prepare.gpt2_bpe_files() if tokenizer == "gpt2" else None
+    hf_format.write(out_dir, hf_format.from_nanogpt(tensors), config, gpt2_files)
+    print(f"wrote {out_dir}: load it with transformers.GPT2LMHeadModel.from_pretrained({out_dir!r})"
+          f"{_tokenizer_note(tokenizer, cfg)}", file=sys.stderr)
+
+
+def _tokenizer_note(tokenizer: str | None, cfg: Config | None) -> str:
+    """What to-hf says about the tokenizer it wrote, or why it wrote none."""
+    if tokenizer == "gpt2":
+        return " and its tokenizer with AutoTokenizer.from_pretrained (GPT-2's BPE, as the run's data)"
+    if tokenizer == "bytes":
+        return "; no tokenizer files: the run's tokens are bytes (id = byte value: list(text.encode()))"
+    why = (f"the run's data folder {cfg.data.path}, whose meta.json names the tokenizer, is not here" if cfg else
+           "the folder does not say which data it was trained on")
+    return f"; no tokenizer files: {why}"
 
 
 def from_hf(src: str, out_dir: str) -> None:

@@ -11,6 +11,7 @@ MLP width) are refused with the reason: converting them would change what they c
 
 import json
 import os
+import shutil
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -22,6 +23,9 @@ from jaxtrain.model import LN_EPS
 from jaxtrain.torch_format import folder_into_place
 
 CONFIG, MODEL = "config.json", "model.safetensors"
+# GPT-2's BPE as OpenAI released it (prepare.gpt2_bpe_files) -> the names HF's GPT2Tokenizer reads: the same files.
+GPT2_TOKENIZER_FILES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
+EOT = "<|endoftext|>"
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 LM_HEAD = "lm_head.weight"
 
@@ -72,12 +76,23 @@ def to_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return from_nanogpt(tensors)
 
 
-def write(out_dir: str, tensors: dict[str, np.ndarray], config: dict) -> None:
-    """An HF model folder, written under a temporary name and renamed into place."""
+def write(out_dir: str, tensors: dict[str, np.ndarray], config: dict, gpt2_files: dict[str, str] | None = None) -> None:
+    """An HF model folder, with GPT-2's tokenizer where `gpt2_files` (prepare.gpt2_bpe_files) are given, written
+    under a temporary name and renamed into place."""
     with folder_into_place(out_dir) as tmp:
         save_file(tensors, os.path.join(tmp, MODEL), metadata={"format": "pt"})
-        with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
+        _write_json(os.path.join(tmp, CONFIG), config)
+        if gpt2_files:
+            for name, hf_name in GPT2_TOKENIZER_FILES.items():
+                shutil.copyfile(gpt2_files[name], os.path.join(tmp, hf_name))
+            _write_json(os.path.join(tmp, "tokenizer_config.json"), {
+                "tokenizer_class": "GPT2Tokenizer", "model_max_length": config["n_positions"],
+                "bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "add_prefix_space": False})
+
+
+def _write_json(path: str, content: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2)
 
 
 def read_config(src: str) -> dict:

