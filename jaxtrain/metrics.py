@@ -2,9 +2,11 @@
 
 metrics.jsonl has one JSON object per logged optimizer step: step (updates completed, 1-based), loss, lr,
 grad_norm, tokens (cumulative), tokens_per_s, mfu (null where the device's peak is unknown), and with
-train.nan_policy=skip `skipped` (updates skipped so far); eval lines carry step and eval_loss. torchref writes the same format, and gives tokens_per_s the same meaning: valid target tokens
-trained since the previous line over the training time they took, evaluation and checkpoint saves left out (the
-loop calls `exclude_time` after them; an async save's background writing that slows later steps still counts).
+train.nan_policy=skip `skipped` (updates skipped so far); eval lines carry step, eval_loss and eval_accuracy (the
+fraction of valid eval targets that are the top-1 prediction, ties to the lowest token id). torchref writes the same
+format, and gives tokens_per_s the same meaning: valid target tokens trained since the previous line over the
+training time they took, evaluation and checkpoint saves left out (the loop calls `exclude_time` after them; an async
+save's background writing that slows later steps still counts).
 """
 
 import itertools
@@ -72,9 +74,9 @@ def _logged(path) -> list[tuple[int, str]]:
 
 
 def scalars(line: dict) -> dict:
-    """A metrics line's values as TensorBoard and W&B show them: train lines' fields under train/, eval_loss as
-    it is; the step and unknown values (mfu null) left out."""
-    return {key if key == "eval_loss" else f"train/{key}": value for key, value in line.items()
+    """A metrics line's values as TensorBoard and W&B show them: train lines' fields under train/, eval lines' as
+    they are (eval_loss, eval_accuracy); the step and unknown values (mfu null) left out."""
+    return {key if key.startswith("eval_") else f"train/{key}": value for key, value in line.items()
             if key != "step" and value is not None}
 
 
@@ -136,10 +138,10 @@ class MetricsLogger:
         """tokens_per_s over all of this run's training steps, for the summary."""
         return self.run_tokens / self.run_seconds if self.run_seconds else None
 
-    def eval(self, step: int, eval_loss: float) -> None:
-        self._write({"step": step, "eval_loss": eval_loss})
+    def eval(self, step: int, eval_loss: float, eval_accuracy: float) -> None:
+        self._write({"step": step, "eval_loss": eval_loss, "eval_accuracy": eval_accuracy})
         if self.is_main:
-            self.bar.write(f"step {step}: eval loss {eval_loss:.4f}")
+            self.bar.write(f"step {step}: eval loss {eval_loss:.4f}, accuracy {eval_accuracy:.2%}")
 
     def _write(self, line: dict) -> None:
         if not self.is_main:

@@ -142,12 +142,12 @@ class Trainer:
         sharding = mesh_lib.window_sharding(self.mesh)
         return tuple(mesh_lib.global_array(x, sharding) for x in local_batch)
 
-    def evaluate(self, params, batches) -> float:
-        """Token-weighted mean CE over all eval batches."""
+    def evaluate(self, params, batches) -> tuple[float, float]:
+        """Token-weighted mean CE and top-1 accuracy over all eval batches."""
         with jax.set_mesh(self.mesh):
             sums = [self.eval_step(params, inputs, targets) for inputs, targets in batches]
-        ce, n = np.sum(jax.device_get(sums), axis=0)
-        return float(ce / max(n, 1))
+        ce, correct, n = np.sum(jax.device_get(sums), axis=0, dtype=np.float64)
+        return float(ce / max(n, 1)), float(correct / max(n, 1))
 
 
 def set_aside_previous_run(out_dir: str) -> None:
@@ -264,8 +264,8 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
             summary.update(report(pending, logger, divergence))
             pending = None
         if evaluate:
-            summary["eval_loss"] = trainer.evaluate(state.params, eval_batches)
-            logger.eval(step, summary["eval_loss"])
+            summary["eval_loss"], summary["eval_accuracy"] = trainer.evaluate(state.params, eval_batches)
+            logger.eval(step, summary["eval_loss"], summary["eval_accuracy"])
         if save:  # refuses a state holding inf or NaN
             logger.sync()  # metrics.jsonl reaches this step before its checkpoint can exist
             trainer.checkpointer.save(state, trainer.data_seed, summary["eval_loss"] if evaluate else None)
@@ -293,8 +293,8 @@ def format_summary(s: dict) -> str:
     def fmt(key, spec):
         return format(s[key], spec) if s.get(key) is not None else "n/a"
     return (f"done: steps {s.get('start_step', 0)}->{s.get('step', 'n/a')}  loss {fmt('loss', '.4f')}  "
-            f"eval_loss {fmt('eval_loss', '.4f')}  tokens/s {fmt('tokens_per_s', ',.0f')}  "
-            f"mfu {fmt('mfu', '.1%')}  wall {fmt('wall_s', '.1f')}s")
+            f"eval_loss {fmt('eval_loss', '.4f')}  eval_accuracy {fmt('eval_accuracy', '.2%')}  "
+            f"tokens/s {fmt('tokens_per_s', ',.0f')}  mfu {fmt('mfu', '.1%')}  wall {fmt('wall_s', '.1f')}s")
 
 
 if __name__ == "__main__":

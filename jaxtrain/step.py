@@ -69,6 +69,15 @@ def _token_ce_bwd(residuals, g_BxT):
 token_ce.defvjp(_token_ce_fwd, _token_ce_bwd)
 
 
+def correct_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    """Number of targets that are the logits' top-1 prediction; a padding target (< 0) never is one.
+
+    The prediction is jnp.argmax: among equal logits the lowest index (lax.argmax's reducer), the rule torch.argmax
+    documents too, so both backends count a tie alike. A NaN logit counts as the largest in both; an eval with NaN
+    logits has a NaN loss."""
+    return jnp.sum(jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT)
+
+
 def init_state(params: nnx.State, tx: optax.GradientTransformation) -> TrainState:
     return TrainState(params, tx.init(params))
 
@@ -141,13 +150,15 @@ def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
-    """eval_step(params, inputs_KxBxT, targets_KxBxT) -> (sum CE, valid tokens) over the k micro-batches, one at
-    a time (a scan: evaluation fits where a training micro-step does). The caller sums over batches, so that the
-    eval loss is token-weighted over all of them."""
+    """eval_step(params, inputs_KxBxT, targets_KxBxT) -> (sum CE, correct top-1 predictions, valid tokens) over the
+    k micro-batches, one at a time (a scan: evaluation fits where a training micro-step does), both sums from one
+    forward pass. The caller sums over batches, so that the eval loss and accuracy are token-weighted over all of
+    them."""
     def eval_step(params, inputs_KxBxT, targets_KxBxT):
         def micro(totals, batch):
-            ce, n = ce_sum(model.apply(graphdef, params, batch[0]), batch[1])
-            return (totals[0] + ce, totals[1] + n), None
-        zeros = (jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32))
+            logits_BxTxV = model.apply(graphdef, params, batch[0])
+            ce, n = ce_sum(logits_BxTxV, batch[1])
+            return (totals[0] + ce, totals[1] + correct_sum(logits_BxTxV, batch[1]), totals[2] + n), None
+        zeros = (jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
         return jax.lax.scan(micro, zeros, (inputs_KxBxT, targets_KxBxT))[0]
     return eval_step

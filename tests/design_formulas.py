@@ -41,3 +41,14 @@ def schedule_lr_at(t: int, schedule: str, lr: float, min_lr: float, warmup: int,
         return lr - (lr - min_lr) * fraction
     cycle_fraction = fraction * cycles - math.floor(fraction * cycles + 1e-9)  # + 1e-9: a restart is exactly 0
     return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * cycle_fraction))
+
+
+# Top-1 by hand, ties included: each position's argmax under the lowest-index rule, and whether it hits the target.
+TOP1_LOGITS = [[[1, 3, 3, 0],    # tie 1/2 -> 1; target 1: hit
+                [1, 3, 3, 0],    # tie 1/2 -> 1; target 2: miss (the higher index of a tie is not the prediction)
+                [5, 0, 0, 5]],   # tie 0/3 -> 0; target 0: hit
+               [[0, 0, 0, 0],    # all tie -> 0; target 0: hit
+                [9, 0, 0, 0],    # padding (target -1): not a hit whatever the logits
+                [0, 1, 0, 2]]]   # 3; target 3: hit
+TOP1_TARGETS = [[1, 2, 0], [0, -1, 3]]
+TOP1_HITS = 4  # ties to the highest index would give 2

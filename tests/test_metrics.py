@@ -72,7 +72,7 @@ def test_tensorboard_events_read_back_by_tensorboard_and_never_go_back_in_step(t
                                        device_kind="cpu", is_main=True)
         for step in range(start_step + 1, last_step + 1):
             logger.train(step, loss_at(step), 1e-3 * step, 0.5, 100)
-        logger.eval(last_step, 2.5)
+        logger.eval(last_step, 2.5, 0.25)
         logger.close()
 
     log(0, 6, lambda step: 10.0 + step)
@@ -88,5 +88,6 @@ def test_tensorboard_events_read_back_by_tensorboard_and_never_go_back_in_step(t
     assert loss == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 14.0), (5, 25.0), (6, 26.0), (7, 27.0), (8, 28.0)]
     assert [event.value for event in accumulator.Scalars("train/lr")] == pytest.approx([1e-3 * s for s in range(1, 9)])
     assert [(event.step, event.value) for event in accumulator.Scalars("eval_loss")] == [(8, 2.5)]
+    assert [(event.step, event.value) for event in accumulator.Scalars("eval_accuracy")] == [(8, 0.25)]
     assert set(accumulator.Tags()["scalars"]) == {"train/loss", "train/lr", "train/grad_norm", "train/tokens",
-                                                  "train/tokens_per_s", "eval_loss"}
+                                                  "train/tokens_per_s", "eval_loss", "eval_accuracy"}

@@ -61,10 +61,15 @@ def test_metrics_lines_and_checkpoints(reference_run, cache_dir):
         # tiny.yaml's lr 1e-3 and min_lr 1e-4, small_args' warmup 2 and decay over train.steps 8, in float64;
         # the step evaluates optax's schedule in float32: a few ulps.
         assert line["lr"] == pytest.approx(default_lr_at(line["step"] - 1, 1e-3, 1e-4, 2, 8), rel=1e-6)
-    assert [line["step"] for line in lines if "eval_loss" in line] == [4, 8]
+    eval_lines = [line for line in lines if "eval_loss" in line]
+    assert [line["step"] for line in eval_lines] == [4, 8]
+    assert all(set(line) == {"step", "eval_loss", "eval_accuracy"} for line in eval_lines)
+    # Token-weighted over the 2 eval batches of 8 x 32 targets, none of them padding: hits / 512.
+    assert all((line["eval_accuracy"] * 512).is_integer() for line in eval_lines)
     assert sorted(os.listdir(os.path.join(out_dir, "checkpoints"))) == ["4", "8"]
     assert os.path.isfile(os.path.join(out_dir, "config.yaml"))
     assert summary["eval_loss"] == lines[-1]["eval_loss"]
+    assert summary["eval_accuracy"] == lines[-1]["eval_accuracy"]
 
 
 def test_resume_after_kill_is_bit_exact(reference_run, tmp_path, cache_dir):

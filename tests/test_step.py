@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from design_formulas import default_lr_at
+from design_formulas import TOP1_HITS, TOP1_LOGITS, TOP1_TARGETS, default_lr_at
 from jaxtrain import config, model, optim, step
 
 VOCAB, SEQ, BATCH = 64, 16, 8
@@ -40,6 +40,12 @@ def test_ce_sum_ignores_negative_targets():
     expected = -(log_probs[0, 0, 0] + log_probs[0, 2, 4] + log_probs[1, 2, 2])
     assert int(n) == 3
     assert float(total) == pytest.approx(float(expected), rel=1e-6)  # fp32: a few roundings of O(1) terms
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_correct_sum_counts_top1_hits_with_ties_to_the_lowest_index(dtype):
+    hits = step.correct_sum(jnp.asarray(TOP1_LOGITS, dtype), jnp.asarray(TOP1_TARGETS, jnp.int32))
+    assert int(hits) == TOP1_HITS
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

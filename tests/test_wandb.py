@@ -49,12 +49,12 @@ def history(runs) -> list[dict]:
 
 
 def expected_rows(lines) -> list[dict]:
-    """metrics.jsonl's lines as W&B rows: one row per step, train fields under train/, eval_loss as it is, mfu
-    (null on a CPU) absent."""
+    """metrics.jsonl's lines as W&B rows: one row per step, train fields under train/, eval_loss and eval_accuracy
+    as they are, mfu (null on a CPU) absent."""
     rows = {}
     for line in lines:
         row = rows.setdefault(line["step"], {"_step": line["step"]})
-        row.update({k if k == "eval_loss" else f"train/{k}": v for k, v in line.items()
+        row.update({k if k in ("eval_loss", "eval_accuracy") else f"train/{k}": v for k, v in line.items()
                     if k != "step" and v is not None})
     return list(rows.values())
 
