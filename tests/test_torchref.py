@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from design_formulas import TOP1_HITS, TOP1_LOGITS, TOP1_TARGETS
 from jaxtrain import config
 from jaxtrain.errors import UserError
 from torchref import run
@@ -150,6 +151,12 @@ def test_accumulation_is_token_weighted(token_dir, tmp_path):
         torch.testing.assert_close(grads[2][name], g, rtol=0, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_correct_sum_counts_top1_hits_with_ties_to_the_lowest_index(dtype):
+    hits = run.correct_sum(torch.tensor(TOP1_LOGITS, dtype=dtype), torch.tensor(TOP1_TARGETS))
+    assert int(hits) == TOP1_HITS
+
+
 # A run, its metrics and checkpoints ------------------------------------------------------------------------------
 
 def test_metrics_lines(straight_run):
@@ -161,7 +168,8 @@ def test_metrics_lines(straight_run):
     assert all(r["mfu"] is None for r in train)  # CPU: peak unknown
     assert [r["tokens"] for r in train] == [8 * 16 * s for s in range(1, 7)]
     assert train[0]["lr"] == pytest.approx(1e-3 / 3)
-    assert [r["step"] for r in evals] == [3, 6] and all(set(r) == {"step", "eval_loss"} for r in evals)
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(set(r) == {"step", "eval_loss", "eval_accuracy"} and 0 <= r["eval_accuracy"] <= 1 for r in evals)
     assert os.path.exists(os.path.join(straight_run, "config.yaml"))
 
 

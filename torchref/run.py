@@ -78,7 +78,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
     flops_per_token = metrics.flops_per_token(cfg, model.num_params())  # jaxtrain's rule
     log = MetricsLog(cfg, progress.step if resumed else 0, flops_per_token, metrics.peak_flops(cfg, device_name))
     bar = tqdm(total=cfg.train.steps, initial=progress.step, disable=not cfg.log.progress, unit="step")
-    loss = eval_loss = None
+    loss = eval_loss = eval_accuracy = None
     divergence = Divergence(cfg, lambda: checkpoint.latest_step(cfg.run.out_dir))
     skip_non_finite = cfg.train.nan_policy == "skip"
     with log, bar:
@@ -98,8 +98,8 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
             last = progress.step == cfg.train.steps
             if last or (cfg.train.eval_every and progress.step % cfg.train.eval_every == 0):
-                eval_loss = evaluate(model, tokens, cfg, progress.data_seed, device, autocast)
-                log.eval(progress.step, eval_loss)
+                eval_loss, eval_accuracy = evaluate(model, tokens, cfg, progress.data_seed, device, autocast)
+                log.eval(progress.step, eval_loss, eval_accuracy)
             if last or stop.requested or progress.step % cfg.checkpoint.every == 0:
                 log.sync()  # W&B has this step before its checkpoint can exist
                 checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint)
@@ -107,6 +107,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
                 print(f"\ninterrupted: saved step {progress.step}; {config.resume_hint(cfg)}", file=sys.stderr)
                 break
     print(f"torchref: {progress.step} steps, loss {loss:.4f}, eval loss {_fmt(eval_loss)}, "
+          f"eval accuracy {_fmt(eval_accuracy)}, "
           f"{log.mean_tokens_per_s():,.0f} tokens/s, {log.wall_s():.1f} s wall")
 
 
@@ -185,12 +186,19 @@ def cross_entropy_sum(logits, targets) -> torch.Tensor:
                            ignore_index=-1, reduction="sum")
 
 
+def correct_sum(logits, targets) -> torch.Tensor:
+    """Number of targets that are the logits' top-1 prediction; a padding target (< 0) never is one. torch.argmax
+    takes the lowest index among equal logits (documented), as jaxtrain's jnp.argmax does; a NaN logit counts as
+    the largest in both."""
+    return (logits.argmax(dim=-1) == targets).sum()
+
+
 @torch.no_grad()
-def evaluate(model, tokens, cfg: Config, seed: int, device: str, autocast) -> float:
-    """Token-weighted mean CE over the train.eval_batches fixed validation batches, each of data.batch_size
-    sequences taken one micro-batch at a time."""
+def evaluate(model, tokens, cfg: Config, seed: int, device: str, autocast) -> tuple[float, float]:
+    """Token-weighted mean CE and top-1 accuracy over the train.eval_batches fixed validation batches, each of
+    data.batch_size sequences taken one micro-batch at a time."""
     model.eval()
-    total, count = 0.0, 0
+    total, correct, count = 0.0, 0, 0
     for index in range(cfg.train.eval_batches):
         inputs, targets = data.eval_batch(tokens, seed=seed, index=index, batch_size=cfg.data.batch_size,
                                           accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len)
@@ -198,9 +206,10 @@ def evaluate(model, tokens, cfg: Config, seed: int, device: str, autocast) -> fl
             with autocast:
                 logits = model(x)
             total += cross_entropy_sum(logits, y).item()
+            correct += int(correct_sum(logits, y))
             count += int((y >= 0).sum())
     model.train()
-    return total / count
+    return total / count, correct / count
 
 
 def to_device(batch, device: str) -> torch.Tensor:
@@ -255,8 +264,8 @@ class MetricsLog:
         divergence.check(line)
         return n_tokens / seconds
 
-    def eval(self, step: int, eval_loss: float) -> None:
-        self._write({"step": step, "eval_loss": eval_loss})
+    def eval(self, step: int, eval_loss: float, eval_accuracy: float) -> None:
+        self._write({"step": step, "eval_loss": eval_loss, "eval_accuracy": eval_accuracy})
 
     def sync(self) -> None:
         if self.wandb:
