@@ -101,7 +101,12 @@ class OptimConfig:
 @dataclasses.dataclass
 class TrainConfig:
     steps: int = 1000  # optimizer steps (never micro-steps)
-    precision: Literal["bf16", "fp32"] = "bf16"  # bf16: bf16 matmuls, fp32 params/grads/optimizer/norms/loss
+    # bf16 | fp16: bf16 or fp16 matmuls, fp32 params/grads/optimizer/norms/loss; fp32: everything in fp32
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # fp16: dynamic loss scaling as torch's GradScaler (x2 after this many finite windows in a row, x0.5 and the
+    # update skipped on a non-finite gradient): the scale a run starts at, and the growth interval
+    loss_scale_init: float = 65536.0
+    loss_scale_growth_interval: int = 2000
     eval_every: int = 100  # optimizer steps between evaluations; 0: only at the end
     eval_batches: int = 8  # fixed validation batches of data.batch_size sequences (run in micro-batches)
     nan_policy: Literal["halt", "skip"] = "halt"  # a non-finite loss or grad norm: halt (resume from the last checkpoint) or skip that update
@@ -296,7 +301,8 @@ def validate(cfg: Config) -> None:
         "train.steps": t.steps, "train.eval_batches": t.eval_batches, "checkpoint.every": cfg.checkpoint.every,
         "checkpoint.max_to_keep": cfg.checkpoint.max_to_keep, "log.every": cfg.log.every, "optim.lr": o.lr,
         "train.nan_skip_limit": t.nan_skip_limit, "run.lock_timeout_s": cfg.run.lock_timeout_s,
-        "optim.cycles": o.cycles,
+        "optim.cycles": o.cycles, "train.loss_scale_init": t.loss_scale_init,
+        "train.loss_scale_growth_interval": t.loss_scale_growth_interval,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -316,6 +322,9 @@ def validate(cfg: Config) -> None:
         if not 0.0 <= getattr(o, key) < 1.0:
             raise UserError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
     param_groups.validate(o.groups)
+    if not (math.log2(t.loss_scale_init).is_integer() and t.loss_scale_init <= 2.0**127):
+        raise UserError(f"train.loss_scale_init={t.loss_scale_init} must be a power of 2 (e.g. 65536, at most 2**127 "
+                        f"in fp32), so that scaling the loss and unscaling its gradient are exact")
     if o.schedule == "constant" and o.warmup_steps:
         raise UserError(f"optim.schedule=constant has no warmup, but optim.warmup_steps={o.warmup_steps}; set "
                         f"optim.warmup_steps=0, or use optim.schedule=constant_with_warmup")
@@ -494,7 +503,8 @@ def resume_hint(cfg: Config) -> str:
 # (data.path, data.cache_dir) is not either: its content is compared instead (data.check_same_data). How the model
 # computes (attention kernel, rematerialisation) is not: it may change on resume, to fit another device, and
 # checkpoints written before these keys existed still resume.
-TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "run.seed", "decay length")
+TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "train.loss_scale", "run.seed",
+                   "decay length")
 HOW_NOT_WHAT = ("model.attention", "model.remat")
 
 

@@ -7,6 +7,8 @@ The loss and the gradient norm reach the host for logging anyway, so the check c
 - skip: the step itself left the update out (jaxtrain: optim.unless_finite on device; torchref: no
   optimizer.step()), and the line's cumulative `skipped` count says so. This warns at each skip and halts after
   train.nan_skip_limit skips in a row (counted within one process: a resumed run starts counting again).
+Under train.precision=fp16 a non-finite gradient with a finite loss is the loss scale's overflow, which the loss
+scaling skips and backs off from as torch's GradScaler does: neither policy acts on it (it counts in `skipped`).
 """
 
 import math
@@ -20,16 +22,18 @@ from jaxtrain.errors import UserError
 class Divergence:
     def __init__(self, cfg: Config, latest_checkpoint: Callable[[], int | None]):
         self.policy, self.limit = cfg.train.nan_policy, cfg.train.nan_skip_limit
+        self.loss_scaled = cfg.train.precision == "fp16"
         self.latest_checkpoint = latest_checkpoint
         self.skipped, self.in_a_row = None, 0
 
     def check(self, line: dict) -> None:
         """`line`: a metrics.jsonl train line (step, loss, grad_norm; skipped under nan_policy=skip)."""
+        overflow = self.loss_scaled and math.isfinite(line["loss"])  # GradScaler's business, not a divergence
         if self.policy == "halt":
-            if not (math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"])):
+            if not (math.isfinite(line["loss"]) and (math.isfinite(line["grad_norm"]) or overflow)):
                 self._halt(line, "training diverged")
             return
-        if self.skipped is not None and line["skipped"] > self.skipped:
+        if self.skipped is not None and line["skipped"] > self.skipped and not overflow:
             self.in_a_row += 1
             print(f"step {line['step']}: loss {line['loss']}, grad norm {line['grad_norm']}: update skipped "
                   f"({self.in_a_row} in a row, {line['skipped']} in all)", file=sys.stderr)

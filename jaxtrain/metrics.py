@@ -2,7 +2,8 @@
 
 metrics.jsonl has one JSON object per logged optimizer step: step (updates completed, 1-based), loss, lr,
 grad_norm, tokens (cumulative), tokens_per_s, mfu (null where the device's peak is unknown), and with
-train.nan_policy=skip `skipped` (updates skipped so far); eval lines carry step, eval_loss and eval_accuracy (the
+train.nan_policy=skip or train.precision=fp16 `skipped` (updates skipped so far), with fp16 `loss_scale` (the loss
+scale the window ran with); eval lines carry step, eval_loss and eval_accuracy (the
 fraction of valid eval targets that are the top-1 prediction, ties to the lowest token id). torchref writes the same
 format, and gives tokens_per_s the same meaning: valid target tokens trained since the previous line over the
 training time they took, evaluation and checkpoint saves left out (the loop calls `exclude_time` after them; an async
@@ -110,9 +111,10 @@ class MetricsLogger:
                         disable=not (is_main and cfg.log.progress))
 
     def train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int,
-              skipped: int | None = None) -> dict:
-        """Record optimizer step `step` (1-based); `tokens` are the valid target tokens of its window; `skipped`,
-        the updates skipped so far (train.nan_policy=skip only), joins the line when given."""
+              counters: dict | None = None) -> dict:
+        """Record optimizer step `step` (1-based); `tokens` are the valid target tokens of its window; `counters`
+        join the line: `skipped`, the updates skipped so far (train.nan_policy=skip, fp16), and fp16's
+        `loss_scale`."""
         now = time.perf_counter()
         seconds, self.last_time, self.tokens = now - self.last_time, now, self.tokens + tokens
         self.line_tokens, self.line_seconds = self.line_tokens + tokens, self.line_seconds + seconds
@@ -121,8 +123,7 @@ class MetricsLogger:
         mfu = tokens_per_s * self.flops_per_token / self.flops_per_s_peak if self.flops_per_s_peak else None
         line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
                 "tokens_per_s": tokens_per_s, "mfu": mfu}
-        if skipped is not None:
-            line["skipped"] = skipped
+        line.update(counters or {})
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:

@@ -1,4 +1,4 @@
-"""GPT-2 in Flax NNX: nanoGPT's model, with torch.autocast(bfloat16) semantics under precision "bf16".
+"""GPT-2 in Flax NNX: nanoGPT's model, with torch.autocast semantics under precision "bf16" and "fp16".
 
 Params are fp32 and named so that each one maps mechanically onto nanoGPT's state-dict names (`torch_names`): the
 path joined with dots, under `transformer.` except `lm_head`, where a Linear `kernel` (in, out) is torch's `weight`
@@ -6,8 +6,9 @@ path joined with dots, under `transformer.` except `lm_head`, where a Linear `ke
 model on them, so jit, grad and optax see params as a plain pytree.
 
 Precision "bf16" follows autocast: every matmul takes bf16 operands and accumulates in fp32, in the backward pass too
-(`_bf16_matmul`); Linear outputs, attention and MLP activations and the logits are bf16; the residual stream,
-LayerNorm and softmax are fp32, and the loss upcasts the logits. Precision "fp32" runs every dot at
+(`_low_matmul`); Linear outputs, attention and MLP activations and the logits are bf16; the residual stream,
+LayerNorm and softmax are fp32, and the loss upcasts the logits. "fp16" is the same with fp16 (the train step adds
+the loss scaling fp16's range needs: step.py). Precision "fp32" runs every dot at
 Precision.HIGHEST, since the default may use bf16 passes on GPU/TPU. On a GPU under bf16, attention runs as cuDNN's
 fused kernel (model.attention).
 
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 
-COMPUTE_DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+COMPUTE_DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default
 
@@ -38,23 +39,25 @@ def _dot_f32acc(a, b):
     return jnp.matmul(a, b, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _bf16_matmul(a, b, dtypes):
-    """a @ b on bf16 operands with fp32 accumulation, fp32 result. b is 2-D or has a's batch axes;
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _low_matmul(a, b, dtypes, low):
+    """a @ b on `low` (bf16 or fp16) operands with fp32 accumulation, fp32 result. b is 2-D or has a's batch axes;
     dtypes = (a.dtype, b.dtype), the dtypes the cotangents must come back in."""
-    return _dot_f32acc(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+    return _dot_f32acc(a.astype(low), b.astype(low))
 
 
-def _bf16_matmul_fwd(a, b, dtypes):
-    a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+def _low_matmul_fwd(a, b, dtypes, low):
+    a, b = a.astype(low), b.astype(low)
     return _dot_f32acc(a, b), (a, b)
 
 
-def _bf16_matmul_bwd(dtypes, res, g_f32):
+def _low_matmul_bwd(dtypes, low, res, g_f32):
     """Autodiff of a preferred_element_type dot upcasts the operands to fp32 (slower, and not autocast's numerics);
-    written out, both gradient dots take bf16 operands and accumulate in fp32, as autocast's do."""
+    written out, both gradient dots take `low` operands, accumulate in fp32 and round their results to `low`, as
+    autocast's matmuls do (a weight's fp32 gradient is its fp16 or bf16 one, cast up). Under fp16 those roundings
+    are where a loss scale too large for the gradients overflows to inf, as it does in torch."""
     a, b = res
-    g = g_f32.astype(jnp.bfloat16)
+    g = g_f32.astype(low)
     if b.ndim == 2:  # a weight shared over a's leading axes: its gradient sums over them
         da = _dot_f32acc(g, b.T)
         db = _dot_f32acc(_row_major(a.reshape(-1, a.shape[-1]).T), g.reshape(-1, g.shape[-1]))
@@ -62,7 +65,7 @@ def _bf16_matmul_bwd(dtypes, res, g_f32):
         g = _row_major(g)
         da = _dot_f32acc(g, _row_major(jnp.swapaxes(b, -1, -2)))
         db = _dot_f32acc(_row_major(jnp.swapaxes(a, -1, -2)), g)
-    return da.astype(dtypes[0]), _row_major(db).astype(dtypes[1])
+    return da.astype(low).astype(dtypes[0]), _row_major(db).astype(low).astype(dtypes[1])
 
 
 def _row_major(x):
@@ -78,13 +81,13 @@ def _row_major(x):
     return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 
-_bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
+_low_matmul.defvjp(_low_matmul_fwd, _low_matmul_bwd)
 
 
 def matmul(a, b, precision: str):
-    """a @ b in fp32: from bf16 operands with fp32 accumulation ("bf16"), or in true fp32 ("fp32")."""
-    if precision == "bf16":
-        return _bf16_matmul(a, b, (a.dtype, b.dtype))
+    """a @ b in fp32: from bf16 or fp16 operands with fp32 accumulation ("bf16", "fp16"), or in true fp32."""
+    if precision != "fp32":
+        return _low_matmul(a, b, (a.dtype, b.dtype), COMPUTE_DTYPES[precision])
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 

@@ -110,7 +110,8 @@ def optimizer(cfg: Config) -> optax.MultiSteps:
     else:
         adamw = optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, eps_root=0.0,
                             weight_decay=o.weight_decay, mask=decay_mask(o.decay_mask))
-    inner = optax.chain(record_grad_norm(), clip, adamw)
+    loss_scale = [hold_loss_scale(cfg.train.loss_scale_init)] if cfg.train.precision == "fp16" else []
+    inner = optax.chain(record_grad_norm(), clip, adamw, *loss_scale)
     return optax.MultiSteps(inner, every_k_schedule=o.grad_accum_steps, use_grad_mean=False)
 
 
@@ -146,6 +147,46 @@ def param_settings(cfg: Config, params: nnx.State) -> dict[str, param_groups.Set
 
 def _label(setting: param_groups.Setting) -> str:
     return f"lr_scale={setting.lr_scale!r} weight_decay={setting.weight_decay!r}"
+
+
+class LossScaleState(NamedTuple):
+    """train.precision=fp16's dynamic loss scale, torch's GradScaler state: the scale (fp32, a power of 2, so that
+    scaling and unscaling are exact) and the finite windows in a row since it last changed (its growth tracker)."""
+    scale: jax.Array
+    good_steps: jax.Array
+
+
+def hold_loss_scale(init_scale: float) -> optax.GradientTransformation:
+    """Identity that keeps the loss scale in the optimizer state (so checkpoints carry it), last in the inner
+    chain: the train step reads it (`loss_scale`) and writes its next value (`with_loss_scale`)."""
+    def init(params):
+        del params
+        return LossScaleState(jnp.asarray(init_scale, jnp.float32), jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        return updates, state
+
+    return optax.GradientTransformation(init, update)
+
+
+def loss_scale(opt_state: optax.MultiStepsState) -> LossScaleState:
+    return opt_state.inner_opt_state[3]
+
+
+def with_loss_scale(opt_state: optax.MultiStepsState, scaler: LossScaleState) -> optax.MultiStepsState:
+    inner = opt_state.inner_opt_state
+    return opt_state._replace(inner_opt_state=(*inner[:3], scaler))
+
+
+def next_loss_scale(scaler: LossScaleState, finite: jax.Array, growth_interval: int) -> LossScaleState:
+    """GradScaler.update (torch's _amp_update_scale_): a non-finite window halves the scale and restarts the count;
+    the growth_interval-th finite window in a row doubles it (unless that overflows fp32) and restarts the count."""
+    good_steps = scaler.good_steps + 1
+    grow = finite & (good_steps == growth_interval)
+    grown = scaler.scale * 2.0
+    scale = jnp.where(finite, jnp.where(grow & jnp.isfinite(grown), grown, scaler.scale), scaler.scale * 0.5)
+    return LossScaleState(scale, jnp.where(finite & ~grow, good_steps, 0))
 
 
 def grad_norm(opt_state: optax.MultiStepsState) -> jax.Array:

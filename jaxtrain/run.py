@@ -282,9 +282,11 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
 def report(pending, logger, divergence: Divergence) -> dict:
     step, metrics = pending
     host = jax.device_get(metrics)
-    skipped = int(host["skipped"]) if divergence.policy == "skip" else None
+    counters = {"skipped": int(host["skipped"])} if divergence.policy == "skip" or "loss_scale" in host else {}
+    if "loss_scale" in host:  # train.precision=fp16
+        counters["loss_scale"] = float(host["loss_scale"])
     line = logger.train(step, float(host["loss"]), float(host["lr"]), float(host["grad_norm"]), int(host["tokens"]),
-                        skipped)
+                        counters)
     divergence.check(line)
     return line
 

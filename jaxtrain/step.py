@@ -96,37 +96,52 @@ def all_finite(tree) -> jax.Array:
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    seed: int, dropout: bool, skip_non_finite: bool = False) -> Callable:
+                    seed: int, dropout: bool, skip_non_finite: bool = False,
+                    loss_scale_growth_interval: int | None = None) -> Callable:
     """train_step(state, inputs_KxBxT, targets_KxBxT) -> (state, metrics), metrics as device scalars.
 
     The loss and the gradient norm are checked on device: with `skip_non_finite` (train.nan_policy=skip) a window
     where either is inf or NaN leaves params and optimizer state as they were (optim.unless_finite); otherwise
-    the host halts on the metrics before anything is saved (run.Divergence)."""
-    base_key = jax.random.key(seed)
+    the host halts on the metrics before anything is saved (run.Divergence).
 
-    def micro_loss(params, inputs_BxT, targets_BxT, n_window, dropout_key):
+    With `loss_scale_growth_interval` (train.precision=fp16), torch's GradScaler in the step: each micro-batch's
+    loss is multiplied by the loss scale before the backward pass and its gradient divided by it after (exact: the
+    scale is a power of 2, so this is GradScaler's unscale_ of the summed window), a window with a non-finite
+    gradient is skipped as nan_policy=skip skips one, and the scale moves as GradScaler.update moves it."""
+    base_key = jax.random.key(seed)
+    fp16 = loss_scale_growth_interval is not None
+
+    def micro_loss(params, inputs_BxT, targets_BxT, n_window, dropout_key, scale):
         logits_BxTxV = model.apply(graphdef, params, inputs_BxT, dropout_key=dropout_key)
         ce, _ = ce_sum(logits_BxTxV, targets_BxT)
-        return ce / n_window, ce
+        return (ce / n_window) * scale if fp16 else ce / n_window, ce
 
     def train_step(state: TrainState, inputs_KxBxT, targets_KxBxT):
         n_window = jnp.maximum(jnp.sum(targets_KxBxT >= 0), 1)
         step_key = jax.random.fold_in(base_key, state.step)
+        scaler = optim.loss_scale(state.opt_state) if fp16 else None
 
         def micro_step(carry, micro):
-            params, opt_state = carry
+            opt_state, _ = carry
             i, inputs_BxT, targets_BxT = micro
             key = jax.random.fold_in(step_key, i) if dropout else None
-            grads, ce = jax.grad(micro_loss, has_aux=True)(params, inputs_BxT, targets_BxT, n_window, key)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), ce
+            grads, ce = jax.grad(micro_loss, has_aux=True)(state.params, inputs_BxT, targets_BxT, n_window, key,
+                                                           scaler.scale if fp16 else None)
+            if fp16:
+                grads = jax.tree.map(lambda g: g / scaler.scale, grads)
+            updates, opt_state = tx.update(grads, opt_state, state.params)
+            return (opt_state, updates), ce
 
+        # MultiSteps emits the window's update at its last micro-step and 0 * update before it, which is NaN where
+        # a micro-batch's gradient is not finite: the params take the last micro-step's update alone.
         k = inputs_KxBxT.shape[0]
-        (params, opt_state), ce_K = jax.lax.scan(
-            micro_step, (state.params, state.opt_state), (jnp.arange(k), inputs_KxBxT, targets_KxBxT))
+        (opt_state, updates), ce_K = jax.lax.scan(
+            micro_step, (state.opt_state, jax.tree.map(jnp.zeros_like, state.params)),
+            (jnp.arange(k), inputs_KxBxT, targets_KxBxT))
+        params = optax.apply_updates(state.params, updates)
         loss, grad_norm = jnp.sum(ce_K) / n_window, optim.grad_norm(opt_state)
-        if skip_non_finite:
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if skip_non_finite or fp16:
             params, opt_state = optim.unless_finite(finite, state, (params, opt_state))
         metrics = {
             "loss": loss,
@@ -135,6 +150,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
             "tokens": n_window,
             "skipped": optim.skipped_updates(opt_state),
         }
+        if fp16:
+            opt_state = optim.with_loss_scale(opt_state, optim.next_loss_scale(scaler, finite,
+                                                                                loss_scale_growth_interval))
+            metrics["loss_scale"] = scaler.scale  # the scale this window's backward pass ran with
         return TrainState(params, opt_state), metrics
 
     return train_step
@@ -144,8 +163,10 @@ def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
     """The run's train step (cfg's model with its resolved vocab_size, optimizer, schedule, nan_policy), jitted with
     the state donated: what run.Trainer trains with, the dry run compiles and the benchmarks time."""
     graphdef = model.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
+    fp16 = cfg.train.precision == "fp16"
     train_step = make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), seed, cfg.model.dropout > 0,
-                                 skip_non_finite=cfg.train.nan_policy == "skip")
+                                 skip_non_finite=cfg.train.nan_policy == "skip",
+                                 loss_scale_growth_interval=cfg.train.loss_scale_growth_interval if fp16 else None)
     return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
 
 

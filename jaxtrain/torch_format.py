@@ -5,7 +5,7 @@ A torch-format checkpoint is a folder; torchref/checkpoint.py writes and reads e
     model.safetensors      nanoGPT's state dict, fp32, Linear weights (out, in); no lm_head.weight when tied
     optimizer.safetensors  AdamW's moments by param name: `<name>.exp_avg` (our mu), `<name>.exp_avg_sq` (our nu)
     trainer_state.json     {"format", "step", "skipped", "lr_scheduler", "tied_embeddings", "data", "rng",
-                            "config_hash", "config"}
+                            "config_hash", "config", and under fp16 "loss_scale": {"scale", "growth_tracker"}}
 
 The bridge is lossless: params and moments are fp32 on both sides and only transposed, and a checkpoint is always
 taken at a window boundary, where two numbers say where training stands: `step`, the windows trained
@@ -63,8 +63,12 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
         save_file(_torch_arrays(state.params, names), os.path.join(tmp, MODEL))
         save_file(moments, os.path.join(tmp, OPTIMIZER))
         with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
-            json.dump(_trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg, lr_scales,
-                                     cfg.run.seed if data_seed is None else data_seed, data_fingerprint), f, indent=1)
+            trainer_state = _trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg, lr_scales,
+                                           cfg.run.seed if data_seed is None else data_seed, data_fingerprint)
+            if cfg.train.precision == "fp16":  # GradScaler's state, as torchref's checkpoints hold it
+                scaler = optim.loss_scale(state.opt_state)
+                trainer_state["loss_scale"] = {"scale": float(scaler.scale), "growth_tracker": int(scaler.good_steps)}
+            json.dump(trainer_state, f, indent=1)
 
 
 @contextlib.contextmanager
@@ -104,7 +108,8 @@ def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]
     adam = optim.adam_state(template.opt_state)
     mu, nu = (_from_torch(getattr(adam, field), {n: moments[f"{n}.{key}"] for n in names}, names)
               for field, key in MOMENTS)
-    return TrainState(params, _at_window_boundary(template.opt_state, mu, nu, step, skipped)), "full"
+    opt_state = _at_window_boundary(template.opt_state, mu, nu, step, skipped, trainer_state.get("loss_scale"))
+    return TrainState(params, opt_state), "full"
 
 
 def holds_training_state(path: str) -> bool:
@@ -199,12 +204,16 @@ def _from_torch(template: nnx.State, arrays: dict[str, np.ndarray], names: dict)
     return nnx.from_flat_state([(path, leaf(path, var)) for path, var in nnx.to_flat_state(template)])
 
 
-def _at_window_boundary(template: optax.MultiStepsState, mu, nu, step: int,
-                        skipped: int) -> optax.MultiStepsState:
+def _at_window_boundary(template: optax.MultiStepsState, mu, nu, step: int, skipped: int,
+                        loss_scale: dict | None) -> optax.MultiStepsState:
     """MultiSteps' state right after window `step`: AdamW's moments in place, gradient_step at step, AdamW's
-    bias-correction count and the LR schedule's count at the updates applied (step - skipped), no micro-step taken
-    and nothing accumulated."""
+    bias-correction count and the LR schedule's count at the updates applied (step - skipped), fp16's loss scale
+    where the checkpoint has one (GradScaler's scale and growth tracker), no micro-step taken and nothing
+    accumulated."""
     def counted(s):
+        if isinstance(s, optim.LossScaleState) and loss_scale is not None:
+            return optim.LossScaleState(_put(loss_scale["scale"], s.scale), _put(loss_scale["growth_tracker"],
+                                                                                   s.good_steps))
         if isinstance(s, optax.ScaleByAdamState):
             return s._replace(count=_put(step - skipped, s.count), mu=mu, nu=nu)
         if isinstance(s, optax.ScaleByScheduleState):
@@ -212,7 +221,8 @@ def _at_window_boundary(template: optax.MultiStepsState, mu, nu, step: int,
         return s
 
     inner = jax.tree.map(counted, template.inner_opt_state,
-                         is_leaf=lambda s: isinstance(s, (optax.ScaleByAdamState, optax.ScaleByScheduleState)))
+                         is_leaf=lambda s: isinstance(s, (optax.ScaleByAdamState, optax.ScaleByScheduleState,
+                                                          optim.LossScaleState)))
     return template._replace(
         inner_opt_state=inner, gradient_step=_put(step, template.gradient_step),
         mini_step=_put(0, template.mini_step),

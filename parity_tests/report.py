@@ -2,12 +2,13 @@
 
     python -m parity_tests.report --config configs/tiny.yaml --out out/parity-fp32          # the config's 500 steps
     python -m parity_tests.report --config configs/tiny.yaml --precision bf16 --out out/parity-bf16
+    python -m parity_tests.report --config configs/tiny.yaml --precision fp16 --out out/parity-fp16
     python -m parity_tests.report --config configs/tiny.yaml --steps 2000 --out out/parity-fp32-2000
 
 Exports jaxtrain's fresh params for the config to the torch format (weights only), starts `python -m jaxtrain.run`
 and `python -m torchref.run` from them (dropout forced to 0, every step logged), then each backend once more as its
 own rounding reference: in fp32 with twice the gradient accumulation (same batches, same math, only the fp32 sums
-reordered), in bf16 in fp32. Writes into --out:
+reordered), in bf16 and fp16 in fp32. Writes into --out:
 
     report.md      a table (component, max abs diff, max rel diff, rounding floor, bound, pass/fail), the first step
                    where any column leaves its bound, each bound's reason, the commands and their runtimes
@@ -17,8 +18,9 @@ reordered), in bf16 in fp32. Writes into --out:
 
 The floor (each backend against its reference) sizes the bounds to the config and the run length: training amplifies
 rounding, so a constant measured on one run cannot hold at every length (runs.FLOOR_FACTOR says how); the key bias,
-whose true gradient is zero, is judged against the floor alone (runs.ZERO_GRADIENT). In bf16 the cross-backend gap is
-also judged against torchref's own bf16-vs-fp32 gap (issue 4's 3x rule). Further `--section.key=value` flags go to
+whose true gradient is zero, is judged against the floor alone (runs.ZERO_GRADIENT). In bf16 and fp16 the
+cross-backend gap is also judged against torchref's own gap to fp32 (issue 4's 3x rule); fp16 adds its loss scaling
+decisions (loss_scale, skipped), which must be the same at every step. Further `--section.key=value` flags go to
 all runs. Exit status 1 when a bound is exceeded.
 The bounds and their reasons are runs.FP32 / runs.BF16 / runs.params_bound, the same the tests assert.
 """
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog="Any further --section.key=value flag is passed to both runs.")
     ap.add_argument("--config", required=True, help="run config YAML, e.g. configs/tiny.yaml")
     ap.add_argument("--steps", type=int, help="train.steps for both runs (default: the config's)")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     ap.add_argument("--out", required=True, help="folder for report.md, the PNGs and the runs (runs/ is replaced)")
     known, overrides = ap.parse_known_args(argv)
     bad = [a for a in overrides if not (a.startswith("--") and "=" in a)]
@@ -119,8 +121,8 @@ def judge(work: str, dirs: dict, refs: dict, precision: str, resolved: dict) -> 
 
 def reference(precision: str, resolved: dict) -> tuple[str | None, list[str]]:
     """What each backend's second run changes, the rounding-only reference that gives the floor: fp32 for a bf16
-    report; twice the accumulation for an fp32 one (None where the batch does not split further)."""
-    if precision == "bf16":
+    or fp16 report; twice the accumulation for an fp32 one (None where the batch does not split further)."""
+    if precision != "fp32":
         return "fp32", ["--train.precision=fp32"]
     k, batch = resolved["optim"]["grad_accum_steps"], resolved["data"]["batch_size"]
     if batch % (2 * k):
@@ -148,19 +150,22 @@ def compare(lines: dict, states: dict, precision: str, refs: dict) -> list[runs.
         rows = runs.compare_metrics(j, t, runs.FP32, floors=floor_lines)
         return rows + runs.compare_states(states["jaxtrain"], states["torchref"], {
             "params": runs.params_bound(column(t, "lr")[1]), "exp_avg": None, "exp_avg_sq": None}, floor_states)
-    rows = runs.compare_metrics(j, t, runs.BF16, floors=floor_lines)
+    bounds, mean_loss, gap_ratio = runs.LOW_PRECISION[precision]
+    rows = runs.compare_metrics(j, t, bounds, floors=floor_lines)
+    if precision == "fp16":  # the loss scaling's decisions: the fp32 references have none
+        rows += runs.compare_metrics(j, t, runs.FP16_DECISIONS)[1:]
     cross = np.abs(column(j, "loss")[1] - column(t, "loss")[1])
     own = np.abs(column(t, "loss")[1] - column(lines[refs["torchref"]], "loss")[1])
-    rows.append(runs.scalar_row("loss mean |dloss|", float(cross.mean()), runs.BF16_MEAN_LOSS, _own_mean(lines, refs)))
-    rows.append(runs.scalar_row("loss gap / torchref's bf16-fp32 gap", float(cross.mean() / own.mean()),
-                                runs.BF16_GAP_RATIO))
+    rows.append(runs.scalar_row("loss mean |dloss|", float(cross.mean()), mean_loss, _own_mean(lines, refs)))
+    rows.append(runs.scalar_row(f"loss gap / torchref's {precision}-fp32 gap", float(cross.mean() / own.mean()),
+                                gap_ratio))
     # The params are judged by the gap ratio (their key bias by its floor, which compare_states applies).
     cross_states = runs.compare_states(states["jaxtrain"], states["torchref"],
                                        {"params": None, "exp_avg": None, "exp_avg_sq": None}, floor_states,
                                        runs.BF16_FLOOR_FACTOR)
     own_p = runs.compare_states(states["torchref"], states[refs["torchref"]], {"params": None})[0].max_abs
-    rows.append(runs.scalar_row("final params gap / torchref's bf16-fp32 gap", cross_states[0].max_abs / own_p,
-                                runs.BF16_GAP_RATIO))
+    rows.append(runs.scalar_row(f"final params gap / torchref's {precision}-fp32 gap", cross_states[0].max_abs / own_p,
+                                gap_ratio))
     return rows + cross_states
 
 
@@ -239,12 +244,13 @@ def plot_gaps(lines: dict, path: str, key: str, title: str, precision: str, refs
     floors = [(column(lines[b], key)[1], column(lines[r], key)[1]) for b, r in refs.items()]
     for (backend, ref), (x, y) in zip(refs.items(), floors):
         _gaps(bottom, steps, np.abs(x - y) / scale, f"floor: |{backend} - {ref}|{per}", FLOOR_STYLE[backend])
-    bound = (runs.FP32 if precision == "fp32" else runs.BF16)[key]
+    bound = (runs.FP32 if precision == "fp32" else runs.LOW_PRECISION[precision][0])[key]
     if bound is not None:  # bf16's grad norm is shown, not bounded (runs.BF16)
         allowed = bound.allowed(t, runs.floor_envelope(floors, len(t)))
         bottom.plot(steps, allowed / scale, color="tab:red", ls=":", lw=1, label=f"bound ({bound.text()})")
-    if key == "loss" and precision == "bf16":
-        mean_bound = runs.BF16_MEAN_LOSS.atol + runs.BF16_MEAN_LOSS.floor_factor * _own_mean(lines, refs)
+    if key == "loss" and precision != "fp32":
+        mean = runs.LOW_PRECISION[precision][1]
+        mean_bound = mean.atol + mean.floor_factor * _own_mean(lines, refs)
         bottom.axhline(mean_bound, color="tab:red", ls="-.", lw=1, label=f"bound on the mean ({mean_bound:.2g})")
     bottom.set_ylabel("relative difference" if relative else f"|d{key}|")
     bottom.legend(loc="lower right", fontsize=8)
@@ -305,7 +311,7 @@ def _floor_paragraph(precision: str, refs: dict) -> str:
     if not refs:
         return ("**No rounding floor**: the batch does not split into twice the accumulation, so no reference run "
                 "was made; every bound is its constant part alone, and the key bias is held like the other params.")
-    what = ("in fp32 (how far bf16 alone moves it)" if precision == "bf16" else
+    what = (f"in fp32 (how far {precision} alone moves it)" if precision != "fp32" else
             "with only the order of its fp32 sums changed (twice the accumulation: same batches, same math)")
     return (f"**Rounding floor**: each backend run again {what}: `{'`, `'.join(refs.values())}`. The floor column is "
             f"the larger of the two backends' gaps to their reference, in the same statistic as the row. Training "

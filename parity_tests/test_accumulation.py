@@ -112,8 +112,9 @@ def fp64_window_gradient(k: int, accumulate=run.accumulate_gradients) -> tuple[d
     return torch_grads(module), float(loss)
 
 
-def mean_of_means(module, inputs, targets, autocast):
-    """The 2024 HF accumulation bug: each micro-batch's own mean CE, averaged over the k micro-batches."""
+def mean_of_means(module, inputs, targets, autocast, scaler=None):
+    """The 2024 HF accumulation bug: each micro-batch's own mean CE, averaged over the k micro-batches (fp32: no
+    loss scaler)."""
     loss = 0.0
     for x, y in zip(inputs, targets):
         micro = run.cross_entropy_sum(module(x), y) / (y >= 0).sum() / len(inputs)

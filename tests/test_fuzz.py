@@ -154,7 +154,7 @@ VALID = {
     "optim.grad_accum_steps": st.sampled_from(["1", "2", "4", "8", "16", "32"]),
     "optim.schedule": st.sampled_from(["cosine", "linear", "constant_with_warmup", "cosine_with_restarts"]),
     "optim.cycles": _ints(1, 2**20), "optim.groups": _groups(),
-    "train.steps": _ints(8, INT32_MAX), "train.precision": st.sampled_from(["bf16", "fp32"]),
+    "train.steps": _ints(8, INT32_MAX), "train.precision": st.sampled_from(["bf16", "fp16", "fp32"]),
     "train.eval_every": _ints(0, INT32_MAX), "train.eval_batches": _ints(1, INT32_MAX),
     "checkpoint.every": _ints(1, INT32_MAX), "checkpoint.max_to_keep": _ints(1, INT32_MAX),
     "checkpoint.async_save": _BOOL,

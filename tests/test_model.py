@@ -170,24 +170,33 @@ def _operands(shape_a, shape_b):
             jax.random.normal(jax.random.key(5), shape_a[:-1] + shape_b[-1:]))
 
 
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape_a,shape_b", [((4, 16, 64), (64, 48)), ((2, 3, 16, 32), (2, 3, 32, 16))])
-def test_bf16_matmul_gradient(shape_a, shape_b):
-    """Linear (a weight shared over the batch axes) and attention (batched) shapes."""
+def test_low_precision_matmul_gradient(shape_a, shape_b, low):
+    """Linear (a weight shared over the batch axes) and attention (batched) shapes, in bf16 and fp16."""
     a, b, w = _operands(shape_a, shape_b)
     grad = lambda prec: jax.jit(jax.grad(lambda a, b: (w * M.matmul(a, b, prec)).sum(), argnums=(0, 1)))(a, b)
-    (da, db), (da32, db32) = grad("bf16"), grad("fp32")
+    (da, db), (da32, db32) = grad(low), grad("fp32")
     assert da.dtype == db.dtype == jnp.float32
-    # Rounding the operands to bf16 (relative 2^-9 each) gives about 0.4% RMS relative error.
+    # Rounding the operands to bf16 (relative 2^-9 each) gives about 0.4% RMS relative error; fp16 less.
     assert _rel_err(da, da32) < 0.01 and _rel_err(db, db32) < 0.01
-    # Exactly the float64 gradient of bf16-rounded operands: fp32 accumulation over <= 768 terms is good to ~1e-6.
-    r = lambda x: np.asarray(x.astype(jnp.bfloat16), np.float64)
+    # The float64 gradient of the rounded operands, rounded to `low` as autocast's matmuls return it: fp32
+    # accumulation over <= 768 terms of O(1) errs by ~1e-6 absolute, so the result is that rounding, or where the
+    # exact value lies that close to a rounding boundary its neighbour: one ulp of `low`, plus the original 1e-5
+    # absolute where a sum cancels to a value smaller than its terms' rounding.
+    dtype = M.COMPUTE_DTYPES[low]
+    r = lambda x: np.asarray(x.astype(dtype), np.float64)
     a64, b64, g64 = r(a), r(b), r(w)
     da64 = g64 @ np.swapaxes(b64, -1, -2)
     if len(shape_b) == 2:
         a64, g64 = a64.reshape(-1, a64.shape[-1]), g64.reshape(-1, g64.shape[-1])
     db64 = np.swapaxes(a64, -1, -2) @ g64
-    np.testing.assert_allclose(da, da64, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(db, db64, rtol=1e-5, atol=1e-5)
+    for got, exact in ((da, da64), (db, db64)):
+        rounded = np.asarray(jnp.asarray(exact, jnp.float32).astype(dtype), np.float64)
+        info = jnp.finfo(dtype)  # the wider side of a power of 2; a subnormal's fixed spacing
+        ulp = 2.0 ** (np.maximum(np.floor(np.log2(np.abs(rounded) + 1e-30)), info.minexp) - info.nmant)
+        assert np.all(np.abs(np.asarray(got, np.float64) - rounded) <= ulp + 1e-5), low
+        assert np.mean(np.asarray(got, np.float64) == rounded) > 0.99  # almost always the exact value's rounding
 
 
 def test_bf16_matmul_backward_dots_are_bf16_with_fp32_accumulation():

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from design_formulas import lr_at, schedule_lr_at
 from jaxtrain import config, optim, param_groups
@@ -140,3 +142,35 @@ def test_torch_groups_put_lr_scale_one_and_decay_first():
         (Setting(1.0, 0.5), ["transformer.h.0.mlp.c_fc.weight", "lm_head.weight"]),
         (Setting(1.0, 0.0), ["transformer.h.0.ln_1.weight", "transformer.h.0.mlp.c_fc.bias"]),
         (Setting(0.1, 0.5), ["transformer.wte.weight"])]
+
+
+# train.precision=fp16's loss scale against torch's own GradScaler, driven by the same sequence of finite /
+# non-finite windows.
+def _torch_scales(init: float, interval: int, finite: list[bool]) -> list[float]:
+    import torch
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_interval=interval)
+    scales = []
+    for ok in finite:
+        scaler.scale(torch.ones(()))  # GradScaler creates its scale tensor on first use
+        param.grad = torch.tensor([1.0 if ok else float("inf")])
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@settings(deadline=None, max_examples=40, derandomize=True)
+@given(finite=st.lists(st.booleans(), min_size=1, max_size=40), interval=st.integers(1, 5),
+       init_exponent=st.sampled_from([0, 16, 32, 126, 127]))
+def test_loss_scale_moves_as_torch_gradscaler(finite, interval, init_exponent):
+    """Backoff on every non-finite window, growth on the interval-th finite one in a row, no growth past fp32's
+    range (init 2^127): the scale after each window equals GradScaler's."""
+    init = 2.0 ** init_exponent
+    state = optim.LossScaleState(jnp.float32(init), jnp.int32(0))
+    ours = []
+    for ok in finite:
+        state = optim.next_loss_scale(state, jnp.bool_(ok), interval)
+        ours.append(float(state.scale))
+    assert ours == _torch_scales(init, interval, finite)

@@ -41,7 +41,8 @@ class Progress:
     step: int = 0  # optimizer steps completed
     data_seed: int = 0  # seed of the batch order (run.seed of the run that started it)
     tokens: int = 0  # valid target tokens trained on so far
-    skipped: int = 0  # windows whose update train.nan_policy=skip left out
+    skipped: int = 0  # windows whose update train.nan_policy=skip, or fp16's loss scaling, left out
+    loss_scale: dict | None = None  # train.precision=fp16: GradScaler.state_dict()
 
     @property
     def updates(self) -> int:
@@ -178,6 +179,7 @@ def _trainer_state(progress: Progress, scheduler, tied: bool, cfg: Config, data_
         "tied_embeddings": tied,
         "data": {"seed": progress.data_seed, "next_step": progress.step, "tokens": progress.tokens},
         "skipped": progress.skipped,
+        **({"loss_scale": _scaler_state(progress.loss_scale)} if progress.loss_scale else {}),
         "rng": {"torch": _b64(torch.get_rng_state()), "cuda": cuda_rng},
         "data_fingerprint": data_fingerprint,
         "config_hash": config.config_hash(cfg),
@@ -197,7 +199,15 @@ def _restore_training(path: str, state: dict, model, optimizer) -> Progress:
         torch.set_rng_state(_unb64(rng["torch"]))
     if rng.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(_unb64(rng["cuda"]))
-    return Progress(step=step, data_seed=data["seed"], tokens=data.get("tokens", 0), skipped=skipped)
+    scaler = state.get("loss_scale")  # fp16 runs: {"scale", "growth_tracker"}
+    loss_scale = None if scaler is None else {"scale": scaler["scale"], "_growth_tracker": scaler["growth_tracker"]}
+    return Progress(step=step, data_seed=data["seed"], tokens=data.get("tokens", 0), skipped=skipped,
+                    loss_scale=loss_scale)
+
+
+def _scaler_state(state: dict) -> dict:
+    """GradScaler's scale and growth tracker, as the torch format (and jaxtrain's optim.LossScaleState) hold them."""
+    return {"scale": float(state["scale"]), "growth_tracker": int(state["_growth_tracker"])}
 
 
 def _load_adam_moments(file: str, model, optimizer, updates: int) -> None:

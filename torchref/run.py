@@ -35,6 +35,8 @@ from torchref.checkpoint import Progress
 from torchref.model import GPT, upcast
 from torchref.optim import configure_optimizer, lr_scheduler, schedule_lr
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision -> autocast's dtype; fp32: off
+
 
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error():
@@ -73,7 +75,9 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
     if stop.requested:
         print(f"stopped before the first step, nothing new to save; {config.resume_hint(cfg)}", file=sys.stderr)
         return
-    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16")
+    autocast = torch.autocast(device, dtype=AUTOCAST_DTYPES.get(cfg.train.precision, torch.bfloat16),
+                              enabled=cfg.train.precision in AUTOCAST_DTYPES)
+    scaler = loss_scaler(cfg, device, progress)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     flops_per_token = metrics.flops_per_token(cfg, model.num_params())  # jaxtrain's rule
     log = MetricsLog(cfg, progress.step if resumed else 0, flops_per_token, metrics.peak_flops(cfg, device_name))
@@ -86,14 +90,16 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
             t0 = time.perf_counter()
             inputs, targets = data.window(tokens, seed=progress.data_seed, step=step, batch_size=cfg.data.batch_size,
                                           accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len)
+            loss_scale = scaler.get_scale() if scaler else None  # the scale this window's backward runs with
             loss, grad_norm, lr, applied = train_step(
                 model, optimizer, scheduler, to_device(inputs, device), to_device(targets, device), autocast,
-                cfg.optim.max_grad_norm, skip_non_finite)
+                cfg.optim.max_grad_norm, skip_non_finite, scaler)
             n_tokens = int((targets >= 0).sum())
             progress.step, progress.tokens = step + 1, progress.tokens + n_tokens
             progress.skipped += not applied
+            progress.loss_scale = scaler.state_dict() if scaler else None
             tokens_per_s = log.train(progress, loss, lr, grad_norm, n_tokens, time.perf_counter() - t0,
-                                     divergence)
+                                     divergence, loss_scale)
             bar.update()
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
             last = progress.step == cfg.train.steps
@@ -134,14 +140,21 @@ def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Progres
 
 
 def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_norm: float,
-               skip_non_finite: bool = False):
+               skip_non_finite: bool = False, scaler: torch.amp.GradScaler | None = None):
     """One optimizer update from a window of k micro-batches, inputs and targets (k, B/k, T).
     Returns the window's mean CE, the global gradient norm before clipping, the LR this update applies, and
     whether it was applied: with skip_non_finite (train.nan_policy=skip) a non-finite loss or gradient norm leaves
     the update out, neither optimizer.step() nor scheduler.step() (AdamW's step count and the schedule stay), as
-    HF Trainer and Megatron skip an overflowed step; jaxtrain's optim.unless_finite does the same."""
+    HF Trainer and Megatron skip an overflowed step; jaxtrain's optim.unless_finite does the same.
+
+    With a GradScaler (train.precision=fp16), in its documented order: scale each micro-batch's loss, backward,
+    unscale_, clip, scaler.step (which leaves the update out on an inf or NaN gradient), scaler.update; the
+    scheduler steps only after an applied update, as HF Trainer steps it (optimizer_step_was_skipped), so a skip
+    leaves AdamW's count and the LR where they were, as nan_policy=skip does. The data moves on either way."""
     optimizer.zero_grad(set_to_none=True)
-    loss = accumulate_gradients(model, inputs, targets, autocast)
+    loss = accumulate_gradients(model, inputs, targets, autocast, scaler)
+    if scaler:
+        scaler.unscale_(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if max_grad_norm > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
@@ -149,6 +162,8 @@ def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     lr = schedule_lr(optimizer)
     loss, grad_norm = loss.item(), grad_norm.item()
+    if scaler:
+        return loss, grad_norm, lr, scaled_step(scaler, optimizer, scheduler)
     if skip_non_finite and not (math.isfinite(loss) and math.isfinite(grad_norm)):
         return loss, grad_norm, lr, False
     optimizer.step()
@@ -156,7 +171,31 @@ def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_
     return loss, grad_norm, lr, True
 
 
-def accumulate_gradients(model, inputs, targets, autocast) -> torch.Tensor:
+def scaled_step(scaler: torch.amp.GradScaler, optimizer, scheduler) -> bool:
+    """scaler.step and scaler.update, then the scheduler after an applied update; whether it was applied (the
+    scale fell: GradScaler backs off exactly when it skipped, the test accelerate uses)."""
+    before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    applied = scaler.get_scale() >= before
+    if applied:
+        scheduler.step()
+    return applied
+
+
+def loss_scaler(cfg: Config, device: str, progress) -> torch.amp.GradScaler | None:
+    """train.precision=fp16's GradScaler with the config's initial scale and growth interval (growth x2, backoff
+    x0.5: its defaults), at a resumed run's scale and growth tracker."""
+    if cfg.train.precision != "fp16":
+        return None
+    scaler = torch.amp.GradScaler(device, init_scale=cfg.train.loss_scale_init,
+                                  growth_interval=cfg.train.loss_scale_growth_interval)
+    if progress.loss_scale is not None:  # the checkpoint's scale and growth tracker over the config's factors
+        scaler.load_state_dict({**scaler.state_dict(), **progress.loss_scale})
+    return scaler
+
+
+def accumulate_gradients(model, inputs, targets, autocast, scaler=None) -> torch.Tensor:
     """Backward through the k micro-batches of one window, leaving in .grad the gradient of the window's
     token-weighted mean CE; returns that mean.
 
@@ -169,7 +208,7 @@ def accumulate_gradients(model, inputs, targets, autocast) -> torch.Tensor:
         with autocast:
             logits = model(x)
         micro_loss = cross_entropy_sum(logits, y) / n_valid
-        micro_loss.backward()
+        (scaler.scale(micro_loss) if scaler else micro_loss).backward()
         loss = loss + micro_loss.detach()
     return loss
 
@@ -246,7 +285,7 @@ class MetricsLog:
             self.wandb.close()
 
     def train(self, progress: Progress, loss: float, lr: float, grad_norm: float, n_tokens: int,
-              seconds: float, divergence: Divergence) -> float:
+              seconds: float, divergence: Divergence, loss_scale: float | None = None) -> float:
         """Record one optimizer step, and apply train.nan_policy to it (before anything is saved); returns its
         tokens/s for the progress bar."""
         self.tokens, self.seconds = self.tokens + n_tokens, self.seconds + seconds
@@ -256,8 +295,10 @@ class MetricsLog:
         mfu = self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops else None
         line = {"step": progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": progress.tokens,
                 "tokens_per_s": tokens_per_s, "mfu": mfu}
-        if divergence.policy == "skip":
+        if divergence.policy == "skip" or loss_scale is not None:
             line["skipped"] = progress.skipped
+        if loss_scale is not None:  # train.precision=fp16
+            line["loss_scale"] = loss_scale
         if progress.step % self.every == 0:
             self._write(line)
             self.tokens = self.seconds = 0
