@@ -186,8 +186,9 @@ class TensorBoardLog:
     past its last checkpoint before it stopped), so a resumed run's curves never go back in step."""
 
     def __init__(self, folder: epath.Path, *, first_step: int):
-        # TensorBoard reads a folder's event files in name order; the count keeps two in one second apart.
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_COUNT)}"
+        # TensorBoard reads a folder's event files in name order; the count, zero-padded so that it sorts as a
+        # number, keeps two of one process in one second in order (unpadded, a 10th file sorted before a 9th).
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_COUNT):06d}"
         folder.mkdir(parents=True, exist_ok=True)
         self.file = runfolder.GrowingFile(folder / name, [], binary=True)
         self.records = RecordWriter(self.file)  # frames each event: length, data, masked CRC-32Cs

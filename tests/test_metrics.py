@@ -1,6 +1,7 @@
 """metrics.jsonl's throughput: tokens_per_s counts training time only, over the steps since the previous line, as
 torchref's does (README, "Metrics"). A fake clock makes every number below a hand computation."""
 
+import itertools
 import json
 
 import pytest
@@ -57,7 +58,7 @@ def test_peak_flops_one_table_for_both_backends(name, tflops):
     assert metrics.peak_flops(config.load(["--log.peak_tflops=2.5"]), name) == 2.5e12
 
 
-def test_tensorboard_events_read_back_by_tensorboard_and_never_go_back_in_step(tmp_path):
+def test_tensorboard_events_read_back_by_tensorboard_and_never_go_back_in_step(tmp_path, monkeypatch):
     """The event files, read by TensorBoard's own loader and accumulator: each logged field under its tag at its step,
     and a run resumed at step 4 after the first had logged up to 6 shows steps 1..8 once each, 5 and 6 from the
     resumed run. The resumed file opens with a SessionLog START at its first step, which tells TensorBoard to drop
@@ -75,6 +76,8 @@ def test_tensorboard_events_read_back_by_tensorboard_and_never_go_back_in_step(t
         logger.eval(last_step, 2.5, 0.25)
         logger.close()
 
+    # The process's 10th and 11th event files (likely within one second): their names must still sort in order.
+    monkeypatch.setattr(metrics, "_FILE_COUNT", itertools.count(9))
     log(0, 6, lambda step: 10.0 + step)
     log(4, 8, lambda step: 20.0 + step)
     files = sorted((tmp_path / "tb").iterdir())
