@@ -80,9 +80,19 @@ def _parse_overrides(pairs: list[tuple[str, str]]) -> dict:
     tree = {}
     for key, value in pairs:
         section, name = key.split(".")
-        try:  # a blank value stays as it is (safe_load would make it null: a silent default for data.path)
-            tree.setdefault(section, {})[name] = yaml.safe_load(value) if value.strip() else value
-        except (yaml.YAMLError, RecursionError) as e:
-            raise UserError(f"--{key}={value!r} is not a valid YAML value ({_yaml_problem(e)}); quote a text "
-                            f"value that holds YAML syntax: --{key}='\"...\"'") from None
+        tree.setdefault(section, {})[name] = _override_value(key, value)
     return tree
+
+
+def _override_value(key: str, value: str):
+    """The value as YAML reads it, except text: unquoted text is kept as typed, since YAML would strip the blanks
+    around it (`--log.sample_prompt="def "` continues "def ", space included) and read a blank value as null (a
+    silent default for data.path). Quoted text is YAML's: `--run.out_dir="'yes'"` is the text yes."""
+    if not value.strip():
+        return value
+    try:
+        parsed = yaml.safe_load(value)
+    except (yaml.YAMLError, RecursionError) as e:
+        raise UserError(f"--{key}={value!r} is not a valid YAML value ({_yaml_problem(e)}); quote a text "
+                        f"value that holds YAML syntax: --{key}='\"...\"'") from None
+    return value if isinstance(parsed, str) and not value.lstrip().startswith(("'", '"')) else parsed

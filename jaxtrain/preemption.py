@@ -20,18 +20,28 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class StopRequest:
     def __init__(self):
-        self.requested = False
+        self.requested, self.signum = False, 0
+        self.saved_all: str | None = None  # once the run's last save is done: what to say when a signal stops it
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
+        if self.saved_all is not None:
+            _exit_now(signum, f"\n{name}: stopping now; {self.saved_all}")
         if self.requested:
-            print(f"\n{name} again: stopping now, without saving this step (the checkpoints already saved are "
-                  f"intact)", file=sys.stderr, flush=True)
-            os._exit(128 + signum)
-        self.requested = True
+            _exit_now(signum, f"\n{name} again: stopping now, without saving this step (the checkpoints already "
+                              f"saved are intact)")
+        self.requested, self.signum = True, signum
         print(f"\n{name}: stopping once the step in flight is done and saved ({name} again to stop at once)",
               file=sys.stderr, flush=True)
+
+    def nothing_left_to_save(self, saved: str) -> None:
+        """After the run's last save (the summary line and the end-of-run sample are all that is left): from now
+        on a signal stops the process at once, with one line ending in `saved`, and exit 128 + signal; one that
+        came during the last save's wait does so now."""
+        self.saved_all = saved
+        if self.requested:
+            _exit_now(self.signum, f"{signal.Signals(self.signum).name}: stopping now; {saved}")
 
     def reclaim(self) -> None:
         """Handle the signals again after something took them: jax.distributed.initialize installs TSL's
@@ -43,6 +53,11 @@ class StopRequest:
     def restore(self) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+
+
+def _exit_now(signum: int, line: str):
+    print(line, file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 _installed: StopRequest | None = None

@@ -192,8 +192,25 @@ def train(cfg: Config) -> dict:
     """Train to cfg.train.steps; returns the summary of this run. run.dry_run: only say whether it fits."""
     if cfg.run.dry_run:
         return dryrun.report(cfg)
-    t0 = time.perf_counter()
     stop = preemption.install()  # `python -m jaxtrain.run` installed it before importing jax
+    try:
+        summary, state, trainer = train_steps(cfg, stop)
+        if state is None or summary.get("stopped"):
+            return summary
+        stop.nothing_left_to_save(f"the run is trained and saved at step {summary['step']}")
+        if trainer.is_main:
+            print(format_summary(summary), file=sys.stderr)
+        if cfg.log.sample_tokens:
+            print_sample(trainer.cfg, state.params, trainer.data.tokenizer, trainer.is_main)
+        return summary
+    finally:
+        preemption.uninstall()
+
+
+def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object, "Trainer | None"]:
+    """(summary, final state, trainer) once every save is done and the run folder is given back; the state is None
+    when no step ran. A signal until then is the loop's to agree on (see preemption.py)."""
+    t0 = time.perf_counter()
     trainer = logger = None
     try:
         trainer = Trainer(cfg)
@@ -205,7 +222,7 @@ def train(cfg: Config) -> dict:
         start = int(state.step)
         if start >= cfg.train.steps:
             print(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do", file=sys.stderr)
-            return {"steps": start}
+            return {"steps": start}, None, trainer
         agreed.check_start_up()
         trainer.compile(state)
         agreed.check_start_up()
@@ -215,20 +232,15 @@ def train(cfg: Config) -> dict:
             n_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind, is_main=trainer.is_main)
         state, summary = loop(trainer, state, start, logger, agreed)
         summary["wall_s"] = time.perf_counter() - t0  # start-up and compilation included
+        return summary, state, trainer
     except StoppedInStartUp:
         print(f"stopped before the first step, nothing new to save; {config_lib.resume_hint(cfg)}", file=sys.stderr)
-        return {"stopped": True}
-    finally:
-        preemption.uninstall()
+        return {"stopped": True}, None, trainer
+    finally:  # still under the StopRequest: a signal while the last saves finish waits for them
         if trainer:
             trainer.close()
         if logger:
             logger.close()
-    if trainer.is_main:
-        print(format_summary(summary), file=sys.stderr)
-    if cfg.log.sample_tokens and not summary.get("stopped"):
-        print_sample(cfg, state.params, trainer.data.tokenizer, trainer.is_main)
-    return summary
 
 
 def print_sample(cfg: Config, params, tokenizer: str, is_main: bool) -> None:

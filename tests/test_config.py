@@ -25,6 +25,17 @@ def test_yaml_then_overrides(yaml_path):
     assert cfg.init.from_ == "/some/dir"
 
 
+@pytest.mark.parametrize("typed, read", [
+    ("def ", "def "),  # YAML alone reads "def": the end-of-run sample would continue a different prompt
+    ("  x ", "  x "),
+    ("a # b", "a # b"),  # YAML alone drops " # b" as a comment
+    ("'quoted '", "quoted "),  # quoted: YAML's text
+    ('"tab\\t"', "tab\t"),  # double quotes: YAML's escapes
+])
+def test_override_text_is_kept_as_typed(yaml_path, typed, read):
+    assert config.load(["--config", yaml_path, f"--log.sample_prompt={typed}"]).log.sample_prompt == read
+
+
 def test_derived_defaults(yaml_path):
     cfg = config.load(["--config", yaml_path, "--train.steps=80"])
     assert cfg.decay_steps == 80

@@ -2,6 +2,7 @@
 pass, the draw against softmax written out in numpy, the tokenizers against known ids, and the command line."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -26,7 +27,7 @@ def trained(tmp_path_factory, cache_dir):
     out_dir = str(tmp_path_factory.mktemp("trained"))
     proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(
         out_dir, cache_dir, f"--train.steps={STEPS}", "--checkpoint.every=20", "--train.eval_every=20",
-        "--log.sample_tokens=40", f"--log.sample_prompt='{PROMPT}'")], capture_output=True, text=True)
+        "--log.sample_tokens=40", f"--log.sample_prompt={PROMPT}")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out_dir, proc.stdout, proc.stderr
 
@@ -200,6 +201,29 @@ def test_the_run_prints_a_sample_at_the_end(trained):
     assert "sample (40 tokens, temperature 0.8, top_k 200):" in stderr
     printed = stdout.split(f"step {STEPS}: eval loss ")[1].split("\n", 1)[1]  # after the last step's eval line
     assert printed.startswith(PROMPT) and len(printed) > len(PROMPT) + 1, stdout
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_end_of_run_sample_stops_it_with_one_line(tmp_path, cache_dir, signum):
+    """After the last save, Ctrl-C or SIGTERM stops the sample at once: one line saying the run is saved, exit
+    128 + signal, no traceback (a KeyboardInterrupt's, before), no sample, the last step's checkpoint intact.
+    2,000 tokens past seq_len 32 take seconds (a full forward each): the signal, sent when the run's summary
+    line appears, lands while the sampler compiles or runs."""
+    out_dir = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxtrain.run", *small_args(
+        out_dir, cache_dir, "--train.steps=4", "--log.sample_tokens=2000")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if line.startswith("done: "):
+            break
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, stderr
+    assert stderr.strip().splitlines()[-1] == (f"{signal.Signals(signum).name}: stopping now; the run is trained "
+                                               f"and saved at step 4")
+    assert "Traceback" not in stderr and "sample (" not in stderr, stderr
+    assert stdout.splitlines()[-1].startswith("step 4: eval loss "), stdout  # and no sample after it
+    assert sorted(os.listdir(os.path.join(out_dir, "checkpoints"))) == ["4"]
 
 
 def test_command_line_prints_the_prompt_and_its_continuation(trained):
