@@ -1,0 +1,32 @@
+"""For every test folder: one JAX persistent compilation cache for the session, shared by the pytest process and
+every run it starts in a subprocess.
+
+Most end-to-end tests start `python -m jaxtrain.run` on the same small configs, and each process used to compile
+the same train, eval and init steps again: a tiny.yaml run of 20 steps took 21.6 s fresh and 11.9 s with the cache
+warm (same losses: the cache holds what the compiler would have produced). The folder is new for each session, so
+nothing compiled by another version of the code is ever loaded. A JAX_COMPILATION_CACHE_DIR set by the caller wins.
+"""
+
+import os
+import shutil
+import tempfile
+
+CACHE_ENV = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",  # the steps, not the many one-op jits (not worth a file)
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+_made: list[str] = []
+
+
+def pytest_configure(config):
+    """Before any test module imports jax (jax reads these variables when it is imported)."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        _made.append(tempfile.mkdtemp(prefix="jaxtrain-test-compile-cache-"))
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _made[0]
+    for key, value in CACHE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def pytest_unconfigure(config):
+    for folder in _made:
+        shutil.rmtree(folder, ignore_errors=True)
