@@ -58,14 +58,27 @@ def _low_matmul_bwd(dtypes, low, res, g_f32):
     are where a loss scale too large for the gradients overflows to inf, as it does in torch."""
     a, b = res
     g = g_f32.astype(low)
-    if b.ndim == 2:  # a weight shared over a's leading axes: its gradient sums over them
-        da = _dot_f32acc(g, b.T)
-        db = _dot_f32acc(_row_major(a.reshape(-1, a.shape[-1]).T), g.reshape(-1, g.shape[-1]))
+    if b.ndim == 2:
+        da, db = shared_weight_grads(a, b, g)
     else:
         g = _row_major(g)
         da = _dot_f32acc(g, _row_major(jnp.swapaxes(b, -1, -2)))
         db = _dot_f32acc(_row_major(jnp.swapaxes(a, -1, -2)), g)
-    return da.astype(low).astype(dtypes[0]), _row_major(db).astype(low).astype(dtypes[1])
+    return da.astype(low).astype(dtypes[0]), rounded_weight_grad(db, low, dtypes[1])
+
+
+def shared_weight_grads(a, b, g):
+    """(g b^T, a^T g) in fp32, not rounded: the gradients of a @ b for a 2-D weight b shared over a's leading axes
+    (its gradient sums over them). bf16 or fp16 operands multiply with fp32 accumulation, as autocast's matmuls;
+    fp32 ones at Precision.HIGHEST, as `matmul` under "fp32". loss.tiled_ce_sum sums a head's over its tiles."""
+    def dot(x, y):
+        return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST) if x.dtype == jnp.float32 else _dot_f32acc(x, y)
+    return dot(g, b.T), dot(_row_major(a.reshape(-1, a.shape[-1]).T), g.reshape(-1, g.shape[-1]))
+
+
+def rounded_weight_grad(db_f32, low, dtype):
+    """A weight's fp32 gradient as autocast returns it: rounded to `low`, then cast to the weight's `dtype`."""
+    return _row_major(db_f32).astype(low).astype(dtype)
 
 
 def _row_major(x):
@@ -287,6 +300,10 @@ class GPT(nnx.Module):
         self.dropout, self.precision, self.remat = cfg.dropout, precision, cfg.remat
 
     def __call__(self, idx_BxT, *, dropout_key: jax.Array | None = None):
+        return self._logits(self.hidden(idx_BxT, dropout_key=dropout_key))
+
+    def hidden(self, idx_BxT, *, dropout_key: jax.Array | None = None):
+        """The final hidden states (B, T, D), fp32: after ln_f, what the head multiplies into logits."""
         T = idx_BxT.shape[1]
         if T > self.wpe.weight.shape[0]:  # jax would clamp the position lookup silently
             raise ValueError(f"sequence of length {T} is longer than the model's seq_len {self.wpe.weight.shape[0]}")
@@ -295,7 +312,7 @@ class GPT(nnx.Module):
         run_block = _run_block if self.remat == "none" else nnx.remat(_run_block, policy=REMAT_POLICIES[self.remat])
         for block, key in zip(self.h, block_keys):
             x_BxTxD = run_block(block, x_BxTxD, key)
-        return self._logits(self.ln_f(x_BxTxD))
+        return self.ln_f(x_BxTxD)
 
     def extend(self, idx_BxT, caches: list[KVCache]) -> tuple[jax.Array, list[KVCache]]:
         """Logits (B, T, V) of tokens that continue the positions `caches` hold (one per layer, all of the same
@@ -310,11 +327,18 @@ class GPT(nnx.Module):
         return self._logits(self.ln_f(x_BxTxD)), extended
 
     def _logits(self, x_BxTxD):
-        """Logits in the compute dtype, the head tied to wte or not: under bf16 from bf16 operands with fp32
-        accumulation, rounded once to bf16 as autocast's head returns them (the loss upcasts). B x T x V is the
-        step's largest tensor: in bf16 it moves half the bytes (GPT-2 124M on an H100: see benchmarks/NOTES.md)."""
-        w_DxV = self.wte.weight[...].T if self.lm_head is None else self.lm_head.kernel[...]
-        return matmul(x_BxTxD, w_DxV, self.precision).astype(COMPUTE_DTYPES[self.precision])
+        return head_logits(x_BxTxD, self.head_weight(), self.precision)
+
+    def head_weight(self):
+        """The head's (D, V) fp32 weight: wte's transposed when tied, lm_head's kernel otherwise."""
+        return self.wte.weight[...].T if self.lm_head is None else self.lm_head.kernel[...]
+
+
+def head_logits(x_BxTxD, w_DxV, precision: str):
+    """Logits in the compute dtype: under bf16 from bf16 operands with fp32 accumulation, rounded once to bf16 as
+    autocast's head returns them (the loss upcasts). B x T x V is the step's largest tensor: in bf16 it moves half
+    the bytes (GPT-2 124M on an H100: see benchmarks/NOTES.md); model.vocab_tiles never forms it (loss.py)."""
+    return matmul(x_BxTxD, w_DxV, precision).astype(COMPUTE_DTYPES[precision])
 
 
 def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
