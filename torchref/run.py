@@ -218,7 +218,7 @@ def cross_entropy_sum(logits, targets) -> torch.Tensor:
 
     Under bf16 autocast the head's matmul returns bf16 logits, and torch has no CPU matmul that takes bf16 and
     returns fp32 (torch.mm's out_dtype=torch.float32 is CUDA-only), so the logits are cast up here: the loss and
-    its softmax run in fp32, from logits rounded once to bf16, as jaxtrain's head rounds them (step.token_ce
+    its softmax run in fp32, from logits rounded once to bf16, as jaxtrain's head rounds them (loss.token_ce
     upcasts them the same way). Any negative target is padding; ignore_index takes a single value, so all of them
     become -1."""
     return F.cross_entropy(upcast(logits).view(-1, logits.size(-1)), targets.view(-1).clamp(min=-1),
