@@ -63,6 +63,7 @@ class ModelConfig:
     # recompute each block's activations in the backward pass instead of keeping them: full keeps only each block's
     # input; dots keeps the outputs of its weight matmuls too (less memory than none, less recompute than full)
     remat: Literal["none", "full", "dots"] = "none"
+    vocab_tiles: int = 1  # >1: the head and the loss a tile of a micro-batch's tokens at a time, never all logits
 
 
 @dataclasses.dataclass
@@ -339,6 +340,7 @@ def validate(cfg: Config) -> None:
     if cfg.data.batch_size % o.grad_accum_steps:
         raise UserError(f"data.batch_size={cfg.data.batch_size} is not divisible by optim.grad_accum_steps="
                         f"{o.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a multiple")
+    _check_vocab_tiles(cfg)
     if runfolder.is_url(cfg.run.out_dir):
         _check_run_url(cfg.run.out_dir, writes=not cfg.run.dry_run)
     else:
@@ -375,6 +377,16 @@ def _check_text(cfg: Config) -> None:
             raise UserError(f"{key} is empty; give it a folder, or leave it out for its default")
         if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
             raise UserError(f"{key}={value!r} holds a control character; give a plain folder name")
+
+
+def _check_vocab_tiles(cfg: Config) -> None:
+    """model.vocab_tiles splits a micro-batch's tokens into equal tiles (loss.tiled_ce_sum)."""
+    tiles, tokens = cfg.model.vocab_tiles, cfg.micro_batch_size * cfg.model.seq_len
+    if tiles < 1:
+        raise UserError(f"model.vocab_tiles must be >= 1 (1: the whole logits at once), got {tiles}")
+    if tokens % tiles:
+        raise UserError(f"model.vocab_tiles={tiles} does not divide the {tokens} tokens of a micro-batch (data.batch_"
+                        f"size / optim.grad_accum_steps x model.seq_len); choose a divisor, e.g. {math.gcd(tokens, tiles)}")
 
 
 def _check_optional(cfg: Config) -> None:
@@ -501,11 +513,12 @@ def resume_hint(cfg: Config) -> str:
 # Sections and keys that shape the trajectory: resuming with any of them changed is refused. train.steps is not
 # one of them (a finished run may be extended), but the decay length it defaults to is. Where the data lies
 # (data.path, data.cache_dir) is not either: its content is compared instead (data.check_same_data). How the model
-# computes (attention kernel, rematerialisation) is not: it may change on resume, to fit another device, and
-# checkpoints written before these keys existed still resume.
+# computes (attention kernel, rematerialisation, vocabulary tiling: the same math, rounded alike or in another
+# order) is not: it may change on resume, to fit another device, and checkpoints written before these keys existed
+# still resume.
 TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "train.loss_scale", "run.seed",
                    "decay length")
-HOW_NOT_WHAT = ("model.attention", "model.remat")
+HOW_NOT_WHAT = ("model.attention", "model.remat", "model.vocab_tiles")
 
 
 def check_same_trajectory(saved: dict, cfg: Config, where: str) -> None:

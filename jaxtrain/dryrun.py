@@ -36,7 +36,8 @@ DEVICE_MEMORY = {
 # config is said to fit only below this fraction of the device's memory.
 USABLE_FRACTION = 0.9
 LEVERS = ("mesh.fsdp (shards params and optimizer state over more devices), optim.grad_accum_steps (smaller "
-          "micro-batches: fewer activations), model.remat=dots or full (recompute activations in the backward pass)")
+          "micro-batches: fewer activations), model.remat=dots or full (recompute activations in the backward pass), "
+          "model.vocab_tiles (the head and the loss a tile of tokens at a time: never the whole logits)")
 
 
 def use_fake_devices(n: int) -> None:

@@ -1,7 +1,19 @@
-"""Cross-entropy from the head's logits: per token, with its gradient written out (`token_ce`)."""
+"""Cross-entropy: per token from the logits (`token_ce`), and summed from the hidden states a tile at a time.
+
+`tiled_ce_sum` (model.vocab_tiles > 1) never forms the B x T x V logits, the step's largest tensor (GPT-2 124M at
+16 x 1024 tokens: 1.6 GB in bf16, plus the loss's fp32 passes over them). The tokens are split into tiles; for each
+tile the head's logits are computed and reduced to the loss, and in the backward pass computed again to form the
+gradient: MaxText's vocabulary tiling (num_vocab_tiling), Liger's fused linear cross-entropy. It keeps the untiled
+path's numerics (model.head_logits, token_ce's gradient, model._low_matmul's backward) but for the order in which
+the head weight's fp32 gradient sums over the tokens, at the price of the head's forward matmul run twice.
+"""
+
+import functools
 
 import jax
 import jax.numpy as jnp
+
+from jaxtrain import model
 
 
 @jax.custom_vjp
@@ -31,3 +43,66 @@ def _token_ce_bwd(residuals, g_BxT):
 
 
 token_ce.defvjp(_token_ce_fwd, _token_ce_bwd)
+
+
+def tiled_ce_sum(x_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array, precision: str,
+                 tiles: int) -> jax.Array:
+    """Sum of fp32 cross-entropy over the valid targets (>= 0) of the logits model.head_logits(x, w, precision),
+    computed `tiles` tiles of tokens at a time; tiles must divide B x T. The gradient reaches x and w."""
+    if targets_BxT.size % tiles:
+        raise ValueError(f"{tiles} vocabulary tiles do not divide the micro-batch's {targets_BxT.size} tokens")
+    valid_N = targets_BxT.reshape(-1) >= 0
+    labels_N = jnp.where(valid_N, targets_BxT.reshape(-1), 0)
+    return _tiled_ce_sum(x_BxTxD.reshape(-1, x_BxTxD.shape[-1]), w_DxV, labels_N, valid_N, precision, tiles)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _tiled_ce_sum(x_NxD, w_DxV, labels_N, valid_N, precision, tiles):
+    return _tiled_ce_sum_fwd(x_NxD, w_DxV, labels_N, valid_N, precision, tiles)[0]
+
+
+def _tiled_ce_sum_fwd(x_NxD, w_DxV, labels_N, valid_N, precision, tiles):
+    """The sum, a lax.scan over the tiles; kept for the backward pass: x, w and each token's logsumexp, not the
+    logits."""
+    w_low = w_DxV.astype(model.COMPUTE_DTYPES[precision])
+
+    def tile(total, tile_inputs):
+        x_MxD, labels_M, valid_M = tile_inputs
+        ce_M, (_, _, lse_M) = _token_ce_fwd(model.head_logits(x_MxD, w_low, precision), labels_M)
+        return total + jnp.sum(jnp.where(valid_M, ce_M, 0.0)), lse_M
+
+    total, lse_KxM = jax.lax.scan(tile, jnp.zeros((), jnp.float32), _tiled((x_NxD, labels_N, valid_N), tiles))
+    return total, (x_NxD, w_DxV, labels_N, valid_N, lse_KxM)
+
+
+def _tiled_ce_sum_bwd(precision, tiles, residuals, g):
+    """Per tile, the logits again (the forward's matmul on the same operands), token_ce's gradient of them (fp32,
+    rounded once to the compute dtype; times the fp16 loss scale, in g, before that rounding), and the head's
+    two gradient dots, as model._low_matmul's backward: x's rounded per tile, w's summed over the tiles in fp32
+    and rounded once at the end (under fp32, nothing is rounded)."""
+    x_NxD, w_DxV, labels_N, valid_N, lse_KxM = residuals
+    low = model.COMPUTE_DTYPES[precision]
+    w_low = w_DxV.astype(low)
+
+    def tile(dw_DxV, tile_inputs):
+        x_MxD, labels_M, valid_M, lse_M = tile_inputs
+        x_low = x_MxD.astype(low)
+        logits_MxV = model.head_logits(x_low, w_low, precision)
+        dlogits_MxV, _ = _token_ce_bwd((logits_MxV, labels_M, lse_M), jnp.where(valid_M, g, 0.0))
+        dx_MxD, dw_tile = model.shared_weight_grads(x_low, w_low, dlogits_MxV)
+        return dw_DxV + dw_tile, dx_MxD.astype(low)
+
+    dw_DxV, dx_KxMxD = jax.lax.scan(tile, jnp.zeros(w_DxV.shape, jnp.float32),
+                                    (*_tiled((x_NxD, labels_N, valid_N), tiles), lse_KxM))
+    dx_NxD = jnp.swapaxes(dx_KxMxD, 0, 1).reshape(x_NxD.shape).astype(x_NxD.dtype)
+    return dx_NxD, model.rounded_weight_grad(dw_DxV, low, w_DxV.dtype), None, None
+
+
+_tiled_ce_sum.defvjp(_tiled_ce_sum_fwd, _tiled_ce_sum_bwd)
+
+
+def _tiled(arrays_N, tiles: int) -> tuple:
+    """Each (N, ...) array as (tiles, N / tiles, ...), tile i holding tokens i, i + tiles, i + 2 tiles, ...: every
+    tile spans the whole micro-batch, so it keeps the batch's split over the devices, where a run of consecutive
+    tokens would lie on some of them only."""
+    return tuple(jnp.swapaxes(a.reshape(-1, tiles, *a.shape[1:]), 0, 1) for a in arrays_N)

@@ -42,6 +42,18 @@ def ce_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> tuple[jax.Array, 
     return jnp.sum(jnp.where(valid_BxT, ce_BxT, 0.0)), jnp.sum(valid_BxT)
 
 
+def model_ce_sum(graphdef: nnx.GraphDef, params: nnx.State, inputs_BxT, targets_BxT, *,
+                 dropout_key: jax.Array | None = None, vocab_tiles: int = 1) -> jax.Array:
+    """Sum of CE over the valid targets of the model's predictions: from its logits, or with `vocab_tiles` > 1
+    from its final hidden states and head weight, a tile of tokens at a time, never forming the logits
+    (loss.tiled_ce_sum, model.vocab_tiles)."""
+    if vocab_tiles == 1:
+        return ce_sum(model.apply(graphdef, params, inputs_BxT, dropout_key=dropout_key), targets_BxT)[0]
+    gpt = nnx.merge(graphdef, params)
+    return loss.tiled_ce_sum(gpt.hidden(inputs_BxT, dropout_key=dropout_key), gpt.head_weight(), targets_BxT,
+                             gpt.precision, vocab_tiles)
+
+
 def correct_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
     """Number of targets that are the logits' top-1 prediction; a padding target (< 0) never is one.
 
@@ -70,7 +82,7 @@ def all_finite(tree) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     seed: int, dropout: bool, skip_non_finite: bool = False,
-                    loss_scale_growth_interval: int | None = None) -> Callable:
+                    loss_scale_growth_interval: int | None = None, vocab_tiles: int = 1) -> Callable:
     """train_step(state, inputs_KxBxT, targets_KxBxT) -> (state, metrics), metrics as device scalars.
 
     The loss and the gradient norm are checked on device: with `skip_non_finite` (train.nan_policy=skip) a window
@@ -80,13 +92,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     With `loss_scale_growth_interval` (train.precision=fp16), torch's GradScaler in the step: each micro-batch's
     loss is multiplied by the loss scale before the backward pass and its gradient divided by it after (exact: the
     scale is a power of 2, so this is GradScaler's unscale_ of the summed window), a window with a non-finite
-    gradient is skipped as nan_policy=skip skips one, and the scale moves as GradScaler.update moves it."""
+    gradient is skipped as nan_policy=skip skips one, and the scale moves as GradScaler.update moves it.
+    `vocab_tiles`: model.vocab_tiles (model_ce_sum)."""
     base_key = jax.random.key(seed)
     fp16 = loss_scale_growth_interval is not None
 
     def micro_loss(params, inputs_BxT, targets_BxT, n_window, dropout_key, scale):
-        logits_BxTxV = model.apply(graphdef, params, inputs_BxT, dropout_key=dropout_key)
-        ce, _ = ce_sum(logits_BxTxV, targets_BxT)
+        ce = model_ce_sum(graphdef, params, inputs_BxT, targets_BxT, dropout_key=dropout_key, vocab_tiles=vocab_tiles)
         return (ce / n_window) * scale if fp16 else ce / n_window, ce
 
     def train_step(state: TrainState, inputs_KxBxT, targets_KxBxT):
@@ -139,7 +151,8 @@ def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
     fp16 = cfg.train.precision == "fp16"
     train_step = make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), seed, cfg.model.dropout > 0,
                                  skip_non_finite=cfg.train.nan_policy == "skip",
-                                 loss_scale_growth_interval=cfg.train.loss_scale_growth_interval if fp16 else None)
+                                 loss_scale_growth_interval=cfg.train.loss_scale_growth_interval if fp16 else None,
+                                 vocab_tiles=cfg.model.vocab_tiles)
     return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
 
 
@@ -147,7 +160,8 @@ def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
     """eval_step(params, inputs_KxBxT, targets_KxBxT) -> (sum CE, correct top-1 predictions, valid tokens) over the
     k micro-batches, one at a time (a scan: evaluation fits where a training micro-step does), both sums from one
     forward pass. The caller sums over batches, so that the eval loss and accuracy are token-weighted over all of
-    them."""
+    them. Whatever model.vocab_tiles says, it forms the logits whole (their top-1 is the accuracy): a forward pass
+    alone holds them once, where training keeps them and their gradient besides the activations."""
     def eval_step(params, inputs_KxBxT, targets_KxBxT):
         def micro(totals, batch):
             logits_BxTxV = model.apply(graphdef, params, batch[0])

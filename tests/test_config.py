@@ -6,6 +6,8 @@ import sys
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxtrain import config
 from jaxtrain.errors import UserError
@@ -72,12 +74,30 @@ def test_dump_reads_back(yaml_path, tmp_path):
      ["optim.cycles=30000000", "int32"]),
     (["--optim.groups={wte: {lr_scale: 0}}"], ["optim.groups['wte'].lr_scale", "> 0"]),
     (["--optim.groups={'[': {}}"], ["optim.groups['[']", "regular expression"]),
+    (["--model.vocab_tiles=0"], ["model.vocab_tiles", ">= 1"]),
+    (["--model.vocab_tiles=3"], ["model.vocab_tiles=3", "4096 tokens", "e.g. 1"]),
+    (["--model.vocab_tiles=6"], ["model.vocab_tiles=6", "4096 tokens", "e.g. 2"]),
 ])
 def test_user_errors_name_the_key(yaml_path, args, words):
     with pytest.raises(UserError) as e:
         config.load(["--config", yaml_path, *args])
     for word in words:
         assert word in str(e.value)
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=200)
+@given(sequences=st.integers(1, 64), accum=st.sampled_from([1, 2, 4]), seq_len=st.integers(1, 512),
+       tiles=st.integers(-3, 300))
+def test_vocab_tiles_must_divide_the_micro_batch_tokens(sequences, accum, seq_len, tiles):
+    """model.vocab_tiles is accepted exactly when it is >= 1 and divides a micro-batch's tokens (sequences x
+    seq_len); otherwise one error names the key."""
+    args = [f"--data.batch_size={sequences * accum}", f"--optim.grad_accum_steps={accum}",
+            f"--model.seq_len={seq_len}", f"--model.vocab_tiles={tiles}"]
+    if tiles >= 1 and (sequences * seq_len) % tiles == 0:
+        assert config.load(args).model.vocab_tiles == tiles
+    else:
+        with pytest.raises(UserError, match=r"^model\.vocab_tiles"):
+            config.load(args)
 
 
 def test_missing_config_file():
@@ -124,9 +144,9 @@ def test_trajectory_check_names_changed_keys_and_allows_extending(yaml_path):
                           "--run.out_dir=/elsewhere", "--checkpoint.every=7"])
     config.check_same_trajectory(saved, longer, "ckpt")  # same schedule and model: extending is fine
     other_kernels = config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=100",
-                                 "--model.remat=full", "--model.attention=xla"])
+                                 "--model.remat=full", "--model.attention=xla", "--model.vocab_tiles=4"])
     config.check_same_trajectory(saved, other_kernels, "ckpt")  # how the model computes may change
-    for key in ("attention", "remat"):  # a checkpoint written before these keys existed
+    for key in ("attention", "remat", "vocab_tiles"):  # a checkpoint written before these keys existed
         del saved["model"][key]
     config.check_same_trajectory(saved, cfg, "ckpt")
     with pytest.raises(UserError, match=r"decay length: 100 -> 300"):  # the default decay follows train.steps

@@ -142,7 +142,7 @@ VALID = {
     "model.n_layer": _ints(1, INT32_MAX), "model.n_head": st.sampled_from(["1", "2", "4", "8", "32", "128"]),
     "model.d_model": st.integers(1, 2**20).map(lambda k: str(128 * k)), "model.dropout": _UNIT,
     "model.bias": _BOOL, "model.tie_embeddings": _BOOL, "model.attention": st.sampled_from(["auto", "xla"]),
-    "model.remat": st.sampled_from(["none", "full", "dots"]),
+    "model.remat": st.sampled_from(["none", "full", "dots"]), "model.vocab_tiles": st.just("1"),
     "run.dry_run_devices": _NULL | _ints(1, 4096),
     "run.target_device": _NULL | st.sampled_from(["v4", "v5e", "v5p", "v6e", "a100-40gb", "a100-80gb", "h100", "h200"]),
     "data.path": _NULL, "data.batch_size": st.integers(1, 2**20).map(lambda k: str(32 * k)),
@@ -174,7 +174,7 @@ OUT_OF_RANGE = {
     "model.vocab_size": _NEGATIVE, "model.seq_len": _NEGATIVE, "model.n_layer": _NEGATIVE,
     "model.n_head": _NEGATIVE | st.sampled_from(["3", "5", "6", "7", "100", "256"]),
     "model.d_model": _NEGATIVE | st.integers(1, 10**6).filter(lambda d: d % 4).map(str),
-    "model.dropout": _floats(1.0, 1e6) | _BELOW_ZERO,
+    "model.dropout": _floats(1.0, 1e6) | _BELOW_ZERO, "model.vocab_tiles": _NEGATIVE,
     "run.dry_run_devices": _NEGATIVE, "run.lock_timeout_s": _floats(-1e6, 0.0),
     # a store a run cannot write to, or no bucket
     "run.out_dir": st.sampled_from(["http", "file", "az", "hf", "memory", "gcs"]).flatmap(

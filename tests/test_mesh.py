@@ -84,15 +84,19 @@ for shape, op in re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} (all-gather|all-to-all
 """.strip()
 
 
-def test_fsdp_moves_params_never_activations():
+@pytest.mark.parametrize("vocab_tiles", [1, 4])
+def test_fsdp_moves_params_never_activations(vocab_tiles):
     """Under FSDP a device gathers whole params (all-gather) and reduces gradients; its activations stay its own
     rows of the batch. So every all-gather in the compiled step produces a param's full shape (in either
     orientation), and nothing is permuted or exchanged all-to-all. A vocabulary (256) narrower than d_model (384)
     shards the embedding along d_model; without model.batch_sharded, XLA carried that split into the activations
-    and gathered them back (here: [16,64,384] all-gathers; with remat, collective-permutes too)."""
+    and gathered them back (here: [16,64,384] all-gathers; with remat, collective-permutes too). With vocabulary
+    tiles, a tile of consecutive tokens would lie on some devices only: XLA moved the hidden states between
+    devices for the scan over tiles (all-gathers of [1,256,384], collective-permutes); loss._tiled's strided tiles
+    keep each device's rows."""
     overrides = ["--config", "configs/tiny.yaml", "--model.n_layer=2", "--model.d_model=384", "--model.n_head=6",
                  "--model.seq_len=64", "--model.vocab_size=256", "--data.batch_size=32", "--mesh.fsdp=4",
-                 "--optim.grad_accum_steps=1"]
+                 "--optim.grad_accum_steps=1", f"--model.vocab_tiles={vocab_tiles}"]
     proc = subprocess.run([sys.executable, "-c", COLLECTIVES_SCRIPT, *overrides], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     d, V, T = 384, 256, 64
