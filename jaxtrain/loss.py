@@ -7,8 +7,8 @@ gradient: MaxText's vocabulary tiling (num_vocab_tiling), Liger's fused linear c
 path's numerics (model.head_logits, token_ce's gradient, model._low_matmul's backward) but for the order in which
 the head weight's fp32 gradient sums over the tokens, at the price of the head's forward matmul run twice.
 Across several devices XLA reduces the head weight's gradient inside the backward scan, once per tile rather than
-once per micro-batch (seen in the compiled HLO of test_mesh.py's 8-device FSDP step; a shard_map with one psum after the
-scan would make it one): tiling trades that traffic for the logits' memory.
+once per micro-batch (seen in the compiled HLO of test_mesh.py's 8-device FSDP step; a shard_map with one psum
+after the scan would make it one): tiling trades that traffic for the logits' memory.
 """
 
 import functools
