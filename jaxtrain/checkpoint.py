@@ -12,7 +12,7 @@ on one host.
 Resume takes the newest checkpoint that reads and matches its fingerprint. One that does not is moved, whole, to
 <out_dir>/checkpoints.corrupt/<step>-<time> (out of orbax's sight, never deleted), with a warning, and the next
 older one is tried. When none passes, the run stops and moves nothing. A changed config is not corruption: it is
-refused (config.check_same_trajectory) before any array is read.
+refused (same_run.check) before any array is read.
 
 Rotation keeps the newest checkpoint.max_to_keep, and with checkpoint.keep_best also the one with the lowest eval
 loss so far (only steps where an eval ran have one), whatever its age. Orbax deletes the steps that fall out only
@@ -40,6 +40,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import runfolder
+from jaxtrain import same_run
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
@@ -146,7 +147,7 @@ class Checkpointer:
         with _reading(where):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             saved_config = meta["config"]
-        config_lib.check_same_trajectory(saved_config, self.cfg, where)
+        same_run.check(saved_config, self.cfg, where)
         if self.data_fingerprint is not None:
             data_lib.check_same_data(meta, self.data_fingerprint, self.cfg, where)
         with _reading(where):

@@ -5,7 +5,8 @@
 The command line and the YAML file are read into one mapping by jaxtrain.cmdline; its values are decoded into
 the dataclasses by draccus (the typed-config library Levanter uses); unknown keys and wrong types become a
 `UserError` naming the key. Pure Python: torchref imports this module, so
-it must never import jax or torch.
+it must never import jax or torch. Whether run.out_dir can hold a run is runfolder.py's to check; whether a
+checkpoint was written by the run a config describes, same_run.py's.
 
 Batch sizes: `data.batch_size` is the GLOBAL number of sequences per OPTIMIZER step, summed over all
 gradient-accumulation micro-steps and all devices and hosts. Each micro-step processes
@@ -16,7 +17,6 @@ grad_accum_steps therefore never changes the tokens per optimizer step.
 import copy
 import dataclasses
 import difflib
-import hashlib
 import importlib
 import math
 import os
@@ -25,7 +25,6 @@ import typing
 from typing import Literal, Optional
 
 import draccus
-import fsspec
 import yaml
 from draccus.wrappers.docstring import get_attribute_docstring
 
@@ -342,9 +341,9 @@ def validate(cfg: Config) -> None:
                         f"{o.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a multiple")
     _check_vocab_tiles(cfg)
     if runfolder.is_url(cfg.run.out_dir):
-        _check_run_url(cfg.run.out_dir, writes=not cfg.run.dry_run)
+        runfolder.check_url(cfg.run.out_dir, writes=not cfg.run.dry_run)
     else:
-        _check_run_folder(cfg.run.out_dir)
+        runfolder.check_local(cfg.run.out_dir)
     if cfg.log.wandb and not cfg.run.dry_run:
         _check_wandb_installed()
     if cfg.data.path is not None and not os.path.isdir(cfg.data.path) and not (
@@ -402,56 +401,11 @@ def _check_optional(cfg: Config) -> None:
 
 
 def _check_mesh(cfg: Config) -> None:
-    """The axis sizes alone; validate_devices checks them against the devices a run finds."""
+    """The axis sizes alone; mesh.validate_devices checks them against the devices a run finds."""
     if cfg.mesh.fsdp <= 0:
         raise UserError(f"mesh.fsdp must be > 0 (1: no sharding), got {cfg.mesh.fsdp}")
     if cfg.mesh.data != -1 and cfg.mesh.data <= 0:
         raise UserError(f"mesh.data must be > 0, or -1 for all devices not used by fsdp, got {cfg.mesh.data}")
-
-
-# What a run keeps in run.out_dir: a file or a folder already there under one of these names must be of its kind.
-_RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file", "metrics.jsonl": "file",
-                     "wandb.json": "file", "wandb": "folder"}
-
-
-def _check_run_folder(out_dir: str) -> None:
-    """run.out_dir can hold a run: otherwise the run would fail at its first write, after the training it could
-    not save (a file where a folder goes, or a step number that is a file). Object-store URIs are not local."""
-    ancestor = os.path.abspath(out_dir)
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise UserError(f"run.out_dir={out_dir!r} lies under {ancestor}, which is a file; choose another --run.out_dir")
-    entries = list(_RUN_FOLDER_KINDS.items())
-    checkpoints = os.path.join(out_dir, "checkpoints")
-    if os.path.isdir(checkpoints):
-        entries += [(os.path.join("checkpoints", n), "folder") for n in os.listdir(checkpoints) if n.isdigit()]
-    for name, kind in entries:
-        path = os.path.join(out_dir, name)
-        if os.path.exists(path) and os.path.isdir(path) != (kind == "folder"):
-            raise UserError(f"{path} is a {'folder' if kind == 'file' else 'file'} where the run keeps a {kind} of "
-                            f"that name; move it aside, or choose another --run.out_dir")
-
-
-# Object stores a run folder may lie in: each has a TensorStore driver (orbax's arrays), an fsspec file system
-# (metrics.jsonl, config.yaml, TensorBoard's events); the package that brings the file system.
-RUN_URL_SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}
-
-
-def _check_run_url(out_dir: str, writes: bool) -> None:
-    """A URL run.out_dir names a bucket in a store the run can write, with that store's package installed where
-    the run `writes` (a dry run writes nothing)."""
-    scheme, _, rest = out_dir.partition("://")
-    if scheme not in RUN_URL_SCHEMES or not rest.strip("/"):
-        raise UserError(f"run.out_dir={out_dir!r} is not a folder this run can write: give a local path, or "
-                        f"{' or '.join(f'{s}://bucket/path' for s in RUN_URL_SCHEMES)}")
-    if not writes:
-        return
-    try:
-        fsspec.get_filesystem_class(scheme)
-    except ImportError:
-        raise UserError(f"run.out_dir={out_dir!r} needs the {RUN_URL_SCHEMES[scheme]} package: "
-                        f"pip install '{RUN_URL_SCHEMES[scheme]}' (for gs://: pip install 'jaxtrain[gcs]')") from None
 
 
 def _check_wandb_installed() -> None:
@@ -468,20 +422,6 @@ def _values(cfg: Config):
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(section.type):
             yield f"{section.name}.{_yaml_name((section.name,), f.name)}", getattr(getattr(cfg, section.name), f.name)
-
-
-def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:
-    """The (data, fsdp) mesh shape for n_devices; checks that each micro-batch splits evenly over it."""
-    fsdp = cfg.mesh.fsdp
-    data = cfg.mesh.data if cfg.mesh.data != -1 else n_devices // max(fsdp, 1)
-    if fsdp <= 0 or data <= 0 or data * fsdp != n_devices:
-        raise UserError(f"mesh.data={cfg.mesh.data} x mesh.fsdp={cfg.mesh.fsdp} does not cover the {n_devices} "
-                        f"devices; set mesh.data=-1 and an fsdp that divides {n_devices}")
-    if cfg.micro_batch_size % n_devices:
-        raise UserError(f"the micro-batch of {cfg.micro_batch_size} sequences (data.batch_size / optim.grad_accum_steps)"
-                        f" does not split over {n_devices} devices; make data.batch_size a multiple of "
-                        f"{n_devices * cfg.optim.grad_accum_steps}")
-    return data, fsdp
 
 
 def _divisors_near(n: int, k: int) -> str:
@@ -508,50 +448,3 @@ def save(cfg: Config, out_dir: str) -> None:
 def resume_hint(cfg: Config) -> str:
     """How to resume a stopped run, for both backends' stop messages: not with run.fresh, which starts over."""
     return "run the same command" + (" without --run.fresh=true" if cfg.run.fresh else "") + " to resume"
-
-
-# Sections and keys that shape the trajectory: resuming with any of them changed is refused. train.steps is not
-# one of them (a finished run may be extended), but the decay length it defaults to is. Where the data lies
-# (data.path, data.cache_dir) is not either: its content is compared instead (data.check_same_data). How the model
-# computes (attention kernel, rematerialisation, vocabulary tiling: the same math, rounded alike or in another
-# order) is not: it may change on resume, to fit another device, and checkpoints written before these keys existed
-# still resume.
-TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "train.loss_scale", "run.seed",
-                   "decay length")
-HOW_NOT_WHAT = ("model.attention", "model.remat", "model.vocab_tiles")
-
-
-def check_same_trajectory(saved: dict, cfg: Config, where: str) -> None:
-    """Refuse to resume from a checkpoint written with another config (`saved`, as `dump` wrote it), naming the
-    keys that changed. Keys that do not shape the trajectory (out_dir, logging, checkpoint cadence, train.steps
-    when optim.decay_steps is set) may change."""
-    defaults = _flatten(yaml.safe_load(dump(Config())))  # what a key added after `saved` was written held there
-    saved, current = _trajectory({**defaults, **_flatten(saved)}), _trajectory(_flatten(yaml.safe_load(dump(cfg))))
-    changed = [k for k in {**saved, **current} if saved.get(k) != current.get(k)]  # optim.groups may lose keys
-    if changed:
-        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
-        raise UserError(f"the config differs from the one that wrote {where} ({diffs}); resume with the same "
-                        f"config, or start over with --run.fresh=true or a new --run.out_dir")
-
-
-def config_hash(cfg: Config) -> str:
-    """sha256 of the resolved config's trajectory keys: written into torch-format checkpoints."""
-    trajectory = _trajectory(_flatten(yaml.safe_load(dump(cfg))))
-    return hashlib.sha256(yaml.safe_dump(trajectory, sort_keys=True).encode()).hexdigest()
-
-
-def _trajectory(flat: dict) -> dict:
-    """The keys (flattened) that shape the trajectory, with the effective decay length spelled out."""
-    flat = dict(flat)
-    flat["decay length"] = flat.get("optim.decay_steps") or flat.get("train.steps")
-    return {k: v for k, v in flat.items() if k.startswith(TRAJECTORY_KEYS) and k not in HOW_NOT_WHAT}
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

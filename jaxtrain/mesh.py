@@ -13,7 +13,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain.config import Config, validate_devices
+from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 
 BATCH_AXES = ("data", "fsdp")
@@ -49,6 +49,20 @@ def make_mesh(cfg: Config) -> Mesh:
     # Auto axes: XLA propagates shardings from the inputs (jax.make_mesh defaults to Explicit axes, which would
     # make every gather in the model name its output sharding).
     return jax.make_mesh((data, fsdp), ("data", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:
+    """The (data, fsdp) mesh shape for n_devices; checks that each micro-batch splits evenly over it."""
+    fsdp = cfg.mesh.fsdp
+    data = cfg.mesh.data if cfg.mesh.data != -1 else n_devices // max(fsdp, 1)
+    if fsdp <= 0 or data <= 0 or data * fsdp != n_devices:
+        raise UserError(f"mesh.data={cfg.mesh.data} x mesh.fsdp={cfg.mesh.fsdp} does not cover the {n_devices} "
+                        f"devices; set mesh.data=-1 and an fsdp that divides {n_devices}")
+    if cfg.micro_batch_size % n_devices:
+        raise UserError(f"the micro-batch of {cfg.micro_batch_size} sequences (data.batch_size / optim.grad_accum_steps)"
+                        f" does not split over {n_devices} devices; make data.batch_size a multiple of "
+                        f"{n_devices * cfg.optim.grad_accum_steps}")
+    return data, fsdp
 
 
 def fsdp_sharding(mesh: Mesh, tree):

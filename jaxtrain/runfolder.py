@@ -13,6 +13,8 @@ import time
 import fsspec
 from etils import epath
 
+from jaxtrain.errors import UserError
+
 # gcsfs caches directory listings for the life of a process, and misses what TensorStore and other hosts write
 # there (a stale listing hid TensorBoard's events in a test). Off, unless the user's fsspec config says otherwise.
 fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
@@ -29,6 +31,51 @@ def path(out_dir: str, *names: str) -> epath.Path:
     """`out_dir`/names: a URL as it is, a local path made absolute (orbax takes absolute paths only)."""
     base = epath.Path(out_dir if is_url(out_dir) else os.path.abspath(out_dir))
     return base.joinpath(*names)
+
+
+# What a run keeps in run.out_dir: a file or a folder already there under one of these names must be of its kind.
+_RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file", "metrics.jsonl": "file",
+                     "wandb.json": "file", "wandb": "folder"}
+
+
+def check_local(out_dir: str) -> None:
+    """run.out_dir can hold a run: otherwise the run would fail at its first write, after the training it could
+    not save (a file where a folder goes, or a step number that is a file). Object-store URIs are not local."""
+    ancestor = os.path.abspath(out_dir)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UserError(f"run.out_dir={out_dir!r} lies under {ancestor}, which is a file; choose another --run.out_dir")
+    entries = list(_RUN_FOLDER_KINDS.items())
+    checkpoints = os.path.join(out_dir, "checkpoints")
+    if os.path.isdir(checkpoints):
+        entries += [(os.path.join("checkpoints", n), "folder") for n in os.listdir(checkpoints) if n.isdigit()]
+    for name, kind in entries:
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path) and os.path.isdir(path) != (kind == "folder"):
+            raise UserError(f"{path} is a {'folder' if kind == 'file' else 'file'} where the run keeps a {kind} of "
+                            f"that name; move it aside, or choose another --run.out_dir")
+
+
+# Object stores a run folder may lie in: each has a TensorStore driver (orbax's arrays), an fsspec file system
+# (metrics.jsonl, config.yaml, TensorBoard's events); the package that brings the file system.
+RUN_URL_SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}
+
+
+def check_url(out_dir: str, writes: bool) -> None:
+    """A URL run.out_dir names a bucket in a store the run can write, with that store's package installed where
+    the run `writes` (a dry run writes nothing)."""
+    scheme, _, rest = out_dir.partition("://")
+    if scheme not in RUN_URL_SCHEMES or not rest.strip("/"):
+        raise UserError(f"run.out_dir={out_dir!r} is not a folder this run can write: give a local path, or "
+                        f"{' or '.join(f'{s}://bucket/path' for s in RUN_URL_SCHEMES)}")
+    if not writes:
+        return
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError:
+        raise UserError(f"run.out_dir={out_dir!r} needs the {RUN_URL_SCHEMES[scheme]} package: "
+                        f"pip install '{RUN_URL_SCHEMES[scheme]}' (for gs://: pip install 'jaxtrain[gcs]')") from None
 
 
 def write_whole(file: epath.Path, content: str | bytes) -> None:

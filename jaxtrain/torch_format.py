@@ -31,6 +31,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import model
 from jaxtrain import optim
 from jaxtrain import param_groups
+from jaxtrain import same_run
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.step import TrainState
@@ -173,7 +174,7 @@ def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, lr_scales: 
         "data": {"seed": data_seed, "next_step": step, "tokens": step * cfg.data.batch_size * cfg.model.seq_len},
         "data_fingerprint": data_fingerprint,
         "rng": {"torch": None, "cuda": None},
-        "config_hash": config_lib.config_hash(cfg),
+        "config_hash": same_run.config_hash(cfg),
         "config": yaml.safe_load(config_lib.dump(cfg)),
     }
 

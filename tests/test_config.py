@@ -9,7 +9,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxtrain import config
+from jaxtrain import config, mesh, same_run
 from jaxtrain.errors import UserError
 
 
@@ -107,9 +107,9 @@ def test_missing_config_file():
 
 def test_devices_must_split_the_micro_batch(yaml_path):
     cfg = config.load(["--config", yaml_path, "--data.batch_size=12", "--optim.grad_accum_steps=2"])
-    assert config.validate_devices(cfg, 2) == (2, 1)
+    assert mesh.validate_devices(cfg, 2) == (2, 1)
     with pytest.raises(UserError, match="does not split over 4 devices"):
-        config.validate_devices(cfg, 4)
+        mesh.validate_devices(cfg, 4)
 
 
 def test_cli_error_is_one_line_exit_2(yaml_path):
@@ -142,17 +142,17 @@ def test_trajectory_check_names_changed_keys_and_allows_extending(yaml_path):
     saved = yaml.safe_load(config.dump(cfg))
     longer = config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=300",
                           "--run.out_dir=/elsewhere", "--checkpoint.every=7"])
-    config.check_same_trajectory(saved, longer, "ckpt")  # same schedule and model: extending is fine
+    same_run.check(saved, longer, "ckpt")  # same schedule and model: extending is fine
     other_kernels = config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=100",
                                  "--model.remat=full", "--model.attention=xla", "--model.vocab_tiles=4"])
-    config.check_same_trajectory(saved, other_kernels, "ckpt")  # how the model computes may change
+    same_run.check(saved, other_kernels, "ckpt")  # how the model computes may change
     for key in ("attention", "remat", "vocab_tiles"):  # a checkpoint written before these keys existed
         del saved["model"][key]
-    config.check_same_trajectory(saved, cfg, "ckpt")
+    same_run.check(saved, cfg, "ckpt")
     with pytest.raises(UserError, match=r"decay length: 100 -> 300"):  # the default decay follows train.steps
-        config.check_same_trajectory(saved, config.load(["--config", yaml_path, "--train.steps=300"]), "ckpt")
+        same_run.check(saved, config.load(["--config", yaml_path, "--train.steps=300"]), "ckpt")
     with pytest.raises(UserError, match=r"model.n_layer: 4 -> 2.*--run.fresh=true"):
-        config.check_same_trajectory(saved, config.load(["--config", yaml_path, "--optim.decay_steps=100",
+        same_run.check(saved, config.load(["--config", yaml_path, "--optim.decay_steps=100",
                                                          "--train.steps=100", "--model.n_layer=2"]), "ckpt")
 
 
@@ -163,11 +163,11 @@ def test_trajectory_check_reads_keys_added_since_as_their_defaults(yaml_path):
     saved = yaml.safe_load(config.dump(cfg))
     for key in ("schedule", "cycles", "groups"):
         del saved["optim"][key]
-    config.check_same_trajectory(saved, cfg, "ckpt")
+    same_run.check(saved, cfg, "ckpt")
     with pytest.raises(UserError, match=r"optim.schedule: 'cosine' -> 'linear'"):
-        config.check_same_trajectory(saved, config.load(["--config", yaml_path, "--optim.schedule=linear"]), "ckpt")
+        same_run.check(saved, config.load(["--config", yaml_path, "--optim.schedule=linear"]), "ckpt")
     grouped = config.load(["--config", yaml_path, "--optim.groups={wte: {lr_scale: 0.5}}"])
     with pytest.raises(UserError, match=r"optim.groups.wte.lr_scale: None -> 0.5"):
-        config.check_same_trajectory(saved, grouped, "ckpt")
+        same_run.check(saved, grouped, "ckpt")
     with pytest.raises(UserError, match=r"optim.groups.wte.lr_scale: 0.5 -> None"):
-        config.check_same_trajectory(yaml.safe_load(config.dump(grouped)), cfg, "ckpt")
+        same_run.check(yaml.safe_load(config.dump(grouped)), cfg, "ckpt")

@@ -22,7 +22,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from jaxtrain import config, wandb_log
+from jaxtrain import config, same_run, wandb_log
 from jaxtrain.config import Config
 from jaxtrain.data import check_same_data
 from jaxtrain.errors import UserError
@@ -114,7 +114,7 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
 def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> Progress:
     """Restore everything from one of this run's checkpoints; a changed config or other data is an error."""
     state = _read_trainer_state(path)
-    config.check_same_trajectory(state.get("config", {}), cfg, path)
+    same_run.check(state.get("config", {}), cfg, path)
     check_same_data(state, data_fingerprint, cfg, path)
     load_weights(path, model)
     return _restore_training(path, state, model, optimizer)
@@ -182,7 +182,7 @@ def _trainer_state(progress: Progress, scheduler, tied: bool, cfg: Config, data_
         **({"loss_scale": _scaler_state(progress.loss_scale)} if progress.loss_scale else {}),
         "rng": {"torch": _b64(torch.get_rng_state()), "cuda": cuda_rng},
         "data_fingerprint": data_fingerprint,
-        "config_hash": config.config_hash(cfg),
+        "config_hash": same_run.config_hash(cfg),
         "config": _resolved(cfg),
     }
 
