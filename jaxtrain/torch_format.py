@@ -60,15 +60,15 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
     lr_scales = [s.lr_scale for s, _ in param_groups.torch_order(optim.param_settings(cfg, state.params))]
     moments = {f"{name}.{key}": x for field, key in MOMENTS
                for name, x in _torch_arrays(getattr(adam, field), names).items()}
+    trainer_state = _trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg, lr_scales,
+                                   cfg.run.seed if data_seed is None else data_seed, data_fingerprint)
+    if cfg.train.precision == "fp16":  # GradScaler's state, as torchref's checkpoints hold it
+        scaler = optim.loss_scale(state.opt_state)
+        trainer_state["loss_scale"] = {"scale": float(scaler.scale), "growth_tracker": int(scaler.good_steps)}
     with folder_into_place(out_dir) as tmp:
         save_file(_torch_arrays(state.params, names), os.path.join(tmp, MODEL))
         save_file(moments, os.path.join(tmp, OPTIMIZER))
         with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
-            trainer_state = _trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg, lr_scales,
-                                           cfg.run.seed if data_seed is None else data_seed, data_fingerprint)
-            if cfg.train.precision == "fp16":  # GradScaler's state, as torchref's checkpoints hold it
-                scaler = optim.loss_scale(state.opt_state)
-                trainer_state["loss_scale"] = {"scale": float(scaler.scale), "growth_tracker": int(scaler.good_steps)}
             json.dump(trainer_state, f, indent=1)
 
 
