@@ -98,6 +98,16 @@ def test_a_second_signal_stops_at_once_and_the_next_start_resumes(tmp_path, cach
     assert_resumes_to(out_dir, cache_dir, straight)
 
 
+def wait_for_a_logged_step(out_dir, timeout_s: float = 300.0) -> None:
+    """Until metrics.jsonl holds a step (written one step late, by process 0, once every process voted to go on
+    past start-up), polling every 50 ms. A fixed sleep after process 0's compilation was not enough: with the
+    compilation cache warm, process 1 was still in start-up 1 s later, and both stopped before the first step."""
+    metrics, deadline = os.path.join(out_dir, "metrics.jsonl"), time.monotonic() + timeout_s
+    while not (os.path.exists(metrics) and os.path.getsize(metrics)):
+        assert time.monotonic() < deadline, f"no step logged in {out_dir} after {timeout_s} s"
+        time.sleep(0.05)
+
+
 def two_processes(out_dir, cache_dir, port):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2")
@@ -116,8 +126,7 @@ def test_sigterm_to_one_host_saves_the_same_step_on_both(tmp_path, cache_dir):
     for p in two_processes(straight_dir, cache_dir, free_port()):
         assert p.wait(timeout=600) == 0, p.stderr.read()
     procs = two_processes(out_dir, cache_dir, free_port())
-    wait_for(procs[0], "compiled the train step")
-    time.sleep(1.0)
+    wait_for_a_logged_step(out_dir)  # both past start-up: a signal there would stop them before the first step
     procs[1].send_signal(signal.SIGTERM)
     errs = [p.stderr.read() for p in procs]
     assert [p.wait(timeout=600) for p in procs] == [0, 0], errs
