@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from test_dryrun import table_value
+
 
 def recipes_section() -> str:
     with open("README.md") as f:
@@ -44,7 +46,7 @@ def table_state_gib() -> dict[tuple, float]:
 
 def state_gib(stdout: str) -> float:
     rows = ("params (fp32)", "AdamW moments (fp32)", "gradient accumulator (fp32)", "other optimizer state")
-    return sum(float(line.split("|")[2]) for line in stdout.splitlines() if line.startswith(tuple(f"| {r}" for r in rows)))
+    return sum(table_value(stdout, row) for row in rows)
 
 
 def test_every_recipe_has_a_row_and_a_dry_run():
