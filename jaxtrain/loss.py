@@ -6,9 +6,8 @@ tile the head's logits are computed and reduced to the loss, and in the backward
 gradient: MaxText's vocabulary tiling (num_vocab_tiling), Liger's fused linear cross-entropy. It keeps the untiled
 path's numerics (model.head_logits, token_ce's gradient, model._low_matmul's backward) but for the order in which
 the head weight's fp32 gradient sums over the tokens, at the price of the head's forward matmul run twice.
-Across several devices XLA reduces the head weight's gradient inside the backward scan, once per tile rather than
-once per micro-batch (seen in the compiled HLO of test_mesh.py's 8-device FSDP step; a shard_map with one psum
-after the scan would make it one): tiling trades that traffic for the logits' memory.
+Across several devices each device sums its own tokens' share of the head weight's gradient over the tiles, and
+the shares are reduced once after the scan, as the untiled path reduces its one gradient (_by_shard).
 """
 
 import functools
@@ -81,24 +80,29 @@ def _tiled_ce_sum_fwd(x_NxD, w_DxV, labels_N, valid_N, precision, tiles):
 def _tiled_ce_sum_bwd(precision, tiles, residuals, g):
     """Per tile, the logits again (the forward's matmul on the same operands), token_ce's gradient of them (fp32,
     rounded once to the compute dtype; times the fp16 loss scale, in g, before that rounding), and the head's
-    two gradient dots, as model._low_matmul's backward: x's rounded per tile, w's summed over the tiles in fp32
-    and rounded once at the end (under fp32, nothing is rounded)."""
+    two gradient dots, as model._low_matmul's backward: x's rounded per tile, w's summed in fp32 (over each
+    device's tokens of each tile, then over the tiles, then over the devices) and rounded once at the end (under
+    fp32, nothing is rounded)."""
     x_NxD, w_DxV, labels_N, valid_N, lse_KxM = residuals
     low = model.COMPUTE_DTYPES[precision]
     w_low = w_DxV.astype(low)
 
-    def tile(dw_DxV, tile_inputs):
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = 1 if mesh.empty else mesh.size  # model.batch_sharded's split of the batch over the devices
+    weight_grads = jax.vmap(model.shared_weight_grads, in_axes=(0, None, 0))
+
+    def tile(dw_SxDxV, tile_inputs):
         x_MxD, labels_M, valid_M, lse_M = tile_inputs
         x_low = x_MxD.astype(low)
         logits_MxV = model.head_logits(x_low, w_low, precision)
         dlogits_MxV, _ = _token_ce_bwd((logits_MxV, labels_M, lse_M), jnp.where(valid_M, g, 0.0))
-        dx_MxD, dw_tile = model.shared_weight_grads(x_low, w_low, dlogits_MxV)
-        return dw_DxV + dw_tile, dx_MxD.astype(low)
+        dx_SxLxD, dw_tile = weight_grads(_by_shard(x_low, shards), w_low, _by_shard(dlogits_MxV, shards))
+        return dw_SxDxV + dw_tile, dx_SxLxD.reshape(x_MxD.shape).astype(low)
 
-    dw_DxV, dx_KxMxD = jax.lax.scan(tile, jnp.zeros(w_DxV.shape, jnp.float32),
-                                    (*_tiled((x_NxD, labels_N, valid_N), tiles), lse_KxM))
+    dw_SxDxV = model.batch_sharded(jnp.zeros((shards, *w_DxV.shape), jnp.float32))
+    dw_SxDxV, dx_KxMxD = jax.lax.scan(tile, dw_SxDxV, (*_tiled((x_NxD, labels_N, valid_N), tiles), lse_KxM))
     dx_NxD = jnp.swapaxes(dx_KxMxD, 0, 1).reshape(x_NxD.shape).astype(x_NxD.dtype)
-    return dx_NxD, model.rounded_weight_grad(dw_DxV, low, w_DxV.dtype), None, None
+    return dx_NxD, model.rounded_weight_grad(jnp.sum(dw_SxDxV, axis=0), low, w_DxV.dtype), None, None
 
 
 _tiled_ce_sum.defvjp(_tiled_ce_sum_fwd, _tiled_ce_sum_bwd)
@@ -109,3 +113,12 @@ def _tiled(arrays_N, tiles: int) -> tuple:
     tile spans the whole micro-batch, so it keeps the batch's split over the devices, where a run of consecutive
     tokens would lie on some of them only."""
     return tuple(jnp.swapaxes(a.reshape(-1, tiles, *a.shape[1:]), 0, 1) for a in arrays_N)
+
+
+def _by_shard(a_MxF, shards: int):
+    """A tile's (M, F) rows as (shards, M / shards, F), row block s the rows device s holds, pinned there. The head
+    weight's gradient of a tile, summed over each block alone (shards, D, V), stays a partial sum on its device,
+    added to that device's running sum in the scan and reduced over the devices once after it. Summed over all the
+    rows, it would be reduced over the devices inside the scan, once per tile: the compiled HLO of test_mesh.py's
+    8-device FSDP step held two all-reduces of the head's gradient in the scan's body."""
+    return model.batch_sharded(a_MxF.reshape(shards, -1, a_MxF.shape[-1]))

@@ -5,6 +5,7 @@ replicated otherwise) and replicated over `data`; batches are split over both ax
 batch from only its own rows (jax.make_array_from_process_local_data), so no host ever loads another's data.
 """
 
+import math
 import os
 
 import jax
@@ -62,6 +63,10 @@ def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:
         raise UserError(f"the micro-batch of {cfg.micro_batch_size} sequences (data.batch_size / optim.grad_accum_steps)"
                         f" does not split over {n_devices} devices; make data.batch_size a multiple of "
                         f"{n_devices * cfg.optim.grad_accum_steps}")
+    tiles, device_tokens = cfg.model.vocab_tiles, cfg.micro_batch_size // n_devices * cfg.model.seq_len
+    if device_tokens % tiles:  # each device's rows of a tile are its own (loss._by_shard)
+        raise UserError(f"model.vocab_tiles={tiles} does not divide the {device_tokens} tokens each of the {n_devices} "
+                        f"devices holds of a micro-batch; choose a divisor, e.g. {math.gcd(device_tokens, tiles)}")
     return data, fsdp
 
 

@@ -4,6 +4,7 @@ Each case trains the same small model as a one-device run and must give the same
 params and the update are the same; only the order of the cross-device sums differs (fp32 rounding).
 """
 
+import functools
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ import pytest
 from jax.sharding import Mesh
 
 from jaxtrain import config, mesh, run
+from jaxtrain.errors import UserError
 
 SMALL = ["--config", "configs/tiny.yaml", "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2",
          "--model.seq_len=32", "--data.batch_size=16", "--optim.grad_accum_steps=2", "--train.steps=4",
@@ -60,17 +62,23 @@ run.train(cfg)
 """
 
 
-def test_eight_devices_data_and_fsdp(tmp_path, cache_dir, one_device_losses):
+@pytest.mark.parametrize("vocab_tiles", [1, 4])
+def test_eight_devices_data_and_fsdp(tmp_path, cache_dir, one_device_losses, vocab_tiles):
+    """With model.vocab_tiles, each device sums its share of the head's gradient over the tiles (loss._by_shard):
+    the losses are still the one-device run's (whose logits are whole), up to the order of fp32 sums."""
     out_dir = str(tmp_path / "eight")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-c", EIGHT_DEVICE_SCRIPT, *SMALL, f"--run.out_dir={out_dir}",
-                           f"--data.cache_dir={cache_dir}", "--mesh.fsdp=4"], env=env, capture_output=True, text=True)
+                           f"--data.cache_dir={cache_dir}", "--mesh.fsdp=4", f"--model.vocab_tiles={vocab_tiles}"],
+                          env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "devices 8 kernel spec (None, 'fsdp')" in proc.stdout  # (32, 128): its 128 columns split over fsdp=4
     np.testing.assert_allclose(losses(out_dir), one_device_losses, rtol=LOSS_RTOL)
 
 
-# Compiles the train step on 8 fake devices and prints the shape of every collective that moves data between them.
+# Compiles the train step on 8 fake devices and prints each collective that moves data between them, one line per
+# array it moves (a combined all-reduce moves several): the op, "loop" where it runs in a while loop's body (or in
+# what that body calls) and "once" where it does not, and the array's shape.
 COLLECTIVES_SCRIPT = r"""
 import re, sys
 from jaxtrain import checkpoint, config, dryrun, mesh
@@ -79,9 +87,32 @@ dryrun.use_fake_devices(8)
 device_mesh = mesh.make_mesh(cfg)
 state = checkpoint.abstract_state(cfg, cfg.model.vocab_size, device_mesh)
 hlo = dryrun.compiled_step(cfg, state, device_mesh).as_text()
-for shape, op in re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} (all-gather|all-to-all|collective-permute)\(", hlo):
-    print(op, shape)
+bodies = {name: body for name, body in re.findall(r"^(?:ENTRY )?%([\w.-]+) .*?\{\n(.*?)^\}", hlo, re.S | re.M)}
+looped = set(re.findall(r"body=%([\w.-]+)", hlo))
+while True:
+    called = {c for name in looped for c in re.findall(r"(?:calls|to_apply|body|condition)=%([\w.-]+)", bodies[name])}
+    if called <= looped:
+        break
+    looped |= called
+ops = "all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter"
+for name, body in bodies.items():
+    for result, op in re.findall(rf"^\s*(?:ROOT )?%[\w.-]+ = (.*?) ({ops})(?:-start)?\(", body, re.M):
+        for shape in re.findall(r"\w+\[([\d,]*)\]", result):
+            print(op, "loop" if name in looped else "once", shape)
 """.strip()
+D, V, T = 384, 256, 64  # the model's d_model, vocabulary and sequence length: a vocabulary narrower than d_model
+
+
+@functools.cache
+def collectives(vocab_tiles: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(op, "loop" or "once", shape) of each array the 8-device FSDP train step (fsdp 4 x data 2) moves between devices."""
+    overrides = ["--config", "configs/tiny.yaml", "--model.n_layer=2", f"--model.d_model={D}", "--model.n_head=6",
+                 f"--model.seq_len={T}", f"--model.vocab_size={V}", "--data.batch_size=32", "--mesh.fsdp=4",
+                 "--optim.grad_accum_steps=1", f"--model.vocab_tiles={vocab_tiles}"]
+    proc = subprocess.run([sys.executable, "-c", COLLECTIVES_SCRIPT, *overrides], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    moved = [line.split(" ") for line in proc.stdout.splitlines()]
+    return [(op, where, tuple(int(n) for n in shape.split(",") if n)) for op, where, shape in moved]
 
 
 @pytest.mark.parametrize("vocab_tiles", [1, 4])
@@ -94,17 +125,36 @@ def test_fsdp_moves_params_never_activations(vocab_tiles):
     tiles, a tile of consecutive tokens would lie on some devices only: XLA moved the hidden states between
     devices for the scan over tiles (all-gathers of [1,256,384], collective-permutes); loss._tiled's strided tiles
     keep each device's rows."""
-    overrides = ["--config", "configs/tiny.yaml", "--model.n_layer=2", "--model.d_model=384", "--model.n_head=6",
-                 "--model.seq_len=64", "--model.vocab_size=256", "--data.batch_size=32", "--mesh.fsdp=4",
-                 "--optim.grad_accum_steps=1", f"--model.vocab_tiles={vocab_tiles}"]
-    proc = subprocess.run([sys.executable, "-c", COLLECTIVES_SCRIPT, *overrides], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    d, V, T = 384, 256, 64
-    param_shapes = {(V, d), (T, d), (d,), (d, 3 * d), (3 * d,), (d, d), (d, 4 * d), (4 * d,), (4 * d, d)}
-    moved = [line.split() for line in proc.stdout.splitlines()]
+    param_shapes = {(V, D), (T, D), (D,), (D, 3 * D), (3 * D,), (D, D), (D, 4 * D), (4 * D,), (4 * D, D)}
+    moved = [(op, shape) for op, _, shape in collectives(vocab_tiles) if op not in ("all-reduce", "reduce-scatter")]
     assert moved and all(op == "all-gather" for op, _ in moved), moved
-    gathered = {tuple(int(n) for n in shape.split(",")) for _, shape in moved}
-    assert {tuple(sorted(s)) for s in gathered} <= {tuple(sorted(s)) for s in param_shapes}, gathered
+    assert {tuple(sorted(s)) for _, s in moved} <= {tuple(sorted(s)) for s in param_shapes}, moved
+
+
+def test_vocab_tiles_reduce_each_gradient_once():
+    """With vocabulary tiles as without, the step reduces each gradient over the devices once, outside any loop:
+    no array bigger than a scalar is reduced in the body of the scan over tiles. When each tile's share of the
+    head weight's gradient was summed over all the tokens, XLA reduced it in that body, once per tile (all-reduces
+    of [384,256] and of a [96,256] shard); loss._by_shard keeps each device's share on it until the scan is done."""
+    for tiles in (1, 4):
+        reduced = [(where, shape) for op, where, shape in collectives(tiles) if op in ("all-reduce", "reduce-scatter")]
+        assert ("once", (D, V)) in reduced or ("once", (V, D)) in reduced, (tiles, reduced)
+        assert [r for r in reduced if r[0] == "loop" and r[1]] == [], tiles
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 4, 8])
+@pytest.mark.parametrize("vocab_tiles", [1, 2, 8, 64, 128, 256])
+def test_vocab_tiles_must_divide_each_devices_tokens(n_devices, vocab_tiles):
+    """Each device holds 16 / n_devices sequences of 32 tokens of a micro-batch of 512 (every tile count here
+    divides that): the tiles must divide the device's tokens, so that a tile's rows on a device are its own."""
+    cfg = config.load([*SMALL, f"--model.vocab_tiles={vocab_tiles}", "--optim.grad_accum_steps=1"])
+    device_tokens = {1: 512, 2: 256, 4: 128, 8: 64}[n_devices]
+    if device_tokens % vocab_tiles == 0:
+        assert mesh.validate_devices(cfg, n_devices) == (n_devices, 1)
+    else:
+        with pytest.raises(UserError, match=rf"^model\.vocab_tiles={vocab_tiles} does not divide the "
+                                            rf"{device_tokens} tokens each of the {n_devices} devices"):
+            mesh.validate_devices(cfg, n_devices)
 
 
 def test_batch_must_split_over_devices(tmp_path, cache_dir):
