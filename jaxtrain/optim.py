@@ -115,6 +115,24 @@ def optimizer(cfg: Config) -> optax.MultiSteps:
     return optax.MultiSteps(inner, every_k_schedule=o.grad_accum_steps, use_grad_mean=False)
 
 
+def add_to_window(opt_state: optax.MultiStepsState, grads) -> optax.MultiStepsState:
+    """opt_state with a micro-batch's gradient added to MultiSteps' accumulator, as MultiSteps.update adds it
+    (use_grad_mean=False: grad + sum), but without running the inner chain. MultiSteps.update runs clip and AdamW
+    over every param at each micro-step and keeps the result at the window's last only (optax's _do_update: jnp.where(
+    emit, new, old)), a select XLA cannot skip: with k micro-batches, k - 1 AdamW updates a window computed for
+    nothing. The train step adds all k here and applies the sum once (apply_window)."""
+    return opt_state._replace(acc_grads=jax.tree.map(lambda g, acc: g + acc, grads, opt_state.acc_grads))
+
+
+def apply_window(tx: optax.MultiSteps, opt_state: optax.MultiStepsState, params, k: int) -> tuple:
+    """(updates, opt_state): the window whose k gradients add_to_window summed into opt_state, applied by
+    MultiSteps.update itself at the window's last micro-step (mini_step k - 1) with a zero gradient: sum + 0 is the
+    sum, exactly, and MultiSteps runs the inner chain on it, advances its counts and resets the accumulator as when
+    fed the k gradients one by one. A window starts at mini_step 0 (each train step is one whole window)."""
+    zeros = jax.tree.map(jnp.zeros_like, opt_state.acc_grads)
+    return tx.update(zeros, opt_state._replace(mini_step=jnp.full_like(opt_state.mini_step, k - 1)), params)
+
+
 def grouped_adamw(schedule: optax.Schedule, cfg: Config) -> optax.GradientTransformation:
     """optax.adamw's chain with a Setting per parameter (optim.groups):
     update = -LR(t) * lr_scale * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p), as torch AdamW steps a param

@@ -1,14 +1,15 @@
 """The jitted train and eval steps: token-weighted loss, accumulation by scan, metrics without a host sync.
 
-One call of `train_step` is one optimizer step: it scans over the k micro-batches of the window, feeding each
-micro-batch's gradient to optax.MultiSteps, which sums them and applies the inner chain on the k-th. The loss of
-micro-batch i is sum(CE_i) / N, with N the valid target tokens of the WHOLE window, so the summed gradient is
-exactly that of one big batch, whatever the padding of each micro-batch.
+One call of `train_step` is one optimizer step: it scans over the k micro-batches of the window, adding each
+micro-batch's gradient to optax.MultiSteps' accumulator, then has MultiSteps apply the inner chain to the sum once
+(optim.add_to_window, optim.apply_window). The loss of micro-batch i is sum(CE_i) / N, with N the valid target
+tokens of the WHOLE window, so the summed gradient is exactly that of one big batch, whatever the padding of each
+micro-batch.
 
 A scan inside one jitted call rather than k calls: 1.22x faster in fp32 and 1.31x in bf16 on the tiny model with
 k=4 on a 2-core CPU (`python -m benchmarks.run --config configs/tiny.yaml --optim.grad_accum_steps=4`); one
-dispatch per step, and the window's token count is known inside the call. MultiSteps' state semantics are
-unchanged, since the scan runs the same per-micro-batch updates.
+dispatch per step, and the window's token count is known inside the call. MultiSteps' state after a window is the
+one that feeding it the k gradients one by one gives (tests/test_step.py).
 """
 
 from typing import Callable, NamedTuple
@@ -106,23 +107,18 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         step_key = jax.random.fold_in(base_key, state.step)
         scaler = optim.loss_scale(state.opt_state) if fp16 else None
 
-        def micro_step(carry, micro):
-            opt_state, _ = carry
+        def micro_step(opt_state, micro):
             i, inputs_BxT, targets_BxT = micro
             key = jax.random.fold_in(step_key, i) if dropout else None
             grads, ce = jax.grad(micro_loss, has_aux=True)(state.params, inputs_BxT, targets_BxT, n_window, key,
                                                            scaler.scale if fp16 else None)
             if fp16:
                 grads = jax.tree.map(lambda g: g / scaler.scale, grads)
-            updates, opt_state = tx.update(grads, opt_state, state.params)
-            return (opt_state, updates), ce
+            return optim.add_to_window(opt_state, grads), ce
 
-        # MultiSteps emits the window's update at its last micro-step and 0 * update before it, which is NaN where
-        # a micro-batch's gradient is not finite: the params take the last micro-step's update alone.
         k = inputs_KxBxT.shape[0]
-        (opt_state, updates), ce_K = jax.lax.scan(
-            micro_step, (state.opt_state, jax.tree.map(jnp.zeros_like, state.params)),
-            (jnp.arange(k), inputs_KxBxT, targets_KxBxT))
+        opt_state, ce_K = jax.lax.scan(micro_step, state.opt_state, (jnp.arange(k), inputs_KxBxT, targets_KxBxT))
+        updates, opt_state = optim.apply_window(tx, opt_state, state.params, k)
         params = optax.apply_updates(state.params, updates)
         loss, grad_norm = jnp.sum(ce_K) / n_window, optim.grad_norm(opt_state)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import compiled_hlo
+
 from jaxtrain import config, mesh, run
 from jaxtrain.errors import UserError
 
@@ -76,43 +78,32 @@ def test_eight_devices_data_and_fsdp(tmp_path, cache_dir, one_device_losses, voc
     np.testing.assert_allclose(losses(out_dir), one_device_losses, rtol=LOSS_RTOL)
 
 
-# Compiles the train step on 8 fake devices and prints each collective that moves data between them, one line per
-# array it moves (a combined all-reduce moves several): the op, "loop" where it runs in a while loop's body (or in
-# what that body calls) and "once" where it does not, and the array's shape.
-COLLECTIVES_SCRIPT = r"""
-import re, sys
+# Compiles the train step on 8 fake devices and prints its optimized HLO.
+COMPILED_HLO_SCRIPT = """
+import sys
 from jaxtrain import checkpoint, config, dryrun, mesh
 cfg = config.load(sys.argv[1:])
 dryrun.use_fake_devices(8)
 device_mesh = mesh.make_mesh(cfg)
 state = checkpoint.abstract_state(cfg, cfg.model.vocab_size, device_mesh)
-hlo = dryrun.compiled_step(cfg, state, device_mesh).as_text()
-bodies = {name: body for name, body in re.findall(r"^(?:ENTRY )?%([\w.-]+) .*?\{\n(.*?)^\}", hlo, re.S | re.M)}
-looped = set(re.findall(r"body=%([\w.-]+)", hlo))
-while True:
-    called = {c for name in looped for c in re.findall(r"(?:calls|to_apply|body|condition)=%([\w.-]+)", bodies[name])}
-    if called <= looped:
-        break
-    looped |= called
-ops = "all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter"
-for name, body in bodies.items():
-    for result, op in re.findall(rf"^\s*(?:ROOT )?%[\w.-]+ = (.*?) ({ops})(?:-start)?\(", body, re.M):
-        for shape in re.findall(r"\w+\[([\d,]*)\]", result):
-            print(op, "loop" if name in looped else "once", shape)
+print(dryrun.compiled_step(cfg, state, device_mesh).as_text())
 """.strip()
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 D, V, T = 384, 256, 64  # the model's d_model, vocabulary and sequence length: a vocabulary narrower than d_model
 
 
 @functools.cache
 def collectives(vocab_tiles: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(op, "loop" or "once", shape) of each array the 8-device FSDP train step (fsdp 4 x data 2) moves between devices."""
+    """(op, "loop" or "once", shape) of each array the 8-device FSDP train step (fsdp 4 x data 2) moves between
+    devices, one per array a collective moves (a combined all-reduce moves several); "loop" where it runs in the
+    body of a loop (compiled_hlo.instructions)."""
     overrides = ["--config", "configs/tiny.yaml", "--model.n_layer=2", f"--model.d_model={D}", "--model.n_head=6",
                  f"--model.seq_len={T}", f"--model.vocab_size={V}", "--data.batch_size=32", "--mesh.fsdp=4",
                  "--optim.grad_accum_steps=1", f"--model.vocab_tiles={vocab_tiles}"]
-    proc = subprocess.run([sys.executable, "-c", COLLECTIVES_SCRIPT, *overrides], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", COMPILED_HLO_SCRIPT, *overrides], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    moved = [line.split(" ") for line in proc.stdout.splitlines()]
-    return [(op, where, tuple(int(n) for n in shape.split(",") if n)) for op, where, shape in moved]
+    return [(op, "loop" if looped else "once", tuple(int(n) for n in shape.split("[")[1][:-1].split(",") if n))
+            for op, looped, shapes in compiled_hlo.instructions(proc.stdout) if op in COLLECTIVES for shape in shapes]
 
 
 @pytest.mark.parametrize("vocab_tiles", [1, 4])

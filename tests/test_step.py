@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+import compiled_hlo
 from design_formulas import TOP1_HITS, TOP1_LOGITS, TOP1_TARGETS, default_lr_at
 from jaxtrain import config, model, optim, step
 
@@ -70,6 +71,38 @@ def test_accumulation_equals_one_big_batch():
     assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-6)
     assert float(m4["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=1e-5)
     assert int(m4["tokens"]) == int((targets >= 0).sum())
+
+
+def test_window_leaves_multisteps_as_feeding_it_one_micro_batch_at_a_time():
+    """optim.add_to_window / apply_window against optax's own protocol: MultiSteps.update called once per
+    micro-batch, the params taking the k-th call's update. Two windows of k=4 (clipping on, so every part of the
+    chain acts): params and every leaf of the optimizer state agree. fp32: the per-micro-batch gradients are the
+    same dots, jitted apart, so they may differ in the last bits of their sums (2^-24 relative per sum)."""
+    inputs, targets = batch_with_padding()
+    cfg, graphdef, state, train_step = make(4, "--optim.max_grad_norm=0.05")
+    tx = optim.optimizer(cfg)
+    n_window = jnp.sum(targets >= 0)
+    micro_grad = jax.jit(jax.grad(lambda p, x, y: step.model_ce_sum(graphdef, p, x, y) / n_window))
+    params, opt_state = state.params, state.opt_state
+    for _ in range(2):
+        state, metrics = train_step(state, *window_of(inputs, targets, 4))
+        for x, y in zip(*window_of(inputs, targets, 4)):
+            updates, opt_state = tx.update(micro_grad(params, x, y), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    assert float(optim.grad_norm(opt_state)) > 0.05  # the clip acted
+    for a, b in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((params, opt_state))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_adamw_runs_once_per_window():
+    """MultiSteps.update runs the inner chain at every micro-step and keeps its result at the k-th only; the step
+    applies the window's sum once (optim.apply_window). So no sqrt (Adam's sqrt(v_hat), the clip's norm) runs in
+    the compiled step's loop over micro-batches (the model's LayerNorms use rsqrt), and outside it, sqrts are there."""
+    inputs, targets = batch_with_padding()
+    _, _, state, train_step = make(4)
+    hlo = train_step.lower(state, *window_of(inputs, targets, 4)).compile().as_text()
+    sqrts = [looped for op, looped, _ in compiled_hlo.instructions(hlo) if op == "sqrt"]
+    assert sqrts and not any(sqrts), sqrts
 
 
 def test_mean_of_micro_means_would_differ():
