@@ -17,6 +17,7 @@ in a `KVCache` per layer: the attention takes the cache as an optional argument,
 forward pass's (the written-out attention, whatever model.attention says).
 """
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -81,6 +82,29 @@ def rounded_weight_grad(db_f32, low, dtype):
     return _row_major(db_f32).astype(low).astype(dtype)
 
 
+_compiling_for: str | None = None
+
+
+def backend() -> str:
+    """The platform the model is traced for: jax.default_backend(), unless compiling_for() names another. The
+    CPU-only layout pins (_row_major) and model.attention's choice of cuDNN depend on it."""
+    return _compiling_for or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+    """Trace for `platform` ("gpu", "cpu", "tpu") instead of this process's default backend: an ahead-of-time
+    compile for devices the machine does not have (benchmarks/roofline.py compiles the step for an H100 on a CPU,
+    where jax's default backend stays "cpu"). It acts when the model is traced: jax's trace caches do not know it,
+    so trace a fresh jit inside it (dryrun.compiled_step builds one)."""
+    global _compiling_for
+    previous, _compiling_for = _compiling_for, platform
+    try:
+        yield
+    finally:
+        _compiling_for = previous
+
+
 def _row_major(x):
     """x, laid out row-major in memory on a CPU. XLA:CPU runs a bf16 dot in bf16 (YNNPACK) only when its left
     operand is row-major and contracts its last axis, and otherwise converts both operands to fp32: a transpose of
@@ -89,7 +113,7 @@ def _row_major(x):
     later transpose (a tied head's) into the dot, which would make its left operand column-major again. GPUs and
     TPUs read transposed operands natively, so there the layout is XLA's to choose; and across several devices the
     pin would hide the batch split from XLA's sharding propagation (it gathered the pinned activations whole)."""
-    if jax.default_backend() != "cpu" or jax.sharding.get_abstract_mesh().size > 1:
+    if backend() != "cpu" or jax.sharding.get_abstract_mesh().size > 1:
         return x
     return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
@@ -230,10 +254,10 @@ def fused_attention(cfg: ModelConfig, precision: str) -> bool:
     """Whether attention runs as cuDNN's fused flash-attention kernel (model.attention). It never holds the
     (B, nh, T, T) scores, so memory grows with T, not T^2; it takes bf16 only, has no dropout on the
     probabilities, and exists on NVIDIA GPUs only. auto picks it where it can run."""
-    possible = precision == "bf16" and cfg.dropout == 0.0 and jax.default_backend() == "gpu"
+    possible = precision == "bf16" and cfg.dropout == 0.0 and backend() == "gpu"
     if cfg.attention == "cudnn" and not possible:
         raise UserError(f"model.attention=cudnn needs train.precision=bf16, model.dropout=0 and a GPU (got "
-                         f"{precision}, dropout {cfg.dropout}, {jax.default_backend()}); use model.attention=auto")
+                         f"{precision}, dropout {cfg.dropout}, {backend()}); use model.attention=auto")
     return cfg.attention == "cudnn" or (cfg.attention == "auto" and possible)
 
 

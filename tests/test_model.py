@@ -226,6 +226,18 @@ def test_attention_choice(attention, precision, dropout, fused):
     assert M.fused_attention(cfg, precision) == fused
 
 
+def test_compiling_for_names_the_backend_the_model_is_traced_for():
+    """model.compiling_for("gpu") on any machine: cuDNN attention under auto, no CPU layout pins (an ahead-of-time
+    compile for a GPU, benchmarks/roofline.py); outside it, jax's default backend again."""
+    cfg = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=0.0, attention="auto")
+    pinned = lambda: "layout" in str(jax.make_jaxpr(lambda x: M._row_major(x))(jnp.ones((4, 8))))  # a fresh trace
+    with M.compiling_for("gpu"):
+        assert M.backend() == "gpu" and M.fused_attention(cfg, "bf16") and not pinned()
+    assert M.backend() == jax.default_backend()
+    assert pinned() == (jax.default_backend() == "cpu")
+    assert M.fused_attention(cfg, "bf16") == (jax.default_backend() == "gpu")
+
+
 @pytest.mark.parametrize("precision,dropout", [("fp32", 0.0), ("bf16", 0.1)] + (
     [] if jax.default_backend() == "gpu" else [("bf16", 0.0)]))
 def test_cudnn_attention_where_it_cannot_run_is_a_user_error(precision, dropout):
