@@ -35,13 +35,16 @@ DATA_MOVEMENT = {"parameter", "copy", "transpose", "bitcast", "reshape", "slice"
                  "broadcast", "constant", "tuple", "get-tuple-element", "dynamic-slice", "dynamic-update-slice"}
 
 
-CONTROL = {"while", "conditional", "call", "custom-call", "all-reduce", "all-gather", "reduce-scatter"}
+CONTROL = {"while", "conditional", "call", "custom-call"}
+COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce-start",
+               "all-gather-start", "collective-permute-start"}
 
 
 def hlo_categories(hlo: str) -> dict[str, str]:
     """Instruction name -> category for each instruction of an optimized HLO module's text; a fusion by the ops of
-    the computation it calls: any dot -> matmul, a cuDNN attention call -> attention, any reduce -> reduction,
-    only data movement (copies, transposes, converts, slices) -> copy/transpose, else elementwise."""
+    the computation it calls: any dot (or a cuBLAS call) -> matmul, a cuDNN attention call -> attention, a
+    cross-device op -> collective, any reduce -> reduction, only data movement (copies, transposes, converts,
+    slices) -> copy/transpose, else elementwise."""
     ops_in, current = collections.defaultdict(set), None
     instructions = []
     for line in hlo.splitlines():
@@ -56,7 +59,8 @@ def hlo_categories(hlo: str) -> dict[str, str]:
     for name, opcode, calls, line in instructions:
         ops = ops_in[calls[1]] if calls else {opcode}
         by_name[name] = ("attention" if "fmha" in line else
-                         "matmul" if ops & {"dot", "convolution"} else
+                         "matmul" if ops & {"dot", "convolution"} or "__cublas" in line else
+                         "collective" if ops & COLLECTIVES else
                          "other" if ops & CONTROL else
                          "reduction" if ops & {"reduce", "reduce-window"} else
                          "copy/transpose" if ops <= DATA_MOVEMENT else "elementwise")

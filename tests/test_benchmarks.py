@@ -53,7 +53,7 @@ def test_one_short_run(tmp_path):
 def test_profile_puts_each_hlo_op_in_its_category():
     """A hand-written optimized module: a YNNPACK fusion holding a dot (and an add) is a matmul, one holding only an
     add is elementwise; a transpose-and-convert fusion is data movement; a fusion with a reduce is a reduction; the
-    loop and a cuDNN attention call are what they are."""
+    loop, a cuDNN attention call, a cuBLAS gemm and an all-reduce are what they are."""
     from benchmarks.profile import hlo_categories
     hlo = """HloModule m
 
@@ -89,11 +89,14 @@ ENTRY %main (a: bf16[8,4], b: bf16[4,2]) -> f32[2] {
   %transpose_copy_fusion = bf16[2,8]{1,0} fusion(%ynn_fusion.4), kind=kLoop, calls=%fused_copy
   %while.2 = (s32[], f32[8,2]{1,0}) while(%t), condition=%cond, body=%body
   %custom-call.7 = (bf16[8,2]{1,0}, u8[0]{0}) custom-call(%a, %b), custom_call_target="__cudnn$fmhaSoftmax"
+  %custom-call.8 = (f32[8,2]{1,0}, s8[64]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"
+  %all-reduce.1 = f32[8,2]{1,0} all-reduce(%ynn_fusion.4), replica_groups={}, to_apply=%region
   ROOT %reduce_fusion = f32[2]{0} fusion(%ynn_fusion.4, %c), kind=kLoop, calls=%fused_sum
 }
 """
     categories = hlo_categories(hlo)
     assert {name: categories[name] for name in ("ynn_fusion.3", "ynn_fusion.4", "transpose_copy_fusion", "while.2",
-                                                "custom-call.7", "reduce_fusion")} == {
+                                                "custom-call.7", "reduce_fusion", "custom-call.8", "all-reduce.1")} == {
         "ynn_fusion.3": "matmul", "ynn_fusion.4": "elementwise", "transpose_copy_fusion": "copy/transpose",
-        "while.2": "other", "custom-call.7": "attention", "reduce_fusion": "reduction"}
+        "while.2": "other", "custom-call.7": "attention", "reduce_fusion": "reduction",
+        "custom-call.8": "matmul", "all-reduce.1": "collective"}
