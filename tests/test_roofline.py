@@ -1,0 +1,103 @@
+"""benchmarks/roofline.py: the HLO parser and the roofline arithmetic on a checked-in GPU module, without a GPU.
+
+tests/data/roofline_tiny_h100.hlo.txt is the train step of configs/tiny.yaml at 1 layer, d_model 64, 2 heads,
+seq_len 32, vocabulary 256, no biases, batch 4 in 2 micro-batches, compiled for an H100 without a GPU, cuBLAS for
+every gemm:
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m benchmarks.roofline --config configs/tiny.yaml \
+        --model.n_layer=1 --model.d_model=64 --model.n_head=2 --model.seq_len=32 --model.vocab_size=256 \
+        --model.bias=false --data.batch_size=4 --optim.grad_accum_steps=2 --hlo OUT
+then trimmed to < 200 KB: the module's debug tables (file names, stack frames) dropped, metadata kept as op_name on
+fusions and custom calls only, layouts and /*index=*/ comments removed (the parser reads dtypes and dims only).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import roofline
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "data", "roofline_tiny_h100.hlo.txt")
+PEAK, BANDWIDTH = 989e12, 3.35e12
+TOKENS, D, V, HEADS, T = 2 * 32, 64, 256, 2, 32  # per micro-batch: 2 sequences of 32
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    with open(FIXTURE) as f:
+        return {k["name"]: k for k in roofline.roofline(f.read(), PEAK, BANDWIDTH)}
+
+
+def test_cublas_gemm_flops_and_bytes(kernels):
+    """custom-call.15, the c_attn gemm: (64 tokens x 64) @ (64 x 192) in bf16 to f32, in the micro-batch loop."""
+    qkv = kernels["custom-call.15"]
+    assert qkv["category"] == "matmul" and qkv["launches"] == 2  # the while body's known_trip_count: 2
+    assert qkv["flops"] == 2 * TOKENS * (3 * D) * D
+    assert qkv["bytes"] == TOKENS * D * 2 + D * 3 * D * 2 + TOKENS * 3 * D * 4  # s8[4194304] workspace not counted
+    assert qkv["ms"] == pytest.approx(max(qkv["flops"] / PEAK, qkv["bytes"] / BANDWIDTH) * 1e3)
+
+
+def test_fusion_bytes_count_gathers_slices_and_in_place_updates(kernels):
+    """loop_add_fusion.1 (token + position embedding): wte f32[256,64] read through a gather of 64 rows, wpe
+    f32[32,64] through a gather of its 32 rows, the s32[2,2,32] window through a dynamic-slice of one micro-batch,
+    the s32[] index whole; writes f32[2,32,64]. loop_slice_fusion reads f32[64,192] whole (it converts it before
+    slicing) and writes three bf16[2,32,64]. loop_dynamic_update_slice_fusion writes one f32 into its f32[2]
+    buffer in place: the buffer counts 0, the update 4 bytes, its two scalar operands 4 each."""
+    embed = kernels["loop_add_fusion.1"]
+    assert embed["bytes"] == 64 * 64 * 4 + 32 * 64 * 4 + 1 * 2 * 32 * 4 + 4 + 2 * 32 * 64 * 4
+    assert embed["launches"] == 2 and embed["flops"] == 0 and embed["memory_bound"]
+    assert kernels["loop_slice_fusion"]["bytes"] == 64 * 192 * 4 + 3 * 2 * 32 * 64 * 2
+    assert kernels["loop_dynamic_update_slice_fusion"]["bytes"] == 4 + 4 + 4
+    assert "gather" in embed["fuses"] and embed["op_name"].endswith("jvp()/add")
+
+
+def test_attention_flops(kernels):
+    """cuDNN's causal attention: 4*B*H*T*L*D/2 forward (B 2 sequences, 2 heads of 32, T = L = 32), 2.5x backward."""
+    forward = 4 * 2 * HEADS * T * T * (D // HEADS) / 2
+    assert kernels["dot_product_attention_fwd.0"]["flops"] == forward
+    assert kernels["dot_product_attention_bwd.0"]["flops"] == 2.5 * forward
+    assert kernels["dot_product_attention_fwd.0"]["category"] == "attention"
+
+
+def test_category_sums(kernels):
+    """The matmul row: 15 cuBLAS calls per micro-batch (5 weight gemms forward: c_attn, c_proj, c_fc, mlp.c_proj,
+    the tied head; 2 each backward) x 2 micro-batches; their FLOPs 3x the forward's."""
+    rows = list(kernels.values())
+    text, sums = roofline.category_table(rows)
+    forward = 2 * TOKENS * D * (3 * D + D + 4 * D + 4 * D + V)
+    assert sums["matmul"]["launches"] == 30
+    assert sums["matmul"]["tflop"] * 1e12 == pytest.approx(2 * 3 * forward)
+    assert sums["attention"]["tflop"] * 1e12 == pytest.approx(2 * 3.5 * 4 * 2 * HEADS * T * T * (D // HEADS) / 2)
+    assert sums["total"]["launches"] == sum(k["launches"] for k in rows)
+    assert sums["total"]["ms"] == pytest.approx(sum(s["ms"] for c, s in sums.items() if c != "total"))
+    assert sums["total"]["gb"] == pytest.approx(sum(k["launches"] * k["bytes"] for k in rows) / 1e9)
+    assert text.splitlines()[0].startswith("| category | kernel launches per step | GB moved | TFLOP | roofline ms")
+    assert f"| **total** | {sums['total']['launches']:,} |" in text
+
+
+def test_top_table_groups_and_orders_memory_bound_kernels(kernels):
+    text, best = roofline.top_table(list(kernels.values()), 5)
+    assert len(best) == 5 and all(g["memory_bound"] for g in best)
+    assert [g["ms_per_step"] for g in best] == sorted((g["ms_per_step"] for g in best), reverse=True)
+    assert len(text.splitlines()) == 2 + 5
+
+
+def test_without_the_cuda_plugin_exits_2_naming_the_fix():
+    if roofline.cuda_plugin_installed():
+        pytest.skip("jax's CUDA plugin is installed here: the error path needs an environment without it")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--config", "configs/tiny.yaml",
+                           "--model.vocab_size=256"], capture_output=True, text=True, timeout=300)
+    import jax
+    assert proc.returncode == 2, proc.stderr
+    assert f'pip install "jax[cuda12]=={jax.__version__}"' in proc.stderr and "CUDA plugin" in proc.stderr
+
+
+@pytest.mark.skipif(not roofline.cuda_plugin_installed(), reason="needs jax's CUDA plugin")
+def test_one_tiny_compile(tmp_path):
+    out = tmp_path / "roofline.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--config", "configs/tiny.yaml",
+                           "--model.n_layer=1", "--model.vocab_size=256", "--top", "3", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "| **total** |" in proc.stdout and "memory_analysis peak" in proc.stdout and out.exists()
