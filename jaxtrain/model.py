@@ -36,23 +36,24 @@ INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default
 
 
-def _dot_f32acc(a, b):
-    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+def _dot_f32acc(a, b, out=jnp.float32):
+    """a @ b accumulated in fp32, the result in `out`: fp32, or rounded once to a lower dtype."""
+    return jnp.matmul(a, b, preferred_element_type=out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _low_matmul(a, b, dtypes, low):
-    """a @ b on `low` (bf16 or fp16) operands with fp32 accumulation, fp32 result. b is 2-D or has a's batch axes;
-    dtypes = (a.dtype, b.dtype), the dtypes the cotangents must come back in."""
-    return _dot_f32acc(a.astype(low), b.astype(low))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _low_matmul(a, b, dtypes, low, out=jnp.float32):
+    """a @ b on `low` (bf16 or fp16) operands with fp32 accumulation, the result in `out` (fp32, or `low`: rounded
+    once). b is 2-D or has a's batch axes; dtypes = (a.dtype, b.dtype), the dtypes the cotangents must come back in."""
+    return _dot_f32acc(a.astype(low), b.astype(low), out)
 
 
-def _low_matmul_fwd(a, b, dtypes, low):
+def _low_matmul_fwd(a, b, dtypes, low, out):
     a, b = a.astype(low), b.astype(low)
-    return _dot_f32acc(a, b), (a, b)
+    return _dot_f32acc(a, b, out), (a, b)
 
 
-def _low_matmul_bwd(dtypes, low, res, g_f32):
+def _low_matmul_bwd(dtypes, low, out, res, g_f32):
     """Autodiff of a preferred_element_type dot upcasts the operands to fp32 (slower, and not autocast's numerics);
     written out, both gradient dots take `low` operands, accumulate in fp32 and round their results to `low`, as
     autocast's matmuls do (a weight's fp32 gradient is its fp16 or bf16 one, cast up). Under fp16 those roundings
@@ -361,8 +362,15 @@ class GPT(nnx.Module):
 def head_logits(x_BxTxD, w_DxV, precision: str):
     """Logits in the compute dtype: under bf16 from bf16 operands with fp32 accumulation, rounded once to bf16 as
     autocast's head returns them (the loss upcasts). B x T x V is the step's largest tensor: in bf16 it moves half
-    the bytes (GPT-2 124M on an H100: see benchmarks/NOTES.md); model.vocab_tiles never forms it (loss.py)."""
-    return matmul(x_BxTxD, w_DxV, precision).astype(COMPUTE_DTYPES[precision])
+    the bytes (GPT-2 124M on an H100: see benchmarks/NOTES.md); model.vocab_tiles never forms it (loss.py). On a
+    GPU or TPU the dot returns bf16 itself: rounded after an fp32 dot, XLA:GPU wrote the logits in fp32 and rounded
+    them in a pass of their own (6.4 ms of a 173 ms step on the H100). XLA:CPU would run a bf16-result dot on fp32
+    copies of its operands, not in bf16 (_row_major), so there the fp32 result is rounded after the dot."""
+    if precision == "fp32":
+        return matmul(x_BxTxD, w_DxV, precision)
+    low = COMPUTE_DTYPES[precision]
+    out = jnp.float32 if backend() == "cpu" else low
+    return _low_matmul(x_BxTxD, w_DxV, (x_BxTxD.dtype, w_DxV.dtype), low, out).astype(low)
 
 
 def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int) -> tuple[nnx.GraphDef, nnx.State]:

@@ -1,5 +1,6 @@
 """jaxtrain.model alone: shapes, causality, names, init, tying, dropout, the bf16 policy (forward, backward, HLO), GELU."""
 
+import collections
 import dataclasses
 import math
 import re
@@ -199,6 +200,21 @@ def test_low_precision_matmul_gradient(shape_a, shape_b, low):
         assert np.mean(np.asarray(got, np.float64) == rounded) > 0.99  # almost always the exact value's rounding
 
 
+def test_bf16_head_logits_are_the_product_rounded_once():
+    """The head's dot returns bf16 itself (head_logits): the product of the bf16-rounded operands (in float64, where
+    each product of two bf16 values is exact and a sum of 64 of them within 2^-46 relative) rounded once to bf16, as
+    an fp32 accumulator rounded at the end gives it; where the fp32 sum lies within its rounding error of a bf16
+    rounding boundary, the neighbour: so within one bf16 ulp everywhere, and equal almost everywhere."""
+    x, w, _ = _operands((4, 16, 64), (64, 48))
+    logits = M.head_logits(x, w, "bf16")
+    assert logits.dtype == jnp.bfloat16
+    exact = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(w.astype(jnp.bfloat16), np.float64)
+    rounded = np.asarray(jnp.asarray(exact, jnp.float32).astype(jnp.bfloat16), np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(rounded) + 1e-30)) - 7)
+    got = np.asarray(logits, np.float64)
+    assert np.all(np.abs(got - rounded) <= ulp) and np.mean(got == rounded) > 0.99
+
+
 def test_bf16_matmul_backward_dots_are_bf16_with_fp32_accumulation():
     """Autodiff of a preferred_element_type dot would make fp32 (or bf16-output) dots; the custom_vjp must not."""
     a, b, w = _operands((4, 16, 64), (64, 48))
@@ -207,13 +223,22 @@ def test_bf16_matmul_backward_dots_are_bf16_with_fp32_accumulation():
     assert len(dots) >= 2 and set(dots) == {("bf16", "bf16", "f32")}
 
 
-@pytest.mark.parametrize("precision,expected", [("bf16", {("bf16", "bf16", "f32")}), ("fp32", {("f32", "f32", "f32")})])
-def test_model_gradient_dots_follow_the_policy(precision, expected):
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_model_gradient_dots_follow_the_policy(precision, platform):
+    """Every dot takes the compute dtype's operands, accumulates in fp32 and returns fp32; but where the model is
+    traced for a GPU (model.compiling_for), the head's forward dot returns its bf16 logits itself (head_logits).
+    Under fp32, every dot is true fp32 on GPU/TPU too, whose default precision may use bf16 passes."""
     graphdef, params = _init(precision=precision)
-    grad = jax.jit(jax.grad(lambda p, idx: apply(graphdef, p, idx).std()))
-    hlo = grad.lower(params, _idx()).as_text()
-    assert set(_dots(hlo)) == expected
-    if precision == "fp32":  # true fp32 on GPU/TPU too, whose default precision may use bf16 passes
+    with M.compiling_for(platform):  # M.apply, not this module's jitted apply: its trace cache ignores the platform
+        hlo = jax.jit(jax.grad(lambda p, idx: M.apply(graphdef, p, idx).std())).lower(params, _idx()).as_text()
+    dots = collections.Counter(_dots(hlo))
+    if precision == "bf16":
+        head_dots = 1 if platform == "gpu" else 0
+        assert set(dots) - {("bf16", "bf16", "bf16")} == {("bf16", "bf16", "f32")}
+        assert dots[("bf16", "bf16", "bf16")] == head_dots
+    else:
+        assert set(dots) == {("f32", "f32", "f32")}
         dot_lines = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
         assert all("precision = [HIGHEST, HIGHEST]" in line for line in dot_lines)
 
