@@ -140,10 +140,10 @@ def gelu(x):
 
     The gradient is written out (`_gelu_bwd`) so that the backward pass keeps only x, which it has anyway, and
     recomputes the rest; autodiff of jax.nn.gelu kept an extra bf16 erfc(...) tensor of c_fc's (B, T, 4D) size per
-    layer, written in the forward pass and read in the backward. On GPT-2 124M (H100 compiled HLO, estimates, not
-    measured) that saves the forward 1.4 ms of the GELU's ~10 ms in a 173 ms step, and 1.1 GiB of peak memory; but
-    XLA no longer fuses c_fc's bias-gradient sum into the backward kernel, which now recomputes erf, and the sum
-    re-reads dx: the pair's estimate is unchanged (benchmarks/NOTES.md)."""
+    layer, written in the forward pass and read in the backward. On GPT-2 124M (H100, the compiled step's roofline,
+    an estimate: benchmarks/NOTES.md) that is 2.9 ms of a 113 ms step with cuBLAS gemms and 1.1 GiB of peak memory;
+    with Triton gemms XLA stops fusing c_fc's bias-gradient sum into the backward kernel, which now recomputes erf,
+    and the sum re-reads dx: no time saved there."""
     x_f32 = x.astype(jnp.float32)
     return (x_f32 * _normal_cdf(x_f32)).astype(x.dtype)
 
