@@ -41,6 +41,14 @@ def _dot_f32acc(a, b, out=jnp.float32):
     return jnp.matmul(a, b, preferred_element_type=out)
 
 
+def _rounding_dot_dtype(low):
+    """The result dtype for a dot whose fp32 result is rounded to `low` next: `low` itself on a GPU or TPU, whose
+    gemm rounds its fp32 accumulator once on the way out (the same value; XLA:GPU otherwise writes the fp32 result
+    and rounds it in a pass of its own: benchmarks/NOTES.md); fp32 on a CPU, where XLA would run a `low`-result
+    dot on fp32 copies of its operands instead of in `low` (_row_major), and the rounding comes after."""
+    return jnp.float32 if backend() == "cpu" else low
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _low_matmul(a, b, dtypes, low, out=jnp.float32):
     """a @ b on `low` (bf16 or fp16) operands with fp32 accumulation, the result in `out` (fp32, or `low`: rounded
@@ -61,7 +69,7 @@ def _low_matmul_bwd(dtypes, low, out, res, g_f32):
     a, b = res
     g = g_f32.astype(low)
     if b.ndim == 2:
-        da, db = shared_weight_grads(a, b, g)
+        da, db = shared_weight_grads(a, b, g, _rounding_dot_dtype(low))
     else:
         g = _row_major(g)
         da = _dot_f32acc(g, _row_major(jnp.swapaxes(b, -1, -2)))
@@ -69,13 +77,15 @@ def _low_matmul_bwd(dtypes, low, out, res, g_f32):
     return da.astype(low).astype(dtypes[0]), rounded_weight_grad(db, low, dtypes[1])
 
 
-def shared_weight_grads(a, b, g):
-    """(g b^T, a^T g) in fp32, not rounded: the gradients of a @ b for a 2-D weight b shared over a's leading axes
-    (its gradient sums over them). bf16 or fp16 operands multiply with fp32 accumulation, as autocast's matmuls;
-    fp32 ones at Precision.HIGHEST, as `matmul` under "fp32". loss.tiled_ce_sum sums a head's over its tiles."""
-    def dot(x, y):
-        return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST) if x.dtype == jnp.float32 else _dot_f32acc(x, y)
-    return dot(g, b.T), dot(_row_major(a.reshape(-1, a.shape[-1]).T), g.reshape(-1, g.shape[-1]))
+def shared_weight_grads(a, b, g, da_dtype=jnp.float32):
+    """(g b^T, a^T g), the gradients of a @ b for a 2-D weight b shared over a's leading axes (its gradient sums
+    over them): in fp32, not rounded (g b^T in `da_dtype` from bf16 or fp16 operands). bf16 or fp16 operands multiply
+    with fp32 accumulation, as autocast's matmuls; fp32 ones at Precision.HIGHEST, as `matmul` under "fp32".
+    loss.tiled_ce_sum sums a head's over its tiles."""
+    def dot(x, y, out=jnp.float32):
+        return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST) if x.dtype == jnp.float32 else _dot_f32acc(
+            x, y, out)
+    return dot(g, b.T, da_dtype), dot(_row_major(a.reshape(-1, a.shape[-1]).T), g.reshape(-1, g.shape[-1]))
 
 
 def rounded_weight_grad(db_f32, low, dtype):
@@ -403,8 +413,7 @@ def head_logits(x_BxTxD, w_DxV, precision: str):
     if precision == "fp32":
         return matmul(x_BxTxD, w_DxV, precision)
     low = COMPUTE_DTYPES[precision]
-    out = jnp.float32 if backend() == "cpu" else low
-    return _low_matmul(x_BxTxD, w_DxV, (x_BxTxD.dtype, w_DxV.dtype), low, out).astype(low)
+    return _low_matmul(x_BxTxD, w_DxV, (x_BxTxD.dtype, w_DxV.dtype), low, _rounding_dot_dtype(low)).astype(low)
 
 
 def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
