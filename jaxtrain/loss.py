@@ -87,8 +87,7 @@ def _tiled_ce_sum_bwd(precision, tiles, residuals, g):
     low = model.COMPUTE_DTYPES[precision]
     w_low = w_DxV.astype(low)
 
-    mesh = jax.sharding.get_abstract_mesh()
-    shards = 1 if mesh.empty else mesh.size  # model.batch_sharded's split of the batch over the devices
+    shards = model.batch_shards()
     weight_grads = jax.vmap(model.shared_weight_grads, in_axes=(0, None, 0))
 
     def tile(dw_SxDxV, tile_inputs):

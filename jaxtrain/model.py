@@ -124,7 +124,7 @@ def _row_major(x):
     later transpose (a tied head's) into the dot, which would make its left operand column-major again. GPUs and
     TPUs read transposed operands natively, so there the layout is XLA's to choose; and across several devices the
     pin would hide the batch split from XLA's sharding propagation (it gathered the pinned activations whole)."""
-    if backend() != "cpu" or jax.sharding.get_abstract_mesh().size > 1:
+    if backend() != "cpu" or batch_shards() > 1:
         return x
     return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
@@ -132,10 +132,11 @@ def _row_major(x):
 _low_matmul.defvjp(_low_matmul_fwd, _low_matmul_bwd)
 
 
-def matmul(a, b, precision: str):
-    """a @ b in fp32: from bf16 or fp16 operands with fp32 accumulation ("bf16", "fp16"), or in true fp32."""
+def matmul(a, b, precision: str, out=jnp.float32):
+    """a @ b in fp32: from bf16 or fp16 operands with fp32 accumulation ("bf16", "fp16"), or in true fp32. Under
+    bf16 or fp16 the result may be `out` instead, the compute dtype: the fp32 accumulator rounded once by the dot."""
     if precision != "fp32":
-        return _low_matmul(a, b, (a.dtype, b.dtype), COMPUTE_DTYPES[precision])
+        return _low_matmul(a, b, (a.dtype, b.dtype), COMPUTE_DTYPES[precision], out)
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -353,6 +354,12 @@ def batch_sharded(x_BxTxD):
     return x_BxTxD if mesh.empty else jax.lax.with_sharding_constraint(x_BxTxD, P(mesh.axis_names))
 
 
+def batch_shards() -> int:
+    """How many devices batch_sharded splits the batch over: every device of the mesh traced under, 1 outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else mesh.size
+
+
 class GPT(nnx.Module):
     """Token ids (B, T) -> logits (B, T, V) in the compute dtype. vocab_size is explicit because cfg.vocab_size
     may be None (taken from the data); it wins over cfg.vocab_size."""
@@ -410,10 +417,8 @@ def head_logits(x_BxTxD, w_DxV, precision: str):
     GPU or TPU the dot returns bf16 itself: rounded after an fp32 dot, XLA:GPU wrote the logits in fp32 and rounded
     them in a pass of their own (6.4 ms of a 173 ms step on the H100). XLA:CPU would run a bf16-result dot on fp32
     copies of its operands, not in bf16 (_row_major), so there the fp32 result is rounded after the dot."""
-    if precision == "fp32":
-        return matmul(x_BxTxD, w_DxV, precision)
     low = COMPUTE_DTYPES[precision]
-    return _low_matmul(x_BxTxD, w_DxV, (x_BxTxD.dtype, w_DxV.dtype), low, _rounding_dot_dtype(low)).astype(low)
+    return matmul(x_BxTxD, w_DxV, precision, _rounding_dot_dtype(low)).astype(low)
 
 
 def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
