@@ -5,12 +5,12 @@ path joined with dots, under `transformer.` except `lm_head`, where a Linear `ke
 (out, in) transposed. The trainer works functionally: `init_params` gives (graphdef, params) and `apply` runs the
 model on them, so jit, grad and optax see params as a plain pytree.
 
-Precision "bf16" follows autocast: every matmul takes bf16 operands and accumulates in fp32, in the backward pass too
-(`_low_matmul`); Linear outputs, attention and MLP activations and the logits are bf16; the residual stream,
-LayerNorm and softmax are fp32, and the loss upcasts the logits. "fp16" is the same with fp16 (the train step adds
-the loss scaling fp16's range needs: step.py). Precision "fp32" runs every dot at
-Precision.HIGHEST, since the default may use bf16 passes on GPU/TPU. On a GPU under bf16, attention runs as cuDNN's
-fused kernel (model.attention).
+Precision "bf16" follows autocast: every matmul takes bf16 operands and accumulates in fp32, in the backward pass
+too (`_low_matmul`); a Linear's bias is rounded to bf16 before it is added, and Linear outputs, attention and MLP
+activations and the logits are bf16; the residual stream, LayerNorm and softmax are fp32, and the loss upcasts the
+logits. "fp16" is the same with fp16 (the train step adds the loss scaling fp16's range needs: step.py). Precision
+"fp32" runs every dot at Precision.HIGHEST, since the default may use bf16 passes on GPU/TPU. On a GPU under bf16,
+attention runs as cuDNN's fused kernel (model.attention).
 
 Decoding (`extend`) runs the same blocks on new tokens only, with the keys and values of the earlier positions kept
 in a `KVCache` per layer: the attention takes the cache as an optional argument, and the math is the training
@@ -202,7 +202,13 @@ def _residual_std(cfg: ModelConfig) -> float:
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel + bias with kernel (in, out), torch's weight transposed; y in the compute dtype, as autocast."""
+    """y = x @ kernel + bias with kernel (in, out), torch's weight transposed; y in the compute dtype, as autocast.
+
+    Under bf16 or fp16, autocast casts every floating input of torch's linear, the bias too: torch adds the rounded
+    bias to the fp32 accumulator and rounds the sum once (addmm's beta term, cuBLASLt's bias epilogue), and the
+    bias's gradient comes back as the fp32 sum of the output's gradient rounded to the compute dtype, then cast up
+    to the fp32 param. Casting the bias here gives both. Without a bias the dot rounds its own result where the
+    backend does that in the gemm (_rounding_dot_dtype)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, precision: str, rngs: nnx.Rngs):
         self.kernel = _normal(rngs, (d_in, d_out), std)
@@ -210,10 +216,10 @@ class Linear(nnx.Module):
         self.precision = precision
 
     def __call__(self, x):
-        y = matmul(x, self.kernel[...], self.precision)
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y.astype(COMPUTE_DTYPES[self.precision])
+        low = COMPUTE_DTYPES[self.precision]
+        if self.bias is None:
+            return matmul(x, self.kernel[...], self.precision, _rounding_dot_dtype(low)).astype(low)
+        return (matmul(x, self.kernel[...], self.precision) + self.bias[...].astype(low)).astype(low)
 
 
 class LayerNorm(nnx.Module):

@@ -234,20 +234,21 @@ def test_bf16_matmul_backward_dots_are_bf16_with_fp32_accumulation():
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_model_gradient_dots_follow_the_policy(precision, platform):
+@pytest.mark.parametrize("precision,bias", [("bf16", True), ("bf16", False), ("fp32", True)])
+def test_model_gradient_dots_follow_the_policy(precision, bias, platform):
     """Every dot takes the compute dtype's operands and accumulates in fp32. Traced for a CPU, every one returns
     fp32 (rounded after it where it must be); traced for a GPU (model.compiling_for), a dot whose result is rounded
-    to bf16 next returns bf16 itself (_rounding_dot_dtype): the head's forward and, in the backward pass, the
+    to bf16 next returns bf16 itself (_rounding_dot_dtype): the head's forward, the forward of the four Linears per
+    layer when they have no bias (a bias is added to the fp32 result first) and, in the backward pass, the
     gradient of the activations a weight multiplies (the head's, and four Linears' per layer); weight gradients
-    stay fp32, and so do the written-out attention's (on a GPU, cuDNN's kernel runs attention). Under fp32, every dot is true fp32, on GPU/TPU too, whose default precision may use
-    bf16 passes."""
-    graphdef, params = _init(precision=precision)
+    stay fp32, and so do the written-out attention's (on a GPU, cuDNN's kernel runs attention). Under fp32, every
+    dot is true fp32, on GPU/TPU too, whose default precision may use bf16 passes."""
+    graphdef, params = _init(dataclasses.replace(SMALL, bias=bias), precision=precision)
     with M.compiling_for(platform):  # M.apply, not this module's jitted apply: its trace cache ignores the platform
         hlo = jax.jit(jax.grad(lambda p, idx: M.apply(graphdef, p, idx).std())).lower(params, _idx()).as_text()
     dots = collections.Counter(_dots(hlo))
     if precision == "bf16":
-        rounding_dots = 2 + 4 * SMALL.n_layer if platform == "gpu" else 0
+        rounding_dots = (2 + 4 * SMALL.n_layer + (0 if bias else 4 * SMALL.n_layer)) if platform == "gpu" else 0
         assert set(dots) - {("bf16", "bf16", "bf16")} == {("bf16", "bf16", "f32")}
         assert dots[("bf16", "bf16", "bf16")] == rounding_dots
     else:
@@ -354,6 +355,46 @@ def _torch_gelu_and_grad(x, dy):
     y_t = torch.nn.functional.gelu(x_t)
     y_t.backward(torch.from_numpy(np.asarray(dy, np.float32)).to(torch.bfloat16))
     return y_t.detach().float().numpy(), x_t.grad.float().numpy()
+
+
+def _multiples(key, shape, step, bound):
+    """Random multiples of `step` in [-bound, bound]: exact in bf16 when bound / step <= 256, and sums of their
+    products stay exact in fp32, so every result below is a sum rounded once to bf16, whatever the summation order."""
+    return step * jax.random.randint(jax.random.key(key), shape, -int(bound / step), int(bound / step) + 1)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_linear_bf16_is_torchs(bias, platform):
+    """Linear under bf16 against torch.nn.functional.linear under torch.autocast: the output and the gradients of
+    the input, weight and bias, bit for bit. The operands are chosen so that every fp32 sum is exact (_multiples;
+    the bias's entries, multiples of 2^-10 below 2, need more bits than bf16 has), so both sides can differ only
+    in what they round: autocast rounds the bias to bf16 before adding it and returns its gradient rounded to bf16.
+    Traced for a CPU and for a GPU (model.compiling_for; run here), where the dots round their own results."""
+    import torch  # the [test] extra installs it: a failure to import is a failure, not a skip
+    x, w, g = _multiples(0, (4, 16, 16), 2.0 ** -3, 2), _multiples(1, (16, 8), 2.0 ** -3, 2), _multiples(
+        2, (4, 16, 8), 2.0 ** -4, 4)
+    b = _multiples(3, (8,), 2.0 ** -10, 2)
+    linear = M.Linear(16, 8, bias=bias, std=0.02, precision="bf16", rngs=nnx.Rngs(0))
+    linear.kernel[...] = w
+    if bias:
+        linear.bias[...] = b
+    graphdef, state = nnx.split(linear)
+    with M.compiling_for(platform):
+        y, vjp = jax.vjp(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)), state, x)
+        d_state, dx = vjp(g.astype(jnp.bfloat16))
+
+    t = lambda a: torch.from_numpy(np.array(a, np.float32)).requires_grad_(True)
+    x_t, w_t, b_t = t(x), t(w.T), t(b) if bias else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_t = torch.nn.functional.linear(x_t, w_t, b_t)
+    y_t.backward(torch.from_numpy(np.array(g, np.float32)).to(torch.bfloat16))
+    assert y.dtype == jnp.bfloat16 and y_t.dtype == torch.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), y_t.detach().float().numpy())
+    np.testing.assert_array_equal(dx, x_t.grad.numpy())
+    np.testing.assert_array_equal(d_state["kernel"][...], w_t.grad.numpy().T)
+    if bias:
+        np.testing.assert_array_equal(d_state["bias"][...], b_t.grad.numpy())
 
 
 def _every_bf16(limit):
