@@ -5,23 +5,21 @@
 
 Compiles the run's train step (jaxtrain.dryrun.compiled_step: the config's batch and micro-batches) for a GPU: the
 local one where jax has one, else ahead of time for `--target` through jax's CUDA plugin and a target description
-(benchmarks/roofline_<target>.txtpb: XLA's device spec, plus the cuDNN and CUDA versions of the installed nvidia
-wheels). Every kernel of the optimized module gets a roofline time, max(flops / peak, bytes / bandwidth), and the
-kernels are summed by category (benchmarks/profile.py's hlo_categories). An estimate: a lower bound per kernel
-that ignores launch gaps, caches and occupancy (benchmarks/NOTES.md compares it with a measured H100 profile).
+(jaxtrain/gpu_target.py: XLA's device spec, plus the cuDNN and CUDA versions of the installed nvidia wheels). Every
+kernel of the optimized module gets a roofline time, max(flops / peak, bytes / bandwidth), and the kernels are
+summed by category (benchmarks/profile.py's hlo_categories). An estimate: a lower bound per kernel that ignores
+launch gaps, caches and occupancy (benchmarks/NOTES.md compares it with a measured H100 profile).
 """
 
 import argparse
 import collections
-import importlib.metadata
-import importlib.util
 import json
 import math
-import os
 import re
 import sys
 
 from benchmarks.profile import hlo_categories
+from jaxtrain import gpu_target
 
 MODEL = ("bytes = operand + result sizes (a fusion parameter read only through slice, dynamic-slice or gather counts "
          "those results; an in-place dynamic-update-slice counts its update, not its buffer; cuBLAS/cuDNN "
@@ -197,50 +195,31 @@ def top_table(rows: list[dict], top: int) -> tuple[str, list[dict]]:
     return "\n".join(lines), best
 
 
-def target_config(target: str) -> str:
-    """The target's text proto for jax's CUDA topology: the stored device spec, plus the cuDNN and CUDA runtime
-    versions of the installed nvidia wheels (what the plugin would compile against)."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"roofline_{target}.txtpb")) as f:
-        spec = f.read()
-    cudnn = importlib.metadata.version("nvidia-cudnn-cu12").split(".")
-    cuda = importlib.metadata.version("nvidia-cuda-runtime-cu12").split(".")
-    return (spec + f"dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} patch: {cudnn[2]} }}\n"
-            f"runtime_version {{ major: {cuda[0]} minor: {cuda[1]} patch: 0 }}\n")
-
-
-def cuda_plugin_installed() -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in ("jax_plugins", "jax_plugins.xla_cuda12"))
-
-
 def compile_step(cfg, target: str):
     """(the compiled train step, the device in words): for the local GPU, else ahead of time for `target`."""
-    if not cuda_plugin_installed():
-        version = importlib.metadata.version("jax")
-        print(f'error: compiling for a GPU needs jax\'s CUDA plugin, which is not installed; fix: '
-              f'pip install "jax[cuda12]=={version}"', file=sys.stderr)
+    from jaxtrain import gpu_target
+    if not gpu_target.plugin_installed():
+        print(f"error: compiling for a GPU needs jax's CUDA plugin, which is not installed; fix: "
+              f"{gpu_target.plugin_fix()}", file=sys.stderr)
         sys.exit(2)
-    if not os.path.exists("/dev/nvidiactl"):  # else the plugin's version check calls cuInit, fails, and hides cuda
-        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    gpu_target.allow_compile_only()
     import jax
-    import numpy as np
-    from jax.experimental import topologies
-    from jax.sharding import AxisType, Mesh
     from jaxtrain import checkpoint, dryrun, mesh as mesh_lib, model
     if jax.default_backend() == "gpu":
-        mesh, kind = mesh_lib.make_mesh(cfg), jax.devices()[0].device_kind
+        devices = jax.devices()
+        kind = devices[0].device_kind
     else:
-        mesh_lib.validate_devices(cfg, 1)
-        devices = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
-                                               topology="1x1x1").devices
-        mesh = Mesh(np.array(devices).reshape(1, 1), ("data", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto))
+        devices = gpu_target.devices(target, 1)
         kind = f"{devices[0].device_kind} (compiled ahead of time on a {jax.default_backend()}, no GPU)"
+    mesh = mesh_lib.make_mesh(cfg, devices)
     with model.compiling_for("gpu"):
         return dryrun.compiled_step(cfg, checkpoint.abstract_state(cfg, cfg.model.vocab_size, mesh), mesh), kind
 
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="h100", help="the GPU to compile for when this machine has none")
+    ap.add_argument("--target", default="h100", choices=gpu_target.TARGETS,
+                    help="the GPU to compile for when this machine has none")
     ap.add_argument("--top", type=int, default=25, help="rows of the memory-bound kernels' table")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--hlo", help="also write the compiled step's optimized HLO text here")
@@ -253,7 +232,7 @@ def main(argv: list[str]) -> None:
     peak = metrics.peak_flops(cfg, kind)
     if peak is None:
         sys.exit(f"error: no nominal bf16 peak known for {kind}; set --log.peak_tflops")
-    bandwidth = float(re.search(r"memory_bandwidth: (\d+)", target_config(args.target))[1])
+    bandwidth = float(re.search(r"memory_bandwidth: (\d+)", gpu_target.target_config(args.target))[1])
     rows = roofline(compiled.as_text(), peak, bandwidth)
     if args.hlo:
         with open(args.hlo, "w") as f:

@@ -45,11 +45,13 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def make_mesh(cfg: Config) -> Mesh:
-    data, fsdp = validate_devices(cfg, jax.device_count())
+def make_mesh(cfg: Config, devices=None) -> Mesh:
+    """The (data, fsdp) mesh over `devices`: jax.devices() unless given (a dry run's compile-only GPUs)."""
+    devices = jax.devices() if devices is None else devices
+    data, fsdp = validate_devices(cfg, len(devices))
     # Auto axes: XLA propagates shardings from the inputs (jax.make_mesh defaults to Explicit axes, which would
     # make every gather in the model name its output sharding).
-    return jax.make_mesh((data, fsdp), ("data", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    return jax.make_mesh((data, fsdp), ("data", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
 
 
 def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:

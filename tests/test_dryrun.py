@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxtrain import checkpoint, config, dryrun, mesh as mesh_lib
+from jaxtrain import checkpoint, config, dryrun, gpu_target, mesh as mesh_lib
 from jaxtrain.errors import UserError
 
 GIB = 2**30
@@ -59,6 +59,46 @@ def test_what_cannot_fit_is_refused_with_the_levers():
 def test_target_devices_are_the_memory_table_keys():
     literal = typing.get_args(typing.get_args(config.RunConfig.__annotations__["target_device"])[0])
     assert set(literal) == set(dryrun.DEVICE_MEMORY)
+    assert set(gpu_target.TARGETS) == {"a100-40gb", "a100-80gb", "h100", "h200"}  # every GPU target has a spec
+
+
+# Long sequences over a narrow model: one layer's causal scores, B x nh x T x T in bf16 (64 MiB here), outweigh
+# the rest of its activations (B x T x d_model floats, some tens of them: a few MiB), so whether the compiled step
+# holds them shows in its temporaries.
+LONG = ("--config", "configs/tiny.yaml", "--model.n_layer=1", "--model.d_model=64", "--model.n_head=4",
+        "--model.seq_len=2048", "--data.batch_size=2", "--model.vocab_size=256", "--run.dry_run=true")
+SCORES_BYTES = 2 * 4 * 2048 * 2048 * 2
+
+
+def long_dry_run(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxtrain.run", *LONG, *overrides],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_gpu_target_without_the_cuda_plugin_says_the_figure_is_xla_cpus():
+    if gpu_target.plugin_installed():
+        pytest.skip("jax's CUDA plugin is installed here: this path needs an environment without it")
+    proc = long_dry_run("--run.target_device=h100", "--run.dry_run_devices=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "compiled by XLA:CPU for 1 fake devices" in proc.stdout
+    # XLA:CPU's written-out attention keeps the scores for the backward pass.
+    assert table_value(proc.stdout, "step temporaries") * GIB >= SCORES_BYTES
+    verdict = proc.stderr.strip().splitlines()[-1]
+    assert verdict.startswith("fits:") and "overstate a GPU's" in verdict and gpu_target.plugin_fix() in verdict
+
+
+@pytest.mark.skipif(not gpu_target.plugin_installed(), reason="needs jax's CUDA plugin (no GPU)")
+@pytest.mark.parametrize("devices", [1, 16])
+def test_gpu_target_compiles_for_that_gpu(devices):
+    """With the plugin the step is XLA:GPU's for compile-only H100s, with cuDNN's attention: its temporaries hold
+    no layer's scores. 16 devices are two hosts of 8 (the state's split is test_pod_config_on_64_fake_devices')."""
+    proc = long_dry_run("--run.target_device=h100", f"--run.dry_run_devices={devices}", f"--mesh.fsdp={devices}",
+                        f"--data.batch_size={2 * devices}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"on {devices} x NVIDIA H100 80GB HBM3 as mesh (data 1, fsdp {devices})" in proc.stdout
+    assert "compiled by XLA:GPU for h100, ahead of time" in proc.stdout
+    assert table_value(proc.stdout, "step temporaries") * GIB < SCORES_BYTES / 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("fits:") and "XLA:CPU" not in proc.stderr
 
 
 class FakeDevice:

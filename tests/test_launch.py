@@ -37,7 +37,7 @@ def table_state_gib() -> dict[tuple, float]:
     rows = {}
     for line in recipes_section().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 8 and cells[1].startswith("`"):
+        if len(cells) == 10 and cells[1].startswith("`"):
             config, *changes = cells[1].split("`")[1].split()
             devices = int(cells[2].split()[0])
             rows[(config, tuple(sorted(changes)), devices)] = float(cells[4])
