@@ -5,7 +5,7 @@
 
 Compiles the run's train step (jaxtrain.dryrun.compiled_step: the config's batch and micro-batches) for a GPU: the
 local one where jax has one, else ahead of time for `--target` through jax's CUDA plugin and a target description
-(jaxtrain/gpu_target.py: XLA's device spec, plus the cuDNN and CUDA versions of the installed nvidia wheels). Every
+(jaxtrain/target_devices.py: XLA's device spec, plus the cuDNN and CUDA versions of the installed nvidia wheels). Every
 kernel of the optimized module gets a roofline time, max(flops / peak, bytes / bandwidth), and the kernels are
 summed by category (benchmarks/profile.py's hlo_categories). An estimate: a lower bound per kernel that ignores
 launch gaps, caches and occupancy (benchmarks/NOTES.md compares it with a measured H100 profile).
@@ -19,7 +19,7 @@ import re
 import sys
 
 from benchmarks.profile import hlo_categories
-from jaxtrain import gpu_target
+from jaxtrain import target_devices
 
 MODEL = ("bytes = operand + result sizes (a fusion parameter read only through slice, dynamic-slice or gather counts "
          "those results; an in-place dynamic-update-slice counts its update, not its buffer; cuBLAS/cuDNN "
@@ -197,19 +197,18 @@ def top_table(rows: list[dict], top: int) -> tuple[str, list[dict]]:
 
 def compile_step(cfg, target: str):
     """(the compiled train step, the device in words): for the local GPU, else ahead of time for `target`."""
-    from jaxtrain import gpu_target
-    if not gpu_target.plugin_installed():
+    if not target_devices.compiler_installed(target):
         print(f"error: compiling for a GPU needs jax's CUDA plugin, which is not installed; fix: "
-              f"{gpu_target.plugin_fix()}", file=sys.stderr)
+              f"{target_devices.install_fix(target)}", file=sys.stderr)
         sys.exit(2)
-    gpu_target.allow_compile_only()
+    target_devices.allow_compile_only(target)
     import jax
     from jaxtrain import checkpoint, dryrun, mesh as mesh_lib, model
     if jax.default_backend() == "gpu":
         devices = jax.devices()
         kind = devices[0].device_kind
     else:
-        devices = gpu_target.devices(target, 1)
+        devices = target_devices.devices(target, 1)
         kind = f"{devices[0].device_kind} (compiled ahead of time on a {jax.default_backend()}, no GPU)"
     mesh = mesh_lib.make_mesh(cfg, devices)
     with model.compiling_for("gpu"):
@@ -218,7 +217,7 @@ def compile_step(cfg, target: str):
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="h100", choices=gpu_target.TARGETS,
+    ap.add_argument("--target", default="h100", choices=target_devices.GPUS,
                     help="the GPU to compile for when this machine has none")
     ap.add_argument("--top", type=int, default=25, help="rows of the memory-bound kernels' table")
     ap.add_argument("--json", help="also write the results here")
@@ -232,7 +231,7 @@ def main(argv: list[str]) -> None:
     peak = metrics.peak_flops(cfg, kind)
     if peak is None:
         sys.exit(f"error: no nominal bf16 peak known for {kind}; set --log.peak_tflops")
-    bandwidth = float(re.search(r"memory_bandwidth: (\d+)", gpu_target.target_config(args.target))[1])
+    bandwidth = float(re.search(r"memory_bandwidth: (\d+)", target_devices.target_config(args.target))[1])
     rows = roofline(compiled.as_text(), peak, bandwidth)
     if args.hlo:
         with open(args.hlo, "w") as f:

@@ -1,14 +1,14 @@
 """`--run.dry_run=true`: whether a config fits its devices, known before a pod spends half an hour starting.
 
 The train step is lowered and compiled ahead of time for the configured mesh from abstract shapes (nothing is
-allocated, no data is read, no checkpoint touched), on this machine's devices or on `run.dry_run_devices` fake
-devices. Per device it prints the bytes of params, AdamW's moments, MultiSteps' gradient accumulator (from the
-shardings) and the step's temporaries (XLA's `memory_analysis()` of the compiled step), and, with
-`run.target_device`, whether that total fits the device's memory. What it proves: the mesh and batch split, and the
-sharded state's exact size. The temporaries are the buffer assignment of the compiler that compiled the step: for
-a GPU target with jax's CUDA plugin installed (no GPU needed), XLA:GPU's own, compiled for that GPU
-(gpu_target.py); otherwise XLA:CPU's on fake CPU devices, an estimate (other fusions, no cuDNN attention, no
-memory-aware scheduling) that overstates a GPU's severalfold. It does not run a step.
+allocated, no data is read, no checkpoint touched), on this machine's devices or on `run.dry_run_devices` of them.
+Per device it prints the bytes of params, AdamW's moments, MultiSteps' gradient accumulator (from the shardings) and
+the step's temporaries (XLA's `memory_analysis()` of the compiled step), and, with `run.target_device`, whether
+that total fits the device's memory. What it proves: the mesh and batch split, and the sharded state's exact size.
+The temporaries are the buffer assignment of the compiler that compiled the step: where jax's compiler for the
+target is installed (the CUDA plugin, libtpu; no accelerator needed), the target's own, for compile-only devices
+(target_devices.py); otherwise XLA:CPU's on fake CPU devices, an estimate (other fusions, no cuDNN attention, no
+memory-aware scheduling) that overstates a GPU's or TPU's severalfold. It does not run a step.
 """
 
 import dataclasses
@@ -21,10 +21,10 @@ import numpy as np
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
-from jaxtrain import gpu_target
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import model
 from jaxtrain import optim
+from jaxtrain import target_devices
 from jaxtrain import step as step_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
@@ -68,7 +68,19 @@ def compiled_step(cfg: Config, abstract_state, mesh):
     window = jax.ShapeDtypeStruct((k, cfg.data.batch_size // k, cfg.model.seq_len), np.int32,
                                   sharding=mesh_lib.window_sharding(mesh))
     with jax.set_mesh(mesh):  # model.batch_sharded pins the activations to this mesh
-        return train_step.lower(abstract_state, window, window).compile()
+        return compile_fitting(train_step.lower(abstract_state, window, window), mesh.devices.flat[0])
+
+
+def compile_fitting(lowered, device):
+    """lowered.compile(); where the compiler refuses a step bigger than the device's memory (XLA:TPU does, at
+    compile time), a UserError naming the levers instead of its traceback."""
+    try:
+        return lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise UserError(f"does not fit: XLA for {device.device_kind} says {str(e).splitlines()[0].rstrip('.')}; "
+                        f"levers: {LEVERS}") from None
 
 
 def memory_table(abstract_state, compiled) -> tuple[list[tuple[str, int]], int]:
@@ -125,28 +137,29 @@ def report(cfg: Config) -> dict:
         summary["fits"] = total <= USABLE_FRACTION * limit
         verdict = (f"{total / GIB:.2f} GiB of {cfg.run.target_device}'s {limit / GIB:.0f} GiB per device "
                    f"({total / limit:.0%}; {USABLE_FRACTION:.0%} usable)")
-        cpu_for_gpu = cfg.run.target_device in gpu_target.TARGETS and devices[0].platform == "cpu"
-        hint = f"; {CPU_FOR_GPU}: {gpu_target.plugin_fix()}" if cpu_for_gpu else ""
+        estimated = devices[0].platform == "cpu"
+        hint = f"; {ESTIMATED}: {target_devices.install_fix(cfg.run.target_device)}" if estimated else ""
         if not summary["fits"]:
             raise UserError(f"does not fit: {verdict}; levers: {LEVERS}{hint}")
         print(f"fits: {verdict}{hint}", file=sys.stderr)
     return summary
 
 
-CPU_FOR_GPU = ("the step's temporaries are XLA:CPU's, which overstate a GPU's severalfold (GPT-2 124M, 32 sequences "
-               "of 1024 a micro-batch on one H100: 51.7 GiB by XLA:CPU with run.dry_run_devices=1, 13.6 by XLA:GPU); "
-               "for XLA:GPU's own figure, no GPU needed, install jax's CUDA plugin")
+ESTIMATED = ("the step's temporaries are XLA:CPU's, an estimate: they overstate a GPU's about 3x (GPT-2 124M, 32 "
+             "sequences of 1024 a micro-batch on one H100: 51.7 GiB by XLA:CPU with run.dry_run_devices=1, 13.6 by "
+             "XLA:GPU) and a TPU's about 2x (configs/pod-fsdp.yaml on 64 v5e: 11.2 and 5.3); for the device's own "
+             "figure, no device needed, install jax's compiler for it")
 
 
 def _devices(cfg: Config) -> tuple[list, str]:
-    """(the devices to compile for, which compiler on what): compile-only GPUs of run.target_device where jax's
-    CUDA plugin can give them and no local GPU is meant (this machine has none, or run.dry_run_devices asks for a
-    count); else run.dry_run_devices fake CPUs, or this machine's devices. Before jax starts its backends."""
+    """(the devices to compile for, which compiler on what): compile-only devices of run.target_device where jax's
+    compiler for it is installed and no local device is meant (this machine has none, or run.dry_run_devices asks
+    for a count); else run.dry_run_devices fake CPUs, or this machine's devices. Before jax starts its backends."""
     target, count = cfg.run.target_device, cfg.run.dry_run_devices
-    if target in gpu_target.TARGETS and gpu_target.plugin_installed() and (count or not gpu_target.machine_has_gpu()):
-        gpu_target.allow_compile_only()
-        devices = gpu_target.devices(target, count or 1)
-        return devices, f"XLA:GPU for {target}, ahead of time (jax's CUDA plugin)"
+    if target and target_devices.compiler_installed(target) and (count or not target_devices.machine_has(target)):
+        target_devices.allow_compile_only(target)
+        devices = target_devices.devices(target, count or 1)
+        return devices, f"XLA:{devices[0].platform.upper()} for {target}, ahead of time"
     if count:
         use_fake_devices(count)
         return jax.devices(), f"XLA:CPU for {count} fake devices"

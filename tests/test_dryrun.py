@@ -1,5 +1,6 @@
 """--run.dry_run: the memory table of a pod config on fake devices, the verdict, and the real run's own check."""
 
+import math
 import subprocess
 import sys
 import typing
@@ -7,8 +8,9 @@ import typing
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import given, strategies as st
 
-from jaxtrain import checkpoint, config, dryrun, gpu_target, mesh as mesh_lib
+from jaxtrain import checkpoint, config, dryrun, mesh as mesh_lib, target_devices
 from jaxtrain.errors import UserError
 
 GIB = 2**30
@@ -45,13 +47,18 @@ def test_pod_config_on_64_fake_devices():
 
 
 def test_what_cannot_fit_is_refused_with_the_levers():
-    """32 sequences of 1024 per device and per micro-batch: tens of GiB of activations, more than a v5e's 16."""
-    proc = dry_run("--data.batch_size=2048", "--run.target_device=v5e")
+    """128 sequences of 1024 per device and per micro-batch: tens of GiB of activations, more than a v5e's 16, by
+    XLA:CPU's estimate and by XLA:TPU (with libtpu) alike."""
+    proc = dry_run("--data.batch_size=8192", "--run.target_device=v5e")
     assert proc.returncode == 2, proc.stderr[-2000:]
     error = proc.stderr.strip().splitlines()[-1]
-    assert error.startswith("error: does not fit:") and "v5e's 16 GiB" in error
+    assert error.startswith("error: does not fit:")
     assert all(lever in error for lever in ("mesh.fsdp", "optim.grad_accum_steps", "model.remat"))
-    assert "| **total** |" in proc.stdout  # the table comes first, so the user sees what to cut
+    if target_devices.compiler_installed("v5e"):  # XLA:TPU itself refuses to compile it, naming its need
+        assert "XLA for TPU v5 lite says RESOURCE_EXHAUSTED" in error and "exceeds available HBM" in error
+    else:
+        assert "v5e's 16 GiB" in error
+        assert "| **total** |" in proc.stdout  # the table comes first, so the user sees what to cut
     fits = dry_run("--run.target_device=v5p")  # 95 GiB
     assert fits.returncode == 0 and "fits:" in fits.stderr
 
@@ -59,46 +66,113 @@ def test_what_cannot_fit_is_refused_with_the_levers():
 def test_target_devices_are_the_memory_table_keys():
     literal = typing.get_args(typing.get_args(config.RunConfig.__annotations__["target_device"])[0])
     assert set(literal) == set(dryrun.DEVICE_MEMORY)
-    assert set(gpu_target.TARGETS) == {"a100-40gb", "a100-80gb", "h100", "h200"}  # every GPU target has a spec
+    # every GPU target has a device spec, every TPU one a torus
+    assert set(target_devices.GPUS) == {"a100-40gb", "a100-80gb", "h100", "h200"}
+    assert set(target_devices.GPUS) | set(target_devices.TPU_AXES) == set(literal)
+
+
+@pytest.mark.parametrize("target,chips,name", [
+    ("v5e", 4, "v5e:2x2"), ("v5e", 8, "v5e:2x4"), ("v5e", 64, "v5e:8x8"), ("v6e", 128, "v6e:8x16"),
+    ("v6e", 256, "v6e:16x16"), ("v4", 4, "v4:2x2x1"), ("v4", 16, "v4:2x2x4"), ("v5p", 32, "v5p:2x4x4"),
+    ("v5p", 64, "v5p:4x4x4"), ("v5p", 128, "v5p:4x4x8"), ("v5p", 256, "v5p:4x8x8")])
+def test_tpu_slices_are_named_as_cloud_tpu_names_them(target, chips, name):
+    """The names of Cloud TPU's slice shapes (v5litepod-64 is 8x8, v5p-128's 64 chips 4x4x4, v4-8's 4 chips
+    2x2x1), written out."""
+    assert target_devices.tpu_topology(target, chips) == name
+
+
+@given(target=st.sampled_from(sorted(target_devices.TPU_AXES)), chips=st.integers(-4, 5000))
+def test_a_tpu_slice_covers_its_chips_or_is_refused(target, chips):
+    """Every power of 2 from 4 chips is a slice of exactly that many chips; every other count is refused."""
+    if chips >= 4 and chips & (chips - 1) == 0:
+        dims = target_devices.tpu_topology(target, chips).split(":")[1].split("x")
+        assert math.prod(map(int, dims)) == chips and len(dims) == target_devices.TPU_AXES[target]
+    else:
+        with pytest.raises(UserError, match="power of 2"):
+            target_devices.tpu_topology(target, chips)
 
 
 # Long sequences over a narrow model: one layer's causal scores, B x nh x T x T in bf16 (64 MiB here), outweigh
 # the rest of its activations (B x T x d_model floats, some tens of them: a few MiB), so whether the compiled step
 # holds them shows in its temporaries.
 LONG = ("--config", "configs/tiny.yaml", "--model.n_layer=1", "--model.d_model=64", "--model.n_head=4",
-        "--model.seq_len=2048", "--data.batch_size=2", "--model.vocab_size=256", "--run.dry_run=true")
+        "--model.seq_len=2048", "--model.vocab_size=256", "--run.dry_run=true")
 SCORES_BYTES = 2 * 4 * 2048 * 2048 * 2
 
 
-def long_dry_run(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxtrain.run", *LONG, *overrides],
+def long_dry_run(devices: int, *overrides: str) -> subprocess.CompletedProcess:
+    """LONG with 2 sequences a device, every state array split over the devices."""
+    return subprocess.run([sys.executable, "-m", "jaxtrain.run", *LONG, f"--run.dry_run_devices={devices}",
+                           f"--mesh.fsdp={devices}", f"--data.batch_size={2 * devices}", *overrides],
                           capture_output=True, text=True, timeout=600)
 
 
-def test_gpu_target_without_the_cuda_plugin_says_the_figure_is_xla_cpus():
-    if gpu_target.plugin_installed():
-        pytest.skip("jax's CUDA plugin is installed here: this path needs an environment without it")
-    proc = long_dry_run("--run.target_device=h100", "--run.dry_run_devices=1")
+@pytest.mark.parametrize("target,devices,extra", [("h100", 1, "cuda12"), ("v5e", 4, "tpu")])
+def test_without_the_targets_compiler_the_verdict_says_the_figure_is_xla_cpus(target, devices, extra):
+    if target_devices.compiler_installed(target):
+        pytest.skip(f"jax's compiler for {target} is installed here: this path needs an environment without it")
+    proc = long_dry_run(devices, f"--run.target_device={target}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "compiled by XLA:CPU for 1 fake devices" in proc.stdout
+    assert f"compiled by XLA:CPU for {devices} fake devices" in proc.stdout
     # XLA:CPU's written-out attention keeps the scores for the backward pass.
     assert table_value(proc.stdout, "step temporaries") * GIB >= SCORES_BYTES
     verdict = proc.stderr.strip().splitlines()[-1]
-    assert verdict.startswith("fits:") and "overstate a GPU's" in verdict and gpu_target.plugin_fix() in verdict
+    assert verdict.startswith("fits:") and "XLA:CPU's, an estimate" in verdict
+    assert f'pip install "jax[{extra}]=={jax.__version__}"' in verdict
 
 
-@pytest.mark.skipif(not gpu_target.plugin_installed(), reason="needs jax's CUDA plugin (no GPU)")
+@pytest.mark.skipif(not target_devices.compiler_installed("h100"), reason="needs jax's CUDA plugin (no GPU)")
 @pytest.mark.parametrize("devices", [1, 16])
 def test_gpu_target_compiles_for_that_gpu(devices):
     """With the plugin the step is XLA:GPU's for compile-only H100s, with cuDNN's attention: its temporaries hold
-    no layer's scores. 16 devices are two hosts of 8 (the state's split is test_pod_config_on_64_fake_devices')."""
-    proc = long_dry_run("--run.target_device=h100", f"--run.dry_run_devices={devices}", f"--mesh.fsdp={devices}",
-                        f"--data.batch_size={2 * devices}")
+    no layer's scores. 16 devices are two hosts of 8."""
+    proc = long_dry_run(devices, "--run.target_device=h100")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"on {devices} x NVIDIA H100 80GB HBM3 as mesh (data 1, fsdp {devices})" in proc.stdout
     assert "compiled by XLA:GPU for h100, ahead of time" in proc.stdout
     assert table_value(proc.stdout, "step temporaries") * GIB < SCORES_BYTES / 2
     assert proc.stderr.strip().splitlines()[-1].startswith("fits:") and "XLA:CPU" not in proc.stderr
+
+
+@pytest.mark.skipif(not target_devices.compiler_installed("v5e"), reason="needs libtpu (no TPU)")
+@pytest.mark.parametrize("target,kind", [("v5e", "TPU v5 lite"), ("v5p", "TPU v5")])
+def test_tpu_target_compiles_for_that_slice(target, kind):
+    """With libtpu the step is XLA:TPU's for a compile-only slice of 4 chips. A wide layer and a large vocabulary
+    make the state big enough to read in the table's 3 decimals: each device holds a quarter of it."""
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", "--config", "configs/tiny.yaml", "--model.n_layer=1",
+                           "--model.d_model=1024", "--model.n_head=8", "--model.seq_len=64", "--model.vocab_size=50304",
+                           "--data.batch_size=8", "--mesh.fsdp=4", "--run.dry_run=true", "--run.dry_run_devices=4",
+                           f"--run.target_device={target}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"on 4 x {kind} as mesh (data 1, fsdp 4)" in proc.stdout
+    assert f"compiled by XLA:TPU for {target}, ahead of time" in proc.stdout
+    params_gib = gpt2_params(1, 1024, 50304, 64) * 4 / 4 / GIB
+    assert table_value(proc.stdout, "params (fp32)") == pytest.approx(params_gib, abs=1e-3)
+    assert table_value(proc.stdout, "step temporaries") > 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("fits:") and "XLA:CPU" not in proc.stderr
+
+
+class Refused:
+    """A lowered step whose compile fails as XLA:TPU's does for a step bigger than its device, or otherwise."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def compile(self):
+        raise jax.errors.JaxRuntimeError(self.message)
+
+
+def test_a_compiler_refusing_the_step_for_memory_is_a_user_error():
+    device = FakeDevice(None)
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (31.87G) "
+               "exceeds available HBM (15.75G).\nmore detail")
+    with pytest.raises(UserError) as refused:
+        dryrun.compile_fitting(Refused(message), device)
+    assert str(refused.value) == ("does not fit: XLA for fake accelerator says RESOURCE_EXHAUSTED: Ran out of memory "
+                                  "on HBM, the total memory required for HLO temporaries (31.87G) exceeds available "
+                                  f"HBM (15.75G); levers: {dryrun.LEVERS}")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # any other failure is not the user's
+        dryrun.compile_fitting(Refused("INTERNAL: a compiler bug"), device)
 
 
 class FakeDevice:

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from benchmarks import roofline
-from jaxtrain import gpu_target
+from jaxtrain import target_devices
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "roofline_tiny_h100.hlo.txt")
 PEAK, BANDWIDTH = 989e12, 3.35e12
@@ -85,7 +85,7 @@ def test_top_table_groups_and_orders_memory_bound_kernels(kernels):
 
 
 def test_without_the_cuda_plugin_exits_2_naming_the_fix():
-    if gpu_target.plugin_installed():
+    if target_devices.compiler_installed("h100"):
         pytest.skip("jax's CUDA plugin is installed here: the error path needs an environment without it")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--config", "configs/tiny.yaml",
                            "--model.vocab_size=256"], capture_output=True, text=True, timeout=300)
@@ -94,7 +94,7 @@ def test_without_the_cuda_plugin_exits_2_naming_the_fix():
     assert f'pip install "jax[cuda12]=={jax.__version__}"' in proc.stderr and "CUDA plugin" in proc.stderr
 
 
-@pytest.mark.skipif(not gpu_target.plugin_installed(), reason="needs jax's CUDA plugin")
+@pytest.mark.skipif(not target_devices.compiler_installed("h100"), reason="needs jax's CUDA plugin")
 def test_one_tiny_compile(tmp_path):
     out = tmp_path / "roofline.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--config", "configs/tiny.yaml",
