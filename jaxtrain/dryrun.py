@@ -119,7 +119,7 @@ def report(cfg: Config) -> dict:
     cfg = _with_vocab_size(cfg)
     mesh = mesh_lib.make_mesh(cfg, devices)
     abstract_state = checkpoint_lib.abstract_state(cfg, cfg.model.vocab_size, mesh)
-    with model.compiling_for(devices[0].platform):  # compile-only GPUs on a CPU machine: the GPU's attention
+    with model.compiling_for(devices[0].platform):  # compile-only GPUs or TPUs on a CPU: trace the model for them
         compiled = compiled_step(cfg, abstract_state, mesh)
     rows, total = memory_table(abstract_state, compiled)
     n_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))

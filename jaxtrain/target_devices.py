@@ -80,8 +80,9 @@ def tpu_topology(target: str, chips: int) -> str:
     last (v5e:8x8, v5p:4x4x8; 4 chips: v5e:2x2, v5p:2x2x1)."""
     exponent = int(math.log2(chips)) if chips > 0 else -1
     if chips < TPU_MIN_CHIPS or 2**exponent != chips:
+        cores = 64 * (2 if target in MEGACORE else 1)  # Cloud TPU names a v4 or v5p slice by its TensorCores
         raise UserError(f"run.dry_run_devices={chips} is not a {target} slice libtpu can describe; give a power of 2 "
-                        f"of at least {TPU_MIN_CHIPS} chips (e.g. 64 for {target}-{64 * (2 if target in MEGACORE else 1)})")
+                        f"of at least {TPU_MIN_CHIPS} chips (e.g. 64 for {target}-{cores})")
     axes = TPU_AXES[target]
     dims = [2 ** (exponent // axes + (i >= axes - exponent % axes)) for i in range(axes)]
     if axes == 3 and chips == TPU_MIN_CHIPS:
