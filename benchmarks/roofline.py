@@ -21,11 +21,11 @@ import sys
 from benchmarks.profile import hlo_categories
 from jaxtrain import target_devices
 
-MODEL = ("bytes = operand + result sizes (a fusion parameter read only through slice, dynamic-slice or gather counts "
-         "those results; an in-place dynamic-update-slice counts its update, not its buffer; cuBLAS/cuDNN "
-         "workspaces excluded); flops = 2*M*N*K per dot or cuBLAS call, cuDNN attention 4*B*H*T*L*D/2 (causal) "
-         "forward and 2.5x that backward, elementwise flops ignored; a while body's kernels count its "
-         "known_trip_count times (once if XLA does not know it), a conditional its costliest branch")
+MODEL = ('bytes = operand + result sizes (a fusion parameter read only through slice, dynamic-slice or gather, '
+         'directly or through converts, counts those results; an in-place dynamic-update-slice counts its update, not '
+         'its buffer; cuBLAS/cuDNN workspaces excluded); flops = 2*M*N*K per dot or cuBLAS call, cuDNN attention '
+         "4*B*H*T*L*D/2 (causal) forward and 2.5x that backward, elementwise flops ignored; a while body's kernels "
+         'count its known_trip_count times (once if XLA does not know it), a conditional its costliest branch')
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
@@ -102,11 +102,30 @@ def fusion_bytes(comps, inst: Inst) -> int:
             written += nbytes(out.shape)
     read = 0
     for param in (i for i in body.values() if i.op == "parameter" and i.name not in in_place):
-        full = nbytes(param.shape)
-        uses = users[param.name]
-        sliced = uses and all(u.op in SLICING and u.operands[0] == param.name for u in uses)
-        read += min(full, sum(nbytes(u.shape) for u in uses)) if sliced else full
+        full, dtype = nbytes(param.shape), shapes(param.shape)[0][0]
+        elements = sliced_elements(users, param.name)
+        read += full if elements is None else min(full, elements * DTYPE_BYTES[dtype])
     return read + written
+
+
+def sliced_elements(users, name: str) -> int | None:
+    """How many elements of `name` a fusion reads when only slices, dynamic-slices and gathers read it, directly or
+    through converts and bitcasts (one element in, one out: a gather of converted logits reads only the gathered
+    ones); None when some other op reads it whole."""
+    total = 0
+    for user in users[name] or [None]:
+        if user is None:
+            return None
+        if user.op in SLICING and user.operands[0] == name:
+            total += sum(math.prod(dims) for _, dims in shapes(user.shape))
+        elif user.op in ("convert", "bitcast"):
+            through = sliced_elements(users, user.name)
+            if through is None:
+                return None
+            total += through
+        else:
+            return None
+    return total
 
 
 def kernel_cost(comps, comp: str, inst: Inst) -> tuple[int, float]:

@@ -53,6 +53,36 @@ def test_fusion_bytes_count_gathers_slices_and_in_place_updates(kernels):
     assert "gather" in embed["fuses"] and embed["op_name"].endswith("jvp()/add")
 
 
+PICK = """HloModule m
+
+%fused_pick (p0: bf16[100,50], p1: s32[10,2]) -> f32[10,1] {
+  %p0 = bf16[100,50]{1,0} parameter(0)
+  %c = f32[100,50]{1,0} convert(%p0)
+  %b = f32[100,50]{1,0} bitcast(%c)
+  %p1 = s32[10,2]{1,0} parameter(1)
+  ROOT %g = f32[10,1]{1,0} gather(%b, %p1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0,1}, index_vector_dim=1, slice_sizes={1,1}
+}
+
+ENTRY %main (a: bf16[100,50], i: s32[10,2]) -> f32[10,1] {
+  %a = bf16[100,50]{1,0} parameter(0)
+  %i = s32[10,2]{1,0} parameter(1)
+  ROOT %f = f32[10,1]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_pick
+}
+"""
+
+
+def test_a_gather_through_a_convert_reads_only_what_it_gathers():
+    """The loss's pick of each token's target logit: a gather of 10 elements from bf16 logits converted to f32
+    first (XLA fuses the convert into the gather's operand) reads 10 bf16 values, 20 bytes, not the 100 x 50
+    logits; plus the s32[10,2] indices and the f32[10,1] result. If the converted logits also fed a reduce, the
+    fusion would read them whole."""
+    (pick,) = roofline.roofline(PICK, PEAK, BANDWIDTH)
+    assert pick["bytes"] == 10 * 2 + 10 * 2 * 4 + 10 * 4
+    whole = PICK.replace("  ROOT %g = f32[10,1]", "  %r = f32[] reduce(%c, %p1)\n  ROOT %g = f32[10,1]")
+    (pick_and_reduce,) = roofline.roofline(whole, PEAK, BANDWIDTH)
+    assert pick_and_reduce["bytes"] == 100 * 50 * 2 + 10 * 2 * 4 + 10 * 4
+
+
 def test_attention_flops(kernels):
     """cuDNN's causal attention: 4*B*H*T*L*D/2 forward (B 2 sequences, 2 heads of 32, T = L = 32), 2.5x backward."""
     forward = 4 * 2 * HEADS * T * T * (D // HEADS) / 2
