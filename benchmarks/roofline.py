@@ -112,10 +112,10 @@ def sliced_elements(users, name: str) -> int | None:
     """How many elements of `name` a fusion reads when only slices, dynamic-slices and gathers read it, directly or
     through converts and bitcasts (one element in, one out: a gather of converted logits reads only the gathered
     ones); None when some other op reads it whole."""
+    if not users[name]:
+        return None
     total = 0
-    for user in users[name] or [None]:
-        if user is None:
-            return None
+    for user in users[name]:
         if user.op in SLICING and user.operands[0] == name:
             total += sum(math.prod(dims) for _, dims in shapes(user.shape))
         elif user.op in ("convert", "bitcast"):
