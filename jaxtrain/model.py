@@ -140,6 +140,13 @@ def matmul(a, b, precision: str, out=jnp.float32):
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
+def rounded_matmul(a, b, precision: str):
+    """a @ b in the compute dtype: the fp32 accumulator rounded once, by the dot itself on a GPU or TPU, after it
+    on a CPU (_rounding_dot_dtype). A bias-free Linear and the head (head_logits)."""
+    low = COMPUTE_DTYPES[precision]
+    return matmul(a, b, precision, _rounding_dot_dtype(low)).astype(low)
+
+
 @jax.custom_vjp
 def gelu(x):
     """Exact (erf) GELU, x Phi(x), computed as torch's kernel computes it: in fp32 whatever x's dtype, rounded once
@@ -208,7 +215,7 @@ class Linear(nnx.Module):
     bias to the fp32 accumulator and rounds the sum once (addmm's beta term, cuBLASLt's bias epilogue), and the
     bias's gradient comes back as the fp32 sum of the output's gradient rounded to the compute dtype, then cast up
     to the fp32 param. Casting the bias here gives both. Without a bias the dot rounds its own result where the
-    backend does that in the gemm (_rounding_dot_dtype)."""
+    backend does that in the gemm (rounded_matmul)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, precision: str, rngs: nnx.Rngs):
         self.kernel = _normal(rngs, (d_in, d_out), std)
@@ -216,9 +223,9 @@ class Linear(nnx.Module):
         self.precision = precision
 
     def __call__(self, x):
-        low = COMPUTE_DTYPES[self.precision]
         if self.bias is None:
-            return matmul(x, self.kernel[...], self.precision, _rounding_dot_dtype(low)).astype(low)
+            return rounded_matmul(x, self.kernel[...], self.precision)
+        low = COMPUTE_DTYPES[self.precision]
         return (matmul(x, self.kernel[...], self.precision) + self.bias[...].astype(low)).astype(low)
 
 
@@ -423,8 +430,7 @@ def head_logits(x_BxTxD, w_DxV, precision: str):
     GPU or TPU the dot returns bf16 itself: rounded after an fp32 dot, XLA:GPU wrote the logits in fp32 and rounded
     them in a pass of their own (6.4 ms of a 173 ms step on the H100). XLA:CPU would run a bf16-result dot on fp32
     copies of its operands, not in bf16 (_row_major), so there the fp32 result is rounded after the dot."""
-    low = COMPUTE_DTYPES[precision]
-    return matmul(x_BxTxD, w_DxV, precision, _rounding_dot_dtype(low)).astype(low)
+    return rounded_matmul(x_BxTxD, w_DxV, precision)
 
 
 def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
