@@ -41,6 +41,11 @@ USABLE_FRACTION = 0.9
 LEVERS = ("mesh.fsdp (shards params and optimizer state over more devices), optim.grad_accum_steps (smaller "
           "micro-batches: fewer activations), model.remat=dots or full (recompute activations in the backward pass), "
           "model.vocab_tiles (the head and the loss a tile of tokens at a time: never the whole logits)")
+# What the verdict adds when the step was compiled by XLA:CPU for a GPU or TPU target.
+ESTIMATED = ("the step's temporaries are XLA:CPU's, an estimate: they overstate a GPU's about 3x (GPT-2 124M, 32 "
+             "sequences of 1024 a micro-batch on one H100: 51.7 GiB by XLA:CPU with run.dry_run_devices=1, 13.6 by "
+             "XLA:GPU) and a TPU's about 2x (configs/pod-fsdp.yaml on 64 v5e: 11.2 and 5.3); for the device's own "
+             "figure, no device needed, install jax's compiler for it")
 
 
 def use_fake_devices(n: int) -> None:
@@ -143,12 +148,6 @@ def report(cfg: Config) -> dict:
             raise UserError(f"does not fit: {verdict}; levers: {LEVERS}{hint}")
         print(f"fits: {verdict}{hint}", file=sys.stderr)
     return summary
-
-
-ESTIMATED = ("the step's temporaries are XLA:CPU's, an estimate: they overstate a GPU's about 3x (GPT-2 124M, 32 "
-             "sequences of 1024 a micro-batch on one H100: 51.7 GiB by XLA:CPU with run.dry_run_devices=1, 13.6 by "
-             "XLA:GPU) and a TPU's about 2x (configs/pod-fsdp.yaml on 64 v5e: 11.2 and 5.3); for the device's own "
-             "figure, no device needed, install jax's compiler for it")
 
 
 def _devices(cfg: Config) -> tuple[list, str]:
