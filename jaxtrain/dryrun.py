@@ -65,22 +65,24 @@ def per_device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def compiled_step(cfg: Config, abstract_state, mesh):
-    """The train step as run.Trainer jits it, compiled from abstract arguments."""
+def compiled_step(cfg: Config, abstract_state, mesh, compiler_options: dict | None = None):
+    """The train step as run.Trainer jits it, compiled from abstract arguments (with XLA `compiler_options`, as
+    XLA_FLAGS or LIBTPU_INIT_ARGS would set them: benchmarks/xla_flags.py)."""
     state_sharding = jax.tree.map(lambda x: x.sharding, abstract_state)
     train_step = step_lib.jit_train_step(cfg, cfg.run.seed, out_shardings=(state_sharding, mesh_lib.replicated(mesh)))
     k = cfg.optim.grad_accum_steps
     window = jax.ShapeDtypeStruct((k, cfg.data.batch_size // k, cfg.model.seq_len), np.int32,
                                   sharding=mesh_lib.window_sharding(mesh))
     with jax.set_mesh(mesh):  # model.batch_sharded pins the activations to this mesh
-        return compile_fitting(train_step.lower(abstract_state, window, window), mesh.devices.flat[0])
+        lowered = train_step.lower(abstract_state, window, window)
+        return compile_fitting(lowered, mesh.devices.flat[0], compiler_options)
 
 
-def compile_fitting(lowered, device):
+def compile_fitting(lowered, device, compiler_options: dict | None = None):
     """lowered.compile(); where the compiler refuses a step bigger than the device's memory (XLA:TPU does, at
     compile time), a UserError naming the levers instead of its traceback."""
     try:
-        return lowered.compile()
+        return lowered.compile(compiler_options)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

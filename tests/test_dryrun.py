@@ -158,7 +158,7 @@ class Refused:
     def __init__(self, message):
         self.message = message
 
-    def compile(self):
+    def compile(self, compiler_options=None):
         raise jax.errors.JaxRuntimeError(self.message)
 
 
