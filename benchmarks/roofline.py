@@ -146,22 +146,33 @@ def kernel_cost(comps, comp: str, inst: Inst) -> tuple[int, float]:
     return moved, 0
 
 
+def trips(inst: Inst) -> int:
+    """How many times a while loop runs its body: XLA's known_trip_count, once where XLA does not know it."""
+    return int((re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs) or [0, 1])[1])
+
+
+def called(inst: Inst, key: str) -> str:
+    """The computation an instruction names under `key` (a while's body or condition, a call's to_apply)."""
+    return re.search(key + r"=%?([\w.\-]+)", inst.attrs)[1]
+
+
+def branches(inst: Inst) -> list[str]:
+    """A conditional's branch computations."""
+    return re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)[1])
+
+
 def kernels(comps, comp: str, categories: dict, peak: float, bandwidth: float, launches: int = 1) -> list[dict]:
     """One row per kernel instruction run by `comp`, with `launches` per step; loops and branches followed."""
     rows = []
     for inst in comps[comp].values():
         if inst.op == "while":
-            trips = int((re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs) or [0, 1])[1])
-            for key, n in (("body", trips), ("condition", trips + 1)):
-                sub = re.search(key + r"=%?([\w.\-]+)", inst.attrs)[1]
-                rows += kernels(comps, sub, categories, peak, bandwidth, launches * n)
+            for key, n in (("body", trips(inst)), ("condition", trips(inst) + 1)):
+                rows += kernels(comps, called(inst, key), categories, peak, bandwidth, launches * n)
         elif inst.op == "conditional":
-            branches = re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)[1])
-            rows += max((kernels(comps, b, categories, peak, bandwidth, launches) for b in branches),
+            rows += max((kernels(comps, b, categories, peak, bandwidth, launches) for b in branches(inst)),
                         key=lambda ks: sum(k["ms"] * k["launches"] for k in ks))
         elif inst.op == "call":
-            rows += kernels(comps, re.search(r"to_apply=%?([\w.\-]+)", inst.attrs)[1], categories, peak,
-                            bandwidth, launches)
+            rows += kernels(comps, called(inst, "to_apply"), categories, peak, bandwidth, launches)
         elif inst.op not in FREE and not inst.op.endswith("-done"):
             moved, flops = kernel_cost(comps, comp, inst)
             ops = fused_ops(comps, inst.calls) if inst.calls else collections.Counter([inst.op])

@@ -81,12 +81,11 @@ def link_bytes(kind: str, result_bytes: int, n: int) -> float:
     return sent.get(kind, result_bytes)  # collective-permute: the result
 
 
-def _trips(inst) -> int:
-    return int((re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs) or [0, 1])[1])
-
-
-def _called(inst, key: str) -> str:
-    return re.search(key + r"=%?([\w.\-]+)", inst.attrs)[1]
+def _runs(inst) -> tuple[str, int] | None:
+    """(the computation a while loop or a call runs, how many times a step's one run of `inst` runs it), else None."""
+    if inst.op == "while":
+        return roofline.called(inst, "body"), roofline.trips(inst)
+    return (roofline.called(inst, "to_apply"), 1) if inst.op == "call" else None
 
 
 def _start_kind(comps, inst) -> str | None:
@@ -107,13 +106,12 @@ def schedule_cost(comps, comp: str, peak: float, bandwidth: float) -> tuple[floa
 
 def _cost(comps, comp: str, inst, peak: float, bandwidth: float) -> tuple[float, float]:
     """(roofline ms, dot flops) of one instruction: a kernel's, or what a loop, call or conditional runs."""
-    if inst.op in ("while", "call"):
-        trips = _trips(inst) if inst.op == "while" else 1
-        ms, flops = schedule_cost(comps, _called(inst, "body" if inst.op == "while" else "to_apply"), peak, bandwidth)
-        return trips * ms, trips * flops
+    sub = _runs(inst)
+    if sub:
+        ms, flops = schedule_cost(comps, sub[0], peak, bandwidth)
+        return sub[1] * ms, sub[1] * flops
     if inst.op == "conditional":  # its costliest branch, as roofline.kernels
-        branches = re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)[1])
-        return max(schedule_cost(comps, branch, peak, bandwidth) for branch in branches)
+        return max(schedule_cost(comps, branch, peak, bandwidth) for branch in roofline.branches(inst))
     if inst.op in roofline.FREE or inst.op.endswith(("-start", "-done")):
         return 0.0, 0.0
     moved, flops = roofline.kernel_cost(comps, comp, inst)
@@ -135,10 +133,9 @@ def overlapped(comps, comp: str, peak: float, bandwidth: float, link: float, dev
             c["transfer_ms"] = link_bytes(c["kind"], result, c["n"]) / link * 1e3
             found.append(c)
         else:
-            if inst.op in ("while", "call"):
-                sub = _called(inst, "body" if inst.op == "while" else "to_apply")
-                found += overlapped(comps, sub, peak, bandwidth, link, devices,
-                                    runs * (_trips(inst) if inst.op == "while" else 1))
+            sub = _runs(inst)
+            if sub:
+                found += overlapped(comps, sub[0], peak, bandwidth, link, devices, runs * sub[1])
             ms = _cost(comps, comp, inst, peak, bandwidth)[0]
             for c in pending.values():
                 c["covered_ms"] += ms
@@ -175,7 +172,7 @@ def tpu_collectives(hlo: str) -> dict:
         for inst in comp.values():
             if inst.op in COLLECTIVES:
                 counts["asynchronous" if name in overlapping else "synchronous"] += 1
-            elif inst.op.endswith("-start") and inst.op.removesuffix("-start") in COLLECTIVES:
+            elif _start_kind(comps, inst):
                 counts["asynchronous"] += 1  # a start and its done: asynchronous wherever it is
     return counts
 
