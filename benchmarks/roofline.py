@@ -225,13 +225,25 @@ def top_table(rows: list[dict], top: int) -> tuple[str, list[dict]]:
     return "\n".join(lines), best
 
 
-def compile_step(cfg, target: str):
-    """(the compiled train step, the device in words): for the local GPU, else ahead of time for `target`."""
+def require_compiler(target: str) -> None:
+    """Let jax compile for `target` (target_devices.allow_compile_only); where jax's compiler for it is missing, one
+    line naming the package to install, exit code 2."""
     if not target_devices.compiler_installed(target):
-        print(f"error: compiling for a GPU needs jax's CUDA plugin, which is not installed; fix: "
+        compiler = "jax's CUDA plugin" if target in target_devices.GPUS else "libtpu"
+        print(f"error: compiling for {target} needs {compiler}, which is not installed; fix: "
               f"{target_devices.install_fix(target)}", file=sys.stderr)
         sys.exit(2)
     target_devices.allow_compile_only(target)
+
+
+def memory_bandwidth(target: str) -> float:
+    """A GPU target's memory bandwidth, bytes/s, from its XLA device spec."""
+    return float(re.search(r"memory_bandwidth: (\d+)", target_devices.target_config(target))[1])
+
+
+def compile_step(cfg, target: str):
+    """(the compiled train step, the device in words): for the local GPU, else ahead of time for `target`."""
+    require_compiler(target)
     import jax
     from jaxtrain import checkpoint, dryrun, mesh as mesh_lib, model
     if jax.default_backend() == "gpu":
@@ -261,7 +273,7 @@ def main(argv: list[str]) -> None:
     peak = metrics.peak_flops(cfg, kind)
     if peak is None:
         sys.exit(f"error: no nominal bf16 peak known for {kind}; set --log.peak_tflops")
-    bandwidth = float(re.search(r"memory_bandwidth: (\d+)", target_devices.target_config(args.target))[1])
+    bandwidth = memory_bandwidth(args.target)
     rows = roofline(compiled.as_text(), peak, bandwidth)
     if args.hlo:
         with open(args.hlo, "w") as f:

@@ -50,7 +50,8 @@ def parse_flags(text: str) -> dict:
     for flag in text.split():
         name, _, value = flag.removeprefix("--").partition("=")
         if not flag.startswith("--") or not re.fullmatch(r"xla_\w+", name):
-            raise SystemExit(f"error: {flag!r} is not an XLA flag (--xla_...=value)")
+            print(f"error: {flag!r} is not an XLA flag; fix: spell it --xla_name=value", file=sys.stderr)
+            sys.exit(2)
         options[name] = {"": True, "true": True, "false": False}.get(value.lower(), value)
         if isinstance(options[name], str) and re.fullmatch(r"-?\d+", value):
             options[name] = int(value)
@@ -184,16 +185,16 @@ def compile_variants(cfg, target: str, n: int, variants: list[tuple[str, dict]],
     from jaxtrain import dryrun
     if target == "cpu":
         dryrun.use_fake_devices(n)
-    elif not target_devices.compiler_installed(target):
-        raise SystemExit(f"error: compiling for {target} needs jax's compiler for it, which is not installed; fix: "
-                         f"{target_devices.install_fix(target)}")
     else:
-        target_devices.allow_compile_only(target)
+        roofline.require_compiler(target)
     import jax
     from jaxtrain import checkpoint, mesh as mesh_lib, metrics, model
     devices = jax.devices() if target == "cpu" else target_devices.devices(target, n)
     mesh = mesh_lib.make_mesh(cfg, devices)
     abstract_state = checkpoint.abstract_state(cfg, cfg.model.vocab_size, mesh)
+    gpu = target in target_devices.GPUS
+    peak, bandwidth = (metrics.peak_flops(cfg, devices[0].device_kind), roofline.memory_bandwidth(target)) if gpu \
+        else (None, None)
     rows, default_module = [], None
     for label, options in variants:
         t0 = time.perf_counter()
@@ -215,12 +216,7 @@ def compile_variants(cfg, target: str, n: int, variants: list[tuple[str, dict]],
         row = dict(flags=label, options=options, same_as_default=module == default_module, mesh=dict(mesh.shape),
                    gib=dryrun.memory_table(abstract_state, compiled)[1] / 2**30,
                    compile_s=time.perf_counter() - t0, module_sha256=hashlib.sha256(module.encode()).hexdigest())
-        if target in target_devices.GPUS:
-            bandwidth = float(re.search(r"memory_bandwidth: (\d+)", target_devices.target_config(target))[1])
-            peak = metrics.peak_flops(cfg, devices[0].device_kind)
-            row |= gpu_collectives(text, peak, bandwidth, NVLINK[target], len(devices))
-        else:
-            row |= tpu_collectives(text)
+        row |= gpu_collectives(text, peak, bandwidth, NVLINK[target], len(devices)) if gpu else tpu_collectives(text)
         rows.append(row)
     return rows
 
