@@ -245,7 +245,7 @@ def compile_step(cfg, target: str):
     """(the compiled train step, the device in words): for the local GPU, else ahead of time for `target`."""
     require_compiler(target)
     import jax
-    from jaxtrain import checkpoint, dryrun, mesh as mesh_lib, model
+    from jaxtrain import autocast, checkpoint, dryrun, mesh as mesh_lib
     if jax.default_backend() == "gpu":
         devices = jax.devices()
         kind = devices[0].device_kind
@@ -253,7 +253,7 @@ def compile_step(cfg, target: str):
         devices = target_devices.devices(target, 1)
         kind = f"{devices[0].device_kind} (compiled ahead of time on a {jax.default_backend()}, no GPU)"
     mesh = mesh_lib.make_mesh(cfg, devices)
-    with model.compiling_for("gpu"):
+    with autocast.compiling_for("gpu"):
         return dryrun.compiled_step(cfg, checkpoint.abstract_state(cfg, cfg.model.vocab_size, mesh), mesh), kind
 
 

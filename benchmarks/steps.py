@@ -98,7 +98,7 @@ def matmul_shape(cfg) -> tuple[int, int, int]:
 
 def jax_matmul(cfg, precision: str, calls: int = 20) -> Timed:
     """Seconds per matmul of matmul_shape: bf16 operands with fp32 accumulation, or fp32 at HIGHEST precision,
-    the two dots jaxtrain's model issues (model.matmul)."""
+    the two dots jaxtrain's model issues (autocast.matmul)."""
     import jax
     import jax.numpy as jnp
     m, k, n = matmul_shape(cfg)

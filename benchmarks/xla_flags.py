@@ -188,7 +188,7 @@ def compile_variants(cfg, target: str, n: int, variants: list[tuple[str, dict]],
     else:
         roofline.require_compiler(target)
     import jax
-    from jaxtrain import checkpoint, mesh as mesh_lib, metrics, model
+    from jaxtrain import autocast, checkpoint, mesh as mesh_lib, metrics
     devices = jax.devices() if target == "cpu" else target_devices.devices(target, n)
     mesh = mesh_lib.make_mesh(cfg, devices)
     abstract_state = checkpoint.abstract_state(cfg, cfg.model.vocab_size, mesh)
@@ -199,7 +199,7 @@ def compile_variants(cfg, target: str, n: int, variants: list[tuple[str, dict]],
     for label, options in variants:
         t0 = time.perf_counter()
         try:
-            with model.compiling_for(devices[0].platform):
+            with autocast.compiling_for(devices[0].platform):
                 compiled = dryrun.compiled_step(cfg, abstract_state, mesh, options)
         except jax.errors.JaxRuntimeError as e:
             if "INVALID_ARGUMENT" not in str(e):

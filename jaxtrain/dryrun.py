@@ -19,10 +19,10 @@ import sys
 import jax
 import numpy as np
 
+from jaxtrain import autocast
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import data as data_lib
 from jaxtrain import mesh as mesh_lib
-from jaxtrain import model
 from jaxtrain import optim
 from jaxtrain import target_devices
 from jaxtrain import step as step_lib
@@ -73,7 +73,7 @@ def compiled_step(cfg: Config, abstract_state, mesh, compiler_options: dict | No
     k = cfg.optim.grad_accum_steps
     window = jax.ShapeDtypeStruct((k, cfg.data.batch_size // k, cfg.model.seq_len), np.int32,
                                   sharding=mesh_lib.window_sharding(mesh))
-    with jax.set_mesh(mesh):  # model.batch_sharded pins the activations to this mesh
+    with jax.set_mesh(mesh):  # mesh.batch_sharded pins the activations to this mesh
         lowered = train_step.lower(abstract_state, window, window)
         return compile_fitting(lowered, mesh.devices.flat[0], compiler_options)
 
@@ -126,7 +126,7 @@ def report(cfg: Config) -> dict:
     cfg = _with_vocab_size(cfg)
     mesh = mesh_lib.make_mesh(cfg, devices)
     abstract_state = checkpoint_lib.abstract_state(cfg, cfg.model.vocab_size, mesh)
-    with model.compiling_for(devices[0].platform):  # compile-only GPUs or TPUs on a CPU: trace the model for them
+    with autocast.compiling_for(devices[0].platform):  # compile-only GPUs or TPUs on a CPU: trace the model for them
         compiled = compiled_step(cfg, abstract_state, mesh)
     rows, total = memory_table(abstract_state, compiled)
     n_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))

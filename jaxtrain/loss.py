@@ -4,7 +4,7 @@
 16 x 1024 tokens: 1.6 GB in bf16, plus the loss's fp32 passes over them). The tokens are split into tiles; for each
 tile the head's logits are computed and reduced to the loss, and in the backward pass computed again to form the
 gradient: MaxText's vocabulary tiling (num_vocab_tiling), Liger's fused linear cross-entropy. It keeps the untiled
-path's numerics (model.head_logits, token_ce's gradient, model._low_matmul's backward) but for the order in which
+path's numerics (model.head_logits, token_ce's gradient, autocast._low_matmul's backward) but for the order in which
 the head weight's fp32 gradient sums over the tokens, at the price of the head's forward matmul run twice.
 Across several devices each device sums its own tokens' share of the head weight's gradient over the tiles, and
 the shares are reduced once after the scan, as the untiled path reduces its one gradient (_by_shard).
@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import model
+from jaxtrain import autocast, mesh, model
 
 
 @jax.custom_vjp
@@ -66,7 +66,7 @@ def _tiled_ce_sum(x_NxD, w_DxV, labels_N, valid_N, precision, tiles):
 def _tiled_ce_sum_fwd(x_NxD, w_DxV, labels_N, valid_N, precision, tiles):
     """The sum, a lax.scan over the tiles; kept for the backward pass: x, w and each token's logsumexp, not the
     logits."""
-    w_low = w_DxV.astype(model.COMPUTE_DTYPES[precision])
+    w_low = w_DxV.astype(autocast.COMPUTE_DTYPES[precision])
 
     def tile(total, tile_inputs):
         x_MxD, labels_M, valid_M = tile_inputs
@@ -80,15 +80,15 @@ def _tiled_ce_sum_fwd(x_NxD, w_DxV, labels_N, valid_N, precision, tiles):
 def _tiled_ce_sum_bwd(precision, tiles, residuals, g):
     """Per tile, the logits again (the forward's matmul on the same operands), token_ce's gradient of them (fp32,
     rounded once to the compute dtype; times the fp16 loss scale, in g, before that rounding), and the head's
-    two gradient dots, as model._low_matmul's backward: x's rounded per tile, w's summed in fp32 (over each
+    two gradient dots, as autocast._low_matmul's backward: x's rounded per tile, w's summed in fp32 (over each
     device's tokens of each tile, then over the tiles, then over the devices) and rounded once at the end (under
     fp32, nothing is rounded)."""
     x_NxD, w_DxV, labels_N, valid_N, lse_KxM = residuals
-    low = model.COMPUTE_DTYPES[precision]
+    low = autocast.COMPUTE_DTYPES[precision]
     w_low = w_DxV.astype(low)
 
-    shards = model.batch_shards()
-    weight_grads = jax.vmap(model.shared_weight_grads, in_axes=(0, None, 0))
+    shards = mesh.batch_shards()
+    weight_grads = jax.vmap(autocast.shared_weight_grads, in_axes=(0, None, 0))
 
     def tile(dw_SxDxV, tile_inputs):
         x_MxD, labels_M, valid_M, lse_M = tile_inputs
@@ -98,10 +98,10 @@ def _tiled_ce_sum_bwd(precision, tiles, residuals, g):
         dx_SxLxD, dw_tile = weight_grads(_by_shard(x_low, shards), w_low, _by_shard(dlogits_MxV, shards))
         return dw_SxDxV + dw_tile, dx_SxLxD.reshape(x_MxD.shape).astype(low)
 
-    dw_SxDxV = model.batch_sharded(jnp.zeros((shards, *w_DxV.shape), jnp.float32))
+    dw_SxDxV = mesh.batch_sharded(jnp.zeros((shards, *w_DxV.shape), jnp.float32))
     dw_SxDxV, dx_KxMxD = jax.lax.scan(tile, dw_SxDxV, (*_tiled((x_NxD, labels_N, valid_N), tiles), lse_KxM))
     dx_NxD = jnp.swapaxes(dx_KxMxD, 0, 1).reshape(x_NxD.shape).astype(x_NxD.dtype)
-    return dx_NxD, model.rounded_weight_grad(jnp.sum(dw_SxDxV, axis=0), low, w_DxV.dtype), None, None
+    return dx_NxD, autocast.rounded_weight_grad(jnp.sum(dw_SxDxV, axis=0), low, w_DxV.dtype), None, None
 
 
 _tiled_ce_sum.defvjp(_tiled_ce_sum_fwd, _tiled_ce_sum_bwd)
@@ -120,4 +120,4 @@ def _by_shard(a_MxF, shards: int):
     added to that device's running sum in the scan and reduced over the devices once after it. Summed over all the
     rows, it would be reduced over the devices inside the scan, once per tile: the compiled HLO of test_mesh.py's
     8-device FSDP step held two all-reduces of the head's gradient in the scan's body."""
-    return model.batch_sharded(a_MxF.reshape(shards, -1, a_MxF.shape[-1]))
+    return mesh.batch_sharded(a_MxF.reshape(shards, -1, a_MxF.shape[-1]))

@@ -1,7 +1,8 @@
 """Devices, the (data, fsdp) mesh, and where each array lives.
 
 Params and optimizer state are sharded over `fsdp` (each leaf along its largest dimension that divides evenly,
-replicated otherwise) and replicated over `data`; batches are split over both axes. Each host builds the global
+replicated otherwise) and replicated over `data`; batches, and the model's activations (`batch_sharded`), are split
+over both axes. Each host builds the global
 batch from only its own rows (jax.make_array_from_process_local_data), so no host ever loads another's data.
 """
 
@@ -117,3 +118,19 @@ def any_process(flag: bool, mesh: Mesh) -> jax.Array:
     sharding = NamedSharding(mesh, P(BATCH_AXES))
     local = np.full((len(mesh.local_devices),), flag)
     return _any(global_array(local, sharding))  # a scalar: replicated on every device
+
+
+def batch_sharded(x_BxTxD):
+    """x pinned to the batch split over every mesh axis, (data, fsdp), when traced under a mesh (jax.set_mesh, as
+    the trainer and the dry run compile); as it is otherwise. XLA's propagation finds this layout by itself for
+    GPT-2 124M and the 1B config (the same compiled step with or without the pin), but not where fsdp splits the
+    embedding along d_model (a vocabulary narrower than d_model, as bytes): there it split the activations over
+    d_model and gathered them back, 1.6x slower on small.yaml with fsdp 4 (benchmarks/NOTES.md)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return x_BxTxD if mesh.empty else jax.lax.with_sharding_constraint(x_BxTxD, P(mesh.axis_names))
+
+
+def batch_shards() -> int:
+    """How many devices batch_sharded splits the batch over: every device of the mesh traced under, 1 outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else mesh.size

@@ -6,10 +6,10 @@ path joined with dots, under `transformer.` except `lm_head`, where a Linear `ke
 model on them, so jit, grad and optax see params as a plain pytree.
 
 Precision "bf16" follows autocast: every matmul takes bf16 operands and accumulates in fp32, in the backward pass
-too (`_low_matmul`); a Linear's bias is rounded to bf16 before it is added, and Linear outputs, attention and MLP
+too (autocast.py, the ops' numerics); a Linear's bias is rounded to bf16 before it is added, and Linear outputs, attention and MLP
 activations and the logits are bf16; the residual stream, LayerNorm and softmax are fp32, and the loss upcasts the
 logits. "fp16" is the same with fp16 (the train step adds the loss scaling fp16's range needs: step.py). Precision
-"fp32" runs every dot at Precision.HIGHEST, since the default may use bf16 passes on GPU/TPU. On a GPU under bf16,
+"fp32" runs every dot at Precision.HIGHEST. On a GPU under bf16,
 attention runs as cuDNN's fused kernel (model.attention).
 
 Decoding (`extend`) runs the same blocks on new tokens only, with the keys and values of the earlier positions kept
@@ -17,173 +17,20 @@ in a `KVCache` per layer: the attention takes the cache as an optional argument,
 forward pass's (the written-out attention, whatever model.attention says).
 """
 
-import contextlib
-import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental.layout import Layout, with_layout_constraint
-from jax.sharding import PartitionSpec as P
 
+from jaxtrain.autocast import COMPUTE_DTYPES, backend, gelu, matmul, rounded_matmul, row_major
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
+from jaxtrain.mesh import batch_sharded
 
-COMPUTE_DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default
-
-
-def _dot_f32acc(a, b, out=jnp.float32):
-    """a @ b accumulated in fp32, the result in `out`: fp32, or rounded once to a lower dtype."""
-    return jnp.matmul(a, b, preferred_element_type=out)
-
-
-def _rounding_dot_dtype(low):
-    """The result dtype for a dot whose fp32 result is rounded to `low` next: `low` itself on a GPU or TPU, whose
-    gemm rounds its fp32 accumulator once on the way out (the same value; XLA:GPU otherwise writes the fp32 result
-    and rounds it in a pass of its own: benchmarks/NOTES.md); fp32 on a CPU, where XLA would run a `low`-result
-    dot on fp32 copies of its operands instead of in `low` (_row_major), and the rounding comes after."""
-    return jnp.float32 if backend() == "cpu" else low
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _low_matmul(a, b, dtypes, low, out=jnp.float32):
-    """a @ b on `low` (bf16 or fp16) operands with fp32 accumulation, the result in `out` (fp32, or `low`: rounded
-    once). b is 2-D or has a's batch axes; dtypes = (a.dtype, b.dtype), the dtypes the cotangents must come back in."""
-    return _dot_f32acc(a.astype(low), b.astype(low), out)
-
-
-def _low_matmul_fwd(a, b, dtypes, low, out):
-    a, b = a.astype(low), b.astype(low)
-    return _dot_f32acc(a, b, out), (a, b)
-
-
-def _low_matmul_bwd(dtypes, low, out, res, g_f32):
-    """Autodiff of a preferred_element_type dot upcasts the operands to fp32 (slower, and not autocast's numerics);
-    written out, both gradient dots take `low` operands, accumulate in fp32 and round their results to `low`, as
-    autocast's matmuls do (a weight's fp32 gradient is its fp16 or bf16 one, cast up). Under fp16 those roundings
-    are where a loss scale too large for the gradients overflows to inf, as it does in torch."""
-    a, b = res
-    g = g_f32.astype(low)
-    if b.ndim == 2:
-        da, db = shared_weight_grads(a, b, g, _rounding_dot_dtype(low))
-    else:
-        g = _row_major(g)
-        da = _dot_f32acc(g, _row_major(jnp.swapaxes(b, -1, -2)))
-        db = _dot_f32acc(_row_major(jnp.swapaxes(a, -1, -2)), g)
-    return da.astype(low).astype(dtypes[0]), rounded_weight_grad(db, low, dtypes[1])
-
-
-def shared_weight_grads(a, b, g, da_dtype=jnp.float32):
-    """(g b^T, a^T g), the gradients of a @ b for a 2-D weight b shared over a's leading axes (its gradient sums
-    over them): in fp32, not rounded (g b^T in `da_dtype` from bf16 or fp16 operands). bf16 or fp16 operands multiply
-    with fp32 accumulation, as autocast's matmuls; fp32 ones at Precision.HIGHEST, as `matmul` under "fp32".
-    loss.tiled_ce_sum sums a head's over its tiles."""
-    def dot(x, y, out=jnp.float32):
-        return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST) if x.dtype == jnp.float32 else _dot_f32acc(
-            x, y, out)
-    return dot(g, b.T, da_dtype), dot(_row_major(a.reshape(-1, a.shape[-1]).T), g.reshape(-1, g.shape[-1]))
-
-
-def rounded_weight_grad(db_f32, low, dtype):
-    """A weight's fp32 gradient as autocast returns it: rounded to `low`, then cast to the weight's `dtype`."""
-    return _row_major(db_f32).astype(low).astype(dtype)
-
-
-_compiling_for: str | None = None
-
-
-def backend() -> str:
-    """The platform the model is traced for: jax.default_backend(), unless compiling_for() names another. The
-    CPU-only layout pins (_row_major) and model.attention's choice of cuDNN depend on it."""
-    return _compiling_for or jax.default_backend()
-
-
-@contextlib.contextmanager
-def compiling_for(platform: str):
-    """Trace for `platform` ("gpu", "cpu", "tpu") instead of this process's default backend: an ahead-of-time
-    compile for devices the machine does not have (benchmarks/roofline.py compiles the step for an H100 on a CPU,
-    where jax's default backend stays "cpu"). It acts when the model is traced: jax's trace caches do not know it,
-    so trace a fresh jit inside it (dryrun.compiled_step builds one)."""
-    global _compiling_for
-    previous, _compiling_for = _compiling_for, platform
-    try:
-        yield
-    finally:
-        _compiling_for = previous
-
-
-def _row_major(x):
-    """x, laid out row-major in memory on a CPU. XLA:CPU runs a bf16 dot in bf16 (YNNPACK) only when its left
-    operand is row-major and contracts its last axis, and otherwise converts both operands to fp32: a transpose of
-    the activations that the weight gradient x^T g contracts over, pinned to memory, made those dots 1.7x faster
-    on configs/small.yaml, copy included (benchmarks/NOTES.md). Pinning the gradient too keeps XLA from folding a
-    later transpose (a tied head's) into the dot, which would make its left operand column-major again. GPUs and
-    TPUs read transposed operands natively, so there the layout is XLA's to choose; and across several devices the
-    pin would hide the batch split from XLA's sharding propagation (it gathered the pinned activations whole)."""
-    if backend() != "cpu" or batch_shards() > 1:
-        return x
-    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
-
-
-_low_matmul.defvjp(_low_matmul_fwd, _low_matmul_bwd)
-
-
-def matmul(a, b, precision: str, out=jnp.float32):
-    """a @ b in fp32: from bf16 or fp16 operands with fp32 accumulation ("bf16", "fp16"), or in true fp32. Under
-    bf16 or fp16 the result may be `out` instead, the compute dtype: the fp32 accumulator rounded once by the dot."""
-    if precision != "fp32":
-        return _low_matmul(a, b, (a.dtype, b.dtype), COMPUTE_DTYPES[precision], out)
-    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
-
-
-def rounded_matmul(a, b, precision: str):
-    """a @ b in the compute dtype: the fp32 accumulator rounded once, by the dot itself on a GPU or TPU, after it
-    on a CPU (_rounding_dot_dtype). A bias-free Linear and the head (head_logits)."""
-    low = COMPUTE_DTYPES[precision]
-    return matmul(a, b, precision, _rounding_dot_dtype(low)).astype(low)
-
-
-@jax.custom_vjp
-def gelu(x):
-    """Exact (erf) GELU, x Phi(x), computed as torch's kernel computes it: in fp32 whatever x's dtype, rounded once
-    to x's dtype. torch.nn.GELU() on a bf16 tensor (autocast's c_fc output) upcasts each element to fp32 ("opmath"),
-    evaluates x * 0.5 * (1 + erf(x / sqrt 2)) and rounds the result once (ATen's GeluKernelImpl on CPU,
-    GeluCUDAKernelImpl on GPU); jax.nn.gelu would evaluate in bf16 op by op, rounding every intermediate. x Phi(x)
-    is the same product as torch's (x * 0.5) * (1 + erf): the factor 0.5 is exact. For x below about -3 the 1 + erf
-    cancels, so there the result is only as accurate as the fp32 erf absolutely (|x| times a few 2^-24), as torch's.
-
-    The gradient is written out (`_gelu_bwd`) so that the backward pass keeps only x, which it has anyway, and
-    recomputes the rest; autodiff of jax.nn.gelu kept an extra bf16 erfc(...) tensor of c_fc's (B, T, 4D) size per
-    layer, written in the forward pass and read in the backward. On GPT-2 124M (H100, the compiled step's roofline,
-    an estimate: benchmarks/NOTES.md) that is 2.9 ms of a 113 ms step with cuBLAS gemms and 1.1 GiB of peak memory;
-    with Triton gemms XLA stops fusing c_fc's bias-gradient sum into the backward kernel, which now recomputes erf,
-    and the sum re-reads dx: no time saved there."""
-    x_f32 = x.astype(jnp.float32)
-    return (x_f32 * _normal_cdf(x_f32)).astype(x.dtype)
-
-
-def _normal_cdf(x_f32):
-    """Phi(x) = 0.5 (1 + erf(x / sqrt 2)), in fp32 as torch's GELU kernels write it."""
-    return 0.5 * (1 + jax.lax.erf(x_f32 * math.sqrt(0.5)))
-
-
-def _gelu_fwd(x):
-    return gelu(x), x
-
-
-def _gelu_bwd(x, dy):
-    """dx = dy (Phi(x) + x phi(x)) in fp32, rounded once to x's dtype, as torch's gelu_backward computes it
-    (GeluBackwardKernelImpl; bf16 dy and x upcast): phi(x) = exp(-x^2 / 2) / sqrt(2 pi), the normal density."""
-    x_f32 = x.astype(jnp.float32)
-    pdf = jnp.exp(x_f32 * x_f32 * -0.5) * (1 / math.sqrt(2 * math.pi))
-    return ((dy.astype(jnp.float32) * (_normal_cdf(x_f32) + x_f32 * pdf)).astype(x.dtype),)
-
-
-gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 def _dropout(x, rate: float, key):
@@ -297,9 +144,9 @@ class CausalSelfAttention(nnx.Module):
         """softmax(q k^T / sqrt(hs)) v with the (B, nh, T, L) scores and probabilities in memory, as torchref. The
         T queries sit at positions start .. start+T-1 of the L keys, and each sees the keys up to its own position:
         in training start is 0 and L = T (the causal triangle); in decoding L is the cache's length."""
-        q, k, v = (_row_major(t.transpose(0, 2, 1, 3)) for t in (q_BxTxHxS, k_BxLxHxS, v_BxLxHxS))  # (B, nh, ., hs)
+        q, k, v = (row_major(t.transpose(0, 2, 1, 3)) for t in (q_BxTxHxS, k_BxLxHxS, v_BxLxHxS))  # (B, nh, ., hs)
         T, L, head_size = q.shape[2], k.shape[2], q.shape[3]
-        k_T = _row_major(jnp.swapaxes(k, -1, -2))
+        k_T = row_major(jnp.swapaxes(k, -1, -2))
         scores_BxHxTxL = matmul(q, k_T, self.precision) * (1.0 / math.sqrt(head_size))
         causal_TxL = jnp.arange(L)[None, :] <= start + jnp.arange(T)[:, None]
         scores_BxHxTxL = jnp.where(causal_TxL, scores_BxHxTxL, -jnp.inf)
@@ -355,22 +202,6 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
 
 def _run_block(block, x_BxTxD, key):
     return batch_sharded(block(x_BxTxD, key)[0])
-
-
-def batch_sharded(x_BxTxD):
-    """x pinned to the batch split over every mesh axis, (data, fsdp), when traced under a mesh (jax.set_mesh, as
-    the trainer and the dry run compile); as it is otherwise. XLA's propagation finds this layout by itself for
-    GPT-2 124M and the 1B config (the same compiled step with or without the pin), but not where fsdp splits the
-    embedding along d_model (a vocabulary narrower than d_model, as bytes): there it split the activations over
-    d_model and gathered them back, 1.6x slower on small.yaml with fsdp 4 (benchmarks/NOTES.md)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return x_BxTxD if mesh.empty else jax.lax.with_sharding_constraint(x_BxTxD, P(mesh.axis_names))
-
-
-def batch_shards() -> int:
-    """How many devices batch_sharded splits the batch over: every device of the mesh traced under, 1 outside one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else mesh.size
 
 
 class GPT(nnx.Module):
@@ -429,7 +260,7 @@ def head_logits(x_BxTxD, w_DxV, precision: str):
     the bytes (GPT-2 124M on an H100: see benchmarks/NOTES.md); model.vocab_tiles never forms it (loss.py). On a
     GPU or TPU the dot returns bf16 itself: rounded after an fp32 dot, XLA:GPU wrote the logits in fp32 and rounded
     them in a pass of their own (6.4 ms of a 173 ms step on the H100). XLA:CPU would run a bf16-result dot on fp32
-    copies of its operands, not in bf16 (_row_major), so there the fp32 result is rounded after the dot."""
+    copies of its operands, not in bf16 (row_major), so there the fp32 result is rounded after the dot."""
     return rounded_matmul(x_BxTxD, w_DxV, precision)
 
 

@@ -100,7 +100,7 @@ class Trainer:
     def compile(self, state) -> None:
         """Compile the train step ahead of the loop, so that step 1's throughput is not the compile time."""
         t0 = time.perf_counter()
-        with jax.set_mesh(self.mesh):  # model.batch_sharded pins the activations to this mesh
+        with jax.set_mesh(self.mesh):  # mesh.batch_sharded pins the activations to this mesh
             lowered = self.jit_train_step.lower(state, *self.window(int(state.step)))
             self.train_step = dryrun.compile_fitting(lowered, jax.local_devices()[0])
         dryrun.check_fits(self.train_step, self.abstract_state, jax.local_devices()[0])  # before an OOM in step 1

@@ -1,5 +1,6 @@
-"""Reading a compiled step's optimized HLO (`compiled.as_text()`): its instructions, and which of them run in a
-loop (the body of a while, such as a lax.scan's, or a computation that body calls: a fusion, a reducer)."""
+"""Reading a step's HLO text: a compiled step's optimized HLO (`compiled.as_text()`), its instructions and which of
+them run in a loop (the body of a while, such as a lax.scan's, or a computation that body calls: a fusion, a
+reducer); and the element types of the dots of a lowered one (`lowered.as_text()`, StableHLO)."""
 
 import re
 
@@ -20,3 +21,9 @@ def instructions(hlo: str) -> list[tuple[str, bool, list[str]]]:
         looped |= called
     return [(op.removesuffix("-start"), name in looped, re.findall(r"\w+\[[\d,]*\]", result))
             for name, body in bodies.items() for result, op in _INSTRUCTION.findall(body)]
+
+
+def dot_types(hlo: str) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) element types of every dot_general in StableHLO text."""
+    sig = re.findall(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)", hlo)
+    return [tuple(re.fullmatch(r"tensor<(?:\d+x)*(\w+)>", t).group(1) for t in s) for s in sig]

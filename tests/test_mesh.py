@@ -111,7 +111,7 @@ def test_fsdp_moves_params_never_activations(vocab_tiles):
     """Under FSDP a device gathers whole params (all-gather) and reduces gradients; its activations stay its own
     rows of the batch. So every all-gather in the compiled step produces a param's full shape (in either
     orientation), and nothing is permuted or exchanged all-to-all. A vocabulary (256) narrower than d_model (384)
-    shards the embedding along d_model; without model.batch_sharded, XLA carried that split into the activations
+    shards the embedding along d_model; without mesh.batch_sharded, XLA carried that split into the activations
     and gathered them back (here: [16,64,384] all-gathers; with remat, collective-permutes too). With vocabulary
     tiles, a tile of consecutive tokens would lie on some devices only: XLA moved the hidden states between
     devices for the scan over tiles (all-gathers of [1,256,384], collective-permutes); loss._tiled's strided tiles

@@ -1,0 +1,174 @@
+"""torch.autocast's numerics in JAX: the compute dtypes' matmuls, their written-out gradients, and GELU.
+
+Under "bf16" (or "fp16") every matmul takes operands in the compute dtype and accumulates in fp32, in the backward
+pass too, and rounds its result once where autocast's does (`matmul`, `rounded_matmul`); GELU computes in fp32 and
+rounds once, as torch's kernels (`gelu`). model.py builds GPT-2 from these; loss.py's tiled head reuses the weight
+gradients' rule. Under "fp32" the dots run at Precision.HIGHEST, since the default may use bf16 passes on GPU/TPU.
+
+Which kernels a rounding lands in depends on the platform (a GPU's gemm rounds its own accumulator; XLA:CPU keeps
+bf16 dots in bf16 only for row-major operands), so the platform the model is traced for is part of the rule:
+`backend`, which an ahead-of-time compile for another platform sets with `compiling_for`.
+"""
+
+import contextlib
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
+
+from jaxtrain import mesh
+
+COMPUTE_DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+
+
+def _dot_f32acc(a, b, out=jnp.float32):
+    """a @ b accumulated in fp32, the result in `out`: fp32, or rounded once to a lower dtype."""
+    return jnp.matmul(a, b, preferred_element_type=out)
+
+
+def _rounding_dot_dtype(low):
+    """The result dtype for a dot whose fp32 result is rounded to `low` next: `low` itself on a GPU or TPU, whose
+    gemm rounds its fp32 accumulator once on the way out (the same value; XLA:GPU otherwise writes the fp32 result
+    and rounds it in a pass of its own: benchmarks/NOTES.md); fp32 on a CPU, where XLA would run a `low`-result
+    dot on fp32 copies of its operands instead of in `low` (row_major), and the rounding comes after."""
+    return jnp.float32 if backend() == "cpu" else low
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _low_matmul(a, b, dtypes, low, out=jnp.float32):
+    """a @ b on `low` (bf16 or fp16) operands with fp32 accumulation, the result in `out` (fp32, or `low`: rounded
+    once). b is 2-D or has a's batch axes; dtypes = (a.dtype, b.dtype), the dtypes the cotangents must come back in."""
+    return _dot_f32acc(a.astype(low), b.astype(low), out)
+
+
+def _low_matmul_fwd(a, b, dtypes, low, out):
+    a, b = a.astype(low), b.astype(low)
+    return _dot_f32acc(a, b, out), (a, b)
+
+
+def _low_matmul_bwd(dtypes, low, out, res, g_f32):
+    """Autodiff of a preferred_element_type dot upcasts the operands to fp32 (slower, and not autocast's numerics);
+    written out, both gradient dots take `low` operands, accumulate in fp32 and round their results to `low`, as
+    autocast's matmuls do (a weight's fp32 gradient is its fp16 or bf16 one, cast up). Under fp16 those roundings
+    are where a loss scale too large for the gradients overflows to inf, as it does in torch."""
+    a, b = res
+    g = g_f32.astype(low)
+    if b.ndim == 2:
+        da, db = shared_weight_grads(a, b, g, _rounding_dot_dtype(low))
+    else:
+        g = row_major(g)
+        da = _dot_f32acc(g, row_major(jnp.swapaxes(b, -1, -2)))
+        db = _dot_f32acc(row_major(jnp.swapaxes(a, -1, -2)), g)
+    return da.astype(low).astype(dtypes[0]), rounded_weight_grad(db, low, dtypes[1])
+
+
+def shared_weight_grads(a, b, g, da_dtype=jnp.float32):
+    """(g b^T, a^T g), the gradients of a @ b for a 2-D weight b shared over a's leading axes (its gradient sums
+    over them): in fp32, not rounded (g b^T in `da_dtype` from bf16 or fp16 operands). bf16 or fp16 operands multiply
+    with fp32 accumulation, as autocast's matmuls; fp32 ones at Precision.HIGHEST, as `matmul` under "fp32".
+    loss.tiled_ce_sum sums a head's over its tiles."""
+    def dot(x, y, out=jnp.float32):
+        return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST) if x.dtype == jnp.float32 else _dot_f32acc(
+            x, y, out)
+    return dot(g, b.T, da_dtype), dot(row_major(a.reshape(-1, a.shape[-1]).T), g.reshape(-1, g.shape[-1]))
+
+
+def rounded_weight_grad(db_f32, low, dtype):
+    """A weight's fp32 gradient as autocast returns it: rounded to `low`, then cast to the weight's `dtype`."""
+    return row_major(db_f32).astype(low).astype(dtype)
+
+
+_compiling_for: str | None = None
+
+
+def backend() -> str:
+    """The platform the model is traced for: jax.default_backend(), unless compiling_for() names another. The
+    CPU-only layout pins (row_major) and model.attention's choice of cuDNN depend on it."""
+    return _compiling_for or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+    """Trace for `platform` ("gpu", "cpu", "tpu") instead of this process's default backend: an ahead-of-time
+    compile for devices the machine does not have (benchmarks/roofline.py compiles the step for an H100 on a CPU,
+    where jax's default backend stays "cpu"). It acts when the model is traced: jax's trace caches do not know it,
+    so trace a fresh jit inside it (dryrun.compiled_step builds one)."""
+    global _compiling_for
+    previous, _compiling_for = _compiling_for, platform
+    try:
+        yield
+    finally:
+        _compiling_for = previous
+
+
+def row_major(x):
+    """x, laid out row-major in memory on a CPU. XLA:CPU runs a bf16 dot in bf16 (YNNPACK) only when its left
+    operand is row-major and contracts its last axis, and otherwise converts both operands to fp32: a transpose of
+    the activations that the weight gradient x^T g contracts over, pinned to memory, made those dots 1.7x faster
+    on configs/small.yaml, copy included (benchmarks/NOTES.md). Pinning the gradient too keeps XLA from folding a
+    later transpose (a tied head's) into the dot, which would make its left operand column-major again. GPUs and
+    TPUs read transposed operands natively, so there the layout is XLA's to choose; and across several devices the
+    pin would hide the batch split from XLA's sharding propagation (it gathered the pinned activations whole)."""
+    if backend() != "cpu" or mesh.batch_shards() > 1:
+        return x
+    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
+
+
+_low_matmul.defvjp(_low_matmul_fwd, _low_matmul_bwd)
+
+
+def matmul(a, b, precision: str, out=jnp.float32):
+    """a @ b in fp32: from bf16 or fp16 operands with fp32 accumulation ("bf16", "fp16"), or in true fp32. Under
+    bf16 or fp16 the result may be `out` instead, the compute dtype: the fp32 accumulator rounded once by the dot."""
+    if precision != "fp32":
+        return _low_matmul(a, b, (a.dtype, b.dtype), COMPUTE_DTYPES[precision], out)
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def rounded_matmul(a, b, precision: str):
+    """a @ b in the compute dtype: the fp32 accumulator rounded once, by the dot itself on a GPU or TPU, after it
+    on a CPU (_rounding_dot_dtype). A bias-free Linear and the head (head_logits)."""
+    low = COMPUTE_DTYPES[precision]
+    return matmul(a, b, precision, _rounding_dot_dtype(low)).astype(low)
+
+
+@jax.custom_vjp
+def gelu(x):
+    """Exact (erf) GELU, x Phi(x), computed as torch's kernel computes it: in fp32 whatever x's dtype, rounded once
+    to x's dtype. torch.nn.GELU() on a bf16 tensor (autocast's c_fc output) upcasts each element to fp32 ("opmath"),
+    evaluates x * 0.5 * (1 + erf(x / sqrt 2)) and rounds the result once (ATen's GeluKernelImpl on CPU,
+    GeluCUDAKernelImpl on GPU); jax.nn.gelu would evaluate in bf16 op by op, rounding every intermediate. x Phi(x)
+    is the same product as torch's (x * 0.5) * (1 + erf): the factor 0.5 is exact. For x below about -3 the 1 + erf
+    cancels, so there the result is only as accurate as the fp32 erf absolutely (|x| times a few 2^-24), as torch's.
+
+    The gradient is written out (`_gelu_bwd`) so that the backward pass keeps only x, which it has anyway, and
+    recomputes the rest; autodiff of jax.nn.gelu kept an extra bf16 erfc(...) tensor of c_fc's (B, T, 4D) size per
+    layer, written in the forward pass and read in the backward. On GPT-2 124M (H100, the compiled step's roofline,
+    an estimate: benchmarks/NOTES.md) that is 2.9 ms of a 113 ms step with cuBLAS gemms and 1.1 GiB of peak memory;
+    with Triton gemms XLA stops fusing c_fc's bias-gradient sum into the backward kernel, which now recomputes erf,
+    and the sum re-reads dx: no time saved there."""
+    x_f32 = x.astype(jnp.float32)
+    return (x_f32 * _normal_cdf(x_f32)).astype(x.dtype)
+
+
+def _normal_cdf(x_f32):
+    """Phi(x) = 0.5 (1 + erf(x / sqrt 2)), in fp32 as torch's GELU kernels write it."""
+    return 0.5 * (1 + jax.lax.erf(x_f32 * math.sqrt(0.5)))
+
+
+def _gelu_fwd(x):
+    return gelu(x), x
+
+
+def _gelu_bwd(x, dy):
+    """dx = dy (Phi(x) + x phi(x)) in fp32, rounded once to x's dtype, as torch's gelu_backward computes it
+    (GeluBackwardKernelImpl; bf16 dy and x upcast): phi(x) = exp(-x^2 / 2) / sqrt(2 pi), the normal density."""
+    x_f32 = x.astype(jnp.float32)
+    pdf = jnp.exp(x_f32 * x_f32 * -0.5) * (1 / math.sqrt(2 * math.pi))
+    return ((dy.astype(jnp.float32) * (_normal_cdf(x_f32) + x_f32 * pdf)).astype(x.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
+

@@ -1,0 +1,161 @@
+"""jaxtrain.autocast alone: the compute dtypes' matmuls and their gradients against float64 products rounded as
+autocast rounds them, the dots' dtypes in the lowered program, and GELU against torch's kernels and the formula."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import compiled_hlo
+from jaxtrain import autocast
+
+
+def _rel_err(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _ulp(rounded, dtype):
+    """The spacing of `dtype` at each value of `rounded` (float64 holding `dtype` values): the wider side of a power
+    of 2; a subnormal's fixed spacing."""
+    info = jnp.finfo(dtype)
+    return 2.0 ** (np.maximum(np.floor(np.log2(np.abs(rounded) + 1e-300)), info.minexp) - info.nmant)
+
+
+def _operands(shape_a, shape_b):
+    return (jax.random.normal(jax.random.key(3), shape_a), jax.random.normal(jax.random.key(4), shape_b),
+            jax.random.normal(jax.random.key(5), shape_a[:-1] + shape_b[-1:]))
+
+
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+@pytest.mark.parametrize("shape_a,shape_b", [((4, 16, 64), (64, 48)), ((2, 3, 16, 32), (2, 3, 32, 16))])
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_low_precision_matmul_gradient(shape_a, shape_b, low, platform):
+    """Linear (a weight shared over the batch axes) and attention (batched) shapes, in bf16 and fp16; traced for a
+    CPU and for a GPU (autocast.compiling_for; run here), where the left operand's gradient dot returns `low` itself."""
+    a, b, w = _operands(shape_a, shape_b)
+
+    def grad(prec):
+        with autocast.compiling_for(platform):
+            return jax.jit(jax.grad(lambda a, b: (w * autocast.matmul(a, b, prec)).sum(), argnums=(0, 1)))(a, b)
+    (da, db), (da32, db32) = grad(low), grad("fp32")
+    assert da.dtype == db.dtype == jnp.float32
+    # Rounding the operands to bf16 (relative 2^-9 each) gives about 0.4% RMS relative error; fp16 less.
+    assert _rel_err(da, da32) < 0.01 and _rel_err(db, db32) < 0.01
+    # The float64 gradient of the rounded operands, rounded to `low` as autocast's matmuls return it: fp32
+    # accumulation over <= 768 terms of O(1) errs by ~1e-6 absolute, so the result is that rounding, or where the
+    # exact value lies that close to a rounding boundary its neighbour: one ulp of `low`, plus the original 1e-5
+    # absolute where a sum cancels to a value smaller than its terms' rounding.
+    dtype = autocast.COMPUTE_DTYPES[low]
+    r = lambda x: np.asarray(x.astype(dtype), np.float64)
+    a64, b64, g64 = r(a), r(b), r(w)
+    da64 = g64 @ np.swapaxes(b64, -1, -2)
+    if len(shape_b) == 2:
+        a64, g64 = a64.reshape(-1, a64.shape[-1]), g64.reshape(-1, g64.shape[-1])
+    db64 = np.swapaxes(a64, -1, -2) @ g64
+    for got, exact in ((da, da64), (db, db64)):
+        rounded = np.asarray(jnp.asarray(exact, jnp.float32).astype(dtype), np.float64)
+        assert np.all(np.abs(np.asarray(got, np.float64) - rounded) <= _ulp(rounded, dtype) + 1e-5), low
+        assert np.mean(np.asarray(got, np.float64) == rounded) > 0.99  # almost always the exact value's rounding
+
+
+def test_bf16_rounded_matmul_is_the_product_rounded_once():
+    """rounded_matmul (the head's logits, a bias-free Linear) returns bf16: the product of the bf16-rounded operands (in float64, where
+    each product of two bf16 values is exact and a sum of 64 of them within 2^-46 relative) rounded once to bf16, as
+    an fp32 accumulator rounded at the end gives it; where the fp32 sum lies within its rounding error of a bf16
+    rounding boundary, the neighbour: so within one bf16 ulp everywhere, and equal almost everywhere."""
+    x, w, _ = _operands((4, 16, 64), (64, 48))
+    logits = autocast.rounded_matmul(x, w, "bf16")
+    assert logits.dtype == jnp.bfloat16
+    exact = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(w.astype(jnp.bfloat16), np.float64)
+    rounded = np.asarray(jnp.asarray(exact, jnp.float32).astype(jnp.bfloat16), np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(rounded) + 1e-30)) - 7)
+    got = np.asarray(logits, np.float64)
+    assert np.all(np.abs(got - rounded) <= ulp) and np.mean(got == rounded) > 0.99
+
+
+def test_bf16_matmul_backward_dots_are_bf16_with_fp32_accumulation():
+    """Autodiff of a preferred_element_type dot would make fp32 (or bf16-output) dots; the custom_vjp must not."""
+    a, b, w = _operands((4, 16, 64), (64, 48))
+    grad = jax.jit(jax.grad(lambda a, b: (w * autocast.matmul(a, b, "bf16")).sum(), argnums=(0, 1)))
+    dots = compiled_hlo.dot_types(grad.lower(a, b).as_text())
+    assert len(dots) >= 2 and set(dots) == {("bf16", "bf16", "f32")}
+
+
+def _gelu_and_grad(x, dy, gelu=autocast.gelu):
+    """gelu(x) and its gradient with cotangent dy, each in x's dtype; autocast.gelu unless told."""
+    y, vjp = jax.vjp(gelu, x)
+    return y, vjp(dy)[0]
+
+
+def _torch_gelu_and_grad(x, dy):
+    """torch.nn.functional.gelu(x) (exact erf) and its autograd gradient with cotangent dy."""
+    import torch  # the [test] extra installs it: a failure to import is a failure, not a skip
+    x_t = torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16).requires_grad_(True)
+    y_t = torch.nn.functional.gelu(x_t)
+    y_t.backward(torch.from_numpy(np.asarray(dy, np.float32)).to(torch.bfloat16))
+    return y_t.detach().float().numpy(), x_t.grad.float().numpy()
+
+
+def _every_bf16(limit):
+    """Every bf16 value of magnitude below `limit`, in float32 (bf16 is float32's top 16 bits): zeros of both signs,
+    subnormals, negatives, and large |x|."""
+    x = (np.arange(2 ** 16, dtype=np.uint32) << 16).view(np.float32)
+    return x[np.abs(x) < limit]  # drops inf and nan too
+
+
+# XLA's fp32 erf errs by up to 3.1e-7 absolutely, torch's by 3.2e-8 (both measured against float64 over [-6, 6]):
+# under 2^-21 = 4.8e-7 together. Where 1 + erf cancels (x below about -3, erf near -1) that absolute error is most
+# of the result, so a bound relative to the result alone cannot hold there, for torch's fp32 result either.
+ERF_ABS = 2.0 ** -21
+
+
+def test_gelu_bf16_is_torchs():
+    """Exhaustive over bf16 (|x| < 2^64; above about 1.7e38 torch's vectorised kernel overflows to inf). Both sides
+    evaluate the same fp32 expressions (upcast, erf and exp, products) and round once to bf16. Their erf and exp
+    differ by a few 2^-24 relative to the terms, and rounding to bf16 (spacing 2^-8 relative) maps values that close
+    to the same bf16 unless they straddle a rounding midpoint: then one ulp apart. Where 1 + erf cancels, the terms
+    are 0.5 |x| (forward) and 0.5 |dy| (gradient) times the erfs' absolute error, ERF_ABS."""
+    x = _every_bf16(2.0 ** 64)
+    dy = np.asarray(jax.random.normal(jax.random.key(0), x.shape).astype(jnp.bfloat16), np.float32)
+    y, dx = _gelu_and_grad(jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16))
+    assert y.dtype == dx.dtype == jnp.bfloat16
+    y_torch, dx_torch = _torch_gelu_and_grad(x, dy)
+    # Where neither 1 + erf cancels nor the result is trivially x/2, 0 or x to bf16's precision:
+    nontrivial = (x >= -3) & (x <= 6) & (np.abs(x) >= 2.0 ** -8)
+    for got, want, scale in ((y, y_torch, 0.5 * np.abs(x)), (dx, dx_torch, 0.5 * np.abs(dy))):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.all(np.abs(got - want) <= _ulp(want, jnp.bfloat16) + ERF_ABS * scale)
+        # A midpoint straddle takes a few 2^-24 of the 2^-8 between midpoints: rare, and measured never (all 2,562
+        # bit-exact, forward and gradient). An intermediate rounded to bf16 stays near one ulp but is exact on only
+        # 73-75% of them, so this catches what the bound alone lets through.
+        assert np.mean(got[nontrivial] == want[nontrivial]) > 0.99
+
+
+def _formula64(x, dy):
+    """GELU x Phi(x) and its gradient dy (Phi(x) + x phi(x)) in float64, written out with math.erf."""
+    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    cdf = 0.5 * (1 + np.frompyfunc(math.erf, 1, 1)(x / math.sqrt(2)).astype(np.float64))
+    pdf = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+    return x * cdf, dy * (cdf + x * pdf)
+
+
+def _assert_fp32_close(got, want, scale):
+    """got within fp32 rounding of want: a handful of ops (erf, exp, products) each off by a few 2^-24 relative,
+    2^-21 (8 ulps) of the result, plus ERF_ABS times the size of the terms, which can cancel."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.abs(got - want) <= 2.0 ** -21 * np.abs(want) + ERF_ABS * scale)
+
+
+def test_gelu_fp32_is_the_formula_and_jax_nn_gelus():
+    """Under fp32 the written-out GELU and gradient are the float64 formula's and jax.nn.gelu's (its autodiff), to
+    fp32 rounding; jax.nn.gelu's erfc does not cancel, so they differ where 1 + erf does, by ERF_ABS x the terms."""
+    x = np.concatenate([np.linspace(-12, 12, 24001), [0.0, -0.0, 1e-30, -1e-30, 1e4, -1e4, 1e30, -1e30]])
+    x = jnp.asarray(x, jnp.float32)
+    dy = jax.random.normal(jax.random.key(0), x.shape)
+    y, dx = _gelu_and_grad(x, dy)
+    old_y, old_dx = _gelu_and_grad(x, dy, lambda x: jax.nn.gelu(x, approximate=False))
+    for want_y, want_dx in (_formula64(x, dy), (old_y, old_dx)):
+        _assert_fp32_close(y, want_y, 0.5 * np.abs(x))
+        _assert_fp32_close(dx, want_dx, 0.5 * np.abs(dy))
