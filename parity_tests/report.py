@@ -17,12 +17,12 @@ reordered), in bf16 and fp16 in fp32. Writes into --out:
     grad_norm.png  pre-clip gradient norms with the clip threshold; the same below, relative
 
 The floor (each backend against its reference) sizes the bounds to the config and the run length: training amplifies
-rounding, so a constant measured on one run cannot hold at every length (runs.FLOOR_FACTOR says how); the key bias,
-whose true gradient is zero, is judged against the floor alone (runs.ZERO_GRADIENT). In bf16 and fp16 the
+rounding, so a constant measured on one run cannot hold at every length (judgment.FLOOR_FACTOR says how); the key bias,
+whose true gradient is zero, is judged against the floor alone (judgment.ZERO_GRADIENT). In bf16 and fp16 the
 cross-backend gap is also judged against torchref's own gap to fp32 (issue 4's 3x rule); fp16 adds its loss scaling
 decisions (loss_scale, skipped), which must be the same at every step. Further `--section.key=value` flags go to
 all runs. Exit status 1 when a bound is exceeded.
-The bounds and their reasons are runs.FP32 / runs.BF16 / runs.params_bound, the same the tests assert.
+The bounds and their reasons are judgment.FP32 / judgment.BF16 / judgment.params_bound, the same the tests assert.
 """
 
 import argparse
@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from parity_tests import runs  # noqa: E402
+from parity_tests import judgment, runs  # noqa: E402
 
 COLORS = {"jaxtrain": "tab:blue", "torchref": "tab:orange"}  # the reference runs: gray
 ZERO_FLOOR = 1e-9  # where an exact 0 difference is drawn on the log axes
@@ -54,7 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     bad = [a for a in overrides if not (a.startswith("--") and "=" in a)]
     if bad:
         ap.error(f"unexpected argument {bad[0]!r}; overrides look like --section.key=value")
-    report = build(os.path.abspath(known.config), known.steps, known.precision, os.path.abspath(known.out), overrides)
+    try:
+        report = build(os.path.abspath(known.config), known.steps, known.precision, os.path.abspath(known.out),
+                       overrides)
+    except runs.RunFailed as failed:
+        if failed.returncode == 2:  # the trainers' user error: their one line, which names the fix
+            print(failed.stderr.strip().splitlines()[-1], file=sys.stderr)
+            return 2
+        print(f"error: {failed}", file=sys.stderr)
+        return 1
     print(report.summary)
     return 0 if report.passed else 1
 
@@ -99,14 +107,14 @@ def build(config: str, steps: int | None, precision: str, out: str, overrides: l
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
         f.write(text)
     passed = all(r.passed is not False for r in rows)
-    first = runs.first_violation(rows)
+    first = judgment.first_violation(rows)
     verdict = "all bounds hold" if passed else (
-        f"first out of bound: {first.detail}" if first else "out of bound:\n" + runs.failures(rows))
-    return Report(passed, f"{runs.format_rows(rows)}\n\n{verdict}\nwrote {out}/report.md, lr.png, loss.png, "
+        f"first out of bound: {first.detail}" if first else "out of bound:\n" + judgment.failures(rows))
+    return Report(passed, f"{judgment.format_rows(rows)}\n\n{verdict}\nwrote {out}/report.md, lr.png, loss.png, "
                           f"grad_norm.png")
 
 
-def judge(work: str, dirs: dict, refs: dict, precision: str, resolved: dict) -> list[runs.Row]:
+def judge(work: str, dirs: dict, refs: dict, precision: str, resolved: dict) -> list[judgment.Row]:
     """Read the runs in `dirs` (label -> run folder), compare them and draw the curves into work's parent."""
     out, n_steps = os.path.dirname(work), resolved["train"]["steps"]
     lines = {label: runs.read_metrics(d) for label, d in dirs.items()}
@@ -141,30 +149,30 @@ def column(lines: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.array([x["step"] for x in train]), np.array([x[key] for x in train], np.float64)
 
 
-def compare(lines: dict, states: dict, precision: str, refs: dict) -> list[runs.Row]:
+def compare(lines: dict, states: dict, precision: str, refs: dict) -> list[judgment.Row]:
     """jaxtrain against torchref, each bound widened by the rounding floor (each backend against its reference)."""
     j, t = lines["jaxtrain"], lines["torchref"]
     floor_lines = [(lines[b], lines[r]) for b, r in refs.items()]
     floor_states = [(states[b], states[r]) for b, r in refs.items()]
     if precision == "fp32":
-        rows = runs.compare_metrics(j, t, runs.FP32, floors=floor_lines)
-        return rows + runs.compare_states(states["jaxtrain"], states["torchref"], {
-            "params": runs.params_bound(column(t, "lr")[1]), "exp_avg": None, "exp_avg_sq": None}, floor_states)
-    bounds, mean_loss, gap_ratio = runs.LOW_PRECISION[precision]
-    rows = runs.compare_metrics(j, t, bounds, floors=floor_lines)
+        rows = judgment.compare_metrics(j, t, judgment.FP32, floors=floor_lines)
+        return rows + judgment.compare_states(states["jaxtrain"], states["torchref"], {
+            "params": judgment.params_bound(column(t, "lr")[1]), "exp_avg": None, "exp_avg_sq": None}, floor_states)
+    bounds, mean_loss, gap_ratio = judgment.LOW_PRECISION[precision]
+    rows = judgment.compare_metrics(j, t, bounds, floors=floor_lines)
     if precision == "fp16":  # the loss scaling's decisions: the fp32 references have none
-        rows += runs.compare_metrics(j, t, runs.FP16_DECISIONS)[1:]
+        rows += judgment.compare_metrics(j, t, judgment.FP16_DECISIONS)[1:]
     cross = np.abs(column(j, "loss")[1] - column(t, "loss")[1])
     own = np.abs(column(t, "loss")[1] - column(lines[refs["torchref"]], "loss")[1])
-    rows.append(runs.scalar_row("loss mean |dloss|", float(cross.mean()), mean_loss, _own_mean(lines, refs)))
-    rows.append(runs.scalar_row(f"loss gap / torchref's {precision}-fp32 gap", float(cross.mean() / own.mean()),
+    rows.append(judgment.scalar_row("loss mean |dloss|", float(cross.mean()), mean_loss, _own_mean(lines, refs)))
+    rows.append(judgment.scalar_row(f"loss gap / torchref's {precision}-fp32 gap", float(cross.mean() / own.mean()),
                                 gap_ratio))
     # The params are judged by the gap ratio (their key bias by its floor, which compare_states applies).
-    cross_states = runs.compare_states(states["jaxtrain"], states["torchref"],
+    cross_states = judgment.compare_states(states["jaxtrain"], states["torchref"],
                                        {"params": None, "exp_avg": None, "exp_avg_sq": None}, floor_states,
-                                       runs.BF16_FLOOR_FACTOR)
-    own_p = runs.compare_states(states["torchref"], states[refs["torchref"]], {"params": None})[0].max_abs
-    rows.append(runs.scalar_row(f"final params gap / torchref's {precision}-fp32 gap", cross_states[0].max_abs / own_p,
+                                       judgment.BF16_FLOOR_FACTOR)
+    own_p = judgment.compare_states(states["torchref"], states[refs["torchref"]], {"params": None})[0].max_abs
+    rows.append(judgment.scalar_row(f"final params gap / torchref's {precision}-fp32 gap", cross_states[0].max_abs / own_p,
                                 gap_ratio))
     return rows + cross_states
 
@@ -215,7 +223,7 @@ def plot_lr(lines: dict, path: str, precision: str) -> None:
     steps, j = column(lines["jaxtrain"], "lr")
     _, t = column(lines["torchref"], "lr")
     bottom.plot(steps, (j / t - 1) * 1e6, color="tab:purple", marker=".", ms=3, lw=0.8)
-    bound = runs.FP32["lr"].rtol * 1e6
+    bound = judgment.FP32["lr"].rtol * 1e6
     for sign in (1, -1):
         bottom.axhline(sign * bound, color="tab:red", ls=":", lw=1, label="bound (rtol 1e-6)" if sign > 0 else None)
     bottom.axhline(0, color="black", lw=0.5)
@@ -231,7 +239,7 @@ FLOOR_STYLE = {"jaxtrain": ("tab:gray", "+"), "torchref": ("tab:gray", "x")}  # 
 def plot_gaps(lines: dict, path: str, key: str, title: str, precision: str, refs: dict,
               relative: bool = False, threshold: float | None = None) -> None:
     """Top: the column's curves. Bottom: |jaxtrain - torchref| per step, each backend's rounding floor (against its
-    reference run), and the bound the comparison applies at each step (runs.Bound.allowed)."""
+    reference run), and the bound the comparison applies at each step (judgment.Bound.allowed)."""
     fig, top, bottom = _figure(f"{title} ({precision})")
     _curves(top, lines, key, key)
     if threshold:
@@ -244,12 +252,12 @@ def plot_gaps(lines: dict, path: str, key: str, title: str, precision: str, refs
     floors = [(column(lines[b], key)[1], column(lines[r], key)[1]) for b, r in refs.items()]
     for (backend, ref), (x, y) in zip(refs.items(), floors):
         _gaps(bottom, steps, np.abs(x - y) / scale, f"floor: |{backend} - {ref}|{per}", FLOOR_STYLE[backend])
-    bound = (runs.FP32 if precision == "fp32" else runs.LOW_PRECISION[precision][0])[key]
-    if bound is not None:  # bf16's grad norm is shown, not bounded (runs.BF16)
-        allowed = bound.allowed(t, runs.floor_envelope(floors, len(t)))
+    bound = (judgment.FP32 if precision == "fp32" else judgment.LOW_PRECISION[precision][0])[key]
+    if bound is not None:  # bf16's grad norm is shown, not bounded (judgment.BF16)
+        allowed = bound.allowed(t, judgment.floor_envelope(floors, len(t)))
         bottom.plot(steps, allowed / scale, color="tab:red", ls=":", lw=1, label=f"bound ({bound.text()})")
     if key == "loss" and precision != "fp32":
-        mean = runs.LOW_PRECISION[precision][1]
+        mean = judgment.LOW_PRECISION[precision][1]
         mean_bound = mean.atol + mean.floor_factor * _own_mean(lines, refs)
         bottom.axhline(mean_bound, color="tab:red", ls="-.", lw=1, label=f"bound on the mean ({mean_bound:.2g})")
     bottom.set_ylabel("relative difference" if relative else f"|d{key}|")
@@ -264,9 +272,9 @@ def _fmt(x: float) -> str:
     return "-" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.3g}"
 
 
-def markdown(config: str, precision: str, resolved: dict, flags: list[str], rows: list[runs.Row], walls: dict,
+def markdown(config: str, precision: str, resolved: dict, flags: list[str], rows: list[judgment.Row], walls: dict,
              dirs: dict, refs: dict) -> str:
-    first = runs.first_violation(rows)
+    first = judgment.first_violation(rows)
     failed = [r for r in rows if r.passed is False]
     m, o = resolved["model"], resolved["optim"]
     out = [f"# jaxtrain vs torchref: {os.path.relpath(config, runs.REPO)}, {resolved['train']['steps']} steps, "
@@ -288,7 +296,7 @@ def markdown(config: str, precision: str, resolved: dict, flags: list[str], rows
     for r in rows:
         verdict = {None: "(shown)", True: "pass", False: "**FAIL**"}[r.passed]
         name = r.component.replace("|", "\\|")
-        out.append(f"| {name} | {_fmt(r.max_abs)} | {_fmt(r.max_rel)} | {_fmt(r.floor)} | {runs.bound_text(r)} | "
+        out.append(f"| {name} | {_fmt(r.max_abs)} | {_fmt(r.max_rel)} | {_fmt(r.floor)} | {judgment.bound_text(r)} | "
                    f"{verdict} |")
     out += ["", "Per-step columns compare jaxtrain (a) with torchref (b): abs |a-b|, rel |a-b|/|b|; final tensors "
                 "by name in the torch layout (rel: to the tensor's largest entry)."]
@@ -298,7 +306,7 @@ def markdown(config: str, precision: str, resolved: dict, flags: list[str], rows
     for r in rows:
         if r.bound is not None and r.bound.reason not in seen:
             seen.add(r.bound.reason)
-            out.append(f"- **{r.component}** ({runs.bound_text(r)}): {r.bound.reason}.")
+            out.append(f"- **{r.component}** ({judgment.bound_text(r)}): {r.bound.reason}.")
     out += ["", "## Curves", "", "![learning rate](lr.png)", "", "![loss](loss.png)", "", "![grad norm](grad_norm.png)",
             "", "## Runs", "", "| run | wall s | folder |", "|---|---|---|"]
     for label, wall in walls.items():
@@ -316,12 +324,12 @@ def _floor_paragraph(precision: str, refs: dict) -> str:
     return (f"**Rounding floor**: each backend run again {what}: `{'`, `'.join(refs.values())}`. The floor column is "
             f"the larger of the two backends' gaps to their reference, in the same statistic as the row. Training "
             f"amplifies rounding, so what two correct implementations may differ by grows with the run; a per-step "
-            f"bound marked `+ {runs.FLOOR_FACTOR:g} x floor` allows, at step t, its constant part (rounding at equal "
-            f"params, sized on a run that does not amplify it) plus {runs.FLOOR_FACTOR:g} times the largest floor up "
-            f"to step t; a final-tensor bound, its constant plus {runs.FLOOR_FACTOR:g} times the floor of the same "
+            f"bound marked `+ {judgment.FLOOR_FACTOR:g} x floor` allows, at step t, its constant part (rounding at equal "
+            f"params, sized on a run that does not amplify it) plus {judgment.FLOOR_FACTOR:g} times the largest floor up "
+            f"to step t; a final-tensor bound, its constant plus {judgment.FLOOR_FACTOR:g} times the floor of the same "
             f"entries. A different update rule moves the runs apart from the step where it acts, by an amount "
-            f"the rule sets, not rounding; it could hide only where it stays under {runs.FLOOR_FACTOR:g}x what "
-            f"rounding alone has done by then (parity_tests/runs.py, FLOOR_FACTOR).")
+            f"the rule sets, not rounding; it could hide only where it stays under {judgment.FLOOR_FACTOR:g}x what "
+            f"rounding alone has done by then (parity_tests/judgment.py, FLOOR_FACTOR).")
 
 
 def _zero_gradient_paragraph() -> str:
@@ -330,7 +338,7 @@ def _zero_gradient_paragraph() -> str:
             f"gradient is exactly 0; the only such entries of the model (checked in fp64 by "
             f"parity_tests/test_zero_gradient.py). fp32 leaves rounding noise there, which Adam scales to steps of "
             f"up to lr, so the key bias random-walks in every implementation, and in each backend against itself. "
-            f"Its rows (`{runs.ZERO_GRADIENT}`) have a floor of their own, so its random walk widens no other "
+            f"Its rows (`{judgment.ZERO_GRADIENT}`) have a floor of their own, so its random walk widens no other "
             f"entry's bound; every other entry keeps the tight bound plus its own, much smaller floor. No update rule "
             f"treats the key bias apart from the other biases, so a rule "
             f"difference shows in the tightly held entries.")

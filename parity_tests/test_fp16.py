@@ -7,14 +7,14 @@ after 15 skips); a growth interval of 5 then doubles it after every 5 finite win
 sometimes overflows again. Both backends must skip the same windows and hold the same loss_scale at every step,
 exactly: a decision flips only where a gradient lies within the backends' fp16 rounding difference of the overflow
 threshold, which these runs never meet (measured: identical for all 40 steps). The losses are then judged as the
-bf16 report judges bf16, against torchref's own fp16-vs-fp32 gap (runs.FP16_GAP_RATIO).
+bf16 report judges bf16, against torchref's own fp16-vs-fp32 gap (judgment.FP16_GAP_RATIO).
 """
 
 import numpy as np
 import pytest
 
-from parity_tests import runs
-from parity_tests.runs import FP32, FP16_GAP_RATIO
+from parity_tests import judgment, runs
+from parity_tests.judgment import FP32, FP16_GAP_RATIO
 
 STEPS, CUT = 40, 20
 FORCED = ("--train.precision=fp16", f"--train.loss_scale_init={2.0 ** 32}", "--train.loss_scale_growth_interval=5")
@@ -69,8 +69,8 @@ def test_forced_overflows_skip_the_same_windows_with_the_same_loss_scale(forced)
     grew = np.flatnonzero(scales[1:] > scales[:-1])
     assert grew.size and any(skipped[g + 1] > skipped[g] for g in grew), "no growth, or no overflow after one"
     # A skipped window holds the LR, as nan_policy=skip does: both backends apply LR(updates applied).
-    rows = runs.compare_metrics(jax_lines, torch_lines, {"lr": FP32["lr"], "tokens": FP32["tokens"]})
-    assert not runs.failures(rows), runs.format_rows(rows)
+    rows = judgment.compare_metrics(jax_lines, torch_lines, {"lr": FP32["lr"], "tokens": FP32["tokens"]})
+    assert not judgment.failures(rows), judgment.format_rows(rows)
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +89,9 @@ def test_fp16_losses_agree_as_closely_as_fp16_moves_torchref(forced, default_sca
     assert column(default_scale["torchref"], "skipped")[-1] == 0 and own > 0
     for name, lines in (("forced overflows", forced), ("default scale", default_scale)):
         cross = np.abs(column(lines["jaxtrain"], "loss") - column(lines["torchref"], "loss")).mean()
-        row = runs.scalar_row(f"fp16 loss gap / torchref's fp16-fp32 gap ({name})", float(cross / own),
+        row = judgment.scalar_row(f"fp16 loss gap / torchref's fp16-fp32 gap ({name})", float(cross / own),
                               FP16_GAP_RATIO)
-        assert row.first_bad is None, runs.format_rows([row])
+        assert row.first_bad is None, judgment.format_rows([row])
         print(f"[parity] fp16 {name}: mean |dloss| {cross:.3g}, torchref fp16 vs fp32 {own:.3g}")
 
 

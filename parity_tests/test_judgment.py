@@ -1,10 +1,10 @@
-"""The judgment itself (runs.py), on hand-made numbers: the rounding-floor widening of per-step bounds and the
+"""The judgment itself (judgment.py), on hand-made numbers: the rounding-floor widening of per-step bounds and the
 key-bias rule for final params. Each expectation is worked out by hand in the comment beside it."""
 
 import numpy as np
 
-from parity_tests import runs
-from parity_tests.runs import Bound
+from parity_tests import judgment
+from parity_tests.judgment import Bound
 
 STEPS = [1, 2, 3, 4, 5]
 
@@ -13,17 +13,17 @@ def test_floor_widens_the_bound_by_its_running_max():
     b = np.zeros(5)
     floor_x, floor_y = np.zeros(5), np.array([0.0, 1e-6, 0.0, 3e-6, 0.0])  # envelope 0, 1e-6, 1e-6, 3e-6, 3e-6
     bound = Bound(1e-5, 0.0, "test", floor_factor=10.0)  # allowed: 1e-5, 2e-5, 2e-5, 4e-5, 4e-5
-    ok = runs.compare_series("loss", STEPS, [0.9e-5, 1.9e-5, 1.9e-5, 3.9e-5, 3.9e-5], b, bound, [(floor_x, floor_y)])
+    ok = judgment.compare_series("loss", STEPS, [0.9e-5, 1.9e-5, 1.9e-5, 3.9e-5, 3.9e-5], b, bound, [(floor_x, floor_y)])
     assert ok.passed and ok.floor == 3e-6
-    late = runs.compare_series("loss", STEPS, [0.9e-5, 1.9e-5, 2.1e-5, 3.9e-5, 3.9e-5], b, bound, [(floor_x, floor_y)])
+    late = judgment.compare_series("loss", STEPS, [0.9e-5, 1.9e-5, 2.1e-5, 3.9e-5, 3.9e-5], b, bound, [(floor_x, floor_y)])
     assert late.first_bad == 3, late.detail  # step 3's floor is 0 but its envelope is still step 2's 1e-6
-    alone = runs.compare_series("loss", STEPS, [0.9e-5, 1.9e-5, 1.9e-5, 3.9e-5, 3.9e-5], b, bound)  # no floor: 1e-5
+    alone = judgment.compare_series("loss", STEPS, [0.9e-5, 1.9e-5, 1.9e-5, 3.9e-5, 3.9e-5], b, bound)  # no floor: 1e-5
     assert alone.first_bad == 2 and alone.floor is None
 
 
 def test_the_larger_of_the_two_backends_floors_counts():
     pairs = [(np.zeros(3), np.array([1e-6, 0, 0])), (np.zeros(3), np.array([0, 2e-6, 0]))]
-    np.testing.assert_array_equal(runs.floor_envelope(pairs, 3), [1e-6, 2e-6, 2e-6])
+    np.testing.assert_array_equal(judgment.floor_envelope(pairs, 3), [1e-6, 2e-6, 2e-6])
 
 
 def _state(key_bias_shift=0.0, other_shift=0.0):
@@ -37,16 +37,16 @@ def _state(key_bias_shift=0.0, other_shift=0.0):
 def test_key_bias_is_judged_against_its_floor_and_the_rest_tightly():
     tight = {"params": Bound(1e-4, 0.0, "test")}
     floor = [(_state(), _state(key_bias_shift=1e-3))]  # one backend against itself: key bias 1e-3 apart
-    rows = runs.compare_states(_state(key_bias_shift=5e-3), _state(), tight, floor)
+    rows = judgment.compare_states(_state(key_bias_shift=5e-3), _state(), tight, floor)
     by = {r.component: r for r in rows}
-    key = by[f"final params: {runs.ZERO_GRADIENT}"]
+    key = by[f"final params: {judgment.ZERO_GRADIENT}"]
     assert by["final params"].passed and by["final params"].max_abs == 0.0  # the q and v thirds are equal
-    assert key.passed and key.floor == 1e-3 and key.bound.atol == 1e-4 + runs.FLOOR_FACTOR * 1e-3
-    rows = runs.compare_states(_state(key_bias_shift=2e-2), _state(), tight, floor)
+    assert key.passed and key.floor == 1e-3 and key.bound.atol == 1e-4 + judgment.FLOOR_FACTOR * 1e-3
+    rows = judgment.compare_states(_state(key_bias_shift=2e-2), _state(), tight, floor)
     assert [r.passed for r in rows] == [True, False]  # 2e-2 > 1e-4 + 15 x 1e-3
-    rows = runs.compare_states(_state(key_bias_shift=5e-3), _state(), tight)  # no floor: the tight 1e-4
+    rows = judgment.compare_states(_state(key_bias_shift=5e-3), _state(), tight)  # no floor: the tight 1e-4
     assert [r.passed for r in rows] == [True, False]
-    rows = runs.compare_states(_state(other_shift=2e-4), _state(), tight, floor)  # its own floor is 0: 1e-4
+    rows = judgment.compare_states(_state(other_shift=2e-4), _state(), tight, floor)  # its own floor is 0: 1e-4
     assert [r.passed for r in rows] == [False, True]
-    bf16 = runs.compare_states(_state(key_bias_shift=2e-2), _state(), {"params": None}, floor)
+    bf16 = judgment.compare_states(_state(key_bias_shift=2e-2), _state(), {"params": None}, floor)
     assert [r.passed for r in bf16] == [None, False]  # params shown; the key bias judged by its floor alone

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from jaxtrain import config
-from parity_tests import runs
-from parity_tests.runs import FP32, Bound
+from parity_tests import judgment, runs
+from parity_tests.judgment import FP32, Bound
 from torchref.optim import get_lr
 
 STEPS, WARMUP, BAD = 12, 5, (3, 4, 9)
@@ -70,25 +70,25 @@ def test_both_skip_the_same_windows_and_hold_the_lr(skipped_runs, args):
         lines = runs.train_lines(runs.read_metrics(out))
         assert [line["skipped"] for line in lines] == want_skipped, backend
         assert [s for s, line in enumerate(lines, 1) if not math.isfinite(line["loss"])] == list(BAD), backend
-        # optax evaluates the schedule in float32: a few ulps (runs.FP32["lr"])
+        # optax evaluates the schedule in float32: a few ulps (judgment.FP32["lr"])
         np.testing.assert_allclose([line["lr"] for line in lines], want_lr, rtol=1e-6, err_msg=backend)
         assert sorted(map(int, os.listdir(os.path.join(out, "checkpoints")))) == list(range(1, STEPS + 1)), backend
 
 
 def test_trajectories_agree_around_the_skips(skipped_runs):
     """Per step, the finite ones (a NaN compares with nothing), within the fp32 trajectory bounds; the final state
-    within runs.params_bound, as an uninterrupted fp32 run."""
+    within judgment.params_bound, as an uninterrupted fp32 run."""
     jax_lines, torch_lines = (runs.read_metrics(skipped_runs[b]) for b in runs.BACKENDS)
     finite = [s for s in range(1, STEPS + 1) if s not in BAD]
-    rows = runs.compare_metrics(jax_lines, torch_lines, {k: FP32[k] for k in ("loss", "grad_norm", "tokens")},
+    rows = judgment.compare_metrics(jax_lines, torch_lines, {k: FP32[k] for k in ("loss", "grad_norm", "tokens")},
                                 steps=finite)
-    rows += runs.compare_metrics(jax_lines, torch_lines, {"lr": FP32["lr"],
+    rows += judgment.compare_metrics(jax_lines, torch_lines, {"lr": FP32["lr"],
                                                           "skipped": Bound(0.0, 0.0, "a count: exact")})
     lrs = [line["lr"] for line in runs.train_lines(torch_lines) if line["step"] in finite]
     states = [runs.final_state(b, skipped_runs[b], STEPS) for b in runs.BACKENDS]
-    rows += runs.compare_states(*states, {"params": runs.params_bound(lrs), "exp_avg": None, "exp_avg_sq": None})
-    bad = runs.failures(rows)
-    assert not bad, f"{bad}\n\n{runs.format_rows(rows)}"
+    rows += judgment.compare_states(*states, {"params": judgment.params_bound(lrs), "exp_avg": None, "exp_avg_sq": None})
+    bad = judgment.failures(rows)
+    assert not bad, f"{bad}\n\n{judgment.format_rows(rows)}"
 
 
 @pytest.mark.parametrize("backend", runs.BACKENDS)

@@ -6,7 +6,7 @@ torch-format bridge), and issue 3's cross-backend acceptance (50 steps from one 
 batches, lr 1e-3 warmup 10 then cosine to 1e-4 at step 100, clipping at 1.0, fp32, dropout 0, embedded corpus.
 
 The default suite runs one jaxtrain and one torchref run (45-70 s here); the rest is @slow (1-2 min more). Each bound
-lives in runs.py next to its reason; a failure prints which column left its bound first, at which step, by how
+lives in judgment.py next to its reason; a failure prints which column left its bound first, at which step, by how
 much, and the whole comparison table.
 """
 
@@ -16,8 +16,8 @@ import shutil
 import numpy as np
 import pytest
 
-from parity_tests import runs
-from parity_tests.runs import BF16, BF16_GAP_RATIO, BF16_MEAN_LOSS, FP32, Bound
+from parity_tests import judgment, runs
+from parity_tests.judgment import BF16, BF16_GAP_RATIO, BF16_MEAN_LOSS, FP32, Bound
 
 STEPS = 100  # runs.SMALL's train.steps
 CUT = 30  # where a run is stopped and resumed, or handed to the other backend
@@ -76,9 +76,9 @@ def column(out_dir: str, key: str, steps=None) -> np.ndarray:
     return np.array([line[key] for line in lines if steps is None or line["step"] in steps], np.float64)
 
 
-def check(rows: list[runs.Row], what: str) -> None:
-    bad = runs.failures(rows)
-    assert not bad, f"{what}:\n{bad}\n\n{runs.format_rows(rows)}"
+def check(rows: list[judgment.Row], what: str) -> None:
+    bad = judgment.failures(rows)
+    assert not bad, f"{what}:\n{bad}\n\n{judgment.format_rows(rows)}"
 
 
 def lr_sum(out_dir: str, steps) -> float:
@@ -90,17 +90,17 @@ def lr_sum(out_dir: str, steps) -> float:
 def test_same_init_agrees_for_fifty_steps(fp32):
     """Issue 3: loss within 1e-4 over the first 50 steps, lr within 1e-6 relative at every step (all 100)."""
     jax_lines, torch_lines = (runs.read_metrics(fp32[b]) for b in runs.BACKENDS)
-    rows = runs.compare_metrics(jax_lines, torch_lines, {"loss": Bound(1e-4, 0.0, "issue 3's acceptance")},
+    rows = judgment.compare_metrics(jax_lines, torch_lines, {"loss": Bound(1e-4, 0.0, "issue 3's acceptance")},
                                 steps=range(1, 51))
-    rows += runs.compare_metrics(jax_lines, torch_lines, {"lr": FP32["lr"]})
+    rows += judgment.compare_metrics(jax_lines, torch_lines, {"lr": FP32["lr"]})
     check(rows, "jaxtrain vs torchref from one init, fp32 (jaxtrain first, torchref second)")
 
 
 # Test 7: fp32 trajectory ---------------------------------------------------------------------------------------
 
 def test_fp32_trajectory(fp32):
-    """100 steps, accumulation 2, clipping active: per-step loss atol 1e-5, lr rtol 1e-5 (issue 4; runs.FP32 holds
-    the 1e-6 of issue 3, asserted above), grad_norm, tokens, eval loss; final params within runs.params_bound."""
+    """100 steps, accumulation 2, clipping active: per-step loss atol 1e-5, lr rtol 1e-5 (issue 4; judgment.FP32 holds
+    the 1e-6 of issue 3, asserted above), grad_norm, tokens, eval loss; final params within judgment.params_bound."""
     for backend, out in fp32.items():
         norms = column(out, "grad_norm")
         clipped = int(np.sum(norms > MAX_GRAD_NORM))
@@ -108,10 +108,10 @@ def test_fp32_trajectory(fp32):
         assert 50 <= clipped <= STEPS - 5, f"{backend}: clipping acted on {clipped} of {STEPS} steps (want 50..95)"
     jax_lines, torch_lines = (runs.read_metrics(fp32[b]) for b in runs.BACKENDS)
     bounds = {**FP32, "lr": Bound(0.0, 1e-5, "issue 4's test 7; optax's fp32 schedule, measured 5.4e-7")}
-    rows = runs.compare_metrics(jax_lines, torch_lines, bounds)
+    rows = judgment.compare_metrics(jax_lines, torch_lines, bounds)
     assert len(runs.train_lines(jax_lines)) == STEPS, "jaxtrain did not log every step"
     jax_state, torch_state = (runs.final_state(b, fp32[b], STEPS) for b in runs.BACKENDS)
-    rows += runs.compare_states(jax_state, torch_state, {"params": runs.params_bound(column(fp32["torchref"], "lr")),
+    rows += judgment.compare_states(jax_state, torch_state, {"params": judgment.params_bound(column(fp32["torchref"], "lr")),
                                                          "exp_avg": None, "exp_avg_sq": None})
     check(rows, "fp32 trajectory, jaxtrain vs torchref (jaxtrain first, torchref second)")
 
@@ -123,18 +123,18 @@ def test_bf16_trajectory(bf16, fp32):
     """Exact agreement is impossible in bf16 (different rounding orders); statistical closeness instead: per-step
     |dloss| <= 5e-3, mean <= 1e-3, and the cross-backend gap at most 3x torchref's own bf16-vs-fp32 gap."""
     jax_lines, torch_lines = (runs.read_metrics(bf16[b]) for b in runs.BACKENDS)
-    rows = runs.compare_metrics(jax_lines, torch_lines, BF16)
+    rows = judgment.compare_metrics(jax_lines, torch_lines, BF16)
     cross = np.abs(column(bf16["jaxtrain"], "loss") - column(bf16["torchref"], "loss"))
     own = np.abs(column(bf16["torchref"], "loss") - column(fp32["torchref"], "loss"))
-    rows.append(runs.scalar_row("loss mean |dloss|", float(cross.mean()), BF16_MEAN_LOSS))
-    rows.append(runs.scalar_row("loss gap / torchref's bf16-fp32 gap", float(cross.mean() / own.mean()),
+    rows.append(judgment.scalar_row("loss mean |dloss|", float(cross.mean()), BF16_MEAN_LOSS))
+    rows.append(judgment.scalar_row("loss gap / torchref's bf16-fp32 gap", float(cross.mean() / own.mean()),
                                 BF16_GAP_RATIO))
     states = {name: runs.final_state(b, out, STEPS) for name, b, out in
               [("jax", "jaxtrain", bf16["jaxtrain"]), ("torch", "torchref", bf16["torchref"]),
                ("torch32", "torchref", fp32["torchref"])]}
-    cross_p = runs.compare_states(states["jax"], states["torch"], {"params": None})[0].max_abs
-    own_p = runs.compare_states(states["torch"], states["torch32"], {"params": None})[0].max_abs
-    rows.append(runs.scalar_row("final params gap / torchref's bf16-fp32 gap", cross_p / own_p, BF16_GAP_RATIO))
+    cross_p = judgment.compare_states(states["jax"], states["torch"], {"params": None})[0].max_abs
+    own_p = judgment.compare_states(states["torch"], states["torch32"], {"params": None})[0].max_abs
+    rows.append(judgment.scalar_row("final params gap / torchref's bf16-fp32 gap", cross_p / own_p, BF16_GAP_RATIO))
     check(rows, f"bf16 trajectory, jaxtrain vs torchref (torchref's own bf16-vs-fp32 mean |dloss| "
                 f"{own.mean():.3g}, final params {own_p:.3g})")
 
@@ -158,10 +158,10 @@ def test_param_groups_trajectory(grouped, fp32):
     a coordinate can move is now lr_scale x sum lr). The groups move the run far outside those bounds, so a backend
     that ignored them, or the schedule, would fail."""
     jax_lines, torch_lines = (runs.read_metrics(grouped[b]) for b in runs.BACKENDS)
-    rows = runs.compare_metrics(jax_lines, torch_lines, FP32)
+    rows = judgment.compare_metrics(jax_lines, torch_lines, FP32)
     jax_state, torch_state = (runs.final_state(b, grouped[b], STEPS) for b in runs.BACKENDS)
     moved = MAX_LR_SCALE * column(grouped["torchref"], "lr")
-    rows += runs.compare_states(jax_state, torch_state, {"params": runs.params_bound(moved), "exp_avg": None,
+    rows += judgment.compare_states(jax_state, torch_state, {"params": judgment.params_bound(moved), "exp_avg": None,
                                                          "exp_avg_sq": None})
     check(rows, "optim.groups + linear schedule, jaxtrain vs torchref (jaxtrain first, torchref second)")
     plain = np.abs(column(grouped["torchref"], "loss") - column(fp32["torchref"], "loss"))
@@ -180,9 +180,9 @@ def test_resume_is_bitwise(backend, fp32, work, args, init):
     runs.truncate_to(out, CUT)  # as if killed after step 30's save: checkpoints 60+ gone, metrics lines left
     proc = runs.train(backend, args(out), init)
     assert f"resuming from step {CUT}" in proc.stderr, proc.stderr[-2000:]
-    diff = runs.first_difference(runs.read_metrics(out), runs.read_metrics(straight))
+    diff = judgment.first_difference(runs.read_metrics(out), runs.read_metrics(straight))
     assert diff is None, f"{backend} resumed at step {CUT} vs uninterrupted, metrics.jsonl: {diff}"
-    diff = runs.bitwise_equal_states(runs.final_state(backend, out, STEPS), runs.final_state(backend, straight, STEPS))
+    diff = judgment.bitwise_equal_states(runs.final_state(backend, out, STEPS), runs.final_state(backend, straight, STEPS))
     assert diff is None, f"{backend} resumed at step {CUT} vs uninterrupted, final state at step {STEPS}: {diff}"
 
 
@@ -207,15 +207,15 @@ def jax_then_torch(fp32, work, args):
     return out
 
 
-def _continuation_rows(continued: str, backend: str, straight: str, columns) -> list[runs.Row]:
+def _continuation_rows(continued: str, backend: str, straight: str, columns) -> list[judgment.Row]:
     steps = range(CUT + 1, STEPS + 1)
-    rows = runs.compare_metrics(runs.read_metrics(continued), runs.read_metrics(straight),
+    rows = judgment.compare_metrics(runs.read_metrics(continued), runs.read_metrics(straight),
                                 {k: FP32[k] for k in columns}, steps=steps)
     state = runs.final_state(backend, continued, STEPS)
     other = "torchref" if backend == "jaxtrain" else "jaxtrain"
     # The runs agree bit for bit up to step 30, so only steps 31..100 add to the difference.
-    rows += runs.compare_states(state, runs.final_state(other, straight, STEPS),
-                                {"params": runs.params_bound(column(straight, "lr", steps))})
+    rows += judgment.compare_states(state, runs.final_state(other, straight, STEPS),
+                                {"params": judgment.params_bound(column(straight, "lr", steps))})
     return rows
 
 
@@ -267,9 +267,9 @@ def test_both_backends_continue_a_full_state_alike(both_from_torch30, fp32):
     steps = range(CUT + 1, STEPS + 1)
     columns = {k: FP32[k] for k in ("loss", "lr", "grad_norm", "tokens")}
     jax_lines, torch_lines = (runs.read_metrics(both_from_torch30[b]) for b in runs.BACKENDS)
-    rows = runs.compare_metrics(jax_lines, torch_lines, columns, steps=steps)
-    rows += runs.compare_states(*(runs.final_state(b, both_from_torch30[b], STEPS) for b in runs.BACKENDS),
-                                {"params": runs.params_bound(column(fp32["torchref"], "lr", steps))})
+    rows = judgment.compare_metrics(jax_lines, torch_lines, columns, steps=steps)
+    rows += judgment.compare_states(*(runs.final_state(b, both_from_torch30[b], STEPS) for b in runs.BACKENDS),
+                                {"params": judgment.params_bound(column(fp32["torchref"], "lr", steps))})
     check(rows, f"jaxtrain (first) vs torchref (second), both from torchref's state at step {CUT}")
     rows = _continuation_rows(both_from_torch30["jaxtrain"], "jaxtrain", fp32["torchref"], columns)
     check(rows, f"jaxtrain from torchref's state at step {CUT} (first) vs torchref straight (second)")

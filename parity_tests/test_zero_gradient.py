@@ -1,4 +1,4 @@
-"""The directions the parity judgment treats apart (runs.zero_gradient_part) are exactly the model's entries whose
+"""The directions the parity judgment treats apart (judgment.zero_gradient_part) are exactly the model's entries whose
 true gradient is zero: computed in fp64 with torchref's GPT, where a true zero shows as ~1e-19 next to gradients of
 ~1e-3 and more, and compared with what the rule names. If the model gains or loses such a direction, the report's
 judgment must change with it, and this test says so.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from parity_tests.conftest import make_cfg, torch_grads
-from parity_tests.runs import zero_gradient_part
+from parity_tests.judgment import zero_gradient_part
 from torchref.model import GPT
 
 VOCAB, T, B = 64, 16, 8
