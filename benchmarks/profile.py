@@ -17,6 +17,8 @@ import re
 import sys
 import tempfile
 
+from jaxtrain.errors import exit_on_user_error
+
 # Op and kernel names -> what they are; the first pattern that matches wins.
 CATEGORIES = [
     ("attention", re.compile(r"cudnn.*(fmha|flash|attn)|fmha|flash|dot_product_attention|custom-call.*cudnn", re.I)),
@@ -116,4 +118,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with exit_on_user_error():
+        main(sys.argv[1:])

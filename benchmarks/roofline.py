@@ -20,6 +20,7 @@ import sys
 
 from benchmarks.profile import hlo_categories
 from jaxtrain import target_devices
+from jaxtrain.errors import UserError, exit_on_user_error
 
 MODEL = ('bytes = operand + result sizes (a fusion parameter read only through slice, dynamic-slice or gather, '
          'directly or through converts, counts those results; an in-place dynamic-update-slice counts its update, not '
@@ -272,7 +273,7 @@ def main(argv: list[str]) -> None:
     compiled, kind = compile_step(cfg, args.target)
     peak = metrics.peak_flops(cfg, kind)
     if peak is None:
-        sys.exit(f"error: no nominal bf16 peak known for {kind}; set --log.peak_tflops")
+        raise UserError(f"no nominal bf16 peak known for {kind}; set --log.peak_tflops")
     bandwidth = memory_bandwidth(args.target)
     rows = roofline(compiled.as_text(), peak, bandwidth)
     if args.hlo:
@@ -292,4 +293,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with exit_on_user_error():
+        main(sys.argv[1:])

@@ -27,6 +27,7 @@ import sys
 from benchmarks import workers
 from benchmarks.steps import matmul_shape, with_precision
 from jaxtrain import config as config_lib
+from jaxtrain.errors import UserError, exit_on_user_error
 
 # key -> (row name, steps builder, precision, grad_accum_steps (None: the config's), builder args)
 ROWS = {
@@ -56,6 +57,10 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--only", choices=("throughput", "save"), help="print only this part")
     args, rest = ap.parse_known_args(argv)
+    keys = [k.strip() for k in args.rows.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in ROWS]
+    if unknown:
+        raise UserError(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
     workers.quiet_gpu_allocators()
     base = resolved_config(rest, args.synthetic)
     device, n_params, peak = describe_device(base, args.peak_tflops)
@@ -64,10 +69,6 @@ def main(argv: list[str]) -> None:
           flush=True)
     results = {"device": device, "config": rest, "n_params": n_params, "rows": []}
     if args.only != "save":
-        keys = [k.strip() for k in args.rows.split(",") if k.strip()]
-        unknown = [k for k in keys if k not in ROWS]
-        if unknown:
-            sys.exit(f"error: unknown --rows {unknown}; choose from {', '.join(ROWS)}")
         results["rows"] = measure(base, keys, args)
         print(table(results["rows"], base, n_params, peak), flush=True)
     if args.only != "throughput":
@@ -81,7 +82,7 @@ def resolved_config(overrides: list[str], synthetic: bool):
     base = config_lib.load(overrides + ["--data.path=null"] if synthetic else overrides)
     if synthetic:
         if base.model.vocab_size is None:
-            sys.exit("error: --synthetic needs model.vocab_size (there is no data to take it from)")
+            raise UserError("--synthetic needs model.vocab_size (there is no data to take it from); set --model.vocab_size")
         return base
     from jaxtrain import data as data_lib
     vocab = data_lib.resolve_vocab_size(base.model.vocab_size, data_lib.load(base.data, base.model.seq_len))
@@ -196,4 +197,5 @@ def save_cost(base, args) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with exit_on_user_error():
+        main(sys.argv[1:])

@@ -35,6 +35,7 @@ import time
 
 from benchmarks import roofline
 from jaxtrain import target_devices
+from jaxtrain.errors import exit_on_user_error
 
 # NVLink bandwidth per GPU and direction, bytes/s (NVIDIA's datasheets give both directions: A100 600 GB/s,
 # H100 and H200 SXM 900 GB/s).
@@ -294,4 +295,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with exit_on_user_error():
+        main(sys.argv[1:])

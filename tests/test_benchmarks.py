@@ -1,6 +1,8 @@
-"""benchmarks/run.py: the table's arithmetic on hand-made rows, and one short run end to end."""
+"""benchmarks/run.py: the table's arithmetic on hand-made rows, and one short run end to end; every benchmark tool's
+user errors in one line."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,6 +11,7 @@ import pytest
 from benchmarks import run as bench
 from jaxtrain import config
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16", "--data.batch_size=8",
         "--optim.grad_accum_steps=2", "--model.vocab_size=64"]
 
@@ -100,3 +103,19 @@ ENTRY %main (a: bf16[8,4], b: bf16[4,2]) -> f32[2] {
         "ynn_fusion.3": "matmul", "ynn_fusion.4": "elementwise", "transpose_copy_fusion": "copy/transpose",
         "while.2": "other", "custom-call.7": "attention", "reduce_fusion": "reduction",
         "custom-call.8": "matmul", "all-reduce.1": "collective"}
+
+
+@pytest.mark.parametrize("tool,flags,message", [
+    ("run", ["--model.n_layerz=1"], "unknown config key 'model.n_layerz'; did you mean model.n_layer?"),
+    ("profile", ["--model.n_layerz=1"], "unknown config key 'model.n_layerz'; did you mean model.n_layer?"),
+    ("roofline", ["--model.n_layerz=1"], "unknown config key 'model.n_layerz'; did you mean model.n_layer?"),
+    ("xla_flags", ["--target", "cpu", "--model.n_layerz=1"], "unknown config key 'model.n_layerz'"),
+    ("run", ["--synthetic", "--model.vocab_size=null"], "--synthetic needs model.vocab_size"),
+    ("run", ["--rows", "jax-bf16,nope"], "unknown --rows ['nope']; choose from jax-bf16,")])
+def test_user_errors_are_one_line_exit_2(tool, flags, message):
+    """A config or flag the user can fix ends each tool in jaxtrain's one line, exit code 2, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{tool}", "--config", "configs/tiny.yaml", *flags],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr[-2000:]
