@@ -17,6 +17,7 @@ import re
 import sys
 import tempfile
 
+from jaxtrain.cmdline import positive_int
 from jaxtrain.errors import exit_on_user_error
 
 # Op and kernel names -> what they are; the first pattern that matches wins.
@@ -108,8 +109,8 @@ def summarize(path: str, hlo: str, steps: int, top: int) -> str:
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--steps", type=positive_int, default=3)
+    ap.add_argument("--top", type=positive_int, default=25)
     ap.add_argument("--synthetic", action="store_true")
     args, rest = ap.parse_known_args(argv)
     from benchmarks.run import resolved_config

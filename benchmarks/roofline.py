@@ -20,6 +20,7 @@ import sys
 
 from benchmarks.profile import hlo_categories
 from jaxtrain import target_devices
+from jaxtrain.cmdline import output_file, positive_int
 from jaxtrain.errors import UserError, exit_on_user_error
 
 MODEL = ('bytes = operand + result sizes (a fusion parameter read only through slice, dynamic-slice or gather, '
@@ -231,9 +232,8 @@ def require_compiler(target: str) -> None:
     line naming the package to install, exit code 2."""
     if not target_devices.compiler_installed(target):
         compiler = "jax's CUDA plugin" if target in target_devices.GPUS else "libtpu"
-        print(f"error: compiling for {target} needs {compiler}, which is not installed; fix: "
-              f"{target_devices.install_fix(target)}", file=sys.stderr)
-        sys.exit(2)
+        raise UserError(f"compiling for {target} needs {compiler}, which is not installed; fix: "
+                        f"{target_devices.install_fix(target)}")
     target_devices.allow_compile_only(target)
 
 
@@ -262,9 +262,9 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="h100", choices=target_devices.GPUS,
                     help="the GPU to compile for when this machine has none")
-    ap.add_argument("--top", type=int, default=25, help="rows of the memory-bound kernels' table")
-    ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--hlo", help="also write the compiled step's optimized HLO text here")
+    ap.add_argument("--top", type=positive_int, default=25, help="rows of the memory-bound kernels' table")
+    ap.add_argument("--json", type=output_file, help="also write the results here")
+    ap.add_argument("--hlo", type=output_file, help="also write the compiled step's optimized HLO text here")
     args, rest = ap.parse_known_args(argv)
     from benchmarks.run import resolved_config
     from jaxtrain import config as config_lib, metrics

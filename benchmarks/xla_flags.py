@@ -35,7 +35,8 @@ import time
 
 from benchmarks import roofline
 from jaxtrain import target_devices
-from jaxtrain.errors import exit_on_user_error
+from jaxtrain.cmdline import output_file, output_folder, positive_int
+from jaxtrain.errors import UserError, exit_on_user_error
 
 # NVLink bandwidth per GPU and direction, bytes/s (NVIDIA's datasheets give both directions: A100 600 GB/s,
 # H100 and H200 SXM 900 GB/s).
@@ -51,8 +52,7 @@ def parse_flags(text: str) -> dict:
     for flag in text.split():
         name, _, value = flag.removeprefix("--").partition("=")
         if not flag.startswith("--") or not re.fullmatch(r"xla_\w+", name):
-            print(f"error: {flag!r} is not an XLA flag; fix: spell it --xla_name=value", file=sys.stderr)
-            sys.exit(2)
+            raise UserError(f"{flag!r} is not an XLA flag; fix: spell it --xla_name=value")
         options[name] = {"": True, "true": True, "false": False}.get(value.lower(), value)
         if isinstance(options[name], str) and re.fullmatch(r"-?\d+", value):
             options[name] = int(value)
@@ -205,11 +205,11 @@ def compile_variants(cfg, target: str, n: int, variants: list[tuple[str, dict]],
         except jax.errors.JaxRuntimeError as e:
             if "INVALID_ARGUMENT" not in str(e):
                 raise
-            print(f"error: XLA refused {label}: {str(e).splitlines()[0]}; fix: flags this XLA knows, spelled "
-                  f"--xla_name=value", file=sys.stderr)
-            sys.exit(2)
+            raise UserError(f"XLA refused {label}: {str(e).splitlines()[0]}; fix: flags this XLA knows, spelled "
+                            f"--xla_name=value") from None
         text = compiled.as_text()
         if hlo_dir:
+            os.makedirs(hlo_dir, exist_ok=True)
             with open(os.path.join(hlo_dir, f"{len(rows)}.hlo.txt"), "w") as f:
                 f.write(text)
         module = canonical(text)
@@ -261,14 +261,14 @@ def table(rows: list[dict], gpu: bool) -> str:
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.xla_flags", description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, choices=TARGETS, help="the device kind to compile for")
-    ap.add_argument("--devices", type=int, default=1, help="how many of them (the mesh the config asks for)")
+    ap.add_argument("--devices", type=positive_int, default=1, help="how many of them (the mesh the config asks for)")
     ap.add_argument("--flags", default="",
                     help='XLA flags as XLA_FLAGS writes them, after an = sign: --flags="--xla_a=1 --xla_b=true"')
     ap.add_argument("--each", action="store_true", help="also compile with each flag alone")
     ap.add_argument("--all-but-each", action="store_true",
                     help="also compile with all the flags but one, for each: which matter only together")
-    ap.add_argument("--json", help="also write the rows here")
-    ap.add_argument("--hlo", help="also write each compile's optimized module to this folder, as <row>.hlo.txt")
+    ap.add_argument("--json", type=output_file, help="also write the rows here")
+    ap.add_argument("--hlo", type=output_folder, help="also write each compile's optimized module to this folder, as <row>.hlo.txt")
     args, rest = ap.parse_known_args(argv)
     options = parse_flags(args.flags)
     from benchmarks.run import resolved_config

@@ -4,6 +4,8 @@ UTF-8 and YAML errors become one-line `UserError`s; config.load checks the keys 
 Pure Python: torchref imports jaxtrain.config, which imports this module.
 """
 
+import argparse
+import os
 import re
 
 import mergedeep
@@ -63,13 +65,13 @@ def _split_args(argv: list[str]) -> list[tuple[str, str]]:
         if not arg.startswith("--") or arg == "--":
             raise UserError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
         key, eq, value = arg[2:].partition("=")
+        if key != "config" and not _OVERRIDE_KEY.fullmatch(key):  # a mistyped flag too: say what flags look like
+            raise UserError(f"malformed argument {arg!r}; overrides look like --section.key=value "
+                            f"(e.g. --optim.lr=3e-4), and the YAML file comes with --config FILE")
         if not eq:
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                 raise UserError(f"{arg!r} has no value; write {arg}=VALUE")
             value, i = argv[i + 1], i + 1
-        if key != "config" and not _OVERRIDE_KEY.fullmatch(key):
-            raise UserError(f"malformed argument {arg!r}; overrides look like --section.key=value "
-                            f"(e.g. --optim.lr=3e-4), and the YAML file comes with --config FILE")
         pairs.append((key, value))
         i += 1
     return pairs
@@ -96,3 +98,35 @@ def _override_value(key: str, value: str):
         raise UserError(f"--{key}={value!r} is not a valid YAML value ({_yaml_problem(e)}); quote a text "
                         f"value that holds YAML syntax: --{key}='\"...\"'") from None
     return value if isinstance(parsed, str) and not value.lstrip().startswith(("'", '"')) else parsed
+
+
+# argparse types for the tools' own flags (benchmarks, the parity report): a bad value ends in argparse's usage
+# line and one error line, exit code 2, before anything runs.
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def output_file(text: str) -> str:
+    """A file a tool will write when it is done: refused now, not after an hour, where it cannot be."""
+    folder = os.path.dirname(os.path.abspath(text))
+    problem = ("is a folder" if os.path.isdir(text) else f"is in {folder}, which is not a folder" if not
+               os.path.isdir(folder) else None if os.access(folder, os.W_OK) else
+               f"is in {folder}, where this user cannot write")
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}; choose another file")
+    return text
+
+
+def output_folder(text: str) -> str:
+    """A folder a tool will create (or add to): it must be one, or be creatable (runfolder.unwritable)."""
+    problem = runfolder.unwritable(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}; choose another folder")
+    return text

@@ -23,6 +23,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
 
@@ -129,6 +130,10 @@ def _input_files(inputs: list[str]) -> list[pathlib.Path]:
             raise UserError(f"--input {item!r} is neither a file nor a folder; pass text files or folders of them")
     if not files:
         raise UserError(f"no files found under --input {' '.join(inputs)}; pass folders that contain text files")
+    unreadable = [str(p) for p in files if not os.access(p, os.R_OK)]
+    if unreadable:
+        raise UserError(f"--input {unreadable[0]} cannot be read by this user ({len(unreadable)} such file(s)); "
+                        f"fix its permissions or leave it out")
     return files
 
 
@@ -193,6 +198,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in (0, 1), got {val_fraction}")
     files = _input_files(inputs)
+    runfolder.check_writable(out, "--out")
     encode, vocab_size = _encoder(tokenizer)
     dtype = _dtype_for(vocab_size)
     os.makedirs(out, exist_ok=True)

@@ -38,14 +38,29 @@ _RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file
                      "wandb.json": "file", "wandb": "folder"}
 
 
-def check_local(out_dir: str) -> None:
-    """run.out_dir can hold a run: otherwise the run would fail at its first write, after the training it could
-    not save (a file where a folder goes, or a step number that is a file). Object-store URIs are not local."""
-    ancestor = os.path.abspath(out_dir)
+def unwritable(folder: str) -> str | None:
+    """Why a local folder cannot be created, or written into where it exists (None: it can), as a predicate of
+    it: "is a file", "lies under X, which is a file", "lies in X, where this user cannot write"."""
+    ancestor = os.path.abspath(folder)
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
-        raise UserError(f"run.out_dir={out_dir!r} lies under {ancestor}, which is a file; choose another --run.out_dir")
+        return "is a file" if ancestor == os.path.abspath(folder) else f"lies under {ancestor}, which is a file"
+    return None if os.access(ancestor, os.W_OK) else f"lies in {ancestor}, where this user cannot write"
+
+
+def check_writable(folder: str, flag: str) -> None:
+    """UserError unless `folder` can be written (unwritable): refused when a tool starts, not when it writes its
+    results at the end. `flag` names the setting to change, as "--run.out_dir"."""
+    problem = unwritable(folder)
+    if problem:
+        raise UserError(f"{flag.lstrip('-')}={folder!r} {problem}; choose another {flag}")
+
+
+def check_local(out_dir: str) -> None:
+    """run.out_dir can hold a run: otherwise the run would fail at its first write, after the training it could
+    not save (a file where a folder goes, or a step number that is a file). Object-store URIs are not local."""
+    check_writable(out_dir, "--run.out_dir")
     entries = list(_RUN_FOLDER_KINDS.items())
     checkpoints = os.path.join(out_dir, "checkpoints")
     if os.path.isdir(checkpoints):

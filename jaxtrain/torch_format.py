@@ -31,6 +31,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import model
 from jaxtrain import optim
 from jaxtrain import param_groups
+from jaxtrain import runfolder
 from jaxtrain import same_run
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
@@ -149,10 +150,12 @@ def vocab_size(path: str) -> int:
 
 
 def check_new_folder(out_dir: str) -> None:
-    """Conversions never overwrite: out_dir must not exist yet, or be empty."""
+    """Conversions never overwrite: out_dir must not exist yet, or be empty; and it must be writable, which is
+    checked before the source is read."""
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise UserError(f"{out_dir} already exists and is not an empty folder; choose a new output folder or "
                         f"delete it")
+    runfolder.check_writable(out_dir, "DST")
 
 
 def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, lr_scales: list[float], data_seed: int,

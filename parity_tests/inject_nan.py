@@ -8,11 +8,12 @@ logits, hence a NaN loss and NaN gradients; every other batch, evaluation includ
 needs what the fault needs and nothing else, so both backends meet the same fault at the same step.
 """
 
-import sys
+import argparse
 
 import numpy as np
 
 from jaxtrain import config, data
+from jaxtrain.errors import exit_on_user_error
 
 
 def poisoned_inputs(argv: list[str], steps: list[int]) -> list[np.ndarray]:
@@ -50,16 +51,28 @@ def poison_torchref(bad: list[np.ndarray]) -> None:
     model.GPT.forward = forward
 
 
-def main() -> None:
-    backend, steps, argv = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3:]
-    bad = poisoned_inputs(argv, steps)
-    if backend == "jaxtrain":
-        from jaxtrain import run
-        poison_jaxtrain(bad)
-    else:
-        from torchref import run
-        poison_torchref(bad)
-    run.main(argv)
+def _steps(text: str) -> list[int]:
+    steps = [int(s) for s in text.split(",")]
+    if min(steps) < 1:
+        raise ValueError(text)
+    return steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m parity_tests.inject_nan", description=__doc__.split("\n\n")[0],
+                                 epilog="Any further --config/--section.key=value flags go to the run.")
+    ap.add_argument("backend", choices=("jaxtrain", "torchref"))
+    ap.add_argument("steps", type=_steps, help="comma-separated 1-based optimizer steps, e.g. 3,5")
+    args, run_argv = ap.parse_known_args(argv)
+    with exit_on_user_error():
+        bad = poisoned_inputs(run_argv, args.steps)
+        if args.backend == "jaxtrain":
+            from jaxtrain import run
+            poison_jaxtrain(bad)
+        else:
+            from torchref import run
+            poison_torchref(bad)
+    run.main(run_argv)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
+from jaxtrain.cmdline import output_folder, positive_int  # noqa: E402
 from parity_tests import judgment, runs  # noqa: E402
 
 COLORS = {"jaxtrain": "tab:blue", "torchref": "tab:orange"}  # the reference runs: gray
@@ -47,16 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parity_tests.report", description=__doc__.split("\n\n")[0],
                                  epilog="Any further --section.key=value flag is passed to both runs.")
     ap.add_argument("--config", required=True, help="run config YAML, e.g. configs/tiny.yaml")
-    ap.add_argument("--steps", type=int, help="train.steps for both runs (default: the config's)")
+    ap.add_argument("--steps", type=positive_int, help="train.steps for both runs (default: the config's)")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    ap.add_argument("--out", required=True, help="folder for report.md, the PNGs and the runs (runs/ is replaced)")
+    ap.add_argument("--out", required=True, type=output_folder, help="folder for report.md, the PNGs and the runs (runs/ is replaced)")
     known, overrides = ap.parse_known_args(argv)
     bad = [a for a in overrides if not (a.startswith("--") and "=" in a)]
     if bad:
         ap.error(f"unexpected argument {bad[0]!r}; overrides look like --section.key=value")
+    config = known.config if "://" in known.config else os.path.abspath(known.config)  # its runs start in REPO
     try:
-        report = build(os.path.abspath(known.config), known.steps, known.precision, os.path.abspath(known.out),
-                       overrides)
+        report = build(config, known.steps, known.precision, os.path.abspath(known.out), overrides)
     except runs.RunFailed as failed:
         if failed.returncode == 2:  # the trainers' user error: their one line, which names the fix
             print(failed.stderr.strip().splitlines()[-1], file=sys.stderr)

@@ -159,9 +159,10 @@ def _export_init_main(out_dir: str, argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] != "export-init":
-        sys.exit("usage: python -m parity_tests.runs export-init OUT_DIR [--config ...] [--section.key=value ...]")
-    from jaxtrain.errors import exit_on_user_error
+    from jaxtrain.errors import UserError, exit_on_user_error
 
     with exit_on_user_error():
+        if len(sys.argv) < 3 or sys.argv[1] != "export-init":
+            raise UserError("usage: python -m parity_tests.runs export-init OUT_DIR [--config ...] "
+                            "[--section.key=value ...]")
         _export_init_main(sys.argv[2], sys.argv[3:])

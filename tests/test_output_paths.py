@@ -1,0 +1,80 @@
+"""Where a tool will write is checked when it starts: a folder that is a file, lies under one or is not writable,
+and a tool's own flags (a count of 0, a --json file in no folder), end in one line with exit code 2 before any
+work, and nothing is written."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxtrain import runfolder
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("not a folder")
+    return path
+
+
+def test_unwritable_says_why_in_each_case(tmp_path, a_file, monkeypatch):
+    assert runfolder.unwritable(str(tmp_path / "new" / "deeper")) is None  # creatable
+    assert runfolder.unwritable(str(tmp_path)) is None  # an existing folder
+    assert runfolder.unwritable(str(a_file)) == "is a file"
+    assert runfolder.unwritable(str(a_file / "x" / "y")) == f"lies under {a_file}, which is a file"
+    # This machine's tests run as root, which may write anywhere: os.access is what a user without the right sees.
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(tmp_path))
+    assert runfolder.unwritable(str(tmp_path / "new")) == f"lies in {tmp_path}, where this user cannot write"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit code 2, no traceback, and the last line of stderr (argparse prints its usage line above its error)
+    names every word."""
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.count("error:") == 1 and all(w in last for w in words), proc.stderr[-2000:]
+
+
+def test_run_out_dir_under_a_file(a_file):
+    _one_error_line(_cli("jaxtrain.run", "--config", "configs/tiny.yaml", f"--run.out_dir={a_file}/run"),
+                    f"run.out_dir='{a_file}/run' lies under {a_file}, which is a file", "--run.out_dir")
+
+
+def test_prepare_out_is_a_file(tmp_path, a_file):
+    text = tmp_path / "in.txt"
+    text.write_text("hello\n" * 100)
+    _one_error_line(_cli("jaxtrain.data", "prepare", "--input", str(text), "--out", str(a_file), "--tokenizer",
+                         "bytes"), f"out='{a_file}' is a file; choose another --out")
+    assert a_file.read_text() == "not a folder"
+
+
+def test_convert_dst_under_a_file_is_refused_before_the_source_is_read(tmp_path, a_file):
+    """The source does not exist either: the destination is checked first, so the user learns both in turn
+    without reading a checkpoint for nothing."""
+    _one_error_line(_cli("jaxtrain.convert", "to-torch", str(tmp_path / "no-such-step"), str(a_file / "dst")),
+                    f"DST='{a_file}/dst' lies under {a_file}, which is a file")
+
+
+@pytest.mark.parametrize("tool,flags,words", [
+    ("benchmarks.run", ["--steps", "0"], ["argument --steps", "'0' is not a whole number >= 1"]),
+    ("benchmarks.run", ["--rounds", "-1"], ["argument --rounds", "'-1' is not a whole number >= 1"]),
+    ("benchmarks.run", ["--json", "{missing}/bench.json"], ["argument --json", "which is not a folder"]),
+    ("benchmarks.run", ["--json", "{tmp}"], ["argument --json", "is a folder; choose another file"]),
+    ("benchmarks.profile", ["--steps", "zero"], ["argument --steps", "'zero' is not a whole number >= 1"]),
+    ("benchmarks.roofline", ["--hlo", "{missing}/step.hlo"], ["argument --hlo", "which is not a folder"]),
+    ("benchmarks.xla_flags", ["--target", "cpu", "--devices", "0"], ["argument --devices", "'0'"]),
+    ("benchmarks.xla_flags", ["--target", "cpu", "--hlo", "{file}/hlo"], ["argument --hlo", "which is a file"]),
+    ("parity_tests.report", ["--out", "{file}/report"], ["argument --out", "which is a file; choose another folder"]),
+    ("parity_tests.report", ["--out", "{tmp}/report", "--steps", "0"], ["argument --steps", "'0'"]),
+])
+def test_tool_flags_are_checked_before_any_work(tmp_path, a_file, tool, flags, words):
+    fill = {"missing": str(tmp_path / "missing"), "tmp": str(tmp_path), "file": str(a_file)}
+    _one_error_line(_cli(tool, "--config", "configs/tiny.yaml", *(f.format(**fill) for f in flags)), *words)
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]  # nothing written
