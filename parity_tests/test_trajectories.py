@@ -165,6 +165,7 @@ def test_param_groups_trajectory(grouped, fp32):
                                                          "exp_avg_sq": None})
     check(rows, "optim.groups + linear schedule, jaxtrain vs torchref (jaxtrain first, torchref second)")
     plain = np.abs(column(grouped["torchref"], "loss") - column(fp32["torchref"], "loss"))
+    # The groups must move the run far outside the loss bound, or agreeing on them would prove nothing.
     assert plain[-1] > 100 * FP32["loss"].atol, f"the groups barely changed the run: |dloss| at step {STEPS} {plain[-1]}"
 
 

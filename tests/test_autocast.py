@@ -57,7 +57,10 @@ def test_low_precision_matmul_gradient(shape_a, shape_b, low, platform):
     for got, exact in ((da, da64), (db, db64)):
         rounded = np.asarray(jnp.asarray(exact, jnp.float32).astype(dtype), np.float64)
         assert np.all(np.abs(np.asarray(got, np.float64) - rounded) <= _ulp(rounded, dtype) + 1e-5), low
-        assert np.mean(np.asarray(got, np.float64) == rounded) > 0.99  # almost always the exact value's rounding
+        # Off the exact value's rounding only where that value lies within fp32's accumulation error (~sqrt(K)
+        # 2^-24 relative) of a midpoint of `low` (2^-8 apart relative in bf16, 2^-11 in fp16): ~1e-3 of the results
+        # in fp16. Measured: bf16 1.0 everywhere, fp16 >= 0.9983; 0.99 allows 6x the worst measured miss rate.
+        assert np.mean(np.asarray(got, np.float64) == rounded) > 0.99
 
 
 def test_bf16_rounded_matmul_is_the_product_rounded_once():
@@ -72,7 +75,7 @@ def test_bf16_rounded_matmul_is_the_product_rounded_once():
     rounded = np.asarray(jnp.asarray(exact, jnp.float32).astype(jnp.bfloat16), np.float64)
     ulp = 2.0 ** (np.floor(np.log2(np.abs(rounded) + 1e-30)) - 7)
     got = np.asarray(logits, np.float64)
-    assert np.all(np.abs(got - rounded) <= ulp) and np.mean(got == rounded) > 0.99
+    assert np.all(np.abs(got - rounded) <= ulp) and np.mean(got == rounded) > 0.99  # measured 1.0, as above
 
 
 def test_bf16_matmul_backward_dots_are_bf16_with_fp32_accumulation():
