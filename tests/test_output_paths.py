@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
-import pytest
+import argparse
 
-from jaxtrain import runfolder
+import pytest
+from hypothesis import given, strategies as st
+
+from jaxtrain import cmdline, runfolder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,3 +81,18 @@ def test_tool_flags_are_checked_before_any_work(tmp_path, a_file, tool, flags, w
     fill = {"missing": str(tmp_path / "missing"), "tmp": str(tmp_path), "file": str(a_file)}
     _one_error_line(_cli(tool, "--config", "configs/tiny.yaml", *(f.format(**fill) for f in flags)), *words)
     assert sorted(os.listdir(tmp_path)) == ["a_file"]  # nothing written
+
+
+@given(st.integers(-10**6, 10**6))
+def test_positive_int_takes_whole_numbers_from_1(n):
+    if n >= 1:
+        assert cmdline.positive_int(str(n)) == n
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"'{n}' is not a whole number >= 1"):
+            cmdline.positive_int(str(n))
+
+
+@given(st.text().filter(lambda t: not t.strip().lstrip("+").replace("_", "").isdigit()))
+def test_positive_int_refuses_what_is_not_a_whole_number(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a whole number >= 1"):
+        cmdline.positive_int(text)
