@@ -294,6 +294,19 @@ def validate(cfg: Config) -> None:
     _check_text(cfg)
     _check_optional(cfg)
     _check_mesh(cfg)
+    _check_ranges(cfg)
+    param_groups.validate(cfg.optim.groups)
+    _check_schedule(cfg)
+    if cfg.data.batch_size % cfg.optim.grad_accum_steps:
+        raise UserError(f"data.batch_size={cfg.data.batch_size} is not divisible by optim.grad_accum_steps="
+                        f"{cfg.optim.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a "
+                        f"multiple")
+    _check_vocab_tiles(cfg)
+    _check_places(cfg)
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Counts, rates and scales each within what its formula allows."""
     m, o, t = cfg.model, cfg.optim, cfg.train
     positive = {
         "model.seq_len": m.seq_len, "model.n_layer": m.n_layer, "model.n_head": m.n_head,
@@ -321,10 +334,14 @@ def validate(cfg: Config) -> None:
     for key in ("b1", "b2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             raise UserError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
-    param_groups.validate(o.groups)
     if not (math.log2(t.loss_scale_init).is_integer() and t.loss_scale_init <= 2.0**127):
         raise UserError(f"train.loss_scale_init={t.loss_scale_init} must be a power of 2 (e.g. 65536, at most 2**127 "
                         f"in fp32), so that scaling the loss and unscaling its gradient are exact")
+
+
+def _check_schedule(cfg: Config) -> None:
+    """The LR schedule's lengths and levels fit together."""
+    o = cfg.optim
     if o.schedule == "constant" and o.warmup_steps:
         raise UserError(f"optim.schedule=constant has no warmup, but optim.warmup_steps={o.warmup_steps}; set "
                         f"optim.warmup_steps=0, or use optim.schedule=constant_with_warmup")
@@ -336,10 +353,10 @@ def validate(cfg: Config) -> None:
                         f"int32 arithmetic of the schedule's phase; use fewer cycles")
     if o.min_lr > o.lr:
         raise UserError(f"optim.min_lr={o.min_lr} is larger than optim.lr={o.lr}; the cosine decays from lr to min_lr")
-    if cfg.data.batch_size % o.grad_accum_steps:
-        raise UserError(f"data.batch_size={cfg.data.batch_size} is not divisible by optim.grad_accum_steps="
-                        f"{o.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a multiple")
-    _check_vocab_tiles(cfg)
+
+
+def _check_places(cfg: Config) -> None:
+    """The run folder can be written, W&B is installed if asked for, and the data folder exists."""
     if runfolder.is_url(cfg.run.out_dir):
         runfolder.check_url(cfg.run.out_dir, writes=not cfg.run.dry_run)
     else:
