@@ -1,4 +1,5 @@
-"""`python -m jaxtrain.convert to-torch|from-torch SRC DST`: jaxtrain checkpoints <-> the torch format.
+"""`python -m jaxtrain.convert to-torch|from-torch|to-hf|from-hf SRC DST`: jaxtrain checkpoints <-> the torch
+format, and to and from Hugging Face's GPT-2 folder (hf_format.py).
 
     python -m jaxtrain.convert to-torch out/tiny/checkpoints/250 out/tiny-torch
     python -m torchref.run --config configs/tiny.yaml --init.from=out/tiny-torch      # continues at step 250
@@ -145,7 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m jaxtrain.convert",
         description="Convert checkpoints between jaxtrain (Orbax) and the torch format that torchref writes "
-                    "(model.safetensors, optimizer.safetensors, trainer_state.json). Lossless both ways.",
+                    "(model.safetensors, optimizer.safetensors, trainer_state.json), lossless both ways; and "
+                    "to and from a Hugging Face GPT2LMHeadModel folder (weights).",
         epilog="examples:\n"
                "  python -m jaxtrain.convert to-torch out/tiny/checkpoints/250 out/tiny-torch\n"
                "  python -m jaxtrain.convert from-torch out/tiny-torch out/tiny-back\n"

@@ -3,8 +3,8 @@
 Shared by the end-to-end tests (test_trajectories.py) and the report (report.py):
 
     init = export_init(dir, args)                        # jaxtrain's fresh params, torch format, weights only
-    train("jaxtrain", out_a, args, init)                 # python -m jaxtrain.run ... --init.from=init
-    train("torchref", out_b, args, init)                 # python -m torchref.run ... --init.from=init
+    train("jaxtrain", run_args(out_a, cache), init)      # python -m jaxtrain.run ... --init.from=init
+    train("torchref", run_args(out_b, cache), init)      # python -m torchref.run ... --init.from=init
     lines, state = read_metrics(out_a), final_state("jaxtrain", out_a, step)   # what judgment.py compares
 
 Every run is a subprocess, so each backend runs exactly as a user runs it. Final states are compared in the torch

@@ -198,7 +198,7 @@ def test_attention_choice(attention, precision, dropout, fused):
 
 
 def test_compiling_for_names_the_backend_the_model_is_traced_for():
-    """model.compiling_for("gpu") on any machine: cuDNN attention under auto, no CPU layout pins (an ahead-of-time
+    """autocast.compiling_for("gpu") on any machine: cuDNN attention under auto, no CPU layout pins (an ahead-of-time
     compile for a GPU, benchmarks/roofline.py); outside it, jax's default backend again."""
     cfg = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=0.0, attention="auto")
     pinned = lambda: "layout" in str(jax.make_jaxpr(lambda x: autocast.row_major(x))(jnp.ones((4, 8))))  # a fresh trace
