@@ -134,6 +134,30 @@ def rounded_matmul(a, b, precision: str):
     return matmul(a, b, precision, _rounding_dot_dtype(low)).astype(low)
 
 
+# The bias row's padding: a gemm's contraction stays a multiple of 8 elements (16 bytes of bf16), the alignment
+# cuBLAS's tensor-core kernels want.
+BIAS_ROW_PAD = 8
+
+
+def biased_matmul(x, w, b, precision: str):
+    """x @ w + b in the compute dtype, as autocast's linear computes it: the bias rounded to the compute dtype,
+    added to the fp32 accumulator, the sum rounded once (addmm's beta term, cuBLASLt's bias epilogue); its
+    gradient the fp32 sum of the output's gradient rounded to the compute dtype. Under fp32, in fp32.
+
+    On a GPU the bias is the dot's last row of weights against a column of ones in x (padded with zeros to
+    BIAS_ROW_PAD), so the gemm adds it and rounds once whatever kernel XLA picks (cuBLAS or a Triton fusion) and
+    writes bf16: adding it to an fp32 dot result after the gemm makes XLA write that result in fp32 and round it
+    in a pass of its own, and sum the bias's gradient in another (GPT-2 124M's step on an H100: benchmarks/NOTES.md).
+    The gemms grow by 8 rows of K (1% at K = 768). Elsewhere the bias is added to the fp32 result: XLA:CPU and TPU
+    fuse that add, and a TPU's systolic array would pad the 8 rows to 128."""
+    low = COMPUTE_DTYPES[precision]
+    if precision == "fp32" or backend() != "gpu":
+        return (matmul(x, w, precision) + b.astype(low)).astype(low)
+    column = jnp.zeros(x.shape[:-1] + (BIAS_ROW_PAD,), low).at[..., 0].set(1)
+    row = jnp.zeros((BIAS_ROW_PAD, w.shape[1]), w.dtype).at[0].set(b)
+    return rounded_matmul(jnp.concatenate([x.astype(low), column], -1), jnp.concatenate([w, row], 0), precision)
+
+
 @jax.custom_vjp
 def gelu(x):
     """Exact (erf) GELU, x Phi(x), computed as torch's kernel computes it: in fp32 whatever x's dtype, rounded once

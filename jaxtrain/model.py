@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.autocast import COMPUTE_DTYPES, backend, gelu, matmul, rounded_matmul, row_major
+from jaxtrain.autocast import COMPUTE_DTYPES, backend, biased_matmul, gelu, matmul, rounded_matmul, row_major
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import batch_sharded
@@ -61,8 +61,8 @@ class Linear(nnx.Module):
     Under bf16 or fp16, autocast casts every floating input of torch's linear, the bias too: torch adds the rounded
     bias to the fp32 accumulator and rounds the sum once (addmm's beta term, cuBLASLt's bias epilogue), and the
     bias's gradient comes back as the fp32 sum of the output's gradient rounded to the compute dtype, then cast up
-    to the fp32 param. Casting the bias here gives both. Without a bias the dot rounds its own result where the
-    backend does that in the gemm (rounded_matmul)."""
+    to the fp32 param: autocast.biased_matmul. Without a bias the dot rounds its own result where the backend
+    does that in the gemm (rounded_matmul)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, precision: str, rngs: nnx.Rngs):
         self.kernel = _normal(rngs, (d_in, d_out), std)
@@ -72,8 +72,7 @@ class Linear(nnx.Module):
     def __call__(self, x):
         if self.bias is None:
             return rounded_matmul(x, self.kernel[...], self.precision)
-        low = COMPUTE_DTYPES[self.precision]
-        return (matmul(x, self.kernel[...], self.precision) + self.bias[...].astype(low)).astype(low)
+        return biased_matmul(x, self.kernel[...], self.bias[...], self.precision)
 
 
 class LayerNorm(nnx.Module):

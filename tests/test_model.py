@@ -171,7 +171,7 @@ def test_model_gradient_dots_follow_the_policy(precision, bias, platform):
     """Every dot takes the compute dtype's operands and accumulates in fp32. Traced for a CPU, every one returns
     fp32 (rounded after it where it must be); traced for a GPU (autocast.compiling_for), a dot whose result is rounded
     to bf16 next returns bf16 itself (_rounding_dot_dtype): the head's forward, the forward of the four Linears per
-    layer when they have no bias (a bias is added to the fp32 result first) and, in the backward pass, the
+    layer (a bias rides in the gemm as a row of weights: autocast.biased_matmul) and, in the backward pass, the
     gradient of the activations a weight multiplies (the head's, and four Linears' per layer); weight gradients
     stay fp32, and so do the written-out attention's (on a GPU, cuDNN's kernel runs attention). Under fp32, every
     dot is true fp32, on GPU/TPU too, whose default precision may use bf16 passes."""
@@ -180,7 +180,7 @@ def test_model_gradient_dots_follow_the_policy(precision, bias, platform):
         hlo = jax.jit(jax.grad(lambda p, idx: M.apply(graphdef, p, idx).std())).lower(params, _idx()).as_text()
     dots = collections.Counter(compiled_hlo.dot_types(hlo))
     if precision == "bf16":
-        rounding_dots = (2 + 4 * SMALL.n_layer + (0 if bias else 4 * SMALL.n_layer)) if platform == "gpu" else 0
+        rounding_dots = 2 + 8 * SMALL.n_layer if platform == "gpu" else 0
         assert set(dots) - {("bf16", "bf16", "bf16")} == {("bf16", "bf16", "f32")}
         assert dots[("bf16", "bf16", "bf16")] == rounding_dots
     else:
