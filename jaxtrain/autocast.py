@@ -149,9 +149,11 @@ def biased_matmul(x, w, b, precision: str):
     writes bf16: adding it to an fp32 dot result after the gemm makes XLA write that result in fp32 and round it
     in a pass of its own, and sum the bias's gradient in another (GPT-2 124M's step on an H100: benchmarks/NOTES.md).
     The gemms grow by 8 rows of K (1% at K = 768). Elsewhere the bias is added to the fp32 result: XLA:CPU and TPU
-    fuse that add, and a TPU's systolic array would pad the 8 rows to 128."""
+    fuse that add, and a TPU's systolic array would pad the 8 rows to 128; and so on GPUs whose mesh splits the
+    weights (fsdp > 1), where a weight split along K would be resharded to take its row (all-to-alls in each layer:
+    benchmarks/NOTES.md)."""
     low = COMPUTE_DTYPES[precision]
-    if precision == "fp32" or backend() != "gpu":
+    if precision == "fp32" or backend() != "gpu" or mesh.weight_shards() > 1:
         return (matmul(x, w, precision) + b.astype(low)).astype(low)
     column = jnp.zeros(x.shape[:-1] + (BIAS_ROW_PAD,), low).at[..., 0].set(1)
     row = jnp.zeros((BIAS_ROW_PAD, w.shape[1]), w.dtype).at[0].set(b)

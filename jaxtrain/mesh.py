@@ -134,3 +134,10 @@ def batch_shards() -> int:
     """How many devices batch_sharded splits the batch over: every device of the mesh traced under, 1 outside one."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty else mesh.size
+
+
+def weight_shards() -> int:
+    """How many devices the mesh traced under splits each weight over (its fsdp axis, fsdp_sharding); 1 outside a
+    mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else mesh.shape["fsdp"]

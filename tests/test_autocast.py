@@ -1,6 +1,7 @@
 """jaxtrain.autocast alone: the compute dtypes' matmuls and their gradients against float64 products rounded as
 autocast rounds them, the dots' dtypes in the lowered program, and GELU against torch's kernels and the formula."""
 
+import contextlib
 import math
 
 import jax
@@ -76,6 +77,28 @@ def test_bf16_rounded_matmul_is_the_product_rounded_once():
     ulp = 2.0 ** (np.floor(np.log2(np.abs(rounded) + 1e-30)) - 7)
     got = np.asarray(logits, np.float64)
     assert np.all(np.abs(got - rounded) <= ulp) and np.mean(got == rounded) > 0.99  # measured 1.0, as above
+
+
+@pytest.mark.parametrize("platform,fsdp,row", [("gpu", None, True), ("gpu", 1, True), ("gpu", 2, False),
+                                               ("cpu", None, False), ("tpu", None, False)])
+def test_the_bias_rides_in_the_gemm_on_a_gpu_whose_weights_are_whole(platform, fsdp, row):
+    """biased_matmul pads x with a column of ones and w with the bias row (a concatenate in the trace) only on a GPU
+    and where the mesh does not split the weights (fsdp 1, or no mesh); and it is the same function either way:
+    x @ w + b, with bf16 operands accumulated in fp32 and rounded once (operands exact in bf16 and sums exact in
+    fp32, so both routes give the same bits)."""
+    x, w, b = (jnp.asarray(np.random.default_rng(i).integers(-8, 9, shape) / 8, jnp.float32)
+               for i, shape in enumerate([(2, 5, 16), (16, 8), (8,)]))
+    f = jax.jit(lambda x, w, b: autocast.biased_matmul(x, w, b, "bf16"))
+    mesh = jax.sharding.AbstractMesh((4 // fsdp, fsdp), ("data", "fsdp")) if fsdp else None
+    with autocast.compiling_for(platform), jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
+        assert ("concatenate" in str(jax.make_jaxpr(f.__wrapped__)(x, w, b))) == row
+        if fsdp is None:
+            y = f(x, w, b)
+    if fsdp is None:
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
+        assert y.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(y, np.float64), np.asarray(jnp.asarray(want).astype(jnp.bfloat16),
+                                                                            np.float64))
 
 
 def test_bf16_matmul_backward_dots_are_bf16_with_fp32_accumulation():
