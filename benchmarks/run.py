@@ -83,7 +83,8 @@ def resolved_config(overrides: list[str], synthetic: bool):
     base = config_lib.load(overrides + ["--data.path=null"] if synthetic else overrides)
     if synthetic:
         if base.model.vocab_size is None:
-            raise UserError("--synthetic needs model.vocab_size (there is no data to take it from); set --model.vocab_size")
+            raise UserError("--synthetic needs model.vocab_size (there is no data to take it from); set "
+                            "--model.vocab_size")
         return base
     from jaxtrain import data as data_lib
     vocab = data_lib.resolve_vocab_size(base.model.vocab_size, data_lib.load(base.data, base.model.seq_len))

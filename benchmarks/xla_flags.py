@@ -268,7 +268,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--all-but-each", action="store_true",
                     help="also compile with all the flags but one, for each: which matter only together")
     ap.add_argument("--json", type=output_file, help="also write the rows here")
-    ap.add_argument("--hlo", type=output_folder, help="also write each compile's optimized module to this folder, as <row>.hlo.txt")
+    ap.add_argument("--hlo", type=output_folder,
+                    help="also write each compile's optimized module to this folder, as <row>.hlo.txt")
     args, rest = ap.parse_known_args(argv)
     options = parse_flags(args.flags)
     from benchmarks.run import resolved_config

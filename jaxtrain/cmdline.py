@@ -116,9 +116,12 @@ def positive_int(text: str) -> int:
 def output_file(text: str) -> str:
     """A file a tool will write when it is done: refused now, not after an hour, where it cannot be."""
     folder = os.path.dirname(os.path.abspath(text))
-    problem = ("is a folder" if os.path.isdir(text) else f"is in {folder}, which is not a folder" if not
-               os.path.isdir(folder) else None if os.access(folder, os.W_OK) else
-               f"is in {folder}, where this user cannot write")
+    if os.path.isdir(text):
+        problem = "is a folder"
+    elif not os.path.isdir(folder):
+        problem = f"is in {folder}, which is not a folder"
+    else:
+        problem = runfolder.unwritable(folder)
     if problem:
         raise argparse.ArgumentTypeError(f"{text!r} {problem}; choose another file")
     return text

@@ -41,7 +41,7 @@ class RunConfig:
     seed: int = 0  # params init, data order and dropout all derive from it
     fresh: bool = False  # ignore checkpoints already in out_dir and start from step 0 (they are kept)
     dry_run: bool = False  # compile the train step and print its memory per device; train nothing (jaxtrain/dryrun.py)
-    dry_run_devices: Optional[int] = None  # compile for this many devices (a pod's count; target_device's kind, else fake CPUs); None: this host's
+    dry_run_devices: Optional[int] = None  # devices to compile for (target_device's, or fake CPUs); None: this host's
     target_device: Optional[Literal["v4", "v5e", "v5p", "v6e", "a100-40gb", "a100-80gb", "h100", "h200"]] = None
     lock_timeout_s: float = 60.0  # gs:// run folders: a lock not renewed this long belongs to a dead run (runlock.py)
 

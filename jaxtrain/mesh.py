@@ -2,8 +2,8 @@
 
 Params and optimizer state are sharded over `fsdp` (each leaf along its largest dimension that divides evenly,
 replicated otherwise) and replicated over `data`; batches, and the model's activations (`batch_sharded`), are split
-over both axes. Each host builds the global
-batch from only its own rows (jax.make_array_from_process_local_data), so no host ever loads another's data.
+over both axes. Each host builds the global batch from only its own rows (jax.make_array_from_process_local_data),
+so no host ever loads another's data.
 """
 
 import math
@@ -140,4 +140,4 @@ def weight_shards() -> int:
     """How many devices the mesh traced under splits each weight over (its fsdp axis, fsdp_sharding); 1 outside a
     mesh."""
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else mesh.shape["fsdp"]
+    return 1 if mesh.empty else mesh.shape.get("fsdp", 1)

@@ -13,6 +13,7 @@ import argparse
 import numpy as np
 
 from jaxtrain import config, data
+from jaxtrain.cmdline import positive_int
 from jaxtrain.errors import exit_on_user_error
 
 
@@ -52,10 +53,7 @@ def poison_torchref(bad: list[np.ndarray]) -> None:
 
 
 def _steps(text: str) -> list[int]:
-    steps = [int(s) for s in text.split(",")]
-    if min(steps) < 1:
-        raise ValueError(text)
-    return steps
+    return [positive_int(s) for s in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> None:
