@@ -15,6 +15,12 @@ from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
 
+def yaml_name(field) -> str:
+    """How YAML and the command line spell a config dataclass field: its name, unless its metadata gives another
+    (`init.from`, whose field is `from_` because `from` is a Python keyword)."""
+    return field.metadata.get("yaml", field.name)
+
+
 def read(argv: list[str]) -> dict:
     """{section: {key: value}} from `--config PATH` (the last one given) and the overrides, which win."""
     args = _split_args(argv)

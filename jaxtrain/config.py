@@ -4,7 +4,7 @@
 
 The command line and the YAML file are read into one mapping by jaxtrain.cmdline; its values are decoded into
 the dataclasses by draccus (the typed-config library Levanter uses); unknown keys and wrong types become a
-`UserError` naming the key. Pure Python: torchref imports this module, so
+`UserError` naming the key; config_checks then checks the values. Pure Python: torchref imports this module, so
 it must never import jax or torch. Whether run.out_dir can hold a run is runfolder.py's to check; whether a
 checkpoint was written by the run a config describes, same_run.py's.
 
@@ -17,8 +17,6 @@ grad_accum_steps therefore never changes the tokens per optimizer step.
 import copy
 import dataclasses
 import difflib
-import importlib
-import math
 import os
 import sys
 import typing
@@ -29,7 +27,7 @@ import yaml
 from draccus.wrappers.docstring import get_attribute_docstring
 
 from jaxtrain import cmdline
-from jaxtrain import param_groups
+from jaxtrain import config_checks
 from jaxtrain import runfolder
 from jaxtrain.param_groups import ParamGroup
 from jaxtrain.errors import UserError
@@ -75,7 +73,6 @@ class DataConfig:
 # LR(t) after the warmup (optim.py): cosine or linear from lr to min_lr at decay_steps; constant lr; cosine with
 # hard restarts (optim.cycles cosines from lr to min_lr). constant has no warmup; all are flat at min_lr past decay.
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "cosine_with_restarts")
-DECAYING_SCHEDULES = ("cosine", "linear", "cosine_with_restarts")
 
 
 @dataclasses.dataclass
@@ -144,7 +141,7 @@ class LogConfig:
 @dataclasses.dataclass
 class InitConfig:
     # Spelled `init.from` in YAML and on the command line (`from` is a Python keyword).
-    from_: Optional[str] = None  # torch-format checkpoint dir to start from (full state, or weights only)
+    from_: Optional[str] = dataclasses.field(default=None, metadata={"yaml": "from"})  # torch-format checkpoint dir to start from (full state, or weights only)
     reseed: bool = False  # with a full state in init.from: draw batches from run.seed, not the checkpoint's order
 
 
@@ -176,17 +173,13 @@ class Config:
         return self.optim.lr / (self.optim.warmup_steps + 1)
 
 
-# YAML/CLI spelling -> dataclass field name, for keys that are Python keywords.
-_KEYWORD_FIELDS = {("init", "from"): ("init", "from_")}
-
-
 def load(argv: list[str]) -> Config:
     """Parse `--config PATH [--section.key=value ...]` into a validated Config; -h/--help prints the keys."""
     if "-h" in argv or "--help" in argv:
         print(usage())
         raise SystemExit(0)
     cfg = from_dict(cmdline.read(argv))
-    validate(cfg)
+    config_checks.validate(cfg)
     return cfg
 
 
@@ -199,7 +192,7 @@ def usage() -> str:
     for section in dataclasses.fields(Config):
         lines.append(f"  {section.name}:")
         for f in dataclasses.fields(section.type):
-            name = _yaml_name((section.name,), f.name)
+            name = cmdline.yaml_name(f)
             default = getattr(section.type(), f.name)
             default = default if not isinstance(default, str) or default.isprintable() else repr(default)
             comment = get_attribute_docstring(section.type, f.name).comment_inline
@@ -212,9 +205,9 @@ def from_dict(raw: dict) -> Config:
     may name a data.path that does not exist on the machine reading it."""
     raw = copy.deepcopy(raw)
     _check_keys(raw, Config, ())
-    for (section, key), (_, field) in _KEYWORD_FIELDS.items():
-        if isinstance(raw.get(section), dict) and key in raw[section]:
-            raw[section][field] = raw[section].pop(key)
+    for section, f in _spelled_otherwise():
+        if isinstance(raw.get(section), dict) and cmdline.yaml_name(f) in raw[section]:
+            raw[section][f.name] = raw[section].pop(cmdline.yaml_name(f))
     try:
         return draccus.decode(Config, raw)
     except Exception as e:  # draccus raises DecodingError (and sometimes TypeError) with the key path
@@ -227,8 +220,7 @@ def from_dict(raw: dict) -> Config:
 
 def _check_keys(raw: dict, cls, prefix: tuple) -> None:
     """Unknown keys name themselves and the closest valid key."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    names = {_yaml_name(prefix, n): f for n, f in fields.items()}
+    names = {cmdline.yaml_name(f): f for f in dataclasses.fields(cls)}
     for key, value in raw.items():
         dotted = ".".join(prefix + (str(key),))
         if key not in names:
@@ -277,180 +269,19 @@ def _type_name(field_type) -> str:
     return " or ".join(words.get(t, repr(t)) for t in kinds if t is not type(None))
 
 
-def _yaml_name(prefix: tuple, field_name: str) -> str:
-    for (section, key), (_, field) in _KEYWORD_FIELDS.items():
-        if prefix == (section,) and field_name == field:
-            return key
-    return field_name
-
-
-# optax, MultiSteps and the train state count steps in int32: a larger count would wrap around.
-INT32_MAX = 2**31 - 1
-
-
-def validate(cfg: Config) -> None:
-    """Check what a wrong value would otherwise turn into a shape error or a silent mistake later."""
-    _check_numbers(cfg)
-    _check_text(cfg)
-    _check_optional(cfg)
-    _check_mesh(cfg)
-    _check_ranges(cfg)
-    param_groups.validate(cfg.optim.groups)
-    _check_schedule(cfg)
-    if cfg.data.batch_size % cfg.optim.grad_accum_steps:
-        raise UserError(f"data.batch_size={cfg.data.batch_size} is not divisible by optim.grad_accum_steps="
-                        f"{cfg.optim.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a "
-                        f"multiple")
-    _check_vocab_tiles(cfg)
-    _check_places(cfg)
-
-
-def _check_ranges(cfg: Config) -> None:
-    """Counts, rates and scales each within what its formula allows."""
-    m, o, t = cfg.model, cfg.optim, cfg.train
-    positive = {
-        "model.seq_len": m.seq_len, "model.n_layer": m.n_layer, "model.n_head": m.n_head,
-        "model.d_model": m.d_model, "data.batch_size": cfg.data.batch_size, "optim.grad_accum_steps": o.grad_accum_steps,
-        "train.steps": t.steps, "train.eval_batches": t.eval_batches, "checkpoint.every": cfg.checkpoint.every,
-        "checkpoint.max_to_keep": cfg.checkpoint.max_to_keep, "log.every": cfg.log.every, "optim.lr": o.lr,
-        "train.nan_skip_limit": t.nan_skip_limit, "run.lock_timeout_s": cfg.run.lock_timeout_s,
-        "optim.cycles": o.cycles, "train.loss_scale_init": t.loss_scale_init,
-        "train.loss_scale_growth_interval": t.loss_scale_growth_interval,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise UserError(f"{key} must be > 0, got {value}")
-    non_negative = {"optim.warmup_steps": o.warmup_steps, "optim.min_lr": o.min_lr, "optim.weight_decay": o.weight_decay,
-                    "optim.max_grad_norm": o.max_grad_norm, "optim.eps": o.eps, "train.eval_every": t.eval_every,
-                    "log.sample_tokens": cfg.log.sample_tokens}
-    for key, value in non_negative.items():
-        if value < 0:
-            raise UserError(f"{key} must be >= 0, got {value}")
-    if m.d_model % m.n_head:
-        raise UserError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
-                        f"choose n_head among the divisors of d_model (e.g. {_divisors_near(m.d_model, m.n_head)})")
-    if not 0.0 <= m.dropout < 1.0:
-        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
-    for key in ("b1", "b2"):
-        if not 0.0 <= getattr(o, key) < 1.0:
-            raise UserError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
-    if not (math.log2(t.loss_scale_init).is_integer() and t.loss_scale_init <= 2.0**127):
-        raise UserError(f"train.loss_scale_init={t.loss_scale_init} must be a power of 2 (e.g. 65536, at most 2**127 "
-                        f"in fp32), so that scaling the loss and unscaling its gradient are exact")
-
-
-def _check_schedule(cfg: Config) -> None:
-    """The LR schedule's lengths and levels fit together."""
-    o = cfg.optim
-    if o.schedule == "constant" and o.warmup_steps:
-        raise UserError(f"optim.schedule=constant has no warmup, but optim.warmup_steps={o.warmup_steps}; set "
-                        f"optim.warmup_steps=0, or use optim.schedule=constant_with_warmup")
-    if o.schedule in DECAYING_SCHEDULES and o.warmup_steps >= cfg.decay_steps:
-        raise UserError(f"optim.warmup_steps={o.warmup_steps} must be smaller than the decay length {cfg.decay_steps} "
-                        f"(optim.decay_steps, default train.steps); lower warmup_steps or raise decay_steps")
-    if o.schedule == "cosine_with_restarts" and not o.cycles * (cfg.decay_steps - o.warmup_steps) <= INT32_MAX:
-        raise UserError(f"optim.cycles={o.cycles} over {cfg.decay_steps - o.warmup_steps} decay steps is past the "
-                        f"int32 arithmetic of the schedule's phase; use fewer cycles")
-    if o.min_lr > o.lr:
-        raise UserError(f"optim.min_lr={o.min_lr} is larger than optim.lr={o.lr}; the cosine decays from lr to min_lr")
-
-
-def _check_places(cfg: Config) -> None:
-    """The run folder can be written, W&B is installed if asked for, and the data folder exists."""
-    if runfolder.is_url(cfg.run.out_dir):
-        runfolder.check_url(cfg.run.out_dir, writes=not cfg.run.dry_run)
-    else:
-        runfolder.check_local(cfg.run.out_dir)
-    if cfg.log.wandb and not cfg.run.dry_run:
-        _check_wandb_installed()
-    if cfg.data.path is not None and not os.path.isdir(cfg.data.path) and not (
-            cfg.run.dry_run and cfg.model.vocab_size is not None):  # a dry run reads no data when it knows the vocab
-        raise UserError(f"data.path={cfg.data.path!r} is not a folder; create it with "
-                        f"`python -m jaxtrain.data prepare --input TEXT --out DIR`, or drop data.path for the embedded corpus")
-
-
-def _check_numbers(cfg: Config) -> None:
-    """Every float finite (nan and inf would train, or fail far from the cause); every count within int32."""
-    for key, value in _values(cfg):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"{key} must be a finite number, got {value}")
-        if key == "run.seed" and not 0 <= value < 2**32:
-            raise UserError(f"run.seed={value} must be in [0, 2**32): the batch order and the init draw from it")
-        if isinstance(value, int) and not isinstance(value, bool) and key != "run.seed" and abs(value) > INT32_MAX:
-            raise UserError(f"{key}={value} is out of range: counts must be at most {INT32_MAX} (2**31 - 1, "
-                            f"the int32 step counters of optax)")
-
-
-def _check_text(cfg: Config) -> None:
-    """Paths not empty (`--run.out_dir=` would write into the current folder) and free of control characters (a
-    newline in a path is a paste gone wrong, and would split every message that names it)."""
-    for key, value in _values(cfg):
-        if key == "log.sample_prompt":  # text to continue, not a path: any characters, new lines included
-            if not value:
-                raise UserError(f"{key} is empty: the sample needs text to continue; leave it out for a new line")
-            continue
-        if isinstance(value, str) and not value.strip():
-            raise UserError(f"{key} is empty; give it a folder, or leave it out for its default")
-        if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise UserError(f"{key}={value!r} holds a control character; give a plain folder name")
-
-
-def _check_vocab_tiles(cfg: Config) -> None:
-    """model.vocab_tiles splits a micro-batch's tokens into equal tiles (loss.tiled_ce_sum)."""
-    tiles, tokens = cfg.model.vocab_tiles, cfg.micro_batch_size * cfg.model.seq_len
-    if tiles < 1:
-        raise UserError(f"model.vocab_tiles must be >= 1 (1: the whole logits at once), got {tiles}")
-    if tokens % tiles:
-        raise UserError(f"model.vocab_tiles={tiles} does not divide the {tokens} tokens of a micro-batch (data.batch_"
-                        f"size / optim.grad_accum_steps x model.seq_len); choose a divisor, e.g. {math.gcd(tokens, tiles)}")
-
-
-def _check_optional(cfg: Config) -> None:
-    """Keys that may be null (meaning: derive it) must be in range when set."""
-    m, o = cfg.model, cfg.optim
-    for key, value in {"model.vocab_size": m.vocab_size, "optim.decay_steps": o.decay_steps,
-                       "log.peak_tflops": cfg.log.peak_tflops, "run.dry_run_devices": cfg.run.dry_run_devices}.items():
-        if value is not None and value <= 0:
-            raise UserError(f"{key} must be > 0 (or null to derive it), got {value}")
-    if o.warmup_init_lr is not None and o.warmup_init_lr < 0:
-        raise UserError(f"optim.warmup_init_lr must be >= 0 (or null for lr / (warmup_steps + 1)), "
-                        f"got {o.warmup_init_lr}")
-
-
-def _check_mesh(cfg: Config) -> None:
-    """The axis sizes alone; mesh.validate_devices checks them against the devices a run finds."""
-    if cfg.mesh.fsdp <= 0:
-        raise UserError(f"mesh.fsdp must be > 0 (1: no sharding), got {cfg.mesh.fsdp}")
-    if cfg.mesh.data != -1 and cfg.mesh.data <= 0:
-        raise UserError(f"mesh.data must be > 0, or -1 for all devices not used by fsdp, got {cfg.mesh.data}")
-
-
-def _check_wandb_installed() -> None:
-    """log.wandb=true needs the wandb package (an optional extra): a missing one stops the run before it starts."""
-    try:
-        importlib.import_module("wandb")
-    except ImportError as e:
-        raise UserError(f"log.wandb=true needs the wandb package ({e}): pip install 'jaxtrain[wandb]', "
-                        f"or drop --log.wandb=true") from None
-
-
-def _values(cfg: Config):
-    """(`section.key` as spelled in YAML, value) for every field."""
+def _spelled_otherwise():
+    """(section, field) for each field whose YAML name is not its Python name (`init.from`: a Python keyword)."""
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(section.type):
-            yield f"{section.name}.{_yaml_name((section.name,), f.name)}", getattr(getattr(cfg, section.name), f.name)
-
-
-def _divisors_near(n: int, k: int) -> str:
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(str(d) for d in sorted(divisors, key=lambda d: abs(d - k))[:3])
+            if cmdline.yaml_name(f) != f.name:
+                yield section.name, f
 
 
 def dump(cfg: Config) -> str:
     """The resolved config as YAML that `load` reads back (keyword fields under their YAML names)."""
     raw = yaml.safe_load(draccus.dump(cfg))
-    for (section, key), (_, field) in _KEYWORD_FIELDS.items():
-        raw[section][key] = raw[section].pop(field)
+    for section, f in _spelled_otherwise():
+        raw[section][cmdline.yaml_name(f)] = raw[section].pop(f.name)
     return yaml.safe_dump(raw, sort_keys=False)
 
 

@@ -55,7 +55,7 @@ def cosine_restarts(peak: float, end: float, steps: int, cycles: int) -> optax.S
     """`cycles` cosines from peak to end over `steps` (HF's cosine_with_restarts), then end. The position in the
     cycle, (t * cycles mod steps) / steps, is taken in integers: exact, so each restart is at peak on its step."""
     def schedule(count):
-        phase = jnp.mod(count * cycles, steps) / steps  # config.validate keeps cycles * steps within int32
+        phase = jnp.mod(count * cycles, steps) / steps  # config_checks keeps cycles * steps within int32
         value = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * phase))
         return jnp.where(count >= steps, end, value)
     return schedule

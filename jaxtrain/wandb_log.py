@@ -1,7 +1,7 @@
 """Weights & Biases (log.wandb=true): the fields of metrics.jsonl in one W&B run per run folder, across resumes.
 
 Pure Python, no jax: torchref logs through it too. `wandb` is an optional package (`pip install 'jaxtrain[wandb]'`),
-imported only when log.wandb is set; config.validate checks for it before anything starts (a missing one: one
+imported only when log.wandb is set; config_checks checks for it before anything starts (a missing one: one
 line naming the fix, exit 2).
 
 - The run: wandb draws its id at the first start, kept in <out_dir>/wandb.json from then on; every later start of the

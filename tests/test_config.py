@@ -9,7 +9,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxtrain import config, mesh, same_run
+from jaxtrain import config, config_checks, mesh, same_run
 from jaxtrain.errors import UserError
 
 
@@ -135,7 +135,7 @@ def test_shipped_configs_decode(name):
     with open(os.path.join("configs", name)) as f:
         cfg = config.from_dict(yaml.safe_load(f))
     if cfg.data.path is None:
-        config.validate(cfg)
+        config_checks.validate(cfg)
 
 
 def test_trajectory_check_names_changed_keys_and_allows_extending(yaml_path):

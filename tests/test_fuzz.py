@@ -27,8 +27,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxtrain import config, data, prepare, run, runlock
-from jaxtrain.config import INT32_MAX
+from jaxtrain import cmdline, config, data, prepare, run, runlock
+from jaxtrain.config_checks import INT32_MAX
 from jaxtrain.errors import UserError
 from jaxtrain.param_groups import ParamGroup
 
@@ -97,7 +97,7 @@ def assert_untouched(before: dict, root: str) -> None:
 
 # Config overrides --------------------------------------------------------------------------------------------------
 
-FIELDS = {f"{s.name}.{config._yaml_name((s.name,), f.name)}": f.type
+FIELDS = {f"{s.name}.{cmdline.yaml_name(f)}": f.type
           for s in dataclasses.fields(config.Config) for f in dataclasses.fields(s.type)}
 # configs/tiny.yaml has d_model 128, n_head 4, batch_size 32, lr 1e-3, min_lr 1e-4; valid values keep them consistent.
 BASE = ["--config", "configs/tiny.yaml", "--train.steps=8", "--optim.warmup_steps=2"]

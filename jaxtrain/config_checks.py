@@ -1,0 +1,180 @@
+"""Whether a run configuration's values make sense, alone and together: counts within int32, rates in range, the
+schedule's lengths consistent, the batch divisible into micro-batches and tiles, the run folder writable and the
+data folder there. config.load calls `validate` on every Config it decodes; a wrong value becomes one `UserError`
+naming the key and the fix. `cfg` is a jaxtrain.config.Config (config imports this module, not the other way).
+Pure Python, as config is.
+"""
+
+import dataclasses
+import importlib
+import math
+import os
+
+from jaxtrain import cmdline
+from jaxtrain import param_groups
+from jaxtrain import runfolder
+from jaxtrain.errors import UserError
+
+# The schedules that decay from lr to min_lr over decay_steps (optim.py), so whose warmup must end before it.
+DECAYING_SCHEDULES = ("cosine", "linear", "cosine_with_restarts")
+
+# optax, MultiSteps and the train state count steps in int32: a larger count would wrap around.
+INT32_MAX = 2**31 - 1
+
+
+def validate(cfg) -> None:
+    """Check what a wrong value would otherwise turn into a shape error or a silent mistake later."""
+    _check_numbers(cfg)
+    _check_text(cfg)
+    _check_optional(cfg)
+    _check_mesh(cfg)
+    _check_ranges(cfg)
+    param_groups.validate(cfg.optim.groups)
+    _check_schedule(cfg)
+    if cfg.data.batch_size % cfg.optim.grad_accum_steps:
+        raise UserError(f"data.batch_size={cfg.data.batch_size} is not divisible by optim.grad_accum_steps="
+                        f"{cfg.optim.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a "
+                        f"multiple")
+    _check_vocab_tiles(cfg)
+    _check_places(cfg)
+
+
+def _check_ranges(cfg) -> None:
+    """Counts, rates and scales each within what its formula allows."""
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    positive = {
+        "model.seq_len": m.seq_len, "model.n_layer": m.n_layer, "model.n_head": m.n_head,
+        "model.d_model": m.d_model, "data.batch_size": cfg.data.batch_size, "optim.grad_accum_steps": o.grad_accum_steps,
+        "train.steps": t.steps, "train.eval_batches": t.eval_batches, "checkpoint.every": cfg.checkpoint.every,
+        "checkpoint.max_to_keep": cfg.checkpoint.max_to_keep, "log.every": cfg.log.every, "optim.lr": o.lr,
+        "train.nan_skip_limit": t.nan_skip_limit, "run.lock_timeout_s": cfg.run.lock_timeout_s,
+        "optim.cycles": o.cycles, "train.loss_scale_init": t.loss_scale_init,
+        "train.loss_scale_growth_interval": t.loss_scale_growth_interval,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise UserError(f"{key} must be > 0, got {value}")
+    non_negative = {"optim.warmup_steps": o.warmup_steps, "optim.min_lr": o.min_lr, "optim.weight_decay": o.weight_decay,
+                    "optim.max_grad_norm": o.max_grad_norm, "optim.eps": o.eps, "train.eval_every": t.eval_every,
+                    "log.sample_tokens": cfg.log.sample_tokens}
+    for key, value in non_negative.items():
+        if value < 0:
+            raise UserError(f"{key} must be >= 0, got {value}")
+    if m.d_model % m.n_head:
+        raise UserError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
+                        f"choose n_head among the divisors of d_model (e.g. {_divisors_near(m.d_model, m.n_head)})")
+    if not 0.0 <= m.dropout < 1.0:
+        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    for key in ("b1", "b2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            raise UserError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
+    if not (math.log2(t.loss_scale_init).is_integer() and t.loss_scale_init <= 2.0**127):
+        raise UserError(f"train.loss_scale_init={t.loss_scale_init} must be a power of 2 (e.g. 65536, at most 2**127 "
+                        f"in fp32), so that scaling the loss and unscaling its gradient are exact")
+
+
+def _check_schedule(cfg) -> None:
+    """The LR schedule's lengths and levels fit together."""
+    o = cfg.optim
+    if o.schedule == "constant" and o.warmup_steps:
+        raise UserError(f"optim.schedule=constant has no warmup, but optim.warmup_steps={o.warmup_steps}; set "
+                        f"optim.warmup_steps=0, or use optim.schedule=constant_with_warmup")
+    if o.schedule in DECAYING_SCHEDULES and o.warmup_steps >= cfg.decay_steps:
+        raise UserError(f"optim.warmup_steps={o.warmup_steps} must be smaller than the decay length {cfg.decay_steps} "
+                        f"(optim.decay_steps, default train.steps); lower warmup_steps or raise decay_steps")
+    if o.schedule == "cosine_with_restarts" and not o.cycles * (cfg.decay_steps - o.warmup_steps) <= INT32_MAX:
+        raise UserError(f"optim.cycles={o.cycles} over {cfg.decay_steps - o.warmup_steps} decay steps is past the "
+                        f"int32 arithmetic of the schedule's phase; use fewer cycles")
+    if o.min_lr > o.lr:
+        raise UserError(f"optim.min_lr={o.min_lr} is larger than optim.lr={o.lr}; the cosine decays from lr to min_lr")
+
+
+def _check_places(cfg) -> None:
+    """The run folder can be written, W&B is installed if asked for, and the data folder exists."""
+    if runfolder.is_url(cfg.run.out_dir):
+        runfolder.check_url(cfg.run.out_dir, writes=not cfg.run.dry_run)
+    else:
+        runfolder.check_local(cfg.run.out_dir)
+    if cfg.log.wandb and not cfg.run.dry_run:
+        _check_wandb_installed()
+    if cfg.data.path is not None and not os.path.isdir(cfg.data.path) and not (
+            cfg.run.dry_run and cfg.model.vocab_size is not None):  # a dry run reads no data when it knows the vocab
+        raise UserError(f"data.path={cfg.data.path!r} is not a folder; create it with "
+                        f"`python -m jaxtrain.data prepare --input TEXT --out DIR`, or drop data.path for the embedded corpus")
+
+
+def _check_numbers(cfg) -> None:
+    """Every float finite (nan and inf would train, or fail far from the cause); every count within int32."""
+    for key, value in _values(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{key} must be a finite number, got {value}")
+        if key == "run.seed" and not 0 <= value < 2**32:
+            raise UserError(f"run.seed={value} must be in [0, 2**32): the batch order and the init draw from it")
+        if isinstance(value, int) and not isinstance(value, bool) and key != "run.seed" and abs(value) > INT32_MAX:
+            raise UserError(f"{key}={value} is out of range: counts must be at most {INT32_MAX} (2**31 - 1, "
+                            f"the int32 step counters of optax)")
+
+
+def _check_text(cfg) -> None:
+    """Paths not empty (`--run.out_dir=` would write into the current folder) and free of control characters (a
+    newline in a path is a paste gone wrong, and would split every message that names it)."""
+    for key, value in _values(cfg):
+        if key == "log.sample_prompt":  # text to continue, not a path: any characters, new lines included
+            if not value:
+                raise UserError(f"{key} is empty: the sample needs text to continue; leave it out for a new line")
+            continue
+        if isinstance(value, str) and not value.strip():
+            raise UserError(f"{key} is empty; give it a folder, or leave it out for its default")
+        if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise UserError(f"{key}={value!r} holds a control character; give a plain folder name")
+
+
+def _check_vocab_tiles(cfg) -> None:
+    """model.vocab_tiles splits a micro-batch's tokens into equal tiles (loss.tiled_ce_sum)."""
+    tiles, tokens = cfg.model.vocab_tiles, cfg.micro_batch_size * cfg.model.seq_len
+    if tiles < 1:
+        raise UserError(f"model.vocab_tiles must be >= 1 (1: the whole logits at once), got {tiles}")
+    if tokens % tiles:
+        raise UserError(f"model.vocab_tiles={tiles} does not divide the {tokens} tokens of a micro-batch (data.batch_"
+                        f"size / optim.grad_accum_steps x model.seq_len); choose a divisor, e.g. {math.gcd(tokens, tiles)}")
+
+
+def _check_optional(cfg) -> None:
+    """Keys that may be null (meaning: derive it) must be in range when set."""
+    m, o = cfg.model, cfg.optim
+    for key, value in {"model.vocab_size": m.vocab_size, "optim.decay_steps": o.decay_steps,
+                       "log.peak_tflops": cfg.log.peak_tflops, "run.dry_run_devices": cfg.run.dry_run_devices}.items():
+        if value is not None and value <= 0:
+            raise UserError(f"{key} must be > 0 (or null to derive it), got {value}")
+    if o.warmup_init_lr is not None and o.warmup_init_lr < 0:
+        raise UserError(f"optim.warmup_init_lr must be >= 0 (or null for lr / (warmup_steps + 1)), "
+                        f"got {o.warmup_init_lr}")
+
+
+def _check_mesh(cfg) -> None:
+    """The axis sizes alone; mesh.validate_devices checks them against the devices a run finds."""
+    if cfg.mesh.fsdp <= 0:
+        raise UserError(f"mesh.fsdp must be > 0 (1: no sharding), got {cfg.mesh.fsdp}")
+    if cfg.mesh.data != -1 and cfg.mesh.data <= 0:
+        raise UserError(f"mesh.data must be > 0, or -1 for all devices not used by fsdp, got {cfg.mesh.data}")
+
+
+def _check_wandb_installed() -> None:
+    """log.wandb=true needs the wandb package (an optional extra): a missing one stops the run before it starts."""
+    try:
+        importlib.import_module("wandb")
+    except ImportError as e:
+        raise UserError(f"log.wandb=true needs the wandb package ({e}): pip install 'jaxtrain[wandb]', "
+                        f"or drop --log.wandb=true") from None
+
+
+def _values(cfg):
+    """(`section.key` as spelled in YAML, value) for every field."""
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(section.type):
+            yield f"{section.name}.{cmdline.yaml_name(f)}", getattr(getattr(cfg, section.name), f.name)
+
+
+def _divisors_near(n: int, k: int) -> str:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(str(d) for d in sorted(divisors, key=lambda d: abs(d - k))[:3])
