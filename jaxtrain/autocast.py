@@ -153,11 +153,23 @@ def biased_matmul(x, w, b, precision: str):
     weights (fsdp > 1), where a weight split along K would be resharded to take its row (all-to-alls in each layer:
     benchmarks/NOTES.md)."""
     low = COMPUTE_DTYPES[precision]
-    if precision == "fp32" or backend() != "gpu" or mesh.weight_shards() > 1:
+    if not bias_row_applies(precision):
         return (matmul(x, w, precision) + b.astype(low)).astype(low)
-    column = jnp.zeros(x.shape[:-1] + (BIAS_ROW_PAD,), low).at[..., 0].set(1)
     row = jnp.zeros((BIAS_ROW_PAD, w.shape[1]), w.dtype).at[0].set(b)
-    return rounded_matmul(jnp.concatenate([x.astype(low), column], -1), jnp.concatenate([w, row], 0), precision)
+    x = x if x.shape[-1] == w.shape[0] + BIAS_ROW_PAD else with_ones_column(x, low)  # fused_norm pads its output
+    return rounded_matmul(x, jnp.concatenate([w, row], 0), precision)
+
+
+def bias_row_applies(precision: str) -> bool:
+    """Whether biased_matmul adds the bias as the gemm's last row of weights: on a GPU under bf16 or fp16, where
+    the mesh keeps each weight whole."""
+    return precision != "fp32" and backend() == "gpu" and mesh.weight_shards() == 1
+
+
+def with_ones_column(x, low):
+    """x in the compute dtype with BIAS_ROW_PAD more columns: a 1, then zeros (the bias row's partner)."""
+    column = jnp.zeros(x.shape[:-1] + (BIAS_ROW_PAD,), low).at[..., 0].set(1)
+    return jnp.concatenate([x.astype(low), column], -1)
 
 
 @jax.custom_vjp

@@ -57,6 +57,9 @@ class ModelConfig:
     # auto: cuDNN's fused flash attention on a GPU under bf16 without dropout, the written-out attention elsewhere;
     # xla: always written out (fp32 scores, as torchref); cudnn: always fused, an error where it cannot run
     attention: Literal["auto", "xla", "cudnn"] = "auto"
+    # the residual adds and LayerNorms of each block: auto: one hand-written kernel each way on a GPU (Pallas), XLA's
+    # ops elsewhere; xla: always XLA's; pallas: always the kernels (off a GPU through Pallas's interpreter: slow)
+    norm: Literal["auto", "xla", "pallas"] = "auto"
     # recompute each block's activations in the backward pass instead of keeping them: full keeps only each block's
     # input; dots keeps the outputs of its weight matmuls too (less memory than none, less recompute than full)
     remat: Literal["none", "full", "dots"] = "none"

@@ -130,6 +130,12 @@ def batch_sharded(x_BxTxD):
     return x_BxTxD if mesh.empty else jax.lax.with_sharding_constraint(x_BxTxD, P(mesh.axis_names))
 
 
+def batch_axes() -> tuple[str, ...]:
+    """The mesh axes batch_sharded splits the batch over (all of them) when traced under a mesh; () outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(mesh.axis_names)
+
+
 def batch_shards() -> int:
     """How many devices batch_sharded splits the batch over: every device of the mesh traced under, 1 outside one."""
     mesh = jax.sharding.get_abstract_mesh()

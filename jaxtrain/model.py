@@ -10,7 +10,8 @@ too (autocast.py, the ops' numerics); a Linear's bias is rounded to bf16 before 
 activations and the logits are bf16; the residual stream, LayerNorm and softmax are fp32, and the loss upcasts the
 logits. "fp16" is the same with fp16 (the train step adds the loss scaling fp16's range needs: step.py). Precision
 "fp32" runs every dot at Precision.HIGHEST. On a GPU under bf16,
-attention runs as cuDNN's fused kernel (model.attention).
+attention runs as cuDNN's fused kernel (model.attention), and on a GPU each residual add and the LayerNorm after it
+as one hand-written kernel each way (model.norm, fused_norm.py).
 
 Decoding (`extend`) runs the same blocks on new tokens only, with the keys and values of the earlier positions kept
 in a `KVCache` per layer: the attention takes the cache as an optional argument, and the math is the training
@@ -27,6 +28,7 @@ from flax import nnx
 from jaxtrain.autocast import COMPUTE_DTYPES, backend, biased_matmul, gelu, matmul, rounded_matmul, row_major
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
+from jaxtrain.fused_norm import residual_norm
 from jaxtrain.mesh import batch_sharded
 
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
@@ -127,7 +129,7 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x_BxTxD, key, cache: KVCache | None = None):
         """(y, cache): with a cache (decoding), x continues the positions it holds, and comes back with x's keys and
         values added; without one, x starts at position 0 and the cache stays None."""
-        B, T, D = x_BxTxD.shape
+        B, T, D = x_BxTxD.shape[:2] + self.c_proj.kernel.shape[1:]  # x may carry the bias row's column (fused_norm)
         probs_key, resid_key = _split(key, 2)
         q, k, v = (t.reshape(B, T, self.n_head, D // self.n_head) for t in jnp.split(self.c_attn(x_BxTxD), 3, -1))
         if cache is not None:
@@ -183,13 +185,31 @@ class Block(nnx.Module):
         self.attn = CausalSelfAttention(cfg, precision=precision, rngs=rngs)
         self.ln_2 = LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg, precision=precision, rngs=rngs)
+        self.precision, self.norm_kernels = precision, uses_norm_kernels(cfg)
 
     def __call__(self, x_BxTxD, key, cache: KVCache | None = None):
         """(x, cache): the attention's cache passed through (see CausalSelfAttention)."""
         attn_key, mlp_key = _split(key, 2)
-        y_BxTxD, cache = self.attn(self.ln_1(x_BxTxD), attn_key, cache)
-        x_BxTxD = x_BxTxD + y_BxTxD  # fp32 + bf16 -> fp32, as in torch
-        return x_BxTxD + self.mlp(self.ln_2(x_BxTxD), mlp_key), cache
+        x_BxTxD, h_BxTxD = self._residual_norm(self.ln_1, x_BxTxD, None)
+        y_BxTxD, cache = self.attn(h_BxTxD, attn_key, cache)
+        x_BxTxD, h_BxTxD = self._residual_norm(self.ln_2, x_BxTxD, y_BxTxD)
+        return x_BxTxD + self.mlp(h_BxTxD, mlp_key), cache
+
+    def _residual_norm(self, ln: LayerNorm, x_BxTxD, y_BxTxD):
+        """(x + y, ln(x + y)), y None for none; fp32 + bf16 -> fp32, as in torch. One Pallas kernel each way where
+        model.norm picks it (fused_norm.py: then ln's output comes in the compute dtype), XLA's ops elsewhere."""
+        if self.norm_kernels:
+            return residual_norm(x_BxTxD, y_BxTxD, ln.weight[...], None if ln.bias is None else ln.bias[...],
+                                 self.precision)
+        x_BxTxD = x_BxTxD if y_BxTxD is None else x_BxTxD + y_BxTxD
+        return x_BxTxD, ln(x_BxTxD)
+
+
+def uses_norm_kernels(cfg: ModelConfig) -> bool:
+    """Whether each block's residual adds and LayerNorms run as fused_norm's kernels (model.norm): auto on a GPU,
+    where XLA writes them as several passes over the fp32 residual stream; pallas anywhere (off a GPU through
+    Pallas's interpreter: slow, for checking the kernels)."""
+    return cfg.norm == "pallas" or (cfg.norm == "auto" and backend() == "gpu")
 
 
 # model.remat: what the backward pass finds kept from each block's forward (the rest it recomputes). full: nothing
