@@ -365,6 +365,14 @@ def print_stats(data_cfg: DataConfig) -> None:
           f"(the loss of the best model that sees only token frequencies / only the previous token)")
 
 
+def _prepare(args: argparse.Namespace) -> None:
+    try:
+        prepare_lib.prepare(args.input, args.out, args.tokenizer, args.val_fraction, overwrite=args.overwrite)
+    except KeyboardInterrupt:  # prepare leaves --out as it was when interrupted
+        print(f"\ninterrupted; {args.out} is unchanged", file=sys.stderr)
+        sys.exit(130)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jaxtrain.data", description="Prepare token data and inspect it.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -373,13 +381,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--tokenizer", choices=("bytes", "gpt2"), required=True)
     p.add_argument("--val-fraction", type=float, default=0.1, help="tail of the token stream held out for val")
+    p.add_argument("--overwrite", action="store_true", help="replace the data an existing --out folder holds")
     s = sub.add_parser("stats", help="token counts and the entropies a model's loss should beat")
     s.add_argument("--data-path", help="data folder; default: the embedded corpus")
     s.add_argument("--cache-dir", help="where the embedded corpus is prepared; default: ~/.cache/jaxtrain")
     args = ap.parse_args(argv)
     with exit_on_user_error():
         if args.command == "prepare":
-            prepare_lib.prepare(args.input, args.out, args.tokenizer, args.val_fraction)
+            _prepare(args)
         else:
             print_stats(DataConfig(path=args.data_path, cache_dir=args.cache_dir))
 

@@ -8,6 +8,7 @@ imports this module, so it must never import jax or torch.
 import codecs
 import collections
 import concurrent.futures
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
@@ -16,6 +17,8 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -117,8 +120,9 @@ def gpt2_encoding():
         raise UserError(f"cannot load the gpt2 tokenizer ({type(e).__name__}: {e}). {_gpt2_help()}") from None
 
 
-def _input_files(inputs: list[str]) -> list[pathlib.Path]:
-    """Files in the order given; a folder contributes all its files, recursively, sorted by path."""
+def _input_files(inputs: list[str], out: str) -> list[pathlib.Path]:
+    """Files in the order given; a folder contributes all its files, recursively, sorted by path. Files under `out`
+    are left out: they are the data this prepare replaces (an --out inside an --input folder)."""
     files = []
     for item in inputs:
         path = pathlib.Path(item)
@@ -128,8 +132,14 @@ def _input_files(inputs: list[str]) -> list[pathlib.Path]:
             files.append(path)
         else:
             raise UserError(f"--input {item!r} is neither a file nor a folder; pass text files or folders of them")
+    out_path = pathlib.Path(out).resolve()
+    under_out = {p for p in files if out_path in p.resolve().parents}
+    if under_out:
+        print(f"prepare: leaving out {len(under_out)} file(s) under --out {out}", file=sys.stderr)
+        files = [p for p in files if p not in under_out]
     if not files:
-        raise UserError(f"no files found under --input {' '.join(inputs)}; pass folders that contain text files")
+        raise UserError(f"no files found under --input {' '.join(inputs)} (outside --out); "
+                        f"pass folders that contain text files")
     unreadable = [str(p) for p in files if not os.access(p, os.R_OK)]
     if unreadable:
         raise UserError(f"--input {unreadable[0]} cannot be read by this user ({len(unreadable)} such file(s)); "
@@ -191,24 +201,54 @@ def _stream_tokens(files: list[pathlib.Path], tokenizer: str, encode, workers: i
             yield in_flight.popleft().result()
 
 
-def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0.1, workers: int | None = None) -> None:
+_DATA_FILES = ("train.bin", "val.bin", "meta.json")
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0.1, workers: int | None = None,
+            overwrite: bool = False) -> None:
     """Tokenize text files into a data folder, streaming: tokens go to disk as they come, so memory stays flat. val
     is the last val_fraction of the token stream, as nanoGPT's shakespeare prepare: deterministic, and with several
-    files mostly whole held-out files."""
+    files mostly whole held-out files.
+
+    The files are written into a staging folder inside `out` and replace out's only once all are complete, so a
+    prepare that fails or is interrupted (a KeyboardInterrupt out of it) leaves `out` as it was. An `out` that
+    already holds data is replaced only with `overwrite`: runs trained on the old data would refuse to resume."""
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-    files = _input_files(inputs)
     runfolder.check_writable(out, "--out")
+    existing = [name for name in _DATA_FILES if os.path.lexists(os.path.join(out, name))]
+    if existing and not overwrite:
+        raise UserError(f"--out {out} already holds data ({', '.join(existing)}), which runs trained on it need to "
+                        f"resume; pass --overwrite to replace it, or choose another --out")
+    files = _input_files(inputs, out)
     encode, vocab_size = _encoder(tokenizer)
-    dtype = _dtype_for(vocab_size)
+    start, created = time.perf_counter(), not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
-    for stale in ("meta.json", "val.bin"):  # meta.json is written last: a cut-short folder has none
-        if os.path.exists(os.path.join(out, stale)):
-            os.remove(os.path.join(out, stale))
-    partial, start = os.path.join(out, "train.bin.partial"), time.perf_counter()
-    n_tokens = 0
-    with open(partial, "wb") as f, tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
-                                        desc=f"prepare ({tokenizer})", disable=None) as bar:
+    staging = tempfile.mkdtemp(prefix=".prepare-", dir=out)
+    try:
+        meta = _write_data(staging, files, tokenizer, encode, vocab_size, val_fraction, workers)
+    except OSError as e:
+        raise UserError(f"prepare stopped ({e}); {out} is unchanged: fix the cause (disk space, permissions, "
+                        f"an input file that went away) and run it again") from None
+    else:
+        with _signals_deferred(f"the new data is in place in {out}"):
+            _move_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not os.listdir(out):
+            os.rmdir(out)
+    n_tokens, seconds = meta["train_tokens"] + meta["val_tokens"], time.perf_counter() - start
+    print(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({tokenizer}, vocab "
+          f"{vocab_size}) to {out} in {seconds:.1f}s ({n_tokens / seconds:,.0f} tokens/s)")
+
+
+def _write_data(folder: str, files: list[pathlib.Path], tokenizer: str, encode, vocab_size: int,
+                val_fraction: float, workers: int | None) -> dict:
+    """Writes train.bin, val.bin and meta.json into `folder`; returns the meta."""
+    dtype = _dtype_for(vocab_size)
+    train_path, start, n_tokens = os.path.join(folder, "train.bin"), time.perf_counter(), 0
+    with open(train_path, "wb") as f, tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
+                                           desc=f"prepare ({tokenizer})", disable=None) as bar:
         for i, (ids, n_bytes) in enumerate(_stream_tokens(files, tokenizer, encode, workers or os.cpu_count() or 1)):
             ids.astype(dtype).tofile(f)
             n_tokens += len(ids)
@@ -217,15 +257,39 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
             bar.update(n_bytes)
             bar.set_postfix_str(f"{n_tokens / (time.perf_counter() - start):,.0f} tokens/s", refresh=False)
     n_val = int(n_tokens * val_fraction)
-    _split_tail(partial, os.path.join(out, "val.bin"), n_tokens - n_val, dtype)
-    os.replace(partial, os.path.join(out, "train.bin"))
+    _split_tail(train_path, os.path.join(folder, "val.bin"), n_tokens - n_val, dtype)
     meta = {"vocab_size": vocab_size, "dtype": dtype.name, "tokenizer": tokenizer,
             "train_tokens": n_tokens - n_val, "val_tokens": n_val}
-    with open(os.path.join(out, "meta.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(folder, "meta.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
-    seconds = time.perf_counter() - start
-    print(f"wrote {n_tokens - n_val:,} train and {n_val:,} val tokens ({tokenizer}, vocab {vocab_size}) to {out} in "
-          f"{seconds:.1f}s ({n_tokens / seconds:,.0f} tokens/s)")
+    return meta
+
+
+def _move_into_place(staging: str, out: str) -> None:
+    """Renames the staged files over out's (one file system: nothing is copied). The old meta.json goes first and
+    the new one comes last, so that a folder caught in between has none, and load says it was cut short."""
+    old_meta = os.path.join(out, "meta.json")
+    if os.path.lexists(old_meta):
+        os.remove(old_meta)
+    for name in _DATA_FILES:
+        os.replace(os.path.join(staging, name), os.path.join(out, name))
+
+
+@contextlib.contextmanager
+def _signals_deferred(done: str):
+    """SIGINT and SIGTERM during the block are noted, and stop the process only after it, with one line ending in
+    `done`: Python runs signal handlers in the main thread between bytecodes, so a noting handler cannot cut the
+    block short as a KeyboardInterrupt would (Ctrl-C between two renames left old and new files mixed)."""
+    noted = []
+    previous = {s: signal.signal(s, lambda signum, _: noted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if noted:
+        print(f"\n{signal.Signals(noted[0]).name}: stopping; {done}", file=sys.stderr)
+        sys.exit(128 + noted[0])
 
 
 def _give_back_freed_memory() -> None:

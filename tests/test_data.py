@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sysconfig
 
 import numpy as np
@@ -146,6 +147,104 @@ def test_bad_input_exits_with_one_line(tmp_path, capsys):
         data.main(["prepare", "--input", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--tokenizer", "bytes"])
     assert e.value.code == 2
     assert "neither a file nor a folder" in capsys.readouterr().err
+
+
+def _files_under(folder) -> dict[str, bytes]:
+    """Every file under `folder`, hidden ones included, by relative path: what a prepare left there."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _prepare_cli(capsys, *args: str) -> tuple[int, str]:
+    """(exit code, stderr) of `python -m jaxtrain.data prepare ... --tokenizer bytes`, run in this process."""
+    try:
+        data.main(["prepare", *args, "--tokenizer", "bytes", "--val-fraction", "0.25"])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_prepare_with_out_inside_input_reads_only_the_text(tmp_path, capsys):
+    """--out inside an --input folder: a second prepare (--overwrite) reads the text files, not the data folder's
+    own files, and writes the same folder as the first (it crashed, having deleted meta.json and val.bin)."""
+    text = tmp_path / "txt"
+    text.mkdir()
+    (text / "a.txt").write_bytes(b"alpha beta gamma\n")
+    (text / "b.txt").write_bytes(b"delta\n")
+    out = text / "data"
+    assert _prepare_cli(capsys, "--input", str(text), "--out", str(out))[0] == 0
+    first = _files_under(out)
+    code, err = _prepare_cli(capsys, "--input", str(text), "--out", str(out), "--overwrite")
+    assert code == 0 and f"leaving out 3 file(s) under --out {out}" in err, err
+    assert _files_under(out) == first
+    tokens = np.concatenate([np.fromfile(out / "train.bin", np.uint16), np.fromfile(out / "val.bin", np.uint16)])
+    assert bytes(tokens.astype(np.uint8)) == b"alpha beta gamma\ndelta\n"
+
+
+@pytest.fixture
+def prepared(tmp_path, capsys):
+    """(text folder, a prepared --out folder of its bytes, that folder's files)."""
+    text, out = tmp_path / "txt", tmp_path / "data"
+    text.mkdir()
+    (text / "a.txt").write_bytes(b"the old text\n")
+    assert _prepare_cli(capsys, "--input", str(text), "--out", str(out))[0] == 0
+    (text / "b.txt").write_bytes(b"and some new text\n" * 50)
+    return text, out, _files_under(out)
+
+
+def test_prepare_refuses_to_replace_data_without_overwrite(prepared, capsys):
+    text, out, before = prepared
+    code, err = _prepare_cli(capsys, "--input", str(text), "--out", str(out))
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip() == (f"error: --out {out} already holds data (train.bin, val.bin, meta.json), which runs "
+                           f"trained on it need to resume; pass --overwrite to replace it, or choose another --out")
+    assert _files_under(out) == before
+
+
+@pytest.mark.parametrize("fault,code,says", [
+    (KeyboardInterrupt(), 130, "interrupted; {out} is unchanged"),
+    (OSError(28, "No space left on device"), 2, "error: prepare stopped ([Errno 28] No space left on device); "
+                                                "{out} is unchanged: fix the cause"),
+], ids=["ctrl-c", "disk-full"])
+def test_an_interrupted_or_failed_prepare_leaves_the_old_folder_as_it_was(prepared, capsys, monkeypatch, fault,
+                                                                           code, says):
+    """Ctrl-C or a write error once half the new tokens are written: one line, no traceback, and the folder holds
+    exactly its old files (before, meta.json and val.bin were deleted first), no staging folder left behind."""
+    text, out, before = prepared
+    staged = []
+
+    def fail_after_eight_pieces():  # prepare calls it after every 8 pieces written
+        staged.extend(p.stat().st_size for p in out.glob(".prepare-*/train.bin"))
+        raise fault
+
+    monkeypatch.setattr(prepare, "PIECE_BYTES", 64)  # b.txt is 900 bytes: 15 pieces
+    monkeypatch.setattr(prepare, "_give_back_freed_memory", fail_after_eight_pieces)
+    exit_code, err = _prepare_cli(capsys, "--input", str(text), "--out", str(out), "--overwrite")
+    monkeypatch.undo()
+    assert exit_code == code and "Traceback" not in err and staged[0] > 0, err
+    assert err.strip().splitlines()[-1].startswith(says.format(out=out)), err
+    assert _files_under(out) == before
+
+
+def test_a_signal_while_prepare_moves_the_new_files_in_waits_until_all_are_in(prepared, capsys, monkeypatch, tmp_path):
+    """Ctrl-C between two of the final renames (the rename of a fresh file over an old one can take a moment: ext4
+    writes the new file's blocks first) stops the prepare only once all three are in place: the folder then
+    equals one prepared uninterrupted, never old and new files mixed."""
+    text, out, _ = prepared
+    assert _prepare_cli(capsys, "--input", str(text), "--out", str(tmp_path / "uninterrupted"))[0] == 0
+    real_replace = os.replace
+
+    def ctrl_c_on_the_first(src, dst):
+        if src.endswith("train.bin"):
+            os.kill(os.getpid(), signal.SIGINT)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(prepare.os, "replace", ctrl_c_on_the_first)
+    code, err = _prepare_cli(capsys, "--input", str(text), "--out", str(out), "--overwrite")
+    monkeypatch.undo()
+    assert code == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == f"SIGINT: stopping; the new data is in place in {out}"
+    assert _files_under(out) == _files_under(tmp_path / "uninterrupted")
 
 
 def test_entropies_of_known_streams():
