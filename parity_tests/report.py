@@ -21,7 +21,8 @@ rounding, so a constant measured on one run cannot hold at every length (judgmen
 whose true gradient is zero, is judged against the floor alone (judgment.ZERO_GRADIENT). In bf16 and fp16 the
 cross-backend gap is also judged against torchref's own gap to fp32 (issue 4's 3x rule); fp16 adds its loss scaling
 decisions (loss_scale, skipped), which must be the same at every step. Further `--section.key=value` flags go to
-all runs. Exit status 1 when a bound is exceeded.
+all runs. Exit status 1 when a bound is exceeded. A previous report's runs/ is replaced only once the init's export
+has loaded the config, the flags and the data: a refused command (exit 2) leaves it as it was.
 The bounds and their reasons are judgment.FP32 / judgment.BF16 / judgment.params_bound, the same the tests assert.
 """
 
@@ -29,6 +30,7 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 
 import matplotlib
 
@@ -75,8 +77,6 @@ class Report:
 
 def build(config: str, steps: int | None, precision: str, out: str, overrides: list[str]) -> Report:
     work = os.path.join(out, "runs")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
     forced = [*(["--train.steps=%d" % steps] if steps else []), f"--train.precision={precision}",
               "--model.dropout=0.0", "--train.eval_every=0"]
     # User flags first, the forced ones last (later flags win): dropout masks cannot match across backends.
@@ -91,7 +91,15 @@ def build(config: str, steps: int | None, precision: str, out: str, overrides: l
         print(f"{label}: {walls[label]:.1f} s", file=sys.stderr, flush=True)
 
     init = os.path.join(work, "init")
-    step("export init", lambda: runs.cli("parity_tests.runs", "export-init", init, *args("init-config")))
+    os.makedirs(out, exist_ok=True)
+    staged = tempfile.mkdtemp(prefix=".init-", dir=out)
+    try:  # the export loads the config, the overrides and the data as the trainers do: only then is runs/ replaced
+        step("export init", lambda: runs.cli("parity_tests.runs", "export-init", staged, *args("init-config")))
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work)
+        os.rename(staged, init)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     dirs = {label: os.path.join(work, label) for label in runs.BACKENDS}
     for backend in runs.BACKENDS:
         step(backend, lambda: runs.train(backend, args(backend), init))

@@ -1,5 +1,6 @@
 """`python -m parity_tests.report` refuses a config the trainers refuse as they do: their one line, exit code 2, no
-traceback (its runs are subprocesses; the report passes on what the first of them said)."""
+traceback (its runs are subprocesses; the report passes on what the first of them said), and the previous report
+in --out untouched."""
 
 import subprocess
 import sys
@@ -9,14 +10,26 @@ import pytest
 from parity_tests import runs
 
 
+def _contents(folder) -> dict:
+    """Every path under `folder`: a folder's is True, a file's its text."""
+    return {str(p.relative_to(folder)): p.is_dir() or p.read_text() for p in sorted(folder.rglob("*"))}
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--steps", "20"], "error: optim.warmup_steps=50 must be smaller than the decay length 20"),  # tiny.yaml: 50
     (["--model.n_layerz=3"], "error: unknown config key 'model.n_layerz'; did you mean model.n_layer?")])
-def test_report_refuses_a_bad_config_in_one_line(tmp_path, flags, message):
+def test_report_refuses_a_bad_config_in_one_line_and_keeps_the_previous_report(tmp_path, flags, message):
+    """A previous report's runs (hours of CPU) stay as they were: runs/ is replaced only once the config, the
+    overrides and the data have loaded (before, a typo deleted them and then exited 2)."""
+    out = tmp_path / "report"
+    (out / "runs" / "jaxtrain" / "checkpoints" / "500").mkdir(parents=True)
+    (out / "runs" / "jaxtrain" / "metrics.jsonl").write_text('{"step": 500, "loss": 1.5}\n')
+    (out / "report.md").write_text("# the previous report\n")
+    before = _contents(out)
     proc = subprocess.run([sys.executable, "-m", "parity_tests.report", "--config", runs.TINY, "--out",
-                           str(tmp_path / "report"), *flags], cwd=runs.REPO, capture_output=True, text=True)
+                           str(out), *flags], cwd=runs.REPO, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line != "export init ..."]  # its progress line
     assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
-    assert not (tmp_path / "report" / "report.md").exists()
+    assert _contents(out) == before  # and nothing added: no staged init left behind
