@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 
 import jax
 import numpy as np
@@ -76,12 +77,19 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
 @contextlib.contextmanager
 def folder_into_place(out_dir: str):
     """Yields a temporary folder beside out_dir to write into, renamed to out_dir when the block ends without an
-    error: out_dir either holds a complete conversion or does not exist (a stale temporary folder is replaced)."""
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    yield tmp
-    os.replace(tmp, out_dir)
+    error and deleted when it raises: out_dir either holds a complete conversion or does not exist. The temporary
+    folder lies in a fresh mkdtemp one, so that no folder of the user's is taken for a stale one (a fixed name
+    `<out_dir>.tmp` was deleted), and is made by makedirs, with the permissions out_dir would have had."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    fresh = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
+    try:
+        tmp = os.path.join(fresh, "out")
+        os.makedirs(tmp)
+        yield tmp
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
 
 
 def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]:

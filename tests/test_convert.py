@@ -8,6 +8,7 @@ optimizer leaf (moments, counts) holds a value that a mapping bug would change.
 import functools
 import json
 import os
+import pathlib
 
 import jax
 import numpy as np
@@ -196,6 +197,26 @@ def test_export_refuses_mid_window_state_and_existing_folder(tmp_path):
     (tmp_path / "taken" / "x").write_text("")
     with pytest.raises(UserError, match="already exists"):
         torch_format.export(state, cfg, str(tmp_path / "taken"))
+
+
+def test_export_leaves_a_folder_named_like_its_temporary_one_alone(tmp_path):
+    """A folder of the user's named `<DST>.tmp` (a fixed temporary name, deleted before) is left as it is; DST
+    gets its files with the permissions a folder made by makedirs has; a write that fails leaves nothing."""
+    cfg, state = trained(False)
+    users = tmp_path / "torch.tmp"
+    users.mkdir()
+    (users / "notes.txt").write_text("the user's")
+    torch_format.export(state, cfg, str(tmp_path / "torch"))
+    assert (users / "notes.txt").read_text() == "the user's"
+    assert sorted(os.listdir(tmp_path / "torch")) == sorted([torch_format.MODEL, torch_format.OPTIMIZER,
+                                                             torch_format.TRAINER_STATE])
+    os.makedirs(tmp_path / "made")
+    assert os.stat(tmp_path / "torch").st_mode == os.stat(tmp_path / "made").st_mode
+    with pytest.raises(OSError, match="disk full"):
+        with torch_format.folder_into_place(str(tmp_path / "failed")) as tmp:
+            (pathlib.Path(tmp) / torch_format.MODEL).write_text("half written")
+            raise OSError("disk full")
+    assert sorted(os.listdir(tmp_path)) == ["made", "torch", "torch.tmp"]
 
 
 def test_convert_cli_round_trip(tmp_path, capsys):
