@@ -68,16 +68,28 @@ class Trainer:
         self.mesh = mesh_lib.make_mesh(cfg)
         self.abstract_state = checkpoint_lib.abstract_state(cfg, vocab_size, self.mesh)
         self.state_sharding = jax.tree.map(lambda x: x.sharding, self.abstract_state)
-        if cfg.run.fresh and self.is_main:
-            set_aside_previous_run(cfg.run.out_dir)
-        mesh_lib.barrier("run.fresh")  # no host looks for checkpoints before the set-aside is done
-        self.checkpointer = checkpoint_lib.Checkpointer(cfg, self.data.fingerprint)
-        self.resumed = self.checkpointer.resume(self.abstract_state)  # the newest checkpoint that verifies, or None
+        # The newest checkpoint that verifies, or None. run.fresh opens the checkpoints later (open_run_folder).
+        self.resumed = None if cfg.run.fresh else self._open_checkpoints().resume(self.abstract_state)
         self.data_seed = self._data_seed()
         self.jit_train_step = step_lib.jit_train_step(
             cfg, self.data_seed, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
         graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision)
         self.eval_step = jax.jit(step_lib.make_eval_step(graphdef))
+
+    def _open_checkpoints(self) -> checkpoint_lib.Checkpointer:
+        self.checkpointer = checkpoint_lib.Checkpointer(self.cfg, self.data.fingerprint)
+        return self.checkpointer
+
+    def open_run_folder(self) -> None:
+        """run.fresh: move the previous run aside and open the checkpoints, once nothing can refuse the start any
+        more (the data and config checked, init.from read whole, the step compiled and fitting), so that a refused
+        fresh start leaves the previous run in place, to resume. Without run.fresh they are open already."""
+        if self.checkpointer is not None:
+            return
+        if self.is_main:
+            set_aside_previous_run(self.cfg.run.out_dir)
+        mesh_lib.barrier("run.fresh")  # no host opens the checkpoints before the set-aside is done
+        self._open_checkpoints()
 
     def close(self) -> None:
         """Finish the saves in flight and give the run folder back."""
@@ -218,8 +230,6 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         cfg, agreed = trainer.cfg, AgreedStop(stop, trainer.mesh)  # cfg: model.vocab_size resolved
         agreed.check_start_up()  # a signal during start-up stops it between phases
         state = trainer.initial_state()
-        if trainer.is_main:  # after the resume check: a refused resume leaves the run folder as it was
-            config_lib.save(cfg, cfg.run.out_dir)
         start = int(state.step)
         if start >= cfg.train.steps:
             print(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do", file=sys.stderr)
@@ -227,6 +237,9 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         agreed.check_start_up()
         trainer.compile(state)
         agreed.check_start_up()
+        trainer.open_run_folder()
+        if trainer.is_main:  # after every check: a refused start leaves the run folder as it was
+            config_lib.save(cfg, cfg.run.out_dir)
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         logger = metrics_lib.MetricsLogger(
             cfg, start_step=start, flops_per_token=metrics_lib.flops_per_token(cfg, n_params),
@@ -235,7 +248,9 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         summary["wall_s"] = time.perf_counter() - t0  # start-up and compilation included
         return summary, state, trainer
     except StoppedInStartUp:
-        print(f"stopped before the first step, nothing new to save; {config_lib.resume_hint(cfg)}", file=sys.stderr)
+        hint = (config_lib.resume_hint(cfg) if trainer.checkpointer else
+                "run.fresh has moved nothing aside yet: run the same command to start over")
+        print(f"stopped before the first step, nothing new to save; {hint}", file=sys.stderr)
         return {"stopped": True}, None, trainer
     finally:  # still under the StopRequest: a signal while the last saves finish waits for them
         if trainer:

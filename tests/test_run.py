@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from design_formulas import default_lr_at
-from jaxtrain import config, run
+from jaxtrain import config, run, runlock
 from jaxtrain.errors import UserError
 
 TIMING_KEYS = ("tokens_per_s", "mfu")  # wall-clock measurements, the only fields that may differ between runs
@@ -32,6 +32,12 @@ def read_metrics(out_dir):
 
 def without_timing(lines):
     return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
+
+
+def files_but_the_lock(folder) -> dict[str, bytes]:
+    """Every file of a run folder by relative path, but the run lock, which each start takes (runlock.py)."""
+    return {os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), "rb").read()
+            for d, _, names in os.walk(folder) for n in names if n != runlock.NAME}
 
 
 def final_params(out_dir, cache_dir, *extra):
@@ -148,6 +154,52 @@ def test_fresh_sets_previous_run_aside(reference_run, tmp_path, cache_dir):
     again = config.load(["--config", os.path.join(out_dir, "config.yaml")])
     assert not again.run.fresh and run.train(again) == {"steps": 4}
     assert sorted(os.listdir(out_dir)) == sorted(names)
+
+
+@pytest.mark.parametrize("refusal", ["init.from unreadable", "step does not fit"])
+def test_a_refused_fresh_start_leaves_the_previous_run_to_resume(reference_run, tmp_path, cache_dir, monkeypatch,
+                                                                 refusal):
+    """run.fresh refused by an unreadable init.from, or by a step too large for the device (the last check, after
+    compiling), moves nothing: the run folder stays byte for byte and the command without run.fresh resumes it at
+    its last step, as it does the untouched reference run (before, the refusal came after its checkpoints and
+    metrics were moved aside, and that command started at step 0)."""
+    out_dir = str(tmp_path / "fresh")
+    shutil.copytree(reference_run[0], out_dir)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "model.safetensors").write_bytes(b"cut short")
+    flags, says = [f"--init.from={damaged}"], r"damaged/model\.safetensors is missing or unreadable"
+    if refusal == "step does not fit":
+        def does_not_fit(*args):
+            raise UserError("the train step needs 99 GiB per device")
+        monkeypatch.setattr(run.dryrun, "check_fits", does_not_fit)
+        flags, says = [], "needs 99 GiB"
+    before = files_but_the_lock(out_dir)
+    with pytest.raises(UserError, match=says):
+        run.train(config.load(small_args(out_dir, cache_dir, "--run.fresh=true", *flags)))
+    assert files_but_the_lock(out_dir) == before
+    monkeypatch.undo()
+    assert run.train(config.load(small_args(out_dir, cache_dir))) == run.train(
+        config.load(small_args(reference_run[0], cache_dir))) == {"steps": 8}
+
+
+def test_a_fresh_start_stopped_before_its_first_step_moves_nothing(reference_run, tmp_path, cache_dir, monkeypatch,
+                                                                  capsys):
+    """A signal during a fresh start's start-up stops it before the previous run is moved aside; the line says so
+    and names the command that starts over (the same one, not a resume without run.fresh)."""
+    out_dir = str(tmp_path / "fresh")
+    shutil.copytree(reference_run[0], out_dir)
+    before = files_but_the_lock(out_dir)
+
+    def signalled(self):
+        raise run.StoppedInStartUp
+
+    monkeypatch.setattr(run.AgreedStop, "check_start_up", signalled)
+    assert run.train(config.load(small_args(out_dir, cache_dir, "--run.fresh=true"))) == {"stopped": True}
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "stopped before the first step, nothing new to save; run.fresh has moved nothing aside yet: run the same "
+        "command to start over")
+    assert files_but_the_lock(out_dir) == before
 
 
 def test_nan_loss_stops_with_a_clear_message(tmp_path, cache_dir):

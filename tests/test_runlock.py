@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from test_preemption import LONG, start, wait_for
+from test_preemption import LONG, start, wait_for_a_logged_step
 from test_run import read_metrics, small_args, without_timing
 from jaxtrain import config, run
 
@@ -79,7 +79,7 @@ def test_a_second_run_on_a_folder_in_use_refuses_and_the_first_finishes_alone(tm
     """Staggered: the first is training when the second starts (either backend)."""
     out_dir = str(tmp_path / "shared")
     first, _ = start(out_dir, cache_dir)
-    wait_for(first, "compiled the train step")
+    wait_for_a_logged_step(out_dir)  # config.yaml is written once every start-up check has passed, then step 1
     before = {name: open(os.path.join(out_dir, name), "rb").read() for name in ("config.yaml",)}
     refused = second_run(second, out_dir, cache_dir)
     assert refused.returncode == 2 and "is in use by pid" in refused.stderr and "Traceback" not in refused.stderr

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from design_formulas import TOP1_HITS, TOP1_LOGITS, TOP1_TARGETS
+from test_run import files_but_the_lock
 from jaxtrain import config
 from jaxtrain.errors import UserError
 from torchref import run
@@ -266,6 +267,24 @@ def test_fresh_run_sets_old_checkpoints_aside(straight_run, token_dir, tmp_path)
     assert any(n.startswith("checkpoints.before-fresh-") for n in os.listdir(out))
     assert any(n.startswith("metrics.jsonl.before-fresh-") for n in os.listdir(out))  # the old metrics are kept
     assert trajectory(out) == trajectory(straight_run)
+
+
+def test_a_refused_fresh_start_leaves_the_previous_run_to_resume(straight_run, token_dir, tmp_path, capsys):
+    """run.fresh with an unreadable init.from is refused before anything moves: the run folder stays byte for byte
+    and a resume without run.fresh finds its last step (before, its checkpoints and metrics were moved aside first,
+    and that resume started at step 0)."""
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "model.safetensors").write_bytes(b"cut short")
+    before = files_but_the_lock(out)
+    with pytest.raises(UserError, match=r"damaged/model\.safetensors is missing or unreadable"):
+        run.train(tiny_cfg(token_dir, out, "--run.fresh=true", f"--init.from={damaged}"))
+    assert files_but_the_lock(out) == before
+    capsys.readouterr()
+    run.train(tiny_cfg(token_dir, out))
+    assert "nothing to train: at step 6 of train.steps=6" in capsys.readouterr().err
 
 
 # init.from -------------------------------------------------------------------------------------------------------

@@ -120,23 +120,25 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
 def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Progress, bool]:
     """Where training begins: out_dir's newest checkpoint (unless run.fresh; trained on the data of
     `data_fingerprint`), else init.from, else step 0 with the fresh init. Also says whether this is a resume, whose
-    metrics.jsonl is kept up to the resumed step."""
+    metrics.jsonl is kept up to the resumed step. run.fresh moves the previous run aside only once init.from has
+    loaded, the last check that can refuse the start: a refused fresh start leaves it in place, to resume."""
     checkpoint.remove_partial(cfg.run.out_dir)
-    if cfg.run.fresh:
-        for moved in checkpoint.set_aside(cfg.run.out_dir):
-            print(f"run.fresh: moved the previous run's files to {moved}", file=sys.stderr)
-    elif (path := checkpoint.latest(cfg.run.out_dir)) is not None:
+    if not cfg.run.fresh and (path := checkpoint.latest(cfg.run.out_dir)) is not None:
         progress = checkpoint.resume(path, cfg, data_fingerprint, model, optimizer)
         print(f"resuming from step {progress.step} ({path})", file=sys.stderr)
         return progress, True
+    progress = Progress(data_seed=cfg.run.seed)
     if cfg.init.from_ is not None:
-        progress = checkpoint.init_from(cfg.init.from_, model, optimizer)
-        what = f"weights and training state at step {progress.step}" if progress else "weights"
+        loaded = checkpoint.init_from(cfg.init.from_, model, optimizer)
+        what = f"weights and training state at step {loaded.step}" if loaded else "weights"
         print(f"init.from: loaded {what} from {cfg.init.from_}", file=sys.stderr)
-        if progress is not None:  # the data seed rule jaxtrain follows too
-            progress.data_seed = data.continued_seed(progress.data_seed, cfg)
-            return progress, False
-    return Progress(data_seed=cfg.run.seed), False
+        if loaded is not None:  # the data seed rule jaxtrain follows too
+            loaded.data_seed = data.continued_seed(loaded.data_seed, cfg)
+            progress = loaded
+    if cfg.run.fresh:
+        for moved in checkpoint.set_aside(cfg.run.out_dir):
+            print(f"run.fresh: moved the previous run's files to {moved}", file=sys.stderr)
+    return progress, False
 
 
 def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_norm: float,
