@@ -36,13 +36,13 @@ import yaml
 from etils import epath
 from jax.sharding import Mesh
 
+from jaxtrain import checkpoint_kind
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import runfolder
 from jaxtrain import same_run
 from jaxtrain import step as step_lib
-from jaxtrain import torch_format
 from jaxtrain.config import Config
 from jaxtrain.step import TrainState
 from jaxtrain.errors import UserError
@@ -78,7 +78,9 @@ class Checkpointer:
         if cfg.model.vocab_size is None:  # the saved config must say what the model was built with
             raise ValueError("Checkpointer needs a config with model.vocab_size resolved (see run.Trainer)")
         self.directory = os.fspath(runfolder.path(cfg.run.out_dir, "checkpoints"))
-        _refuse_torch_format(self.directory)
+        # A torch-format checkpoint among the step folders is a mistake to name, not a corrupt checkpoint to move
+        # aside (and named before orbax lists the steps and warns about a folder it did not write).
+        checkpoint_kind.check_own_steps(self.directory, "jaxtrain")
         self.keep = KeepNewestAndBest(cfg.checkpoint.max_to_keep)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=self.keep,
@@ -209,15 +211,6 @@ def _orbax_quiet():
         yield
     finally:
         absl_logger.setLevel(level)
-
-
-def _refuse_torch_format(directory: str) -> None:
-    """A torch-format checkpoint among the step folders is a mistake to name (before orbax lists the steps and
-    warns about a folder it did not write), not a corrupt checkpoint to move aside."""
-    for found in sorted(epath.Path(directory).glob(f"*/{torch_format.TRAINER_STATE}")):
-        where = str(found.parent)
-        raise UserError(f"{where} is a torch-format checkpoint, which a run starts from with --init.from={where}; "
-                        f"move it out of {directory}, or start over with --run.fresh=true or a new --run.out_dir")
 
 
 @contextlib.contextmanager

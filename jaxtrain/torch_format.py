@@ -34,12 +34,12 @@ from jaxtrain import optim
 from jaxtrain import param_groups
 from jaxtrain import runfolder
 from jaxtrain import same_run
+from jaxtrain.checkpoint_kind import MODEL, OPTIMIZER, TRAINER_STATE
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.step import TrainState
 
 FORMAT = "jaxtrain-torch/1"
-MODEL, OPTIMIZER, TRAINER_STATE = "model.safetensors", "optimizer.safetensors", "trainer_state.json"
 MOMENTS = (("mu", "exp_avg"), ("nu", "exp_avg_sq"))  # optax ScaleByAdamState field -> torch AdamW state key
 WTE = "transformer.wte.weight"  # its rows are the vocab size, whatever the config says
 

@@ -6,6 +6,7 @@ Runs use a 2-layer, d=32, T=16 model on a small random token folder, so the whol
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -252,11 +253,25 @@ def test_corrupt_checkpoint_file_is_named(straight_run, token_dir, tmp_path):
     model_file = os.path.join(out, "checkpoints", "6", "model.safetensors")
     with open(model_file, "r+b") as f:
         f.truncate(100)
-    with pytest.raises(UserError, match=r"checkpoints/6/model\.safetensors"):
+    resume_fix = re.escape("; that checkpoint is damaged: delete its folder (a resume then takes the previous one), "
+                           "or start over with --run.fresh=true") + "$"
+    with pytest.raises(UserError, match=r"checkpoints/6/model\.safetensors .*" + resume_fix):
         run.train(tiny_cfg(token_dir, out))
     os.remove(os.path.join(out, "checkpoints", "6", "trainer_state.json"))
-    with pytest.raises(UserError, match=r"checkpoints/6/trainer_state\.json"):
+    with pytest.raises(UserError, match=r"checkpoints/6/trainer_state\.json .*" + resume_fix):
         run.train(tiny_cfg(token_dir, out))
+
+
+def test_a_damaged_init_from_source_is_not_to_be_deleted(straight_run, token_dir, tmp_path):
+    """A resume falls back to the previous checkpoint once a damaged one is deleted; init.from has none."""
+    source = tmp_path / "source"
+    shutil.copytree(os.path.join(straight_run, "checkpoints", "6"), source)
+    os.truncate(source / "model.safetensors", 100)
+    with pytest.raises(UserError) as e:
+        run.train(tiny_cfg(token_dir, tmp_path / "run", f"--init.from={source}"))
+    assert str(e.value).startswith(f"checkpoint file {source}/model.safetensors is missing or unreadable (")
+    assert str(e.value).endswith("); the init.from checkpoint is damaged: copy or convert it again, or point "
+                                 "--init.from at another checkpoint")
 
 
 def test_fresh_run_sets_old_checkpoints_aside(straight_run, token_dir, tmp_path):
@@ -285,6 +300,47 @@ def test_a_refused_fresh_start_leaves_the_previous_run_to_resume(straight_run, t
     capsys.readouterr()
     run.train(tiny_cfg(token_dir, out))
     assert "nothing to train: at step 6 of train.steps=6" in capsys.readouterr().err
+
+
+def jaxtrain_run(root):
+    """A run folder laid out as jaxtrain's, steps 2 and 4: each step folder holds Orbax's metadata file and the
+    `state` item, the names checkpoint_kind tells it by (tests/test_checkpoint_kind.py: on a real one)."""
+    for at in (2, 4):
+        (root / "checkpoints" / str(at) / "state").mkdir(parents=True)
+        (root / "checkpoints" / str(at) / "_CHECKPOINT_METADATA").write_text("{}")
+    (root / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
+    return root
+
+
+def test_a_jaxtrain_run_folder_is_named_not_called_damaged(straight_run, token_dir, tmp_path):
+    """Refused, the folder as it was; then the fix it names, run.fresh, sets the jaxtrain checkpoints aside."""
+    out = jaxtrain_run(tmp_path / "jaxtrain-run")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    with pytest.raises(UserError) as e:
+        run.train(tiny_cfg(token_dir, out))
+    step = out / "checkpoints" / "4"
+    assert str(e.value) == (f"{step} is a jaxtrain checkpoint (an Orbax step folder), which torchref starts from once "
+                            f"converted: python -m jaxtrain.convert to-torch {step} DST, then --init.from=DST; move it "
+                            f"out of {out / 'checkpoints'}, or choose another --run.out_dir (or start over with "
+                            f"--run.fresh=true, which sets the checkpoints aside)")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.name != ".lock") == before
+    run.train(tiny_cfg(token_dir, out, "--run.fresh=true"))
+    [aside] = [name for name in os.listdir(out) if name.startswith("checkpoints.before-fresh-")]
+    assert sorted(os.listdir(out / aside)) == ["2", "4"] and sorted(os.listdir(out / "checkpoints")) == ["3", "6"]
+    assert trajectory(out) == trajectory(straight_run)
+
+
+@pytest.mark.parametrize("given", ["run folder", "step folder"])
+def test_init_from_a_jaxtrain_checkpoint_says_to_convert_it(token_dir, tmp_path, given):
+    jaxtrain = jaxtrain_run(tmp_path / "jaxtrain-run")
+    source = jaxtrain if given == "run folder" else jaxtrain / "checkpoints" / "4"
+    with pytest.raises(UserError) as e:
+        run.train(tiny_cfg(token_dir, tmp_path / "run", f"--init.from={source}"))
+    assert str(e.value).startswith(f"init.from='{source}' is a jaxtrain ")
+    assert str(e.value).endswith(f"not a torch-format {'checkpoint' if given == 'run folder' else 'one'}: jaxtrain.run "
+                                 f"resumes it with --run.out_dir={jaxtrain}; to start another run from it, convert it "
+                                 f"first: python -m jaxtrain.convert to-torch {jaxtrain}/checkpoints/4 DST, then "
+                                 f"--init.from=DST")
 
 
 # init.from -------------------------------------------------------------------------------------------------------
@@ -316,4 +372,4 @@ def test_init_from_mismatch_names_the_tensor(straight_run, token_dir, tmp_path, 
 def test_cli_reports_user_errors(token_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         run.main(tiny_argv(token_dir, tmp_path, "--init.from=/nonexistent"))
-    assert e.value.code == 2 and "init.from='/nonexistent' is not a folder" in capsys.readouterr().err
+    assert e.value.code == 2 and "init.from='/nonexistent' does not exist" in capsys.readouterr().err

@@ -11,6 +11,7 @@ never pickles. A folder appears under its step number only once complete (writte
 """
 
 import base64
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,7 +23,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from jaxtrain import config, same_run, wandb_log
+from jaxtrain import checkpoint_kind, config, same_run, wandb_log
 from jaxtrain.config import Config
 from jaxtrain.data import check_same_data
 from jaxtrain.errors import UserError
@@ -31,8 +32,23 @@ FORMAT = "jaxtrain-torch/1"
 # LambdaLR's position, for readers of the file; a resume rebuilds the scheduler from `step` (optim.lr_scheduler),
 # so that init.from with a new optim.lr follows the new config's schedule from the checkpoint's step.
 SCHEDULER_KEYS = ("last_epoch", "_step_count", "base_lrs", "_last_lr")
-_DAMAGED = ("that checkpoint is damaged: delete its folder (a resume then takes the previous one), point init.from "
-            "elsewhere, or start over with --run.fresh=true")
+# What to do about a damaged checkpoint file depends on where the checkpoint is (_Damaged).
+_FIX = {"resume": "that checkpoint is damaged: delete its folder (a resume then takes the previous one), or start over "
+                  "with --run.fresh=true",
+        "init.from": "the init.from checkpoint is damaged: copy or convert it again, or point --init.from at another "
+                     "checkpoint"}
+
+
+class _Damaged(UserError):
+    """A checkpoint file missing, unreadable or lacking a field; resume() and init_from() add the fix (_FIX)."""
+
+
+@contextlib.contextmanager
+def _fix_for(source: str):
+    try:
+        yield
+    except _Damaged as e:
+        raise UserError(f"{e}; {_FIX[source]}") from None
 
 
 @dataclasses.dataclass
@@ -113,24 +129,24 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
 
 def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> Progress:
     """Restore everything from one of this run's checkpoints; a changed config or other data is an error."""
-    state = _read_trainer_state(path)
-    same_run.check(state.get("config", {}), cfg, path)
-    check_same_data(state, data_fingerprint, cfg, path)
-    load_weights(path, model)
-    return _restore_training(path, state, model, optimizer)
+    with _fix_for("resume"):
+        state = _read_trainer_state(path)
+        same_run.check(state.get("config", {}), cfg, path)
+        check_same_data(state, data_fingerprint, cfg, path)
+        load_weights(path, model)
+        return _restore_training(path, state, model, optimizer)
 
 
 def init_from(path: str, model, optimizer) -> Progress | None:
     """--init.from: the weights, and the whole training state when optimizer.safetensors and trainer_state.json
     are there too. Returns the Progress to continue from, or None when only weights were loaded."""
-    if not os.path.isdir(path):
-        raise UserError(f"init.from={path!r} is not a folder; point it at a torch-format checkpoint folder "
-                        f"(one holding model.safetensors)")
-    load_weights(path, model)
-    files = [os.path.join(path, n) for n in ("optimizer.safetensors", "trainer_state.json")]
-    if not all(os.path.exists(f) for f in files):
-        return None
-    return _restore_training(path, _read_trainer_state(path), model, optimizer)
+    checkpoint_kind.check_torch_source(path, "init.from")
+    with _fix_for("init.from"):
+        load_weights(path, model)
+        files = [os.path.join(path, n) for n in ("optimizer.safetensors", "trainer_state.json")]
+        if not all(os.path.exists(f) for f in files):
+            return None
+        return _restore_training(path, _read_trainer_state(path), model, optimizer)
 
 
 def load_weights(path: str, model) -> None:
@@ -192,7 +208,7 @@ def _restore_training(path: str, state: dict, model, optimizer) -> Progress:
     try:
         step, data, rng = state["step"], state["data"], state["rng"]
     except KeyError as e:
-        raise UserError(f"{os.path.join(path, 'trainer_state.json')} lacks {e}; {_DAMAGED}") from None
+        raise _Damaged(f"{os.path.join(path, 'trainer_state.json')} lacks {e}") from None
     skipped = state.get("skipped", 0)  # absent before train.nan_policy existed: nothing was skipped
     _load_adam_moments(os.path.join(path, "optimizer.safetensors"), model, optimizer, step - skipped)
     if rng.get("torch") is not None:  # null in jaxtrain's exports: jaxtrain has no torch RNG state to give
@@ -228,7 +244,7 @@ def _read_tensors(file: str) -> dict:
     try:
         return load_file(file)
     except (OSError, SafetensorError) as e:
-        raise UserError(f"checkpoint file {file} is missing or unreadable ({e}); {_DAMAGED}") from None
+        raise _Damaged(f"checkpoint file {file} is missing or unreadable ({e})") from None
 
 
 def _read_trainer_state(path: str) -> dict:
@@ -237,7 +253,7 @@ def _read_trainer_state(path: str) -> dict:
         with open(file, encoding="utf-8") as f:
             state = json.load(f)
     except (OSError, ValueError) as e:
-        raise UserError(f"checkpoint file {file} is missing or unreadable ({e}); {_DAMAGED}") from None
+        raise _Damaged(f"checkpoint file {file} is missing or unreadable ({e})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{file} is not a {FORMAT} trainer state; point at a torch-format checkpoint folder")
     return state

@@ -26,7 +26,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from jaxtrain import config, data, metrics, preemption, runlock, wandb_log
+from jaxtrain import checkpoint_kind, config, data, metrics, preemption, runlock, wandb_log
 from jaxtrain.config import Config
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import UserError, exit_on_user_error
@@ -123,6 +123,9 @@ def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Progres
     metrics.jsonl is kept up to the resumed step. run.fresh moves the previous run aside only once init.from has
     loaded, the last check that can refuse the start: a refused fresh start leaves it in place, to resume."""
     checkpoint.remove_partial(cfg.run.out_dir)
+    # A jaxtrain checkpoint is named for what it is: a resume would call it damaged (run.fresh sets it aside below).
+    if not cfg.run.fresh:
+        checkpoint_kind.check_own_steps(os.path.join(cfg.run.out_dir, "checkpoints"), "torchref")
     if not cfg.run.fresh and (path := checkpoint.latest(cfg.run.out_dir)) is not None:
         progress = checkpoint.resume(path, cfg, data_fingerprint, model, optimizer)
         print(f"resuming from step {progress.step} ({path})", file=sys.stderr)
