@@ -186,6 +186,10 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        # Orbax's close waits for the saves, not for the thread its constructor started to remove a killed save's
+        # temporary folders: a run refused right after start-up would end the interpreter under that thread, which
+        # then logs a traceback ("cannot schedule new futures after interpreter shutdown").
+        self.manager._maybe_await_cleanup_tmp_directory()
         self.manager.close()
 
 

@@ -246,6 +246,28 @@ def test_a_state_holding_inf_or_nan_is_refused_before_anything_is_written(tmp_pa
         assert os.listdir(saver.directory) == []
 
 
+def test_a_checkpointer_closed_before_any_save_leaves_no_thread_behind(tmp_path):
+    """A run refused right after the Checkpointer is made (a changed config, a wrong init.from) closes it and exits:
+    orbax's removal of earlier temporary folders, slowed here to outlast the process, must be over by then, or its
+    thread logs a traceback after the one-line error."""
+    script = f"""if True:
+        import asyncio
+        from orbax.checkpoint._src.path import temporary_paths
+        from jaxtrain import checkpoint, config
+        cleanup = temporary_paths.cleanup_temporary_paths
+
+        async def slow_cleanup(*args, **kwargs):
+            await asyncio.sleep(1.0)
+            return await cleanup(*args, **kwargs)
+
+        temporary_paths.cleanup_temporary_paths = slow_cleanup
+        checkpoint.Checkpointer(config.load(["--config", "configs/tiny.yaml", "--model.vocab_size=256",
+                                             "--run.out_dir={tmp_path}"])).close()
+        print("closed")"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == "closed\n" and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_rotation_deletes_only_after_the_next_checkpoint_is_committed(tmp_path):
     """max_to_keep=1 with async saves: when orbax deletes step 1, step 2 is renamed into place with its meta and
     fingerprint written (orbax's CheckpointManager._finalize deletes after the async commit)."""
