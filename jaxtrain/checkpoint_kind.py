@@ -4,7 +4,10 @@ than it takes says what the folder is and the command that takes it, instead of 
     jaxtrain step   <run>/checkpoints/<step>/ as Orbax writes it (checkpoint.py): the `state` item, and Orbax's
                     `_CHECKPOINT_METADATA`
     torch           model.safetensors, with optimizer.safetensors and trainer_state.json for a whole training state
-                    (torch_format.py): torchref's checkpoints, and what convert to-torch writes
+                    (torch_format.py): torchref's checkpoints, and what convert to-torch and from-hf write
+    hf              Hugging Face's GPT-2 folder (hf_format.py): config.json beside a model.safetensors whose
+                    attention weight is laid out as HF's Conv1D keeps it, (d, 3d), the transpose of nanoGPT's Linear
+                    (from-hf keeps config.json beside nanoGPT's layout: a torch folder)
     jaxtrain run,   a run folder whose newest checkpoints/<step>/ is a jaxtrain step, or a torch folder
     torchref run
 
@@ -14,11 +17,14 @@ Pure Python (no jax, no torch): both backends and the converter ask it.
 import os
 
 from etils import epath
+from safetensors import SafetensorError, safe_open
 
 from jaxtrain.errors import UserError
 
 MODEL, OPTIMIZER, TRAINER_STATE = "model.safetensors", "optimizer.safetensors", "trainer_state.json"
-JAXTRAIN_STEP, TORCH, JAXTRAIN_RUN, TORCHREF_RUN = "jaxtrain step", "torch", "jaxtrain run", "torchref run"
+HF_CONFIG, C_ATTN = "config.json", "attn.c_attn.weight"
+JAXTRAIN_STEP, TORCH, HF = "jaxtrain step", "torch", "hf"
+JAXTRAIN_RUN, TORCHREF_RUN = "jaxtrain run", "torchref run"
 # The names whose presence makes a folder a step of each format.
 MARKERS = {JAXTRAIN_STEP: ("state", "_CHECKPOINT_METADATA"), TORCH: (TRAINER_STATE, MODEL, OPTIMIZER)}
 _RUN_OF = {JAXTRAIN_STEP: JAXTRAIN_RUN, TORCH: TORCHREF_RUN}
@@ -28,11 +34,24 @@ def kind(path: str) -> str | None:
     """The kind of the local folder `path`; None when it is none of them, or not a folder."""
     if not os.path.isdir(path):
         return None
+    if os.path.exists(os.path.join(path, HF_CONFIG)) and _conv1d_layout(os.path.join(path, MODEL)):
+        return HF
     for step_kind, names in MARKERS.items():
         if any(os.path.exists(os.path.join(path, name)) for name in names):
             return step_kind
     step = newest_step(path)
     return _RUN_OF.get(kind(step)) if step else None
+
+
+def _conv1d_layout(file: str) -> bool:
+    """Whether `file` holds the first attention weight as HF's Conv1D, (d, 3d); not where it cannot be read (the
+    loader names that)."""
+    try:
+        with safe_open(file, framework="np") as f:
+            shapes = [f.get_slice(name).get_shape() for name in f.keys() if name.endswith(C_ATTN)]
+    except (OSError, SafetensorError):
+        return False
+    return bool(shapes) and len(shapes[0]) == 2 and shapes[0][1] == 3 * shapes[0][0] > 0
 
 
 def newest_step(run_dir: str) -> str | None:
@@ -54,19 +73,43 @@ def _convert_first(step_dir: str) -> str:
 
 
 def check_torch_source(path: str, flag: str) -> None:
-    """UserError unless `path`, given as `flag` (init.from), is a torch-format folder: otherwise one line says what
-    it is and the command that takes it."""
+    """UserError unless `path`, given as `flag` (init.from, SRC), is a torch-format folder: otherwise one line says
+    what it is and the command that takes it."""
     if not os.path.isdir(path):
         raise UserError(f"{flag}={path!r} {'is a file' if os.path.exists(path) else 'does not exist'}; point it at "
                         f"a torch-format checkpoint folder (one holding {MODEL})")
     found = kind(path)
-    if found == JAXTRAIN_STEP:
-        raise UserError(f"{flag}={path!r} is a jaxtrain checkpoint (an Orbax step folder), not a torch-format one: "
-                        f"jaxtrain.run resumes it with --run.out_dir={_run_of(path)}; {_convert_first(path)}")
-    if found == JAXTRAIN_RUN:
-        raise UserError(f"{flag}={path!r} is a jaxtrain run folder (Orbax checkpoints), not a torch-format "
-                        f"checkpoint: jaxtrain.run resumes it with --run.out_dir={path}; "
-                        f"{_convert_first(newest_step(path))}")
+    if found == TORCH:
+        return
+    step = newest_step(path)
+    what = {
+        JAXTRAIN_STEP: f"is a jaxtrain checkpoint (an Orbax step folder), not a torch-format one: jaxtrain.run "
+                       f"resumes it with --run.out_dir={_run_of(path)}; {_convert_first(path)}",
+        JAXTRAIN_RUN: f"is a jaxtrain run folder (Orbax checkpoints), not a torch-format checkpoint: jaxtrain.run "
+                      f"resumes it with --run.out_dir={path}; {_convert_first(step)}",
+        TORCHREF_RUN: f"is a torchref run folder, not a checkpoint; point {flag} at one of its checkpoints, e.g. "
+                      f"{step}",
+        HF: f"is a Hugging Face GPT-2 folder (its Conv1D weights are laid out (in, out)), not a torch-format "
+            f"checkpoint; convert it first: python -m jaxtrain.convert from-hf {path} DST, then --init.from=DST",
+        None: f"holds no checkpoint (no {MODEL}); point it at a torch-format checkpoint folder",
+    }
+    raise UserError(f"{flag}={path!r} {what[found]}")
+
+
+def check_jaxtrain_run(path: str, flag: str) -> None:
+    """A torchref run, a torch-format folder or a jaxtrain step folder, given as `flag` where a jaxtrain run
+    folder goes (jaxtrain.sample's --run), is named, with the command that takes it; others are the caller's."""
+    found = kind(path)
+    what = {
+        TORCHREF_RUN: f"is a torchref run folder (torch-format checkpoints); convert its checkpoint into a jaxtrain "
+                      f"run first: python -m jaxtrain.convert from-torch {newest_step(path)} DST, then {flag} DST",
+        TORCH: f"is a torch-format checkpoint; convert it into a jaxtrain run first: python -m jaxtrain.convert "
+               f"from-torch {path} DST, then {flag} DST",
+        JAXTRAIN_STEP: f"is a checkpoint step folder, not a run folder; pass {flag} {_run_of(path)} --step "
+                       f"{os.path.basename(os.path.normpath(path))}",
+    }
+    if found in what:
+        raise UserError(f"{flag} {path} {what[found]}")
 
 
 def check_own_steps(directory: str, backend: str) -> None:

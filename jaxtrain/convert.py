@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import checkpoint_kind
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import hf_format
@@ -109,16 +110,17 @@ def from_torch(src: str, out_dir: str) -> None:
     """A torch-format folder -> a jaxtrain run folder: <out_dir>/config.yaml (the checkpoint's config, with
     run.out_dir=out_dir) and the Orbax checkpoint <out_dir>/checkpoints/<step>, where jaxtrain.run resumes."""
     torch_format.check_new_folder(out_dir)
+    checkpoint_kind.check_torch_source(src, "SRC")
+    if not torch_format.holds_training_state(src):
+        raise UserError(f"{src} holds weights only (no {torch_format.OPTIMIZER} and {torch_format.TRAINER_STATE}), not "
+                        f"a training state to resume; start a run from it with --init.from={src} instead")
     trainer_state = torch_format.read_trainer_state(src)
     cfg = config_lib.from_dict(trainer_state["config"])
     # run.seed orders jaxtrain's batches: the run goes on with the data order the checkpoint was trained on.
     cfg.run.out_dir, cfg.run.seed, cfg.run.fresh = out_dir, trainer_state["data"]["seed"], False
     if cfg.model.vocab_size is None:  # written down, so that the run folder does not depend on the data for it
         cfg.model.vocab_size = torch_format.vocab_size(src)
-    state, kind = torch_format.load(src, step_lib.fresh_state(cfg, cfg.model.vocab_size), cfg)
-    if kind != "full":
-        raise UserError(f"{src} holds weights only (no {torch_format.OPTIMIZER}), not a training state to resume; "
-                        f"start a run from it with --init.from={src} instead")
+    state, _ = torch_format.load(src, step_lib.fresh_state(cfg, cfg.model.vocab_size), cfg)
     config_lib.save(cfg, out_dir)
     checkpointer = checkpoint_lib.Checkpointer(cfg, trainer_state.get("data_fingerprint"))
     checkpointer.save(state, cfg.run.seed)

@@ -20,6 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import checkpoint_kind
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import dryrun
@@ -70,6 +71,8 @@ class Trainer:
         self.state_sharding = jax.tree.map(lambda x: x.sharding, self.abstract_state)
         # The newest checkpoint that verifies, or None. run.fresh opens the checkpoints later (open_run_folder).
         self.resumed = None if cfg.run.fresh else self._open_checkpoints().resume(self.abstract_state)
+        if self.resumed is None and cfg.init.from_ is not None:  # what the run starts from, before it is read
+            checkpoint_kind.check_torch_source(cfg.init.from_, "init.from")
         self.data_seed = self._data_seed()
         self.jit_train_step = step_lib.jit_train_step(
             cfg, self.data_seed, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))

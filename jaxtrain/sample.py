@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import checkpoint_kind
 from jaxtrain import convert
 from jaxtrain import data as data_lib
 from jaxtrain import model as model_lib
@@ -160,6 +161,7 @@ class Loaded(NamedTuple):
 def load(run_dir: str, step: int | None, precision: str | None, tokenizer_name: str | None) -> Loaded:
     """The run's params at `step` (None: the newest complete checkpoint) on one device, its model config, the
     precision to compute in (None: the run's train.precision) and the tokenizer (None: that of the run's data)."""
+    checkpoint_kind.check_jaxtrain_run(run_dir, "--run")
     steps = checkpoint_lib.saved_steps(run_dir)
     if not steps:
         raise UserError(f"{run_dir} holds no complete checkpoint (no {os.path.join(run_dir, 'checkpoints', '<step>')}"

@@ -1,6 +1,7 @@
 """jaxtrain/checkpoint_kind.py on folders as the tools write them: a jaxtrain run saved by the Checkpointer (Orbax),
-torch-format folders written by the converter, and a torchref-style run of them; each is told for what it is, and a
-run folder of the other backend is refused with the way to use it."""
+torch-format folders written by the converter, a torchref-style run of them, a Hugging Face folder from to-hf and
+its from-hf conversion; each is told for what it is, and a tool given one of the wrong kind (--init.from of both
+backends, from-torch, jaxtrain.sample, a run folder) names it and the command that takes it."""
 
 import os
 import re
@@ -9,8 +10,9 @@ import shutil
 import jax.numpy as jnp
 import pytest
 
-from jaxtrain import checkpoint, checkpoint_kind, config, step, torch_format
+from jaxtrain import checkpoint, checkpoint_kind, config, convert, run, sample, step, torch_format
 from jaxtrain.errors import UserError
+from test_run import small_args
 
 V = 256
 STEPS = (9, 10, 20)
@@ -26,7 +28,7 @@ def tiny_cfg(out_dir, *extra):
 def folders(tmp_path_factory):
     """{name: path}: a jaxtrain run with steps 9, 10 and 20 (the newest is neither the first nor the last in name
     order), its newest step, a torch-format export of that state, and a torchref-style run of exports at the same
-    steps."""
+    steps; a Hugging Face folder that to-hf wrote of the export, and what from-hf makes of it."""
     root = tmp_path_factory.mktemp("kinds")
     cfg = tiny_cfg(root / "jaxtrain-run", "--checkpoint.max_to_keep=3")
     fresh = step.fresh_state(cfg, V)
@@ -37,12 +39,16 @@ def folders(tmp_path_factory):
     torch_format.export(fresh, cfg, str(root / "torch"))
     for at in STEPS:
         shutil.copytree(root / "torch", root / "torchref-run" / "checkpoints" / str(at))
+    convert.to_hf(str(root / "torch"), str(root / "hf"))
+    convert.from_hf(str(root / "hf"), str(root / "from-hf"))
     return {"jaxtrain run": str(root / "jaxtrain-run"), "jaxtrain step": str(root / "jaxtrain-run/checkpoints/20"),
-            "torch": str(root / "torch"), "torchref run": str(root / "torchref-run"), "other": str(root)}
+            "torch": str(root / "torch"), "torchref run": str(root / "torchref-run"), "hf": str(root / "hf"),
+            "from-hf": str(root / "from-hf"), "other": str(root)}
 
 
 @pytest.mark.parametrize("name,expected", [("jaxtrain run", "jaxtrain run"), ("jaxtrain step", "jaxtrain step"),
-                                           ("torch", "torch"), ("torchref run", "torchref run"), ("other", None)])
+                                           ("torch", "torch"), ("torchref run", "torchref run"), ("hf", "hf"),
+                                           ("from-hf", "torch"), ("other", None)])
 def test_each_folder_is_told_for_what_it_is(folders, name, expected):
     assert checkpoint_kind.kind(folders[name]) == expected
     assert checkpoint_kind.kind(os.path.join(folders[name], "no-such-folder")) is None
@@ -83,8 +89,13 @@ def test_jaxtrain_refuses_to_resume_a_torchref_run_and_touches_nothing(folders):
                       "python -m jaxtrain.convert to-torch {jaxtrain step} DST, then --init.from=DST"),
     ("jaxtrain run", "is a jaxtrain run folder (Orbax checkpoints), not a torch-format checkpoint: jaxtrain.run "
                      "resumes it with --run.out_dir={jaxtrain run}; to start another run from it, convert it first: "
-                     "python -m jaxtrain.convert to-torch {jaxtrain step} DST, then --init.from=DST")])
-def test_a_jaxtrain_checkpoint_given_as_a_torch_source_says_how_to_use_it(folders, name, says):
+                     "python -m jaxtrain.convert to-torch {jaxtrain step} DST, then --init.from=DST"),
+    ("torchref run", "is a torchref run folder, not a checkpoint; point init.from at one of its checkpoints, e.g. "
+                     "{torchref run}/checkpoints/20"),
+    ("hf", "is a Hugging Face GPT-2 folder (its Conv1D weights are laid out (in, out)), not a torch-format "
+           "checkpoint; convert it first: python -m jaxtrain.convert from-hf {hf} DST, then --init.from=DST"),
+    ("other", "holds no checkpoint (no model.safetensors); point it at a torch-format checkpoint folder")])
+def test_a_folder_of_another_kind_given_as_a_torch_source_says_how_to_use_it(folders, name, says):
     with pytest.raises(UserError) as e:
         checkpoint_kind.check_torch_source(folders[name], "init.from")
     assert str(e.value) == f"init.from={folders[name]!r} " + says.format(**folders)
@@ -97,3 +108,49 @@ def test_a_torch_source_that_is_no_folder_says_so(folders):
         checkpoint_kind.check_torch_source(missing, "init.from")
     with pytest.raises(UserError, match=f"^init.from='{re.escape(a_file)}' is a file; point it at a torch"):
         checkpoint_kind.check_torch_source(a_file, "init.from")
+
+
+def _error_line(capsys) -> str:
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    return line
+
+
+def test_jaxtrain_init_from_of_another_kind_is_named_before_it_is_read(folders, tmp_path, cache_dir):
+    for name in ("jaxtrain step", "hf"):
+        cfg = config.load(small_args(tmp_path / name, cache_dir, f"--init.from={folders[name]}"))
+        with pytest.raises(UserError, match=f"^init.from={re.escape(repr(folders[name]))} is a "):
+            run.Trainer(cfg)
+
+
+@pytest.mark.parametrize("name,says", [
+    ("jaxtrain step", "is a jaxtrain checkpoint (an Orbax step folder), not a torch-format one: jaxtrain.run "
+                      "resumes it with --run.out_dir={jaxtrain run};"),
+    ("hf", "is a Hugging Face GPT-2 folder (its Conv1D weights are laid out (in, out)), not a torch-format "
+           "checkpoint; convert it first: python -m jaxtrain.convert from-hf {hf} DST"),
+    ("from-hf", "holds weights only (no optimizer.safetensors and trainer_state.json), not a training state to "
+                "resume; start a run from it with --init.from={from-hf} instead")])
+def test_from_torch_names_what_its_source_is(folders, tmp_path, capsys, name, says):
+    with pytest.raises(SystemExit) as e:
+        convert.main(["from-torch", folders[name], str(tmp_path / "dst")])
+    assert e.value.code == 2 and says.format(**folders) in _error_line(capsys)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_from_torch_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        convert.main(["from-torch", str(tmp_path / "nowhere"), str(tmp_path / "dst")])
+    assert e.value.code == 2 and _error_line(capsys) == (f"error: SRC='{tmp_path}/nowhere' does not exist; point it "
+                                                         f"at a torch-format checkpoint folder (one holding "
+                                                         f"model.safetensors)")
+
+
+@pytest.mark.parametrize("name,says", [
+    ("torchref run", "is a torchref run folder (torch-format checkpoints); convert its checkpoint into a jaxtrain run "
+                     "first: python -m jaxtrain.convert from-torch {torchref run}/checkpoints/20 DST, then --run DST"),
+    ("torch", "is a torch-format checkpoint; convert it into a jaxtrain run first: python -m jaxtrain.convert "
+              "from-torch {torch} DST, then --run DST"),
+    ("jaxtrain step", "is a checkpoint step folder, not a run folder; pass --run {jaxtrain run} --step 20")])
+def test_sample_names_a_run_of_another_kind(folders, capsys, name, says):
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--run", folders[name]])
+    assert e.value.code == 2 and _error_line(capsys) == f"error: --run {folders[name]} " + says.format(**folders)

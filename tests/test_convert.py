@@ -243,7 +243,7 @@ def test_convert_cli_round_trip(tmp_path, capsys):
     assert_same_state(resumed.state, state, target)
     with pytest.raises(SystemExit) as e:
         convert.main(["from-torch", str(tmp_path / "nowhere"), str(tmp_path / "out")])
-    assert e.value.code == 2 and "trainer_state.json" in capsys.readouterr().err
+    assert e.value.code == 2 and f"SRC='{tmp_path / 'nowhere'}' does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

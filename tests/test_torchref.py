@@ -13,7 +13,7 @@ import signal
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from design_formulas import TOP1_HITS, TOP1_LOGITS, TOP1_TARGETS
 from test_run import files_but_the_lock
@@ -341,6 +341,23 @@ def test_init_from_a_jaxtrain_checkpoint_says_to_convert_it(token_dir, tmp_path,
                                  f"resumes it with --run.out_dir={jaxtrain}; to start another run from it, convert it "
                                  f"first: python -m jaxtrain.convert to-torch {jaxtrain}/checkpoints/4 DST, then "
                                  f"--init.from=DST")
+
+
+def test_init_from_a_hugging_face_folder_says_to_convert_it(token_dir, tmp_path):
+    """A GPT2LMHeadModel folder: config.json, and the state dict with the Conv1D weights (in, out), the transpose of
+    nanoGPT's Linear."""
+    cfg = tiny_cfg(token_dir, tmp_path / "run", f"--init.from={tmp_path / 'hf'}")
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    hf = {name: (t.T if name.endswith(conv1d) else t).contiguous()
+          for name, t in tiny_model(cfg).state_dict().items() if name != "lm_head.weight"}
+    (tmp_path / "hf").mkdir()
+    save_file(hf, tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32}))
+    with pytest.raises(UserError) as e:
+        run.train(cfg)
+    assert str(e.value) == (f"init.from='{tmp_path / 'hf'}' is a Hugging Face GPT-2 folder (its Conv1D weights are "
+                            f"laid out (in, out)), not a torch-format checkpoint; convert it first: python -m "
+                            f"jaxtrain.convert from-hf {tmp_path / 'hf'} DST, then --init.from=DST")
 
 
 # init.from -------------------------------------------------------------------------------------------------------
