@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import socket
+import sys
 import time
 
 from etils import epath
@@ -52,26 +53,36 @@ def peak_flops(cfg: Config, device_name: str) -> float | None:
 
 def kept_lines(path, step: int) -> list[str]:
     """The lines of metrics.jsonl (a path or URL) up to `step`, unchanged: what a run resumed at `step` keeps, in
-    both backends (torchref imports this)."""
-    return [line if line.endswith("\n") else line + "\n" for logged, line in _logged(path) if logged <= step]
+    both backends (torchref imports this). A damaged line is dropped, with a warning."""
+    logged, damaged = _logged(path)
+    if damaged:
+        print(f"warning: {path}: dropped {len(damaged)} damaged line(s) (line {damaged[0]} first), which are not "
+              f"metrics records in UTF-8 JSON: what a crash can leave at the end of the file", file=sys.stderr)
+    return [line if line.endswith("\n") else line + "\n" for at, line in logged if at <= step]
 
 
 def last_step(path) -> int | None:
     """The step of metrics.jsonl's last line (a path or URL), None when it has none: how far an earlier process
     of the run logged (jaxtrain.wandb_log)."""
-    return max((logged for logged, _ in _logged(path)), default=None)
+    return max((at for at, _ in _logged(path)[0]), default=None)
 
 
-def _logged(path) -> list[tuple[int, str]]:
-    """(step, line) for each line of metrics.jsonl. Reading stops at a line that does not parse: a kill can cut the
-    last line short."""
-    logged = []
-    for line in runfolder.read_lines(epath.Path(path)):
+def _logged(path) -> tuple[list[tuple[int, str]], list[int]]:
+    """(step, line) for each line of metrics.jsonl that is a record, and the numbers of the lines that are not: a
+    line a kill cut short, or the NUL bytes or other garbage a crash can leave at the end of the file."""
+    logged, damaged = [], []
+    for number, raw in enumerate(runfolder.read_lines(epath.Path(path)), start=1):
         try:
-            logged.append((json.loads(line)["step"], line))
-        except (ValueError, KeyError, TypeError):
-            break
-    return logged
+            line = raw.decode("utf-8")
+            record = json.loads(line)
+        except ValueError:  # UnicodeDecodeError included
+            record = None
+        at = record.get("step") if isinstance(record, dict) else None
+        if type(at) is int:
+            logged.append((at, line))
+        else:
+            damaged.append(number)
+    return logged, damaged
 
 
 def scalars(line: dict) -> dict:

@@ -117,11 +117,12 @@ def move(source: epath.Path, target: epath.Path) -> None:
     source.rename(target)
 
 
-def read_lines(file: epath.Path) -> list[str]:
-    """The lines of `file`, each with its line end; none when it does not exist."""
+def read_lines(file: epath.Path) -> list[bytes]:
+    """The lines of `file` as bytes, each with its line end (decoding is the reader's: a crash can leave bytes
+    that are not text); none when it does not exist."""
     if not file.exists():
         return []
-    return file.read_text(encoding="utf-8").splitlines(keepends=True)
+    return file.read_bytes().splitlines(keepends=True)
 
 
 class GrowingFile:

@@ -47,6 +47,35 @@ def test_a_resumed_run_keeps_the_lines_up_to_its_step_and_drops_a_cut_last_line(
     assert metrics.kept_lines(str(tmp_path / "none.jsonl"), 3) == []
 
 
+# A crash's leftovers: a block of NUL bytes (a file system that had sized the file but not written it), bytes that are
+# not UTF-8, a JSON value that is no record, a record without an int step.
+DAMAGED = [b"\0" * 40 + b"\n", b"\xff\xfe garbage\n", b"[1]\n", b'{"step": "4"}\n']
+
+
+def test_damaged_lines_are_dropped_with_one_warning_and_the_records_kept(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    records = [f'{{"step": {s}, "loss": 1.0}}\n' for s in (1, 2, 3)]
+    path.write_bytes(records[0].encode() + DAMAGED[1] + b"".join(r.encode() for r in records[1:]) +
+                     b"".join(DAMAGED))
+    assert metrics.kept_lines(str(path), 2) == records[:2]
+    assert capsys.readouterr().err == (f"warning: {path}: dropped 5 damaged line(s) (line 2 first), which are not "
+                                       f"metrics records in UTF-8 JSON: what a crash can leave at the end of the "
+                                       f"file\n")
+    assert metrics.last_step(str(path)) == 3
+
+
+def test_a_resumed_run_rewrites_metrics_jsonl_without_its_damaged_tail(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [f'{{"step": {s}, "loss": 1.0, "tokens": {100 * s}}}\n' for s in (1, 2)]
+    path.write_bytes("".join(records).encode() + b"".join(DAMAGED))
+    cfg = config.load([f"--run.out_dir={tmp_path}", "--log.tensorboard=false", "--log.progress=false",
+                       "--train.steps=4", "--optim.warmup_steps=1", "--model.vocab_size=256"])
+    logger = metrics.MetricsLogger(cfg, start_step=2, flops_per_token=1.0, n_devices=1, device_kind="cpu",
+                                   is_main=True)
+    logger.close()
+    assert path.read_text() == "".join(records) and logger.tokens == 200
+
+
 @pytest.mark.parametrize("name,tflops", [
     ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA A100-SXM4-40GB", 312), ("NVIDIA L4", 121),
     ("NVIDIA L40S", 362), ("TPU v5 lite", 197), ("TPU v5p", 459), ("cpu", None)])

@@ -223,6 +223,17 @@ def test_resume_drops_metrics_past_the_checkpoint(straight_run, token_dir, tmp_p
     assert trajectory(out) == trajectory(straight_run)
 
 
+def test_resume_drops_a_garbled_metrics_tail_with_a_warning(straight_run, token_dir, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    shutil.rmtree(os.path.join(out, "checkpoints", "6"))
+    with open(os.path.join(out, "metrics.jsonl"), "ab") as f:
+        f.write(b"\xff\xfe\x00 not UTF-8\n")
+    run.train(tiny_cfg(token_dir, out))
+    assert trajectory(out) == trajectory(straight_run)
+    assert "metrics.jsonl: dropped 1 damaged line(s)" in capsys.readouterr().err
+
+
 def test_resume_with_a_changed_config_names_the_keys(straight_run, token_dir, tmp_path):
     out = str(tmp_path / "run")
     shutil.copytree(straight_run, out)
