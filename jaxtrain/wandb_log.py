@@ -37,6 +37,7 @@ import yaml
 
 from jaxtrain import config as config_lib
 from jaxtrain import runfolder
+from jaxtrain.errors import UserError
 
 RUN_FILE = "wandb.json"  # in the run folder: {"id": ...}, written once
 FILES = (RUN_FILE, "wandb")  # what a W&B run leaves in a local run folder: run.fresh sets them aside
@@ -49,7 +50,7 @@ class WandbLog:
 
     def __init__(self, cfg, *, start_step: int, last_jsonl_step: int | None):
         run_file = runfolder.path(cfg.run.out_dir, RUN_FILE)
-        run_id = json.loads(run_file.read_text())["id"] if run_file.exists() else None
+        run_id = _saved_id(run_file)
         self.run = _start(cfg, run_id)
         self.logged_step = start_step
         if run_id is None:  # a new W&B run: its id, drawn by wandb, is this run folder's from now on
@@ -76,6 +77,22 @@ class WandbLog:
     def close(self) -> None:
         self.sync()
         self.run.finish()
+
+
+def _saved_id(run_file) -> str | None:
+    """The W&B run id that wandb.json holds; None where there is no such file yet (a new W&B run)."""
+    if not run_file.exists():
+        return None
+    try:
+        run_id = json.loads(run_file.read_bytes().decode("utf-8"))["id"]
+    except (ValueError, KeyError, TypeError):  # not UTF-8 or not JSON; no "id" in it, or not an object
+        run_id = None
+    if not (isinstance(run_id, str) and run_id):
+        raise UserError(f"{run_file} is damaged: it holds the id of this run folder's W&B run, as "
+                        f"{{\"id\": \"<id>\"}}; write the id back (the W&B run's page shows it, and so do the names "
+                        f"of its local folders, (offline-)run-<time>-<id>), or move the file aside to log to a new "
+                        f"W&B run")
+    return run_id
 
 
 def _start(cfg, run_id: str | None):

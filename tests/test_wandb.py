@@ -15,7 +15,8 @@ import pytest
 
 from test_preemption import wait_for
 from test_run import read_metrics, small_args
-from jaxtrain import config, run
+from jaxtrain import config, run, wandb_log
+from jaxtrain.errors import UserError
 from torchref import run as torchref_run
 
 pytestmark = pytest.mark.usefixtures("wandb_offline")
@@ -131,6 +132,20 @@ def test_online_without_an_api_key_logs_offline_and_says_so_in_one_line(tmp_path
     said = [line for line in proc.stderr.splitlines() if "W&B could not start online" in line]
     assert len(said) == 1 and "No API key configured" in said[0] and "offline" in said[0], proc.stderr
     assert [row["_step"] for row in history(wandb_records(out_dir))] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("content", [b"", b"{}", b"[1]", b'{"id": 5}', b'{"id": ""}', b"\xff"])
+def test_a_damaged_wandb_json_is_named_before_wandb_starts(tmp_path, content):
+    """Read by both backends (their metrics loggers make a WandbLog), before W&B is imported."""
+    (tmp_path / "wandb.json").write_bytes(content)
+    cfg = config.load([f"--run.out_dir={tmp_path}", "--log.wandb=true", "--log.tensorboard=false",
+                       "--log.progress=false", "--model.vocab_size=256"])
+    with pytest.raises(UserError) as e:
+        wandb_log.WandbLog(cfg, start_step=0, last_jsonl_step=None)
+    assert str(e.value).startswith(f"{tmp_path}/wandb.json is damaged: it holds the id of this run folder's W&B run, "
+                                   f"as {{\"id\": \"<id>\"}}; write the id back")
+    assert str(e.value).endswith("or move the file aside to log to a new W&B run")
+    assert (tmp_path / "wandb.json").read_bytes() == content and not (tmp_path / "wandb").exists()
 
 
 def test_without_the_package_one_line_names_the_fix_and_nothing_starts(tmp_path, cache_dir):
