@@ -35,7 +35,8 @@ def path(out_dir: str, *names: str) -> epath.Path:
 
 # What a run keeps in run.out_dir: a file or a folder already there under one of these names must be of its kind.
 _RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file", "metrics.jsonl": "file",
-                     "wandb.json": "file", "wandb": "folder"}
+                     "wandb.json": "file", "wandb": "folder", "tb": "folder", ".lock": "file",
+                     "checkpoints.corrupt": "folder"}
 
 
 def unwritable(folder: str) -> str | None:

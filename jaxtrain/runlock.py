@@ -45,9 +45,13 @@ def _in_use(out_dir: str, holder: str) -> UserError:
 
 class FileLock:
     def __init__(self, out_dir: str):
-        os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, NAME)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # the run's first write: a folder that cannot be made (/proc, /sys, a read-only disk) is refused here
+            os.makedirs(out_dir, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"run.out_dir={out_dir!r} cannot be created or written ({e.strerror}: {e.filename}); "
+                            f"choose another --run.out_dir") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

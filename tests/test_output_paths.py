@@ -11,7 +11,8 @@ import argparse
 import pytest
 from hypothesis import given, strategies as st
 
-from jaxtrain import cmdline, runfolder
+from jaxtrain import cmdline, config, runfolder
+from jaxtrain.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,6 +49,25 @@ def _one_error_line(proc: subprocess.CompletedProcess, *words: str) -> None:
 def test_run_out_dir_under_a_file(a_file):
     _one_error_line(_cli("jaxtrain.run", "--config", "configs/tiny.yaml", f"--run.out_dir={a_file}/run"),
                     f"run.out_dir='{a_file}/run' lies under {a_file}, which is a file", "--run.out_dir")
+
+
+@pytest.mark.parametrize("name,kind", [("tb", "folder"), (".lock", "file"), ("checkpoints.corrupt", "folder")])
+def test_an_entry_of_the_run_folder_of_the_wrong_kind_is_named(tmp_path, name, kind):
+    if kind == "folder":
+        (tmp_path / name).write_text("x")
+    else:
+        (tmp_path / name).mkdir()
+    with pytest.raises(UserError) as e:
+        config.load(["--config", "configs/tiny.yaml", f"--run.out_dir={tmp_path}"])
+    other = "file" if kind == "folder" else "folder"
+    assert str(e.value) == (f"{tmp_path / name} is a {other} where the run keeps a {kind} of that name; move it aside, "
+                            f"or choose another --run.out_dir")
+
+
+@pytest.mark.parametrize("tool", ["jaxtrain.run", "torchref.run"])
+def test_run_out_dir_the_kernel_refuses(tool):
+    _one_error_line(_cli(tool, "--config", "configs/tiny.yaml", "--run.out_dir=/proc/x/run"),
+                    "run.out_dir='/proc/x/run' cannot be created or written (No such file or directory: /proc/x)")
 
 
 def test_prepare_out_is_a_file(tmp_path, a_file):

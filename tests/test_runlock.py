@@ -10,7 +10,8 @@ import pytest
 
 from test_preemption import LONG, start, wait_for_a_logged_step
 from test_run import read_metrics, small_args, without_timing
-from jaxtrain import config, run
+from jaxtrain import config, run, runlock
+from jaxtrain.errors import UserError
 
 HOLD = ("from jaxtrain import runlock; import sys, time; runlock.take(sys.argv[1], float(sys.argv[2])); "
         "print('held', flush=True); time.sleep(600)")
@@ -31,6 +32,16 @@ def try_lock(out_dir, background=False):
     if background:
         return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=10 * LEASE_S)
+
+
+@pytest.mark.parametrize("out_dir,why", [("/proc/x", "No such file or directory"),
+                                         ("/sys/x", "Operation not permitted")])
+def test_a_run_folder_that_cannot_be_created_is_one_line(out_dir, why):
+    """Folders the kernel refuses even to root (os.access says yes): both backends take this lock first."""
+    with pytest.raises(UserError) as e:
+        runlock.take(out_dir)
+    assert str(e.value) == (f"run.out_dir='{out_dir}' cannot be created or written ({why}: {out_dir}); choose another "
+                            f"--run.out_dir")
 
 
 def test_a_held_folder_refuses_and_a_killed_holder_leaves_no_lock(tmp_path):
