@@ -27,7 +27,7 @@ import sys
 from benchmarks import workers
 from benchmarks.steps import matmul_shape, with_precision
 from jaxtrain import config as config_lib
-from jaxtrain.cmdline import output_file, positive_int
+from jaxtrain.cmdline import output_file, positive_float, positive_int
 from jaxtrain.errors import UserError, exit_on_user_error
 
 # key -> (row name, steps builder, precision, grad_accum_steps (None: the config's), builder args)
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=positive_int, default=6, help="timed steps per row and round")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
     ap.add_argument("--synthetic", action="store_true", help="random token ids instead of data.path")
-    ap.add_argument("--peak-tflops", type=float, help="the device's nominal dense bf16 peak, for MFU")
+    ap.add_argument("--peak-tflops", type=positive_float, help="the device's nominal dense bf16 peak, for MFU")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="each row's process runs all its rounds alone (a GPU that cannot hold every row at once)")
     ap.add_argument("--json", type=output_file, help="also write the results here")
@@ -60,6 +60,8 @@ def main(argv: list[str]) -> None:
     args, rest = ap.parse_known_args(argv)
     keys = [k.strip() for k in args.rows.split(",") if k.strip()]
     unknown = [k for k in keys if k not in ROWS]
+    if not keys:
+        raise UserError(f"--rows={args.rows!r} names no row; give one or more, comma-separated, of {', '.join(ROWS)}")
     if unknown:
         raise UserError(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
     workers.quiet_gpu_allocators()

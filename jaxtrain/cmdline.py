@@ -5,6 +5,7 @@ Pure Python: torchref imports jaxtrain.config, which imports this module.
 """
 
 import argparse
+import math
 import os
 import re
 
@@ -116,6 +117,17 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a peak FLOP/s, a rate): nan, inf and what is not a number are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0")
     return value
 
 

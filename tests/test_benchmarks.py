@@ -111,7 +111,8 @@ ENTRY %main (a: bf16[8,4], b: bf16[4,2]) -> f32[2] {
     ("roofline", ["--model.n_layerz=1"], "unknown config key 'model.n_layerz'; did you mean model.n_layer?"),
     ("xla_flags", ["--target", "cpu", "--model.n_layerz=1"], "unknown config key 'model.n_layerz'"),
     ("run", ["--synthetic", "--model.vocab_size=null"], "--synthetic needs model.vocab_size"),
-    ("run", ["--rows", "jax-bf16,nope"], "unknown --rows ['nope']; choose from jax-bf16,")])
+    ("run", ["--rows", "jax-bf16,nope"], "unknown --rows ['nope']; choose from jax-bf16,"),
+    ("run", ["--rows", ","], "--rows=',' names no row; give one or more, comma-separated, of jax-bf16,")])
 def test_user_errors_are_one_line_exit_2(tool, flags, message):
     """A config or flag the user can fix ends each tool in jaxtrain's one line, exit code 2, no traceback."""
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{tool}", "--config", "configs/tiny.yaml", *flags],

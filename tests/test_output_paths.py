@@ -2,7 +2,9 @@
 and a tool's own flags (a count of 0, a --json file in no folder), end in one line with exit code 2 before any
 work, and nothing is written."""
 
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -88,6 +90,8 @@ def test_convert_dst_under_a_file_is_refused_before_the_source_is_read(tmp_path,
 @pytest.mark.parametrize("tool,flags,words", [
     ("benchmarks.run", ["--steps", "0"], ["argument --steps", "'0' is not a whole number >= 1"]),
     ("benchmarks.run", ["--rounds", "-1"], ["argument --rounds", "'-1' is not a whole number >= 1"]),
+    ("benchmarks.run", ["--peak-tflops", "-1"], ["argument --peak-tflops", "'-1' is not a finite number > 0"]),
+    ("benchmarks.run", ["--peak-tflops", "nan"], ["argument --peak-tflops", "'nan' is not a finite number > 0"]),
     ("benchmarks.run", ["--json", "{missing}/bench.json"], ["argument --json", "which is not a folder"]),
     ("benchmarks.run", ["--json", "{tmp}"], ["argument --json", "is a folder; choose another file"]),
     ("benchmarks.profile", ["--steps", "zero"], ["argument --steps", "'zero' is not a whole number >= 1"]),
@@ -116,3 +120,26 @@ def test_positive_int_takes_whole_numbers_from_1(n):
 def test_positive_int_refuses_what_is_not_a_whole_number(text):
     with pytest.raises(argparse.ArgumentTypeError, match="is not a whole number >= 1"):
         cmdline.positive_int(text)
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_positive_float_takes_finite_numbers_above_0(x):
+    if math.isfinite(x) and x > 0:
+        assert cmdline.positive_float(repr(x)) == x
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"^'{re.escape(repr(x))}' is not a finite number > 0$"):
+            cmdline.positive_float(repr(x))
+
+
+def _not_a_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return True
+    return False
+
+
+@given(st.text().filter(_not_a_float))
+def test_positive_float_refuses_what_is_not_a_number(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a finite number > 0"):
+        cmdline.positive_float(text)
