@@ -685,7 +685,7 @@ COMMAND_LINES = {
         tok, _damaged_arrays(jax, out)), "checkpoints/0 cannot be read"),
     "torchref: empty out_dir": ("torchref", lambda tmp, out, tok, *_: run_args(tok, ""), "run.out_dir is empty"),
     "torchref: a jaxtrain run folder": ("torchref", lambda tmp, out, tok, jax, torch: run_args(
-        tok, shutil.copytree(jax, out)), "checkpoints/0/trainer_state.json"),
+        tok, shutil.copytree(jax, out)), "checkpoints/0 is a jaxtrain checkpoint"),
     "torchref: other data": ("torchref", lambda tmp, out, tok, jax, torch: run_args(
         _altered_copy(tok, tmp), shutil.copytree(torch, out), "--train.steps=1"), "differs from the data"),
 }
