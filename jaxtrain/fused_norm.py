@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import autocast, mesh
 
-LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as model.LN_EPS
+LN_EPS = 1e-5  # torch.nn.LayerNorm's default; model.LayerNorm's too
 MAX_ROWS = 8  # rows a kernel instance holds; the backward writes one partial-sum row of dw and db per instance
 NUM_WARPS = 8  # 256 threads: 24 of a 768-wide row block's elements each (none measured on a GPU yet)
 

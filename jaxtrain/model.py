@@ -28,11 +28,10 @@ from flax import nnx
 from jaxtrain.autocast import COMPUTE_DTYPES, backend, biased_matmul, gelu, matmul, rounded_matmul, row_major
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
-from jaxtrain.fused_norm import residual_norm
+from jaxtrain.fused_norm import LN_EPS, residual_norm
 from jaxtrain.mesh import batch_sharded
 
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
-LN_EPS = 1e-5  # torch.nn.LayerNorm's default
 
 
 def _dropout(x, rate: float, key):
