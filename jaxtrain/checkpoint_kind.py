@@ -43,6 +43,12 @@ def kind(path: str) -> str | None:
     return _RUN_OF.get(kind(step)) if step else None
 
 
+def holds_training_state(path: str) -> bool:
+    """Whether a torch-format folder holds a whole training state (optimizer and trainer state), not weights alone:
+    what convert from-torch resumes, and what init.from continues from in both backends."""
+    return all(os.path.exists(os.path.join(path, f)) for f in (OPTIMIZER, TRAINER_STATE))
+
+
 def _conv1d_layout(file: str) -> bool:
     """Whether `file` holds the first attention weight as HF's Conv1D, (d, 3d); not where it cannot be read (the
     loader names that)."""

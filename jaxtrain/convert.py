@@ -50,7 +50,7 @@ def to_hf(src: str, out_dir: str) -> None:
         tensors = torch_format.model_tensors(state.params)
     else:
         tensors = hf_format.read_tensors(src)
-        if torch_format.holds_training_state(src):
+        if checkpoint_kind.holds_training_state(src):
             cfg = config_lib.from_dict(torch_format.read_trainer_state(src)["config"])
     # without a run's config: weights that from-hf wrote, with the model's config.json beside them
     config = hf_format.hf_config(cfg.model, tensors[torch_format.WTE].shape[0]) if cfg else hf_format.read_config(src)
@@ -111,7 +111,7 @@ def from_torch(src: str, out_dir: str) -> None:
     run.out_dir=out_dir) and the Orbax checkpoint <out_dir>/checkpoints/<step>, where jaxtrain.run resumes."""
     torch_format.check_new_folder(out_dir)
     checkpoint_kind.check_torch_source(src, "SRC")
-    if not torch_format.holds_training_state(src):
+    if not checkpoint_kind.holds_training_state(src):
         raise UserError(f"{src} holds weights only (no {torch_format.OPTIMIZER} and {torch_format.TRAINER_STATE}), not "
                         f"a training state to resume; start a run from it with --init.from={src} instead")
     trainer_state = torch_format.read_trainer_state(src)

@@ -108,7 +108,7 @@ class Trainer:
         cfg = self.cfg
         if self.resumed is not None:
             return self.resumed.data_seed
-        if cfg.init.from_ is not None and torch_format.holds_training_state(cfg.init.from_):
+        if cfg.init.from_ is not None and checkpoint_kind.holds_training_state(cfg.init.from_):
             return data_lib.continued_seed(torch_format.read_trainer_state(cfg.init.from_)["data"]["seed"], cfg)
         return cfg.run.seed
 

@@ -34,6 +34,7 @@ from jaxtrain import optim
 from jaxtrain import param_groups
 from jaxtrain import runfolder
 from jaxtrain import same_run
+from jaxtrain import checkpoint_kind
 from jaxtrain.checkpoint_kind import MODEL, OPTIMIZER, TRAINER_STATE
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
@@ -109,7 +110,7 @@ def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]
               for name, (p, transposed) in names.items()}
     weights = _read_tensors(os.path.join(path, MODEL), shapes, cfg)
     params = _from_torch(template.params, weights, names)
-    if not holds_training_state(path):
+    if not checkpoint_kind.holds_training_state(path):
         return template._replace(params=params), "weights"
     trainer_state = read_trainer_state(path)
     step, skipped = trainer_state["step"], trainer_state.get("skipped", 0)
@@ -120,11 +121,6 @@ def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]
               for field, key in MOMENTS)
     opt_state = _at_window_boundary(template.opt_state, mu, nu, step, skipped, trainer_state.get("loss_scale"))
     return TrainState(params, opt_state), "full"
-
-
-def holds_training_state(path: str) -> bool:
-    """Whether the folder holds a whole training state (optimizer and trainer state), not weights alone."""
-    return all(os.path.exists(os.path.join(path, f)) for f in (OPTIMIZER, TRAINER_STATE))
 
 
 def read_trainer_state(path: str) -> dict:

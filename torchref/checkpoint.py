@@ -143,8 +143,7 @@ def init_from(path: str, model, optimizer) -> Progress | None:
     checkpoint_kind.check_torch_source(path, "init.from")
     with _fix_for("init.from"):
         load_weights(path, model)
-        files = [os.path.join(path, n) for n in ("optimizer.safetensors", "trainer_state.json")]
-        if not all(os.path.exists(f) for f in files):
+        if not checkpoint_kind.holds_training_state(path):
             return None
         return _restore_training(path, _read_trainer_state(path), model, optimizer)
 
