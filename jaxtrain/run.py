@@ -34,7 +34,6 @@ from jaxtrain import runlock
 from jaxtrain import sample as sample_lib
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
-from jaxtrain import wandb_log
 from jaxtrain.config import Config
 from jaxtrain.errors import exit_on_user_error
 
@@ -90,7 +89,7 @@ class Trainer:
         if self.checkpointer is not None:
             return
         if self.is_main:
-            set_aside_previous_run(self.cfg.run.out_dir)
+            runfolder.set_aside_previous_run(self.cfg.run.out_dir)
         mesh_lib.barrier("run.fresh")  # no host opens the checkpoints before the set-aside is done
         self._open_checkpoints()
 
@@ -164,17 +163,6 @@ class Trainer:
             sums = [self.eval_step(params, inputs, targets) for inputs, targets in batches]
         ce, correct, n = np.sum(jax.device_get(sums), axis=0, dtype=np.float64)
         return float(ce / max(n, 1)), float(correct / max(n, 1))
-
-
-def set_aside_previous_run(out_dir: str) -> None:
-    """run.fresh keeps what an earlier run saved: its checkpoints, metrics and W&B run (its id and local files) move
-    to a dated name, so the new run starts a W&B run of its own."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for name in ("checkpoints", "metrics.jsonl", *wandb_log.FILES):
-        path = runfolder.path(out_dir, name)
-        if path.exists():
-            runfolder.move(path, path.with_name(f"{name}.{stamp}"))
-            print(f"run.fresh: moved the previous {name} to {path}.{stamp}", file=sys.stderr)
 
 
 class StoppedInStartUp(Exception):

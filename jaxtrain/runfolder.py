@@ -8,6 +8,7 @@ on a local disk, are uploaded whole in an object store (GrowingFile).
 """
 
 import os
+import sys
 import time
 
 import fsspec
@@ -38,6 +39,30 @@ _RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file
                      "wandb.json": "file", "wandb": "folder", "tb": "folder", ".lock": "file",
                      "checkpoints.corrupt": "folder"}
 
+
+# What run.fresh moves aside, each whole, to <name>.before-fresh-<time>: an earlier run's checkpoints (left in place,
+# their higher steps would make max_to_keep delete the new run's and a resume pick the old run), metrics (the new run
+# would overwrite them), TensorBoard events (the new run's first event would hide the old curves) and W&B run (the
+# new run would log to it). One rule for both backends.
+PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "tb", "wandb.json", "wandb")
+
+
+def set_aside_previous_run(out_dir: str) -> list[epath.Path]:
+    """Move what an earlier run left in `out_dir` (PREVIOUS_RUN) aside under one time stamp, saying so on stderr,
+    and return where to.
+    A stamp some name of which is taken (a fresh start in the same second as the last one) gets a count, so that
+    nothing set aside before is overwritten."""
+    found = [path(out_dir, name) for name in PREVIOUS_RUN if path(out_dir, name).exists()]
+    stamp = suffix = f".before-fresh-{time.strftime('%Y%m%d-%H%M%S')}"
+    count = 0
+    while any(source.with_name(source.name + suffix).exists() for source in found):
+        count += 1
+        suffix = f"{stamp}-{count}"
+    targets = [source.with_name(source.name + suffix) for source in found]
+    for source, target in zip(found, targets):
+        move(source, target)
+        print(f"run.fresh: moved the previous run's {source.name} to {target}", file=sys.stderr)
+    return targets
 
 def unwritable(folder: str) -> str | None:
     """Why a local folder cannot be created, or written into where it exists (None: it can), as a predicate of

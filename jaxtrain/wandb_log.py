@@ -40,7 +40,6 @@ from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
 RUN_FILE = "wandb.json"  # in the run folder: {"id": ...}, written once
-FILES = (RUN_FILE, "wandb")  # what a W&B run leaves in a local run folder: run.fresh sets them aside
 
 
 class WandbLog:

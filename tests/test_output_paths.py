@@ -36,6 +36,34 @@ def test_unwritable_says_why_in_each_case(tmp_path, a_file, monkeypatch):
     assert runfolder.unwritable(str(tmp_path / "new")) == f"lies in {tmp_path}, where this user cannot write"
 
 
+def test_fresh_starts_in_one_second_keep_every_previous_run(tmp_path, monkeypatch, capsys):
+    """run.fresh moves checkpoints, metrics, TensorBoard events and the W&B run aside, and nothing else; a second fresh
+    start in the same second (the stamp frozen here) moves the next run's aside under a counted name, overwriting
+    nothing (a file renamed onto an existing name would replace it)."""
+    monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261125-010203")
+
+    def lay_out_a_run(label):
+        (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+        (tmp_path / "tb").mkdir()
+        for name in ("metrics.jsonl", "wandb.json", "config.yaml", "tb/events"):
+            (tmp_path / name).write_text(label)
+
+    lay_out_a_run("first")
+    runfolder.set_aside_previous_run(str(tmp_path))
+    lay_out_a_run("second")
+    runfolder.set_aside_previous_run(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["config.yaml"] + [f"{name}.before-fresh-20261125-010203{count}" for name in ("checkpoints", "metrics.jsonl",
+                                                                                   "tb", "wandb.json")
+                           for count in ("", "-1")])
+    for count, label in (("", "first"), ("-1", "second")):
+        assert (tmp_path / f"metrics.jsonl.before-fresh-20261125-010203{count}").read_text() == label
+        assert (tmp_path / f"tb.before-fresh-20261125-010203{count}" / "events").read_text() == label
+    assert (tmp_path / "config.yaml").read_text() == "second"  # the new run writes its own
+    assert f"run.fresh: moved the previous run's tb to {tmp_path}/tb.before-fresh-20261125-010203-1" in \
+        capsys.readouterr().err
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 

@@ -148,7 +148,7 @@ def test_fresh_sets_previous_run_aside(reference_run, tmp_path, cache_dir):
     run.train(config.load(small_args(out_dir, cache_dir, "--run.fresh=true", "--train.steps=4",
                                      "--optim.warmup_steps=1")))
     names = os.listdir(out_dir)
-    assert any(n.startswith("checkpoints.") for n in names) and any(n.startswith("metrics.jsonl.") for n in names)
+    assert {"checkpoints", "metrics.jsonl"} <= {n.split(".before-fresh-")[0] for n in names if ".before-fresh-" in n}
     assert sorted(os.listdir(os.path.join(out_dir, "checkpoints"))) == ["4"]
     # run.fresh acted once: the saved config resumes this run, it does not set it aside again
     again = config.load(["--config", os.path.join(out_dir, "config.yaml")])

@@ -16,14 +16,13 @@ import dataclasses
 import json
 import os
 import shutil
-import time
 
 import torch
 import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from jaxtrain import checkpoint_kind, config, same_run, wandb_log
+from jaxtrain import checkpoint_kind, config, same_run
 from jaxtrain.config import Config
 from jaxtrain.data import check_same_data
 from jaxtrain.errors import UserError
@@ -84,20 +83,6 @@ def remove_partial(out_dir: str) -> None:
     for name in os.listdir(root) if os.path.isdir(root) else []:
         if name.startswith(".tmp-"):
             shutil.rmtree(os.path.join(root, name))
-
-
-def set_aside(out_dir: str) -> list[str]:
-    """For run.fresh: move the existing checkpoints, metrics.jsonl and W&B run to <name>.before-fresh-<time>, and
-    return where. Left in place, the checkpoints' higher step numbers would make max_to_keep delete the new run's
-    and a later resume pick the old run, the new run would overwrite the old metrics, and log to the old W&B run."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = []
-    for name in ("checkpoints", "metrics.jsonl", *wandb_log.FILES):
-        path = os.path.join(out_dir, name)
-        if os.path.exists(path):
-            os.replace(path, f"{path}.before-fresh-{stamp}")
-            moved.append(f"{path}.before-fresh-{stamp}")
-    return moved
 
 
 def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Config, data_fingerprint: str) -> None:

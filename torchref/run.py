@@ -26,7 +26,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from jaxtrain import checkpoint_kind, config, data, metrics, preemption, runlock, wandb_log
+from jaxtrain import checkpoint_kind, config, data, metrics, preemption, runfolder, runlock, wandb_log
 from jaxtrain.config import Config
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import UserError, exit_on_user_error
@@ -139,8 +139,7 @@ def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Progres
             loaded.data_seed = data.continued_seed(loaded.data_seed, cfg)
             progress = loaded
     if cfg.run.fresh:
-        for moved in checkpoint.set_aside(cfg.run.out_dir):
-            print(f"run.fresh: moved the previous run's files to {moved}", file=sys.stderr)
+        runfolder.set_aside_previous_run(cfg.run.out_dir)
     return progress, False
 
 
