@@ -13,7 +13,7 @@ import pytest
 from etils import epath
 
 from test_run import final_params, read_metrics, small_args, without_timing
-from jaxtrain import config, run
+from jaxtrain import config, run, runfolder
 
 # 200 steps with a save every 10: the run is killed once its step-20 checkpoint is committed, far from the end.
 ARGS = ("--train.steps=200", "--checkpoint.every=10", "--checkpoint.max_to_keep=2", "--train.eval_every=50",
@@ -70,3 +70,22 @@ def test_a_corrupt_gs_checkpoint_is_moved_aside_and_the_run_falls_back(gcs, tmp_
     assert (moved[0] / "state").exists()  # moved whole
     for a, b in zip(final_params(remote, cache_dir, *extra), before):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_fresh_sets_the_previous_run_aside_in_a_bucket(gcs, monkeypatch):
+    """runfolder.set_aside_previous_run on gs://, where a folder is only a prefix and a move copies each object:
+    two fresh starts in one second (the stamp frozen) keep both previous runs, whole."""
+    monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261125-010203")
+    folder = epath.Path(f"{gcs()}/run")
+    for label in ("first", "second"):
+        for name in ("checkpoints/4/state/data", "metrics.jsonl", "tb/events", "config.yaml"):
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(label)
+        runfolder.set_aside_previous_run(os.fspath(folder))
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["config.yaml"] + [f"{name}.before-fresh-20261125-010203{count}" for name in ("checkpoints", "metrics.jsonl",
+                                                                                   "tb") for count in ("", "-1")])
+    for count, label in (("", "first"), ("-1", "second")):
+        assert (folder / f"checkpoints.before-fresh-20261125-010203{count}/4/state/data").read_text() == label
+        assert (folder / f"tb.before-fresh-20261125-010203{count}/events").read_text() == label
