@@ -102,6 +102,31 @@ def check_torch_source(path: str, flag: str) -> None:
     raise UserError(f"{flag}={path!r} {what[found]}")
 
 
+def check_jaxtrain_step(path: str, command: str) -> None:
+    """UserError unless `path` is a jaxtrain step folder named by its step (Orbax finds a step by its folder's
+    name), given as `command`'s SRC (to-torch; to-hf, which takes a torch-format folder itself): otherwise one line
+    says what it is and what to pass instead."""
+    found, name = kind(path), os.path.basename(os.path.normpath(path))
+    if found == JAXTRAIN_STEP and name.isdigit():
+        return
+    step = newest_step(path)
+    what = {
+        JAXTRAIN_STEP: f"is a jaxtrain step folder renamed {name!r}; Orbax finds a step by its folder's name: give it "
+                       f"back its step number (as in <run>/checkpoints/250)",
+        JAXTRAIN_RUN: f"is a jaxtrain run folder; pass one of its step folders, e.g. {step}",
+        TORCH: "is a torch-format checkpoint already: torchref and --init.from take it as it is",
+        TORCHREF_RUN: f"is a torchref run folder, whose checkpoints are torch-format already, e.g. {step}",
+        HF: f"is a Hugging Face GPT-2 folder; python -m jaxtrain.convert from-hf {path} DST makes a torch-format "
+            f"checkpoint of it",
+        None: f"{'is not a jaxtrain checkpoint step folder' if os.path.exists(path) else 'does not exist'}; pass "
+              f"one like out/tiny/checkpoints/250 (a folder named by its step, holding `state` and `meta`)",
+    }
+    if command == "to-hf":
+        what[TORCHREF_RUN] = f"is a torchref run folder; pass one of its checkpoints, e.g. {step}"
+        what[HF] = "is a Hugging Face GPT-2 folder already"
+    raise UserError(f"{command} SRC {path} {what[found]}")
+
+
 def check_jaxtrain_run(path: str, flag: str) -> None:
     """A torchref run, a torch-format folder or a jaxtrain step folder, given as `flag` where a jaxtrain run
     folder goes (jaxtrain.sample's --run), is named, with the command that takes it; others are the caller's."""

@@ -36,6 +36,7 @@ from jaxtrain.errors import UserError, exit_on_user_error
 def to_torch(step_dir: str, out_dir: str) -> None:
     """A jaxtrain step folder (<out_dir>/checkpoints/<step>) -> a torch-format folder."""
     torch_format.check_new_folder(out_dir)
+    checkpoint_kind.check_jaxtrain_step(step_dir, "to-torch")
     state, cfg, meta = restore_step(step_dir)
     torch_format.export(state, cfg, out_dir, meta.get("data_seed", cfg.run.seed), meta.get("data_fingerprint"))
     print(f"wrote {out_dir} (step {int(state.step)}) from {step_dir}", file=sys.stderr)
@@ -45,7 +46,8 @@ def to_hf(src: str, out_dir: str) -> None:
     """A jaxtrain step folder or a torch-format folder (one from-hf wrote, too) -> a Hugging Face GPT-2 folder."""
     torch_format.check_new_folder(out_dir)
     cfg = None  # a run's config, which names its data and so its tokenizer
-    if not os.path.exists(os.path.join(src, torch_format.MODEL)):
+    if checkpoint_kind.kind(src) != checkpoint_kind.TORCH:  # a Hugging Face folder too: its weights are laid out
+        checkpoint_kind.check_jaxtrain_step(src, "to-hf")     # as Conv1D's, and to-hf would transpose them again
         state, cfg, _ = restore_step(src)
         tensors = torch_format.model_tensors(state.params)
     else:
@@ -89,11 +91,9 @@ def from_hf(src: str, out_dir: str) -> None:
 
 
 def restore_step(step_dir: str):
-    """(state, config, meta) of a jaxtrain step folder, restored on one device."""
+    """(state, config, meta) of a jaxtrain step folder (checkpoint_kind.check_jaxtrain_step), restored on one
+    device."""
     root, name = os.path.split(os.path.normpath(os.path.abspath(step_dir)))
-    if not (name.isdigit() and os.path.isdir(os.path.join(step_dir, "state"))):
-        raise UserError(f"{step_dir} is not a jaxtrain checkpoint step folder; pass one like "
-                        f"out/tiny/checkpoints/250 (a folder named by its step, holding `state` and `meta`)")
     step = int(name)
     with ocp.CheckpointManager(root, item_handlers={"state": ocp.StandardCheckpointHandler(),
                                                     "meta": ocp.JsonCheckpointHandler()}) as manager:

@@ -101,6 +101,40 @@ def test_a_folder_of_another_kind_given_as_a_torch_source_says_how_to_use_it(fol
     assert str(e.value) == f"init.from={folders[name]!r} " + says.format(**folders)
 
 
+@pytest.mark.parametrize("command,name,says", [
+    ("to-torch", "jaxtrain run", "is a jaxtrain run folder; pass one of its step folders, e.g. {jaxtrain step}"),
+    ("to-torch", "torch", "is a torch-format checkpoint already: torchref and --init.from take it as it is"),
+    ("to-torch", "torchref run", "is a torchref run folder, whose checkpoints are torch-format already, e.g. "
+                                 "{torchref run}/checkpoints/20"),
+    ("to-torch", "hf", "is a Hugging Face GPT-2 folder; python -m jaxtrain.convert from-hf {hf} DST makes a "
+                       "torch-format checkpoint of it"),
+    ("to-torch", "other", "is not a jaxtrain checkpoint step folder; pass one like out/tiny/checkpoints/250 (a "
+                          "folder named by its step, holding `state` and `meta`)"),
+    ("to-hf", "jaxtrain run", "is a jaxtrain run folder; pass one of its step folders, e.g. {jaxtrain step}"),
+    ("to-hf", "torchref run", "is a torchref run folder; pass one of its checkpoints, e.g. "
+                              "{torchref run}/checkpoints/20"),
+    ("to-hf", "hf", "is a Hugging Face GPT-2 folder already")])
+def test_a_folder_of_another_kind_given_to_export_says_what_to_pass(folders, tmp_path, command, name, says):
+    """convert to-torch / to-hf SRC: a folder that is no jaxtrain step is named, and nothing is written (before,
+    each was "not a jaxtrain checkpoint step folder")."""
+    export = convert.to_torch if command == "to-torch" else convert.to_hf
+    with pytest.raises(UserError) as e:
+        export(folders[name], str(tmp_path / "dst"))
+    assert str(e.value) == f"{command} SRC {folders[name]} " + says.format(**folders)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_step_folder_must_keep_its_step_number_as_its_name(folders, tmp_path):
+    renamed, missing = tmp_path / "latest", tmp_path / "nowhere"
+    shutil.copytree(folders["jaxtrain step"], renamed)
+    with pytest.raises(UserError) as e:
+        convert.to_torch(str(renamed), str(tmp_path / "dst"))
+    assert str(e.value) == (f"to-torch SRC {renamed} is a jaxtrain step folder renamed 'latest'; Orbax finds a step "
+                            f"by its folder's name: give it back its step number (as in <run>/checkpoints/250)")
+    with pytest.raises(UserError, match=f"^to-torch SRC {missing} does not exist; pass one like out/tiny/check"):
+        convert.to_torch(str(missing), str(tmp_path / "dst"))
+
+
 def test_a_torch_source_that_is_no_folder_says_so(folders):
     checkpoint_kind.check_torch_source(folders["torch"], "init.from")
     missing, a_file = f"{folders['other']}/nowhere", f"{folders['torch']}/model.safetensors"
