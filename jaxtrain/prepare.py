@@ -19,6 +19,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -224,7 +225,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     encode, vocab_size = _encoder(tokenizer)
     start, created = time.perf_counter(), not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".prepare-", dir=out)
+    _remove_killed_stagings(out)
+    staging = tempfile.mkdtemp(prefix=f"{_STAGING}{socket.gethostname()}-{os.getpid()}-", dir=out)
     try:
         meta = _write_data(staging, files, tokenizer, encode, vocab_size, val_fraction, workers)
     except OSError as e:
@@ -240,6 +242,36 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     n_tokens, seconds = meta["train_tokens"] + meta["val_tokens"], time.perf_counter() - start
     print(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({tokenizer}, vocab "
           f"{vocab_size}) to {out} in {seconds:.1f}s ({n_tokens / seconds:,.0f} tokens/s)")
+
+
+_STAGING = ".prepare-"  # + host-pid-random: the staging folder of the prepare of that process
+
+
+def _remove_killed_stagings(out: str) -> None:
+    """Delete the staging folders in `out` that prepares killed on this host left (a kill -9 runs no clean-up; each
+    may hold gigabytes of tokens); refuse while another prepare is writing into `out`, whose files and this one's
+    would replace each other's one by one. A staging folder of another host is left: its process cannot be seen."""
+    host = socket.gethostname()
+    for name in sorted(os.listdir(out)):
+        owner = re.fullmatch(rf"{re.escape(_STAGING + host)}-(\d+)-\w+", name)
+        if not (owner and os.path.isdir(os.path.join(out, name))):
+            continue
+        pid = int(owner.group(1))
+        if _alive(pid):
+            raise UserError(f"another prepare (process {pid}) is writing into --out {out}; wait for it to finish, "
+                            f"or choose another --out")
+        shutil.rmtree(os.path.join(out, name))
+        print(f"prepare: removed {os.path.join(out, name)}, left by a prepare that was killed", file=sys.stderr)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 def _write_data(folder: str, files: list[pathlib.Path], tokenizer: str, encode, vocab_size: int,

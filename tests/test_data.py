@@ -6,7 +6,10 @@ import math
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import sysconfig
+import time
 
 import numpy as np
 import pytest
@@ -244,6 +247,34 @@ def test_a_signal_while_prepare_moves_the_new_files_in_waits_until_all_are_in(pr
     monkeypatch.undo()
     assert code == 130 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == f"SIGINT: stopping; the new data is in place in {out}"
+    assert _files_under(out) == _files_under(tmp_path / "uninterrupted")
+
+
+def test_a_prepare_killed_mid_write_is_cleaned_up_by_the_next_and_a_live_one_refuses_a_second(prepared, capsys,
+                                                                                               tmp_path):
+    """kill -9 of a prepare half way through its tokens runs no clean-up: its staging folder stays. While it lives, a
+    second prepare into the same --out is refused (their renames would mix two data sets); once it is dead, the next
+    prepare removes the folder and writes what an uninterrupted prepare writes."""
+    text, out, before = prepared
+    assert _prepare_cli(capsys, "--input", str(text), "--out", str(tmp_path / "uninterrupted"))[0] == 0
+    stalls = ("import sys, time; from jaxtrain import data, prepare; prepare.PIECE_BYTES = 64; "
+              "prepare._give_back_freed_memory = lambda: time.sleep(300); data.main(sys.argv[1:])")
+    args = ["prepare", "--input", str(text), "--out", str(out), "--overwrite", "--tokenizer", "bytes",
+            "--val-fraction", "0.25"]
+    killed = subprocess.Popen([sys.executable, "-c", stalls, *args], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120  # bounded: a prepare that never starts fails the test
+    while not list(out.glob(".prepare-*/train.bin")):
+        assert killed.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    code, err = _prepare_cli(capsys, *args[1:-4])
+    assert (code, err.strip()) == (2, f"error: another prepare (process {killed.pid}) is writing into --out {out}; "
+                                      f"wait for it to finish, or choose another --out")
+    killed.kill()
+    assert killed.wait() == -signal.SIGKILL
+    [staging] = out.glob(".prepare-*")
+    assert {name: body for name, body in _files_under(out).items() if not name.startswith(".prepare-")} == before
+    code, err = _prepare_cli(capsys, *args[1:-4])
+    assert code == 0 and f"prepare: removed {staging}, left by a prepare that was killed" in err, err
     assert _files_under(out) == _files_under(tmp_path / "uninterrupted")
 
 
