@@ -92,6 +92,20 @@ def scalars(line: dict) -> dict:
             if key != "step" and value is not None}
 
 
+def line_due(step: int, cfg: Config) -> bool:
+    """Whether optimizer step `step` (1-based) writes a training line: every log.every steps, and the run's last."""
+    return step % cfg.log.every == 0 or step == cfg.train.steps
+
+
+def train_line(step: int, loss: float, lr: float, grad_norm: float, tokens: int, tokens_per_s: float,
+               flops_per_token: float, flops_per_s_peak: float | None) -> dict:
+    """A training line of metrics.jsonl; `tokens` counts the run's valid target tokens so far. MFU counts valid
+    tokens only, compute spent on padding not being useful work; null where the device's peak is unknown."""
+    mfu = tokens_per_s * flops_per_token / flops_per_s_peak if flops_per_s_peak else None
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+            "tokens_per_s": tokens_per_s, "mfu": mfu}
+
+
 class MetricsLogger:
     """Writes metrics for steps start_step+1 .. cfg.train.steps. Only the main process writes."""
 
@@ -131,13 +145,12 @@ class MetricsLogger:
         self.line_tokens, self.line_seconds = self.line_tokens + tokens, self.line_seconds + seconds
         self.run_tokens, self.run_seconds = self.run_tokens + tokens, self.run_seconds + seconds
         tokens_per_s = self.line_tokens / max(self.line_seconds, 1e-9)
-        mfu = tokens_per_s * self.flops_per_token / self.flops_per_s_peak if self.flops_per_s_peak else None
-        line = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
-                "tokens_per_s": tokens_per_s, "mfu": mfu}
+        line = train_line(step, loss, lr, grad_norm, self.tokens, tokens_per_s, self.flops_per_token,
+                          self.flops_per_s_peak)
         line.update(counters or {})
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-        if step % self.cfg.log.every == 0 or step == self.cfg.train.steps:
+        if line_due(step, self.cfg):
             self._write(line)
             self.line_tokens = self.line_seconds = 0
         return line

@@ -38,6 +38,17 @@ def test_tokens_per_s_covers_the_steps_since_the_last_line_and_leaves_out_eval_a
     assert logger.mean_tokens_per_s() == 400 / 5
 
 
+def test_lines_come_every_log_every_steps_and_at_the_last(tmp_path):
+    cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=2", "--log.tensorboard=false", "--log.progress=false",
+                       "--train.steps=5", "--optim.warmup_steps=1", "--model.vocab_size=256"])
+    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1.0, n_devices=1, device_kind="cpu",
+                                   is_main=True)
+    for step in range(1, 6):
+        logger.train(step, 1.0, 1e-3, 1.0, 100)
+    logger.close()
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [2, 4, 5]
+
+
 def test_a_resumed_run_keeps_the_lines_up_to_its_step_and_drops_a_cut_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [f'{{"step": {s}, "loss": 1.0}}\n' for s in (1, 2, 3)] + ['{"step": 3, "eval_loss": 2.0}\n']

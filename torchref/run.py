@@ -261,15 +261,16 @@ def to_device(batch, device: str) -> torch.Tensor:
 
 
 class MetricsLog:
-    """<out_dir>/metrics.jsonl: a line every log.every optimizer steps, and eval lines. Throughput counts
-    training time only (evaluation and checkpoints left out), over the steps since the previous line.
+    """<out_dir>/metrics.jsonl: a line every log.every optimizer steps and at the last one (jaxtrain.metrics'
+    rule), and eval lines. Throughput counts training time only (evaluation and checkpoints left out), over the
+    steps since the previous line.
 
     A resumed run first drops the lines past its checkpoint, so the file reads as if it had never stopped;
     any other start begins the file empty. log.wandb=true: the same lines to W&B (jaxtrain.wandb_log)."""
 
     def __init__(self, cfg: Config, resumed_step: int, flops_per_token: float, peak_flops: float | None):
         self.path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
-        self.every, self.flops_per_token, self.peak_flops = cfg.log.every, flops_per_token, peak_flops
+        self.cfg, self.flops_per_token, self.peak_flops = cfg, flops_per_token, peak_flops
         kept = metrics.kept_lines(self.path, resumed_step) if resumed_step else []
         self.wandb = wandb_log.WandbLog(cfg, start_step=resumed_step, last_jsonl_step=metrics.last_step(self.path)) \
             if cfg.log.wandb else None
@@ -294,16 +295,13 @@ class MetricsLog:
         tokens/s for the progress bar."""
         self.tokens, self.seconds = self.tokens + n_tokens, self.seconds + seconds
         self.total_tokens, self.total_seconds = self.total_tokens + n_tokens, self.total_seconds + seconds
-        tokens_per_s = self.tokens / self.seconds
-        # MFU from valid tokens only: compute spent on padding is not useful work.
-        mfu = self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops else None
-        line = {"step": progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": progress.tokens,
-                "tokens_per_s": tokens_per_s, "mfu": mfu}
+        line = metrics.train_line(progress.step, loss, lr, grad_norm, progress.tokens, self.tokens / self.seconds,
+                                  self.flops_per_token, self.peak_flops)
         if divergence.policy == "skip" or loss_scale is not None:
             line["skipped"] = progress.skipped
         if loss_scale is not None:  # train.precision=fp16
             line["loss_scale"] = loss_scale
-        if progress.step % self.every == 0:
+        if metrics.line_due(progress.step, self.cfg):
             self._write(line)
             self.tokens = self.seconds = 0
         divergence.check(line)
