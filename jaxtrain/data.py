@@ -1,4 +1,4 @@
-"""Token data: nanoGPT-format token folders, their fingerprint, the embedded corpus, and deterministic batches.
+"""Token data: nanoGPT-format token folders, their fingerprint, and deterministic batches.
 
 A data folder holds `train.bin` and `val.bin`, flat arrays of token ids (uint16 when vocab_size <= 65536, else
 uint32, as nanoGPT writes them), and `meta.json` = {"vocab_size", "dtype", "tokenizer", "train_tokens",
@@ -8,7 +8,7 @@ uint32, as nanoGPT writes them), and `meta.json` = {"vocab_size", "dtype", "toke
     python -m jaxtrain.data stats [--data-path data/mine]
 
 (prepare and the tokenizers live in jaxtrain.prepare.) Without `data.path` the data is the Python standard
-library's own source, byte-tokenized and prepared once into a cache folder: a real corpus that needs no download.
+library's own source, byte-tokenized and prepared once into a cache folder (jaxtrain.embedded_corpus).
 
 Batches are a pure function of (seed, split, step): random windows as in nanoGPT, whose offsets come from PCG64
 seeded with those numbers, drawn for the GLOBAL batch of the step, then cut into micro-batches, of which each
@@ -23,15 +23,11 @@ import dataclasses
 import hashlib
 import json
 import os
-import pathlib
-import shutil
 import sys
-import sysconfig
-import tempfile
-import zlib
 
 import numpy as np
 
+from jaxtrain import embedded_corpus
 from jaxtrain import prepare as prepare_lib
 from jaxtrain.config import Config, DataConfig
 from jaxtrain.errors import UserError, exit_on_user_error
@@ -59,7 +55,7 @@ def load(data_cfg: DataConfig, seq_len: int) -> TokenData:
     Checks the folder against its meta.json, that each split holds at least one window of seq_len + 1 tokens, and
     the token ids it fingerprints (a whole small split; a large one's ends) against vocab_size.
     """
-    path = data_cfg.path if data_cfg.path is not None else _embedded_corpus(data_cfg.cache_dir)
+    path = data_cfg.path if data_cfg.path is not None else embedded_corpus.folder(data_cfg.cache_dir)
     meta = _read_meta(path)
     dtype = np.dtype(meta["dtype"])
     train = _open_split(path, "train", dtype, meta["train_tokens"], seq_len)
@@ -179,71 +175,6 @@ def _size_mismatch(file: str, size: int, dtype: np.dtype, n_tokens: int) -> str:
                 f"set \"dtype\": \"{other.name}\" in meta.json or re-create the folder with the prepare command")
     return (f"{file} is {size} bytes, but meta.json says {n_tokens} {dtype.name} tokens ({n_tokens * dtype.itemsize} "
             f"bytes): a dtype mismatch, a truncated file or a stale meta.json; {_PREPARE_HINT}")
-
-
-# The embedded corpus ---------------------------------------------------------------------------------------------
-
-_EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
-_EMBEDDED_VAL_FRACTION = 0.1  # of the files, held out whole
-
-
-def _embedded_corpus(cache_dir: str | None) -> str:
-    """The folder of the byte-tokenized stdlib corpus, prepared on first use.
-
-    The folder name carries the Python version and a hash of the file list and sizes, so another interpreter
-    prepares its own corpus instead of reading a stale one.
-    """
-    root = sysconfig.get_paths()["stdlib"]
-    files = _stdlib_sources(root)
-    listing = "".join(f"{rel} {os.path.getsize(os.path.join(root, rel))}\n" for rel in files)
-    key = hashlib.sha1(listing.encode()).hexdigest()[:12]
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    out = os.path.join(os.path.expanduser(cache_dir or "~/.cache/jaxtrain"), f"stdlib-py{version}-{key}")
-    if not os.path.isdir(out):
-        _prepare_embedded(root, files, out)
-    return out
-
-
-def _stdlib_sources(root: str) -> list[str]:
-    """Relative posix paths of the stdlib's *.py files outside test and package folders, sorted."""
-    rels = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
-        rel_dir = pathlib.Path(dirpath).relative_to(root)
-        rels += [(rel_dir / f).as_posix() for f in filenames if f.endswith(".py")]
-    return sorted(rels)
-
-
-def _is_val(rel: str) -> bool:
-    """A file's split, from a hash of its path alone: stable as files come and go."""
-    return zlib.crc32(rel.encode()) < _EMBEDDED_VAL_FRACTION * 2**32
-
-
-def _prepare_embedded(root: str, files: list[str], out: str) -> None:
-    """Writes into a temp folder renamed into place at the end: a killed prepare or two processes preparing at
-    once never leave a half-written corpus (the loser of a race drops its identical copy)."""
-    print(f"preparing embedded corpus: {len(files)} Python stdlib files from {root} into {out} (one time)", flush=True)
-    splits = {False: [], True: []}
-    for rel in files:
-        with open(os.path.join(root, rel), "rb") as f:
-            splits[_is_val(rel)].append(f.read())
-    parent = os.path.dirname(out)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    except OSError as e:
-        raise UserError(f"cannot write the embedded corpus to {parent} ({e}); "
-                        f"set data.cache_dir to a writable folder") from None
-    try:
-        train, val = prepare_lib.byte_tokens(splits[False]), prepare_lib.byte_tokens(splits[True])
-        prepare_lib.write_token_dir(tmp, train, val, 256, "bytes")
-        os.rename(tmp, out)
-    except OSError as e:
-        if not os.path.isdir(out):
-            raise UserError(f"cannot write the embedded corpus to {out} ({e}); set data.cache_dir to a writable "
-                            f"folder with ~30 MB free") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # Batches ---------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxtrain import config, data, prepare
+from jaxtrain import config, data, embedded_corpus, prepare
 from jaxtrain.config import DataConfig
 from jaxtrain.errors import UserError
 
@@ -306,11 +306,11 @@ def embedded(tmp_path_factory):
 
 def test_embedded_corpus_is_the_stdlib_split_by_file(embedded):
     root = sysconfig.get_paths()["stdlib"]
-    files = data._stdlib_sources(root)
+    files = embedded_corpus.stdlib_sources(root)
     assert len(files) > 300 and files == sorted(files)
     assert not any(set(f.split("/")) & {"test", "tests", "idle_test", "site-packages", "__pycache__"} for f in files)
-    val_files = [f for f in files if data._is_val(f)]
-    # About one file in ten (data._is_val): over 300+ files the share is 0.10 +- 0.017 (a binomial sd): +-3 sd.
+    val_files = [f for f in files if embedded_corpus.is_val(f)]
+    # About one file in ten (embedded_corpus.is_val): over 300+ files the share is 0.10 +- 0.017 (a binomial sd): +-3 sd.
     assert 0.05 < len(val_files) / len(files) < 0.15
 
     def read(rels):
@@ -334,7 +334,7 @@ def test_embedded_corpus_is_prepared_once_and_atomically(tmp_path, capsys):
     assert capsys.readouterr().out == ""
     written = os.stat(os.path.join(path, "meta.json")).st_mtime_ns
     root = sysconfig.get_paths()["stdlib"]
-    data._prepare_embedded(root, data._stdlib_sources(root), path)  # a second process that finished later
+    embedded_corpus.prepare(root, embedded_corpus.stdlib_sources(root), path)  # a second process that finished later
     assert os.listdir(tmp_path) == [os.path.basename(path)]  # its temp folder is gone
     assert os.stat(os.path.join(path, "meta.json")).st_mtime_ns == written
 
