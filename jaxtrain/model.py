@@ -222,6 +222,17 @@ def _run_block(block, x_BxTxD, key):
     return batch_sharded(block(x_BxTxD, key)[0])
 
 
+def _rematted(remat: str):
+    """_run_block under jax.checkpoint with remat's policy, the block's params passed in as an argument. Not
+    nnx.remat: it writes the block's params back after the call, which under a scan that closes over them (the
+    eval step's, the sampler's) is a write across trace levels, and flax refuses it (TraceContextError)."""
+    def run_block(block, x_BxTxD, key):
+        graphdef, state = nnx.split(block)
+        pure = lambda state, x_BxTxD, key: _run_block(nnx.merge(graphdef, state), x_BxTxD, key)
+        return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x_BxTxD, key)
+    return run_block
+
+
 class GPT(nnx.Module):
     """Token ids (B, T) -> logits (B, T, V) in the compute dtype. vocab_size is explicit because cfg.vocab_size
     may be None (taken from the data); it wins over cfg.vocab_size."""
@@ -247,7 +258,7 @@ class GPT(nnx.Module):
             raise ValueError(f"sequence of length {T} is longer than the model's seq_len {self.wpe.weight.shape[0]}")
         emb_key, *block_keys = _split(dropout_key, len(self.h) + 1)
         x_BxTxD = batch_sharded(_dropout(self.wte(idx_BxT) + self.wpe(jnp.arange(T)), self.dropout, emb_key))
-        run_block = _run_block if self.remat == "none" else nnx.remat(_run_block, policy=REMAT_POLICIES[self.remat])
+        run_block = _run_block if self.remat == "none" else _rematted(self.remat)
         for block, key in zip(self.h, block_keys):
             x_BxTxD = run_block(block, x_BxTxD, key)
         return self.ln_f(x_BxTxD)

@@ -156,6 +156,15 @@ def test_fresh_sets_previous_run_aside(reference_run, tmp_path, cache_dir):
     assert sorted(os.listdir(out_dir)) == sorted(names)
 
 
+def test_a_rematted_run_evaluates_and_saves(tmp_path, cache_dir):
+    """model.remat=dots (gpt-1b.yaml's and pod-fsdp.yaml's) through a whole run: before, its first evaluation raised
+    flax's TraceContextError, ahead of that step's save, at every restart."""
+    out_dir = str(tmp_path / "remat")
+    run.train(config.load(small_args(out_dir, cache_dir, "--model.remat=dots", "--train.steps=4")))
+    assert [line["step"] for line in read_metrics(out_dir) if "eval_loss" in line] == [4]
+    assert os.listdir(os.path.join(out_dir, "checkpoints")) == ["4"]
+
+
 @pytest.mark.parametrize("refusal", ["init.from unreadable", "step does not fit"])
 def test_a_refused_fresh_start_leaves_the_previous_run_to_resume(reference_run, tmp_path, cache_dir, monkeypatch,
                                                                  refusal):

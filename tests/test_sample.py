@@ -1,6 +1,7 @@
 """Sampling (jaxtrain.sample): the KV-cached generation against nanoGPT's rule written out with the full forward
 pass, the draw against softmax written out in numpy, the tokenizers against known ids, and the command line."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -102,6 +103,13 @@ def test_greedy_continuation_is_the_full_forward_argmax(loaded, precision, monke
         np.testing.assert_allclose(step_logits, full_forward_logits(
             graphdef, loaded.params, got[:len(LONG_PROMPT) + i], loaded.model_cfg.seq_len),
             rtol=0, atol=LOGIT_ATOL[precision], err_msg=f"token {i}")
+
+
+def test_a_rematted_model_samples_what_it_samples_without(loaded):
+    """model.remat=dots past seq_len, where each token is a forward pass of the cropped context in a fori_loop that
+    closes over the params (before, flax refused nnx.remat's write-back there): the same greedy text."""
+    rematted = loaded._replace(model_cfg=dataclasses.replace(loaded.model_cfg, remat="dots"))
+    assert _generate(rematted, "fp32", temperature=0.0)[1] == _generate(loaded, "fp32", temperature=0.0)[1]
 
 
 def test_sampled_tokens_come_from_the_full_forward_top_k(loaded, monkeypatch):

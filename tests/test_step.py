@@ -154,3 +154,19 @@ def test_skip_leaves_the_update_out_and_moves_the_data_on():
     assert all(not np.any(x) for x in jax.tree.leaves(after.opt_state.acc_grads))  # nothing left accumulated
     # the next window's update applies LR(1), the position of the updates applied, not of the windows trained
     assert float(skip_step(guarded, *window)[1]["lr"]) == pytest.approx(default_lr_at(1, 1e-3, 1e-4, 2, 10), rel=1e-6)
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_the_eval_step_runs_under_remat_and_sums_what_it_sums_without(remat):
+    """model.remat under the eval step's scan, which closes over the params: nnx.remat wrote them back across trace
+    levels, and flax refused it (TraceContextError) at a run's first evaluation, before that step's save. A forward
+    pass alone computes the same ops either way: the same sums, bit for bit."""
+    inputs, targets = batch_with_padding()
+    window = window_of(inputs, targets, 4)
+    sums = {}
+    for policy in ("none", remat):
+        cfg, graphdef, state, _ = make(4, f"--model.remat={policy}")
+        sums[policy] = [np.asarray(x) for x in jax.jit(step.make_eval_step(graphdef))(state.params, *window)]
+    assert sums[remat][2] == int((targets >= 0).sum())  # every valid token counted
+    for got, want in zip(sums[remat], sums["none"]):
+        np.testing.assert_array_equal(got, want)
