@@ -101,6 +101,11 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def newest_complete_step(self) -> int | None:
+        """The newest checkpoint's step once the saves in flight are complete (None: there is none)."""
+        self.wait()
+        return self.latest_step()
+
     def save(self, state, data_seed: int, eval_loss: float | None = None) -> None:
         """Start saving `state` at its optimizer step (returns once its fingerprint is computed and the arrays are
         copied off the device, before the write completes). `data_seed` orders the batches (run.seed, or the data
@@ -110,8 +115,9 @@ class Checkpointer:
         step = int(state.step)
         sums = finite_fingerprint(state)
         if sums is None:
+            go_on = same_run.new_run_from(self.cfg, self.latest_step(), "jaxtrain", "lower optim.lr")
             raise UserError(f"the state after step {step} holds inf or NaN although its loss and gradient norm are "
-                            f"finite (an update overflowed); it was not saved. Lower optim.lr, then run again")
+                            f"finite (an update overflowed); it was not saved: {go_on}")
         if eval_loss is not None and (self.best is None or eval_loss < self.best["eval_loss"]):
             self._set_best({"step": step, "eval_loss": eval_loss})
         meta = {"step": step, "data_seed": data_seed, "data_fingerprint": self.data_fingerprint,

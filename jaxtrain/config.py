@@ -167,13 +167,18 @@ class Config:
 
     @property
     def decay_steps(self) -> int:
-        return self.optim.decay_steps if self.optim.decay_steps is not None else self.train.steps
+        return decay_steps(self.optim.decay_steps, self.train.steps)
 
     @property
     def warmup_init_lr(self) -> float:
         if self.optim.warmup_init_lr is not None:
             return self.optim.warmup_init_lr
         return self.optim.lr / (self.optim.warmup_steps + 1)
+
+
+def decay_steps(given: int | None, train_steps: int) -> int:
+    """optim.decay_steps in effect: as given, else train.steps."""
+    return given if given is not None else train_steps
 
 
 def load(argv: list[str]) -> Config:

@@ -15,12 +15,18 @@ import math
 import sys
 from typing import Callable
 
+from jaxtrain import same_run
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 
 
 class Divergence:
-    def __init__(self, cfg: Config, latest_checkpoint: Callable[[], int | None]):
+    """`latest_checkpoint`: the step of run.out_dir's newest checkpoint (None: none), looked up on a halt;
+    `backend`, "jaxtrain" or "torchref", the format of those checkpoints. A save in flight counts: the lookup
+    waits for it."""
+
+    def __init__(self, cfg: Config, latest_checkpoint: Callable[[], int | None], backend: str):
+        self.cfg, self.backend = cfg, backend
         self.policy, self.limit = cfg.train.nan_policy, cfg.train.nan_skip_limit
         self.loss_scaled = cfg.train.precision == "fp16"
         self.latest_checkpoint = latest_checkpoint
@@ -44,10 +50,11 @@ class Divergence:
         self.skipped = line["skipped"]
 
     def _halt(self, line: dict, what: str) -> None:
-        latest = self.latest_checkpoint()  # looked up only on failure
-        saved = (f"the newest checkpoint, step {latest}, holds only finite values and a resume starts from it"
+        latest = self.latest_checkpoint()
+        saved = (f"the newest checkpoint, step {latest}, holds only finite values"
                  if latest is not None else "no checkpoint was saved")
-        alternative = " (or train.nan_policy=skip to step over rare bad batches)" if self.policy == "halt" else ""
+        change = "lower optim.lr, lengthen optim.warmup_steps or set optim.max_grad_norm"
+        skip = ("; or resume as it is with --train.nan_policy=skip to step over rare bad batches"
+                if self.policy == "halt" and latest is not None else "")
         raise UserError(f"loss {line['loss']}, grad norm {line['grad_norm']} at step {line['step']}: {what}; "
-                        f"{saved}. Lower optim.lr, lengthen optim.warmup_steps or set optim.max_grad_norm"
-                        f"{alternative}, then run again")
+                        f"{saved}: {same_run.new_run_from(self.cfg, latest, self.backend, change)}{skip}")

@@ -68,9 +68,13 @@ def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:
         raise UserError(f"mesh.data={cfg.mesh.data} x mesh.fsdp={cfg.mesh.fsdp} does not cover the {n_devices} "
                         f"devices; set mesh.data=-1 and an fsdp that divides {n_devices}")
     if cfg.micro_batch_size % n_devices:
+        batch, k = cfg.data.batch_size, cfg.optim.grad_accum_steps
+        fewer = next((j for j in range(k - 1, 0, -1) if batch % (j * n_devices) == 0), None)
+        or_fewer = (f", or set optim.grad_accum_steps={fewer} (the same batch in fewer, bigger micro-batches; a "
+                    f"run without dropout may resume with it)" if fewer else "")
         raise UserError(f"the micro-batch of {cfg.micro_batch_size} sequences (data.batch_size / optim.grad_accum_steps)"
                         f" does not split over {n_devices} devices; make data.batch_size a multiple of "
-                        f"{n_devices * cfg.optim.grad_accum_steps}")
+                        f"{n_devices * k}{or_fewer}")
     tiles, device_tokens = cfg.model.vocab_tiles, cfg.micro_batch_size // n_devices * cfg.model.seq_len
     if device_tokens % tiles:  # each device's rows of a tile are its own (loss._by_shard)
         raise UserError(f"model.vocab_tiles={tiles} does not divide the {device_tokens} tokens each of the {n_devices} "

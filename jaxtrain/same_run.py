@@ -3,11 +3,13 @@ on resume (both backends) and hashed into torch-format checkpoints. Pure Python,
 """
 
 import hashlib
+import sys
 
 import yaml
 
 from jaxtrain import config
 from jaxtrain.config import Config
+from jaxtrain.config_checks import DECAYING_SCHEDULES
 from jaxtrain.errors import UserError
 
 # Sections and keys that shape the trajectory: resuming with any of them changed is refused. train.steps is not
@@ -20,18 +22,52 @@ TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "trai
                    "decay length")
 HOW_NOT_WHAT = ("model.attention", "model.norm", "model.remat", "model.vocab_tiles")
 
+# Keys compared only where they act: the decay length (train.steps or optim.decay_steps, compared as the effective
+# value) and min_lr where the schedule decays, its cycles where it restarts, the warmup's start where there is one, the loss
+# scaling under fp16. The accumulation only without dropout: a window's batches are the same at any accumulation
+# (data.window) and so is its gradient, up to the order of the sums; dropout's masks are drawn per micro-batch.
+_ACTS_ONLY_IF = {
+    "decay length": lambda f: f["optim.schedule"] in DECAYING_SCHEDULES,
+    "optim.min_lr": lambda f: f["optim.schedule"] in DECAYING_SCHEDULES,
+    "optim.cycles": lambda f: f["optim.schedule"] == "cosine_with_restarts",
+    "optim.warmup_init_lr": lambda f: f["optim.warmup_steps"] > 0,
+    "train.loss_scale_init": lambda f: f["train.precision"] == "fp16",
+    "train.loss_scale_growth_interval": lambda f: f["train.precision"] == "fp16",
+    "optim.grad_accum_steps": lambda f: f["model.dropout"] > 0,
+}
+
 
 def check(saved: dict, cfg: Config, where: str) -> None:
     """Refuse to resume from a checkpoint written with another config (`saved`, as `dump` wrote it), naming the
-    keys that changed. Keys that do not shape the trajectory (out_dir, logging, checkpoint cadence, train.steps
-    when optim.decay_steps is set) may change. A key added after `saved` was written counts as its default there."""
+    keys that changed; warn that an init.from other than the run's own is not read. Keys that do not shape the
+    trajectory (out_dir, logging, checkpoint cadence, train.steps when optim.decay_steps is set) may change. A key
+    added after `saved` was written counts as its default there."""
+    started_from = saved.get("init", {}).get("from")
     saved, current = _trajectory({**_flat(Config()), **_flatten(saved)}), _trajectory(_flat(cfg))
     changed = [k for k in {**saved, **current} if saved.get(k) != current.get(k)]  # optim.groups may lose keys
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
-        raise UserError(f"the config differs from the one that wrote {where} ({diffs}); resume with the same "
+        keep = (f"; to go on with the schedule it had, pass --optim.decay_steps={saved['decay length']}"
+                if "decay length" in changed and cfg.optim.decay_steps is None else "")
+        raise UserError(f"the config differs from the one that wrote {where} ({diffs}{keep}); resume with the same "
                         f"config, or start over with --run.fresh=true or a new --run.out_dir")
+    if cfg.init.from_ is not None and cfg.init.from_ != started_from:
+        print(f"warning: init.from={cfg.init.from_!r} is not read: the run resumes from {where} (init.from starts a "
+              f"run; this one started from {started_from!r})", file=sys.stderr)
 
+
+def new_run_from(cfg: Config, step: int | None, backend: str, change: str) -> str:
+    """How to `change` the config (an imperative: "lower optim.lr") and go on from run.out_dir's checkpoint `step`
+    (None: there is none), which a resume of that folder refuses (check): a new run from that checkpoint's whole
+    training state, through init.from, in a new folder. `backend` ("jaxtrain" or "torchref") names the format of
+    the run's checkpoints."""
+    if step is None:
+        return f"{change} and start over with --run.fresh=true"
+    checkpoint = f"{cfg.run.out_dir}/checkpoints/{step}"
+    start = (f"python -m jaxtrain.convert to-torch {checkpoint} DST, then run with --init.from=DST" if backend ==
+             "jaxtrain" else f"run with --init.from={checkpoint}")
+    return (f"{change} and go on from step {step} in a new run (a resume of {cfg.run.out_dir} refuses the changed "
+            f"keys): {start} --run.out_dir=NEW")
 
 def config_hash(cfg: Config) -> str:
     """sha256 of the resolved config's trajectory keys: written into torch-format checkpoints."""
@@ -40,10 +76,12 @@ def config_hash(cfg: Config) -> str:
 
 
 def _trajectory(flat: dict) -> dict:
-    """The keys (flattened) that shape the trajectory, with the effective decay length spelled out."""
+    """The keys (flattened) that shape the trajectory, each where it acts (_ACTS_ONLY_IF), with the effective decay
+    length spelled out (a run whose decay followed train.steps extends with that length given)."""
     flat = dict(flat)
-    flat["decay length"] = flat.get("optim.decay_steps") or flat.get("train.steps")
-    return {k: v for k, v in flat.items() if k.startswith(TRAJECTORY_KEYS) and k not in HOW_NOT_WHAT}
+    flat["decay length"] = config.decay_steps(flat.pop("optim.decay_steps"), flat["train.steps"])
+    return {k: v for k, v in flat.items() if k.startswith(TRAJECTORY_KEYS) and k not in HOW_NOT_WHAT
+            and _ACTS_ONLY_IF.get(k, lambda f: True)(flat)}
 
 
 def _flat(cfg: Config) -> dict:

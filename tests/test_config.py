@@ -109,8 +109,13 @@ def test_missing_config_file():
 def test_devices_must_split_the_micro_batch(yaml_path):
     cfg = config.load(["--config", yaml_path, "--data.batch_size=12", "--optim.grad_accum_steps=2"])
     assert mesh.validate_devices(cfg, 2) == (2, 1)
-    with pytest.raises(UserError, match="does not split over 4 devices"):
+    with pytest.raises(UserError) as e:
         mesh.validate_devices(cfg, 4)
+    assert str(e.value) == ("the micro-batch of 6 sequences (data.batch_size / optim.grad_accum_steps) does not split "
+                            "over 4 devices; make data.batch_size a multiple of 8, or set optim.grad_accum_steps=1 "
+                            "(the same batch in fewer, bigger micro-batches; a run without dropout may resume with it)")
+    with pytest.raises(UserError, match=r"multiple of 16$"):  # 12 rows split over 8 devices in no accumulation
+        mesh.validate_devices(cfg, 8)
 
 
 def test_cli_error_is_one_line_exit_2(yaml_path):
@@ -155,6 +160,61 @@ def test_trajectory_check_names_changed_keys_and_allows_extending(yaml_path):
     with pytest.raises(UserError, match=r"model.n_layer: 4 -> 2.*--run.fresh=true"):
         same_run.check(saved, config.load(["--config", yaml_path, "--optim.decay_steps=100",
                                                          "--train.steps=100", "--model.n_layer=2"]), "ckpt")
+
+
+def test_a_run_whose_decay_followed_train_steps_extends_with_that_decay_length(yaml_path):
+    """The decay length compared is the effective one: a run of 100 steps with no optim.decay_steps extends to 300
+    with --optim.decay_steps=100 (before, refused as "optim.decay_steps: None -> 100"), and the refusal of a plain
+    --train.steps=300 names that flag."""
+    saved = yaml.safe_load(config.dump(config.load(["--config", yaml_path, "--train.steps=100"])))
+    same_run.check(saved, config.load(["--config", yaml_path, "--train.steps=300", "--optim.decay_steps=100"]), "c")
+    with pytest.raises(UserError) as e:
+        same_run.check(saved, config.load(["--config", yaml_path, "--train.steps=300"]), "c")
+    assert "(decay length: 100 -> 300; to go on with the schedule it had, pass --optim.decay_steps=100)" in str(e.value)
+
+
+@pytest.mark.parametrize("saved_args,resumed_args,accepted", [
+    # a schedule that does not decay: its decay length and min_lr do not act
+    (["--optim.schedule=constant", "--optim.warmup_steps=0"], ["--optim.schedule=constant", "--optim.warmup_steps=0",
+                                                               "--train.steps=300", "--optim.min_lr=0"], True),
+    (["--optim.schedule=constant_with_warmup", "--train.steps=100"],
+     ["--optim.schedule=constant_with_warmup", "--train.steps=300"], True),
+    (["--optim.schedule=constant_with_warmup"], ["--optim.schedule=constant_with_warmup", "--optim.warmup_steps=7"],
+     False),
+    (["--optim.warmup_steps=0"], ["--optim.warmup_steps=0", "--optim.warmup_init_lr=0.5"], True),  # no warmup
+    (["--optim.schedule=cosine"], ["--optim.schedule=cosine", "--optim.min_lr=0"], False),
+    (["--optim.schedule=cosine"], ["--optim.schedule=cosine", "--optim.cycles=3"], True),
+    (["--optim.schedule=cosine_with_restarts"], ["--optim.schedule=cosine_with_restarts", "--optim.cycles=3"], False),
+    (["--optim.warmup_steps=1"], ["--optim.warmup_steps=1", "--optim.warmup_init_lr=0.0004"], False),
+    # loss scaling acts under fp16 only
+    (["--train.precision=bf16"], ["--train.precision=bf16", "--train.loss_scale_init=1024"], True),
+    (["--train.precision=fp16"], ["--train.precision=fp16", "--train.loss_scale_init=1024"], False),
+    # the accumulation, at the same batch: the same batches and gradient without dropout, other masks with it
+    (["--model.dropout=0", "--optim.grad_accum_steps=4"], ["--model.dropout=0", "--optim.grad_accum_steps=2"], True),
+    (["--model.dropout=0.1", "--optim.grad_accum_steps=4"], ["--model.dropout=0.1", "--optim.grad_accum_steps=2"],
+     False),
+])
+def test_a_key_is_compared_only_where_it_acts(yaml_path, saved_args, resumed_args, accepted):
+    common = ["--config", yaml_path, "--data.batch_size=8", "--train.steps=100", "--optim.warmup_steps=2"]
+    saved = yaml.safe_load(config.dump(config.load(common + saved_args)))
+    resumed = config.load(common + resumed_args)
+    if accepted:
+        same_run.check(saved, resumed, "c")
+    else:
+        with pytest.raises(UserError, match="the config differs from the one that wrote c"):
+            same_run.check(saved, resumed, "c")
+
+
+def test_an_init_from_a_resume_does_not_read_is_named(yaml_path, capsys):
+    """init.from starts a run; a resume reads its own checkpoint. One it was not started from is named as not read
+    (before, it was ignored in silence, and config.yaml recorded it as where the run came from)."""
+    saved = yaml.safe_load(config.dump(config.load(["--config", yaml_path])))  # started from /some/dir
+    same_run.check(saved, config.load(["--config", yaml_path]), "ckpt")
+    same_run.check(saved, config.load(["--config", yaml_path, "--init.from=null"]), "ckpt")
+    assert capsys.readouterr().err == ""
+    same_run.check(saved, config.load(["--config", yaml_path, "--init.from=/other"]), "ckpt")
+    assert capsys.readouterr().err == ("warning: init.from='/other' is not read: the run resumes from ckpt (init.from "
+                                       "starts a run; this one started from '/some/dir')\n")
 
 
 def test_trajectory_check_reads_keys_added_since_as_their_defaults(yaml_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from design_formulas import default_lr_at
-from jaxtrain import config, run, runlock
+from parity_tests import inject_nan
+from jaxtrain import config, convert, model, run, runlock
 from jaxtrain.errors import UserError
 
 TIMING_KEYS = ("tokens_per_s", "mfu")  # wall-clock measurements, the only fields that may differ between runs
@@ -218,6 +220,28 @@ def test_nan_loss_stops_with_a_clear_message(tmp_path, cache_dir):
     assert proc.returncode == 2, proc.stderr
     assert "training diverged" in proc.stderr and "Traceback" not in proc.stderr
 
+
+def test_the_way_on_a_halt_names_is_one_that_runs(tmp_path, cache_dir, monkeypatch):
+    """A run that diverges at step 3 (a NaN injected there) names how to go on from its newest checkpoint, 2, with a
+    lower LR: a resume of the folder refuses the changed optim.lr (before, the message said "lower optim.lr, then
+    run again", which that refusal followed); a new run from the converted checkpoint, as the message says, goes
+    on at step 3 and to the end."""
+    out_dir, new = str(tmp_path / "diverged"), str(tmp_path / "new")
+    args = small_args(out_dir, cache_dir, "--checkpoint.every=2")
+    monkeypatch.setattr(model, "apply", model.apply)  # put back after the test: poison_jaxtrain replaces it
+    inject_nan.poison_jaxtrain(inject_nan.poisoned_inputs(args, [3]))
+    with pytest.raises(UserError) as e:
+        run.train(config.load(args))
+    monkeypatch.undo()
+    found = re.search(r"the newest checkpoint, step 2, .*: lower optim\.lr, .* and go on from step 2 in a new run \(a "
+                      r"resume of \S+ refuses the changed keys\): python -m jaxtrain\.convert to-torch (\S+) DST, "
+                      r"then run with --init\.from=DST --run\.out_dir=NEW", str(e.value))
+    assert found and found.group(1) == f"{out_dir}/checkpoints/2", str(e.value)
+    with pytest.raises(UserError, match=r"optim.lr: 0.001 -> 0.0005"):
+        run.train(config.load(small_args(out_dir, cache_dir, "--optim.lr=5e-4")))
+    convert.main(["to-torch", found.group(1), str(tmp_path / "dst")])
+    run.train(config.load(small_args(new, cache_dir, "--optim.lr=5e-4", f"--init.from={tmp_path / 'dst'}")))
+    assert [line["step"] for line in read_metrics(new) if "loss" in line] == [3, 4, 5, 6, 7, 8]
 
 def test_accumulation_keeps_every_step_loss(reference_run, tmp_path, cache_dir):
     """grad_accum_steps=4 at the same data.batch_size trains on the same sequences with the same gradient: every

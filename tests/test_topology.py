@@ -28,13 +28,13 @@ SMALL = ["--config", "configs/tiny.yaml", "--model.n_layer=2", "--model.d_model=
 LOSS_RTOL = 1e-5
 
 
-def launch(out_dir: str, cache_dir: str, steps: int, processes: int, devices: int, fsdp: int) -> None:
+def launch(out_dir: str, cache_dir: str, steps: int, processes: int, devices: int, fsdp: int, *extra: str) -> None:
     """`python -m jaxtrain.run` as `processes` processes on localhost with `devices` fake devices each."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     resumes = os.path.isdir(os.path.join(out_dir, "checkpoints", str(HALF)))
     port = free_port()
     args = [sys.executable, "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
-            f"--train.steps={steps}", f"--mesh.fsdp={fsdp}"]
+            f"--train.steps={steps}", f"--mesh.fsdp={fsdp}", *extra]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(
         env, **({"JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": str(processes),
                  "JAX_PROCESS_ID": str(i)} if processes > 1 else {}))) for i in range(processes)]
@@ -75,6 +75,18 @@ def test_one_device_checkpoint_continues_on_two_hosts(reference, tmp_path, cache
     run.train(config.load(SMALL + [f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
                                    f"--train.steps={HALF}"]))
     launch(out_dir, cache_dir, STEPS, processes=2, devices=4, fsdp=4)
+    np.testing.assert_allclose(losses(out_dir), reference, rtol=LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_continues_on_more_devices_with_less_accumulation(reference, tmp_path, cache_dir):
+    """Written on one device in 2 micro-batches of 8, continued on 16 devices in one micro-batch of 16, where 8 rows
+    would not split over 16 devices: the same batches and the same gradient up to the order of its sums (without
+    dropout, optim.grad_accum_steps is how a step is computed, not what; before, the resume refused the change)."""
+    out_dir = str(tmp_path / "wider")
+    run.train(config.load(SMALL + [f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
+                                   f"--train.steps={HALF}"]))
+    launch(out_dir, cache_dir, STEPS, 1, 16, 1, "--optim.grad_accum_steps=1")
     np.testing.assert_allclose(losses(out_dir), reference, rtol=LOSS_RTOL)
 
 

@@ -302,6 +302,15 @@ def test_metrics_lines_come_every_log_every_steps_and_at_the_last(token_dir, tmp
     assert [line["step"] for line in read_metrics(tmp_path) if "loss" in line] == [4, 6]
 
 
+def test_a_start_with_nothing_to_train_leaves_config_yaml_as_it_was(straight_run, token_dir, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    before = open(os.path.join(out, "config.yaml")).read()
+    run.train(tiny_cfg(token_dir, out, "--train.steps=4", "--optim.decay_steps=6"))
+    assert "nothing to train: at step 6 of train.steps=4" in capsys.readouterr().err
+    assert open(os.path.join(out, "config.yaml")).read() == before
+
+
 def test_a_refused_fresh_start_leaves_the_previous_run_to_resume(straight_run, token_dir, tmp_path, capsys):
     """run.fresh with an unreadable init.from is refused before anything moves: the run folder stays byte for byte
     and a resume without run.fresh finds its last step (before, its checkpoints and metrics were moved aside first,

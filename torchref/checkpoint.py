@@ -90,8 +90,9 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
     `data_fingerprint` (data.TokenData.fingerprint) names the data the run trains on. Refuses a state holding inf
     or NaN (an overflowed update can follow a finite loss and gradient norm)."""
     if not all(torch.isfinite(p).all() for p in model.parameters()):
+        go_on = same_run.new_run_from(cfg, latest_step(out_dir), "torchref", "lower optim.lr")
         raise UserError(f"the state after step {progress.step} holds inf or NaN although its loss and gradient norm "
-                        f"are finite (an update overflowed); it was not saved. Lower optim.lr, then run again")
+                        f"are finite (an update overflowed); it was not saved: {go_on}")
     root = os.path.join(out_dir, "checkpoints")
     tmp, final = os.path.join(root, f".tmp-{progress.step}"), os.path.join(root, str(progress.step))
     shutil.rmtree(tmp, ignore_errors=True)

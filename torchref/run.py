@@ -68,13 +68,13 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
     optimizer = configure_optimizer(model, cfg)
     progress, resumed = start(cfg, model, optimizer, tokens.fingerprint)
     scheduler = lr_scheduler(optimizer, cfg, progress.updates)
-    config.save(cfg, cfg.run.out_dir)
-    if progress.step >= cfg.train.steps:
+    if progress.step >= cfg.train.steps:  # config.yaml stays the one of the run that trained, as in jaxtrain
         print(f"nothing to train: at step {progress.step} of train.steps={cfg.train.steps}", file=sys.stderr)
         return
     if stop.requested:
         print(f"stopped before the first step, nothing new to save; {config.resume_hint(cfg)}", file=sys.stderr)
         return
+    config.save(cfg, cfg.run.out_dir)
     autocast = torch.autocast(device, dtype=AUTOCAST_DTYPES.get(cfg.train.precision, torch.bfloat16),
                               enabled=cfg.train.precision in AUTOCAST_DTYPES)
     scaler = loss_scaler(cfg, device, progress)
@@ -83,7 +83,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
     log = MetricsLog(cfg, progress.step if resumed else 0, flops_per_token, metrics.peak_flops(cfg, device_name))
     bar = tqdm(total=cfg.train.steps, initial=progress.step, disable=not cfg.log.progress, unit="step")
     loss = eval_loss = eval_accuracy = None
-    divergence = Divergence(cfg, lambda: checkpoint.latest_step(cfg.run.out_dir))
+    divergence = Divergence(cfg, lambda: checkpoint.latest_step(cfg.run.out_dir), "torchref")
     skip_non_finite = cfg.train.nan_policy == "skip"
     with log, bar:
         for step in range(progress.step, cfg.train.steps):
