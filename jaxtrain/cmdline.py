@@ -30,6 +30,12 @@ def read(argv: list[str]) -> dict:
     return mergedeep.merge(raw, _parse_overrides([(key, value) for key, value in args if key != "config"]))
 
 
+def given(argv: list[str], key: str) -> str | None:
+    """The value given last for `--key` ("config", "run.out_dir"), as written; None when it was not given."""
+    values = [value for k, value in _split_args(argv) if k == key]
+    return values[-1] if values else None
+
+
 def _read_yaml(path: str) -> dict:
     """A local file, or a run folder's config.yaml in an object store (gs://...: what a stopped run's resume
     hint names)."""

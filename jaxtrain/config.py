@@ -188,6 +188,8 @@ def load(argv: list[str]) -> Config:
         raise SystemExit(0)
     cfg = from_dict(cmdline.read(argv))
     config_checks.validate(cfg)
+    if cmdline.given(argv, "run.out_dir") is None:
+        runfolder.note_moved_run(cmdline.given(argv, "config"), cfg.run.out_dir)
     return cfg
 
 

@@ -64,6 +64,18 @@ def set_aside_previous_run(out_dir: str) -> list[epath.Path]:
         print(f"run.fresh: moved the previous run's {source.name} to {target}", file=sys.stderr)
     return targets
 
+def note_moved_run(config_file: str | None, out_dir: str) -> None:
+    """Warn when `config_file` is a run folder's own config.yaml (its folder holds checkpoints) but run.out_dir, read
+    from it, names another folder: the folder was moved or copied since, and the run would start or resume at the
+    old place."""
+    if config_file is None or is_url(config_file) or os.path.basename(config_file) != "config.yaml":
+        return
+    folder = os.path.dirname(os.path.abspath(config_file))
+    if os.path.isdir(os.path.join(folder, "checkpoints")) and path(out_dir) != path(folder):
+        print(f"warning: {config_file} is the config of the run in {folder}, but its run.out_dir is {out_dir}: the "
+              f"run goes on there; to resume the run in {folder}, add --run.out_dir={folder}", file=sys.stderr)
+
+
 def unwritable(folder: str) -> str | None:
     """Why a local folder cannot be created, or written into where it exists (None: it can), as a predicate of
     it: "is a file", "lies under X, which is a file", "lies in X, where this user cannot write"."""

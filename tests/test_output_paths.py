@@ -64,6 +64,22 @@ def test_fresh_starts_in_one_second_keep_every_previous_run(tmp_path, monkeypatc
         capsys.readouterr().err
 
 
+def test_a_moved_run_folders_own_config_says_where_the_run_goes_on(tmp_path, capsys):
+    """A run folder moved after it was written: its config.yaml still names the old folder as run.out_dir, and
+    `--config <moved>/config.yaml` alone would start the run there again from step 0 (before, in silence)."""
+    moved = tmp_path / "moved"
+    (moved / "checkpoints" / "4").mkdir(parents=True)
+    (moved / "config.yaml").write_text(f"run: {{out_dir: {tmp_path / 'old'}}}\n")
+    config.load(["--config", str(moved / "config.yaml")])
+    assert capsys.readouterr().err == (f"warning: {moved / 'config.yaml'} is the config of the run in {moved}, but its "
+                                       f"run.out_dir is {tmp_path / 'old'}: the run goes on there; to resume the run in "
+                                       f"{moved}, add --run.out_dir={moved}\n")
+    config.load(["--config", str(moved / "config.yaml"), f"--run.out_dir={tmp_path / 'elsewhere'}"])  # said so
+    (moved / "config.yaml").write_text(f"run: {{out_dir: {moved}}}\n")  # where it is
+    config.load(["--config", str(moved / "config.yaml")])
+    assert capsys.readouterr().err == ""
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
