@@ -49,6 +49,20 @@ def holds_training_state(path: str) -> bool:
     return all(os.path.exists(os.path.join(path, f)) for f in (OPTIMIZER, TRAINER_STATE))
 
 
+def model_keys_hint(names, tie_embeddings: bool, bias: bool) -> str:
+    """What to set, for a torch-format checkpoint whose tensors (`names`) do not fit the model config: the model.*
+    keys its tensors tell (an lm_head tensor: untied embeddings; bias tensors, LayerNorms' too: model.bias), else
+    the model config it was written with."""
+    keys = []
+    if tie_embeddings == any(name.startswith("lm_head.") for name in names):
+        keys.append(f"model.tie_embeddings={str(not tie_embeddings).lower()}")
+    if bias != any(name.endswith(".bias") for name in names):
+        keys.append(f"model.bias={str(not bias).lower()}")
+    if keys:
+        return f"the checkpoint's tensors say {' and '.join(keys)}: set that"
+    return "set the model.* config to the checkpoint's (its trainer_state.json holds it)"
+
+
 def _conv1d_layout(file: str) -> bool:
     """Whether `file` holds the first attention weight as HF's Conv1D, (d, 3d); not where it cannot be read (the
     loader names that)."""

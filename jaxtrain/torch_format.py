@@ -256,11 +256,7 @@ def _read_tensors(file: str, expected: dict[str, tuple], cfg: Config) -> dict[st
 
 def _check_tensors(file: str, expected: dict[str, tuple], found: dict[str, tuple], cfg: Config) -> None:
     """One UserError naming the first tensor that is missing, unexpected or of another shape."""
-    tied = cfg.model.tie_embeddings
-    hint = "set the model.* config to the checkpoint's (its trainer_state.json holds it)"
-    if tied == any(name.startswith("lm_head.") for name in found):
-        hint = (f"the checkpoint's embeddings are {'untied' if tied else 'tied'} but model.tie_embeddings="
-                f"{str(tied).lower()}; set model.tie_embeddings={str(not tied).lower()}")
+    hint = checkpoint_kind.model_keys_hint(found, cfg.model.tie_embeddings, cfg.model.bias)
     for name, shape in expected.items():
         if found.get(name) != shape:
             got = f"shape {found[name]}" if name in found else "no such tensor"

@@ -175,6 +175,22 @@ def test_tied_mismatch_says_which_setting(tied, tmp_path):
         torch_format.load(out, step.fresh_state(other, V), other)
 
 
+def test_a_bias_free_untied_checkpoint_names_both_keys_in_both_backends(tmp_path):
+    """Loaded with the defaults (biases, tied embeddings), a checkpoint without biases and with its own head names
+    both keys to set, in jaxtrain and in torchref (before: tie_embeddings alone, or in torchref the wrong key)."""
+    from torchref import checkpoint as torchref_checkpoint
+    from torchref.model import GPT
+
+    bare = make_cfg(False, "--model.bias=false")
+    torch_format.export(step.fresh_state(bare, V), bare, str(tmp_path / "bare"))
+    says = "the checkpoint's tensors say model.tie_embeddings=false and model.bias=false: set that"
+    defaults = make_cfg(True)
+    with pytest.raises(UserError, match=says):
+        torch_format.load(str(tmp_path / "bare"), step.fresh_state(defaults, V), defaults)
+    with pytest.raises(UserError, match=says):
+        torchref_checkpoint.load_weights(str(tmp_path / "bare"), GPT(defaults.model))
+
+
 def test_weights_only_load_keeps_a_fresh_optimizer(tmp_path):
     cfg, state, out = exported(False, tmp_path)
     os.remove(os.path.join(out, "optimizer.safetensors"))

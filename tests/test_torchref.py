@@ -311,6 +311,44 @@ def test_a_start_with_nothing_to_train_leaves_config_yaml_as_it_was(straight_run
     assert open(os.path.join(out, "config.yaml")).read() == before
 
 
+def test_a_save_before_any_update_holds_zero_moments_and_resumes_exactly(token_dir, tmp_path):
+    """fp16 from a loss scale of 2^40: the first three windows overflow and are skipped, so the save at step 3 comes
+    before AdamW has made any state (before: KeyError 'exp_avg', no checkpoint). It holds zero moments, and the run
+    resumed from it ends where the uninterrupted run ends, bit for bit."""
+    args = ("--train.precision=fp16", "--train.loss_scale_init=1099511627776", "--optim.decay_steps=6")
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    run.train(tiny_cfg(token_dir, straight, *args))
+    run.train(tiny_cfg(token_dir, resumed, *args, "--train.steps=3"))
+    state = json.load(open(os.path.join(resumed, "checkpoints", "3", "trainer_state.json")))
+    assert state["skipped"] == 3  # no update before this save
+    moments = load_file(os.path.join(resumed, "checkpoints", "3", "optimizer.safetensors"))
+    assert moments and all(not t.any() for t in moments.values())
+    run.train(tiny_cfg(token_dir, resumed, *args))
+    assert trajectory(resumed) == trajectory(straight)
+    assert all(torch.equal(a, b) for a, b in zip(final_tensors(resumed).values(), final_tensors(straight).values()))
+
+
+def test_keep_best_keeps_the_lowest_eval_loss_across_a_resume(token_dir, tmp_path):
+    """checkpoint.keep_best, as jaxtrain keeps it: the newest checkpoint and the save of the lowest eval loss (the
+    eval lines of metrics.jsonl say which), also after a resume, which must remember the best of the steps before
+    it (before, torchref ignored the key and deleted that checkpoint)."""
+    out = str(tmp_path / "run")
+    args = ("--checkpoint.keep_best=true", "--checkpoint.max_to_keep=1", "--optim.schedule=constant",
+            "--optim.warmup_steps=0", "--optim.lr=0.07")
+    for steps in (6, 9):
+        run.train(tiny_cfg(token_dir, out, *args, f"--train.steps={steps}"))
+        evals = {line["step"]: line["eval_loss"] for line in read_metrics(out) if "eval_loss" in line}
+        best = min(evals, key=evals.get)
+        assert sorted(map(int, os.listdir(os.path.join(out, "checkpoints")))) == sorted({best, steps}), evals
+    assert best == 3, evals  # the scenario: the best is older than the resume (measured: 3.83 at 3, 3.92, 3.84)
+
+
+def test_a_dry_run_is_refused_before_the_run_folder_is_touched(token_dir, tmp_path):
+    with pytest.raises(UserError, match=r"^run.dry_run=true is jaxtrain's: .* run it with python -m jaxtrain.run"):
+        run.train(tiny_cfg(token_dir, str(tmp_path / "run"), "--run.dry_run=true"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_refused_fresh_start_leaves_the_previous_run_to_resume(straight_run, token_dir, tmp_path, capsys):
     """run.fresh with an unreadable init.from is refused before anything moves: the run folder stays byte for byte
     and a resume without run.fresh finds its last step (before, its checkpoints and metrics were moved aside first,

@@ -58,6 +58,7 @@ class Progress:
     tokens: int = 0  # valid target tokens trained on so far
     skipped: int = 0  # windows whose update train.nan_policy=skip, or fp16's loss scaling, left out
     loss_scale: dict | None = None  # train.precision=fp16: GradScaler.state_dict()
+    best: dict | None = None  # {"step", "eval_loss"}: the lowest eval loss among this run's saves (checkpoint.keep_best)
 
     @property
     def updates(self) -> int:
@@ -85,10 +86,12 @@ def remove_partial(out_dir: str) -> None:
             shutil.rmtree(os.path.join(root, name))
 
 
-def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Config, data_fingerprint: str) -> None:
-    """Write checkpoints/<step>/ whole or not at all, then keep the newest checkpoint.max_to_keep.
-    `data_fingerprint` (data.TokenData.fingerprint) names the data the run trains on. Refuses a state holding inf
-    or NaN (an overflowed update can follow a finite loss and gradient norm)."""
+def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Config, data_fingerprint: str,
+         eval_loss: float | None = None) -> None:
+    """Write checkpoints/<step>/ whole or not at all, then keep the newest checkpoint.max_to_keep, and with
+    checkpoint.keep_best the save of the lowest eval loss too (`eval_loss`: the evaluation at this step), as
+    jaxtrain's Checkpointer does. `data_fingerprint` (data.TokenData.fingerprint) names the data the run trains on.
+    Refuses a state holding inf or NaN (an overflowed update can follow a finite loss and gradient norm)."""
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         go_on = same_run.new_run_from(cfg, latest_step(out_dir), "torchref", "lower optim.lr")
         raise UserError(f"the state after step {progress.step} holds inf or NaN although its loss and gradient norm "
@@ -97,6 +100,8 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
     tmp, final = os.path.join(root, f".tmp-{progress.step}"), os.path.join(root, str(progress.step))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    if eval_loss is not None and (progress.best is None or eval_loss < progress.best["eval_loss"]):
+        progress.best = {"step": progress.step, "eval_loss": eval_loss}
     tied = model.cfg.tie_embeddings
     # safetensors refuses shared tensors; a tied lm_head.weight is wte's, and the loader ties it back.
     weights = {n: t.detach().float().cpu().contiguous() for n, t in model.state_dict().items()
@@ -109,8 +114,10 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
         os.replace(final, tmp + ".old")
         shutil.rmtree(tmp + ".old")
     os.replace(tmp, final)
+    best = progress.best["step"] if cfg.checkpoint.keep_best and progress.best else None
     for step in _saved_steps(root)[:-cfg.checkpoint.max_to_keep]:
-        shutil.rmtree(os.path.join(root, str(step)))
+        if step != best:
+            shutil.rmtree(os.path.join(root, str(step)))
 
 
 def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> Progress:
@@ -120,7 +127,9 @@ def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> P
         same_run.check(state.get("config", {}), cfg, path)
         check_same_data(state, data_fingerprint, cfg, path)
         load_weights(path, model)
-        return _restore_training(path, state, model, optimizer)
+        progress = _restore_training(path, state, model, optimizer)
+        progress.best = state.get("best")  # this run's own: init.from starts a run with none
+        return progress
 
 
 def init_from(path: str, model, optimizer) -> Progress | None:
@@ -140,17 +149,16 @@ def load_weights(path: str, model) -> None:
     tensors = _read_tensors(file)
     tied = model.cfg.tie_embeddings
     expected = {n: t for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
-    hint = " (model.tie_embeddings must match the checkpoint's)" if tied != ("lm_head.weight" not in tensors) else ""
+    hint = checkpoint_kind.model_keys_hint(tensors, tied, model.cfg.bias)
     for name, t in expected.items():
         if name not in tensors:
-            raise UserError(f"{file} has no tensor {name!r}{hint}; the model config does not match the checkpoint")
+            raise UserError(f"{file} has no tensor {name!r}; {hint}")
         if tensors[name].shape != t.shape:
             raise UserError(f"{file}: {name!r} has shape {tuple(tensors[name].shape)}, the model expects "
-                            f"{tuple(t.shape)}; set the model.* config to the checkpoint's")
+                            f"{tuple(t.shape)}; {hint}")
     extra = sorted(tensors.keys() - expected.keys())
     if extra:
-        raise UserError(f"{file} has tensor {extra[0]!r}, which the model lacks{hint}; set the model.* config to "
-                        f"the checkpoint's")
+        raise UserError(f"{file} has tensor {extra[0]!r}, which the model lacks; {hint}")
     model.load_state_dict(tensors, strict=False)
 
 
@@ -163,11 +171,15 @@ def _saved_steps(root: str) -> list[int]:
 
 
 def _adam_moments(model, optimizer) -> dict:
+    """AdamW's moments by parameter name; zeros before its first update (every window so far skipped by fp16's loss
+    scaling or nan_policy=skip), where torch has made no state yet: what AdamW starts from, and what jaxtrain's
+    export of such a state holds."""
     out = {}
     for name, p in model.named_parameters():
         state = optimizer.state[p]
-        out[f"{name}.exp_avg"] = state["exp_avg"].detach().cpu().contiguous()
-        out[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().contiguous()
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment = state[key] if state else torch.zeros_like(p, dtype=torch.float32)
+            out[f"{name}.{key}"] = moment.detach().cpu().contiguous()
     return out
 
 
@@ -180,6 +192,7 @@ def _trainer_state(progress: Progress, scheduler, tied: bool, cfg: Config, data_
         "tied_embeddings": tied,
         "data": {"seed": progress.data_seed, "next_step": progress.step, "tokens": progress.tokens},
         "skipped": progress.skipped,
+        "best": progress.best,
         **({"loss_scale": _scaler_state(progress.loss_scale)} if progress.loss_scale else {}),
         "rng": {"torch": _b64(torch.get_rng_state()), "cuda": cuda_rng},
         "data_fingerprint": data_fingerprint,

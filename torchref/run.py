@@ -48,6 +48,12 @@ def train(cfg: Config) -> None:
     if "://" in cfg.run.out_dir:  # the reference loop writes with torch.save and open(): local folders only
         raise UserError(f"run.out_dir={cfg.run.out_dir!r}: torchref writes its run folder on a local disk only; "
                         f"give it a local path (jaxtrain.run writes to gs:// and s3://)")
+    if cfg.run.dry_run:
+        raise UserError("run.dry_run=true is jaxtrain's: it compiles jaxtrain's step and trains nothing, where "
+                        "torchref would train; run it with python -m jaxtrain.run, or drop it")
+    if cfg.log.tensorboard or cfg.log.sample_tokens:
+        print("torchref: no TensorBoard events and no end-of-run sample (log.tensorboard and log.sample_tokens are "
+              "jaxtrain's); metrics.jsonl holds the same lines", file=sys.stderr)
     lock = runlock.take(cfg.run.out_dir)  # before anything touches the run folder: a refused start leaves it be
     stop = preemption.install()  # `python -m torchref.run` installed it before importing torch
     try:
@@ -103,12 +109,14 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
             bar.update()
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
             last = progress.step == cfg.train.steps
-            if last or (cfg.train.eval_every and progress.step % cfg.train.eval_every == 0):
+            evaluated = last or (cfg.train.eval_every and progress.step % cfg.train.eval_every == 0)
+            if evaluated:
                 eval_loss, eval_accuracy = evaluate(model, tokens, cfg, progress.data_seed, device, autocast)
                 log.eval(progress.step, eval_loss, eval_accuracy)
             if last or stop.requested or progress.step % cfg.checkpoint.every == 0:
                 log.sync()  # W&B has this step before its checkpoint can exist
-                checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint)
+                checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint,
+                                eval_loss if evaluated else None)
             if stop.requested:
                 print(f"\ninterrupted: saved step {progress.step}; {config.resume_hint(cfg)}", file=sys.stderr)
                 break
