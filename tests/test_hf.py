@@ -60,6 +60,8 @@ def test_a_trained_run_loads_in_transformers_with_the_same_logits(tmp_path, cach
     # a few fp32 ulps of its output; 1e-5 of the logits' scale is ~100 ulps (measured 2.1e-7: 3.5 ulps).
     assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
     assert not (tmp_path / "hf" / "vocab.json").exists()  # byte tokens: no HF tokenizer encodes them
+    # no <|endoftext|> among 256 byte ids: transformers' default of 50256 lay outside the vocabulary, and it warned
+    assert (loaded.config.bos_token_id, loaded.config.eos_token_id) == (None, None)
 
 
 def test_a_gpt2_bpe_run_exports_its_tokenizer(tmp_path, cache_dir, capsys):
@@ -80,6 +82,7 @@ def test_a_gpt2_bpe_run_exports_its_tokenizer(tmp_path, cache_dir, capsys):
     assert tokenizer.eos_token_id == 50256 and tokenizer.model_max_length == 32
     loaded, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert all(not keys for keys in info.values()) and loaded.config.vocab_size >= 50257, info
+    assert (loaded.config.bos_token_id, loaded.config.eos_token_id) == (50256, 50256)  # GPT-2's, as its tokenizer's
 
 
 def test_a_model_from_transformers_fine_tunes(tmp_path, cache_dir):
