@@ -236,6 +236,8 @@ def _check_keys(raw: dict, cls, prefix: tuple) -> None:
         if key not in names:
             close = difflib.get_close_matches(str(key), list(names), n=1)
             hint = f"did you mean {'.'.join(prefix + (close[0],))}?" if close else f"valid keys: {', '.join(names)}"
+            if ":" in str(key):  # {lr_scale:0.5} is one key to YAML: a flow mapping's colon needs a space after it
+                hint += f" (YAML reads {key!r} as one key: write a space after the colon, as in {{lr_scale: 0.5}})"
             raise UserError(f"unknown config key {dotted!r}; {hint}")
         field_type = names[key].type
         if typing.get_origin(field_type) is dict:

@@ -217,6 +217,13 @@ def test_an_init_from_a_resume_does_not_read_is_named(yaml_path, capsys):
                                        "starts a run; this one started from '/some/dir')\n")
 
 
+def test_a_flow_mapping_without_a_space_after_its_colon_is_named(yaml_path):
+    with pytest.raises(UserError) as e:
+        config.load(["--config", yaml_path, '--optim.groups={"wte":{lr_scale:0.5}}'])
+    assert str(e.value).endswith("(YAML reads 'lr_scale:0.5' as one key: write a space after the colon, as in "
+                                 "{lr_scale: 0.5})")
+
+
 def test_trajectory_check_reads_keys_added_since_as_their_defaults(yaml_path):
     """A checkpoint written before optim.schedule, cycles and groups existed resumes under the defaults, and only
     under them; groups added or dropped are both a different trajectory."""
