@@ -165,6 +165,19 @@ class Config:
         """Global sequences per micro-step."""
         return self.data.batch_size // self.optim.grad_accum_steps
 
+    # When the training loops of both backends act, at optimizer step `step` (1-based): the run's last step always.
+    def logs_at(self, step: int) -> bool:
+        """A training line of metrics.jsonl: every log.every steps."""
+        return step % self.log.every == 0 or step == self.train.steps
+
+    def evaluates_at(self, step: int) -> bool:
+        """An evaluation: every train.eval_every steps (0: at the end only)."""
+        return step == self.train.steps or bool(self.train.eval_every and step % self.train.eval_every == 0)
+
+    def saves_at(self, step: int) -> bool:
+        """A checkpoint: every checkpoint.every steps (and at a stop, which the loops decide)."""
+        return step % self.checkpoint.every == 0 or step == self.train.steps
+
     @property
     def decay_steps(self) -> int:
         return decay_steps(self.optim.decay_steps, self.train.steps)

@@ -92,11 +92,6 @@ def scalars(line: dict) -> dict:
             if key != "step" and value is not None}
 
 
-def line_due(step: int, cfg: Config) -> bool:
-    """Whether optimizer step `step` (1-based) writes a training line: every log.every steps, and the run's last."""
-    return step % cfg.log.every == 0 or step == cfg.train.steps
-
-
 def train_line(step: int, loss: float, lr: float, grad_norm: float, tokens: int, tokens_per_s: float,
                flops_per_token: float, flops_per_s_peak: float | None) -> dict:
     """A training line of metrics.jsonl; `tokens` counts the run's valid target tokens so far. MFU counts valid
@@ -150,7 +145,7 @@ class MetricsLogger:
         line.update(counters or {})
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-        if line_due(step, self.cfg):
+        if self.cfg.logs_at(step):
             self._write(line)
             self.line_tokens = self.line_seconds = 0
         return line

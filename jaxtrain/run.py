@@ -276,9 +276,7 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
         if pending is not None:
             report(pending, logger, divergence)
         pending, stopping = (step, metrics), agreed.after_step()
-        last = step == cfg.train.steps
-        save = last or step % cfg.checkpoint.every == 0 or stopping
-        evaluate = last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+        save, evaluate = cfg.saves_at(step) or stopping, cfg.evaluates_at(step)
         if save or evaluate:
             summary.update(report(pending, logger, divergence))
             pending = None

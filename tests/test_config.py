@@ -224,6 +224,18 @@ def test_a_flow_mapping_without_a_space_after_its_colon_is_named(yaml_path):
                                  "{lr_scale: 0.5})")
 
 
+def test_when_the_loops_log_evaluate_and_save(yaml_path):
+    """Both backends' cadence, one rule (Config.logs_at, evaluates_at, saves_at): every n steps and at the last."""
+    cfg = config.load(["--config", yaml_path, "--train.steps=10", "--log.every=4", "--train.eval_every=3",
+                       "--checkpoint.every=5"])
+    steps = range(1, 11)
+    assert [s for s in steps if cfg.logs_at(s)] == [4, 8, 10]
+    assert [s for s in steps if cfg.evaluates_at(s)] == [3, 6, 9, 10]
+    assert [s for s in steps if cfg.saves_at(s)] == [5, 10]
+    at_the_end = config.load(["--config", yaml_path, "--train.steps=10", "--train.eval_every=0"])
+    assert [s for s in steps if at_the_end.evaluates_at(s)] == [10]
+
+
 def test_trajectory_check_reads_keys_added_since_as_their_defaults(yaml_path):
     """A checkpoint written before optim.schedule, cycles and groups existed resumes under the defaults, and only
     under them; groups added or dropped are both a different trajectory."""

@@ -296,7 +296,7 @@ def test_fresh_run_sets_old_checkpoints_aside(straight_run, token_dir, tmp_path)
 
 
 def test_metrics_lines_come_every_log_every_steps_and_at_the_last(token_dir, tmp_path):
-    """jaxtrain's rule (jaxtrain.metrics.line_due): with train.steps=6 and log.every=4, lines at steps 4 and 6 (before,
+    """jaxtrain's rule (Config.logs_at): with train.steps=6 and log.every=4, lines at steps 4 and 6 (before,
     torchref wrote none at 6, and its report lacked the run's last step)."""
     run.train(tiny_cfg(token_dir, str(tmp_path), "--log.every=4", "--checkpoint.every=6"))
     assert [line["step"] for line in read_metrics(tmp_path) if "loss" in line] == [4, 6]

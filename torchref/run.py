@@ -108,12 +108,11 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
                                      divergence, loss_scale)
             bar.update()
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
-            last = progress.step == cfg.train.steps
-            evaluated = last or (cfg.train.eval_every and progress.step % cfg.train.eval_every == 0)
+            evaluated = cfg.evaluates_at(progress.step)
             if evaluated:
                 eval_loss, eval_accuracy = evaluate(model, tokens, cfg, progress.data_seed, device, autocast)
                 log.eval(progress.step, eval_loss, eval_accuracy)
-            if last or stop.requested or progress.step % cfg.checkpoint.every == 0:
+            if cfg.saves_at(progress.step) or stop.requested:
                 log.sync()  # W&B has this step before its checkpoint can exist
                 checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint,
                                 eval_loss if evaluated else None)
@@ -269,9 +268,9 @@ def to_device(batch, device: str) -> torch.Tensor:
 
 
 class MetricsLog:
-    """<out_dir>/metrics.jsonl: a line every log.every optimizer steps and at the last one (jaxtrain.metrics'
-    rule), and eval lines. Throughput counts training time only (evaluation and checkpoints left out), over the
-    steps since the previous line.
+    """<out_dir>/metrics.jsonl: a line every log.every optimizer steps and at the last one (Config.logs_at), and
+    eval lines. Throughput counts training time only (evaluation and checkpoints left out), over the steps since
+    the previous line.
 
     A resumed run first drops the lines past its checkpoint, so the file reads as if it had never stopped;
     any other start begins the file empty. log.wandb=true: the same lines to W&B (jaxtrain.wandb_log)."""
@@ -309,7 +308,7 @@ class MetricsLog:
             line["skipped"] = progress.skipped
         if loss_scale is not None:  # train.precision=fp16
             line["loss_scale"] = loss_scale
-        if metrics.line_due(progress.step, self.cfg):
+        if self.cfg.logs_at(progress.step):
             self._write(line)
             self.tokens = self.seconds = 0
         divergence.check(line)
