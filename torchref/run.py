@@ -51,9 +51,6 @@ def train(cfg: Config) -> None:
     if cfg.run.dry_run:
         raise UserError("run.dry_run=true is jaxtrain's: it compiles jaxtrain's step and trains nothing, where "
                         "torchref would train; run it with python -m jaxtrain.run, or drop it")
-    if cfg.log.tensorboard or cfg.log.sample_tokens:
-        print("torchref: no TensorBoard events and no end-of-run sample (log.tensorboard and log.sample_tokens are "
-              "jaxtrain's); metrics.jsonl holds the same lines", file=sys.stderr)
     lock = runlock.take(cfg.run.out_dir)  # before anything touches the run folder: a refused start leaves it be
     stop = preemption.install()  # `python -m torchref.run` installed it before importing torch
     try:
@@ -278,6 +275,9 @@ class MetricsLog:
     def __init__(self, cfg: Config, resumed_step: int, flops_per_token: float, peak_flops: float | None):
         self.path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
         self.cfg, self.flops_per_token, self.peak_flops = cfg, flops_per_token, peak_flops
+        if cfg.log.tensorboard or cfg.log.sample_tokens:  # said once training starts, after every refusal
+            print("torchref: no TensorBoard events and no end-of-run sample (log.tensorboard and log.sample_tokens "
+                  "are jaxtrain's); metrics.jsonl holds the same lines", file=sys.stderr)
         kept = metrics.kept_lines(self.path, resumed_step) if resumed_step else []
         self.wandb = wandb_log.WandbLog(cfg, start_step=resumed_step, last_jsonl_step=metrics.last_step(self.path)) \
             if cfg.log.wandb else None
