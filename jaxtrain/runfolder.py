@@ -49,9 +49,8 @@ PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "tb", "wandb.json", "wandb")
 
 def set_aside_previous_run(out_dir: str) -> list[epath.Path]:
     """Move what an earlier run left in `out_dir` (PREVIOUS_RUN) aside under one time stamp, saying so on stderr,
-    and return where to.
-    A stamp some name of which is taken (a fresh start in the same second as the last one) gets a count, so that
-    nothing set aside before is overwritten."""
+    and return where to. A stamp some name of which is taken (a fresh start in the same second as the last one)
+    gets a count, so that nothing set aside before is overwritten."""
     found = [path(out_dir, name) for name in PREVIOUS_RUN if path(out_dir, name).exists()]
     stamp = suffix = f".before-fresh-{time.strftime('%Y%m%d-%H%M%S')}"
     count = 0
@@ -63,6 +62,7 @@ def set_aside_previous_run(out_dir: str) -> list[epath.Path]:
         move(source, target)
         print(f"run.fresh: moved the previous run's {source.name} to {target}", file=sys.stderr)
     return targets
+
 
 def note_moved_run(config_file: str | None, out_dir: str) -> None:
     """Warn when `config_file` is a run folder's own config.yaml (its folder holds checkpoints) but run.out_dir, read

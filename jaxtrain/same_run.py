@@ -23,9 +23,10 @@ TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "trai
 HOW_NOT_WHAT = ("model.attention", "model.norm", "model.remat", "model.vocab_tiles")
 
 # Keys compared only where they act: the decay length (train.steps or optim.decay_steps, compared as the effective
-# value) and min_lr where the schedule decays, its cycles where it restarts, the warmup's start where there is one, the loss
-# scaling under fp16. The accumulation only without dropout: a window's batches are the same at any accumulation
-# (data.window) and so is its gradient, up to the order of the sums; dropout's masks are drawn per micro-batch.
+# value) and min_lr where the schedule decays, its cycles where it restarts, the warmup's start where there is one,
+# the loss scaling under fp16. The accumulation only with dropout: without it a window's batches are the same at any
+# accumulation (data.window) and so is its gradient, up to the order of the sums; dropout's masks are drawn per
+# micro-batch.
 _ACTS_ONLY_IF = {
     "decay length": lambda f: f["optim.schedule"] in DECAYING_SCHEDULES,
     "optim.min_lr": lambda f: f["optim.schedule"] in DECAYING_SCHEDULES,
@@ -68,6 +69,7 @@ def new_run_from(cfg: Config, step: int | None, backend: str, change: str) -> st
              "jaxtrain" else f"run with --init.from={checkpoint}")
     return (f"{change} and go on from step {step} in a new run (a resume of {cfg.run.out_dir} refuses the changed "
             f"keys): {start} --run.out_dir=NEW")
+
 
 def config_hash(cfg: Config) -> str:
     """sha256 of the resolved config's trajectory keys: written into torch-format checkpoints."""
