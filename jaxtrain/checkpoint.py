@@ -115,7 +115,7 @@ class Checkpointer:
         step = int(state.step)
         sums = finite_fingerprint(state)
         if sums is None:
-            go_on = same_run.new_run_from(self.cfg, self.latest_step(), "jaxtrain", "lower optim.lr")
+            go_on = same_run.new_run_from(self.cfg, self.newest_complete_step(), "jaxtrain", "lower optim.lr")
             raise UserError(f"the state after step {step} holds inf or NaN although its loss and gradient norm are "
                             f"finite (an update overflowed); it was not saved: {go_on}")
         if eval_loss is not None and (self.best is None or eval_loss < self.best["eval_loss"]):
