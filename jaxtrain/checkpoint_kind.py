@@ -14,6 +14,7 @@ than it takes says what the folder is and the command that takes it, instead of 
 Pure Python (no jax, no torch): both backends and the converter ask it.
 """
 
+import json
 import os
 
 from etils import epath
@@ -60,7 +61,36 @@ def model_keys_hint(names, tie_embeddings: bool, bias: bool) -> str:
         keys.append(f"model.bias={str(not bias).lower()}")
     if keys:
         return f"the checkpoint's tensors say {' and '.join(keys)}: set that"
-    return "set the model.* config to the checkpoint's (its trainer_state.json holds it)"
+    return (f"set the model.* config to the checkpoint's (its {TRAINER_STATE} holds it, or the {HF_CONFIG} that "
+            f"convert from-hf keeps)")
+
+
+def check_n_head(path: str, n_head: int) -> None:
+    """The head count is the one model.* setting a checkpoint's tensors do not show (c_attn's weight is (3d, d)
+    however d is split into heads), so where the torch-format folder `path` (init.from) says what it was trained
+    with (its trainer_state.json's config, or the HF config.json that from-hf keeps), it must be the run's: the
+    same weights split into other heads compute another model."""
+    written = _written_n_head(path)
+    if written is not None and written != n_head:
+        raise UserError(f"init.from={path!r} was trained with model.n_head={written}, and this run has "
+                        f"model.n_head={n_head}: its weights would compute another model; set "
+                        f"--model.n_head={written}")
+
+
+def _written_n_head(path: str) -> int | None:
+    """model.n_head as the folder's trainer_state.json or config.json states it; None where neither does (weights
+    alone), or where the file cannot be read (the loader names that)."""
+    for name, keys in ((TRAINER_STATE, ("config", "model", "n_head")), (HF_CONFIG, ("n_head",))):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                value = json.load(f)
+            for key in keys:
+                value = value[key]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def _conv1d_layout(file: str) -> bool:
@@ -141,15 +171,47 @@ def check_jaxtrain_step(path: str, command: str) -> None:
     raise UserError(f"{command} SRC {path} {what[found]}")
 
 
+def check_hf_source(path: str) -> None:
+    """UserError unless `path`, from-hf's SRC, is a Hugging Face GPT-2 folder, or may be one that the reader
+    explains (config.json beside weights in another file): a torch-format folder, from-hf's own output among them,
+    would have its weights transposed a second time."""
+    found = kind(path)
+    if found == HF or (found is None and os.path.exists(os.path.join(path, HF_CONFIG))):
+        return
+    step = newest_step(path)
+    what = {
+        TORCH: "is a torch-format checkpoint (nanoGPT's layout, as from-hf writes it) already: --init.from takes it "
+               "as it is, and to-hf makes a Hugging Face folder of it",
+        JAXTRAIN_STEP: f"is a jaxtrain checkpoint; python -m jaxtrain.convert to-hf {path} DST makes a Hugging Face "
+                       f"folder of it",
+        JAXTRAIN_RUN: f"is a jaxtrain run folder; python -m jaxtrain.convert to-hf {step} DST makes a Hugging Face "
+                      f"folder of its newest checkpoint",
+        TORCHREF_RUN: f"is a torchref run folder, whose checkpoints are torch-format already, e.g. {step}",
+        None: f"{_missing(path, 'holds no Hugging Face GPT-2 model')}; point it at a folder that "
+              f"GPT2LMHeadModel.save_pretrained wrote ({HF_CONFIG}, {MODEL})",
+    }
+    raise UserError(f"from-hf SRC {path} {what[found]}")
+
+
+def _missing(path: str, otherwise: str) -> str:
+    return "does not exist" if not os.path.exists(path) else "is a file" if not os.path.isdir(path) else otherwise
+
+
 def check_jaxtrain_run(path: str, flag: str) -> None:
-    """A torchref run, a torch-format folder or a jaxtrain step folder, given as `flag` where a jaxtrain run
-    folder goes (jaxtrain.sample's --run), is named, with the command that takes it; others are the caller's."""
+    """A torchref run, a torch-format or Hugging Face folder or a jaxtrain step folder, given as `flag` where a
+    jaxtrain run folder goes (jaxtrain.sample's --run), is named, with the command that takes it; others are the
+    caller's."""
     found = kind(path)
     what = {
         TORCHREF_RUN: f"is a torchref run folder (torch-format checkpoints); convert its checkpoint into a jaxtrain "
                       f"run first: python -m jaxtrain.convert from-torch {newest_step(path)} DST, then {flag} DST",
         TORCH: f"is a torch-format checkpoint; convert it into a jaxtrain run first: python -m jaxtrain.convert "
-               f"from-torch {path} DST, then {flag} DST",
+               f"from-torch {path} DST, then {flag} DST" if holds_training_state(path) else
+               f"is a torch-format folder of weights alone, not a run; start a run from them: python -m jaxtrain.run "
+               f"--config CONFIG --init.from={path}, then {flag} that run's folder",
+        HF: f"is a Hugging Face GPT-2 folder, not a run; convert it (python -m jaxtrain.convert from-hf {path} DST) "
+            f"and start a run from it (python -m jaxtrain.run --config CONFIG --init.from=DST), then {flag} that "
+            f"run's folder",
         JAXTRAIN_STEP: f"is a checkpoint step folder, not a run folder; pass {flag} {_run_of(path)} --step "
                        f"{os.path.basename(os.path.normpath(path))}",
     }

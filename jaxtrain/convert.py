@@ -13,6 +13,7 @@ on one device whatever mesh trained the run, so the whole state must fit in one 
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -27,6 +28,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import hf_format
 from jaxtrain import prepare
+from jaxtrain import runfolder
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
@@ -78,6 +80,7 @@ def from_hf(src: str, out_dir: str) -> None:
     """A Hugging Face GPT-2 folder -> a torch-format folder of weights (its config.json kept beside them), which
     `--init.from` starts a run from."""
     torch_format.check_new_folder(out_dir)
+    checkpoint_kind.check_hf_source(src)
     config = hf_format.read_config(src)
     model = hf_format.model_overrides(config, os.path.join(src, hf_format.CONFIG))
     tensors = hf_format.read_tensors(src)
@@ -100,7 +103,7 @@ def restore_step(step_dir: str):
         with _unreadable(step_dir):
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         cfg = config_lib.from_dict(meta["config"])  # jaxtrain.run writes the resolved model.vocab_size into it
-        target = checkpoint_lib.abstract_state(cfg, cfg.model.vocab_size, _one_device_mesh())
+        target = checkpoint_lib.abstract_state(_for_shapes(cfg), cfg.model.vocab_size, _one_device_mesh())
         with _unreadable(step_dir):
             state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
     return state, cfg, meta
@@ -120,7 +123,7 @@ def from_torch(src: str, out_dir: str) -> None:
     cfg.run.out_dir, cfg.run.seed, cfg.run.fresh = out_dir, trainer_state["data"]["seed"], False
     if cfg.model.vocab_size is None:  # written down, so that the run folder does not depend on the data for it
         cfg.model.vocab_size = torch_format.vocab_size(src)
-    state, _ = torch_format.load(src, step_lib.fresh_state(cfg, cfg.model.vocab_size), cfg)
+    state, _ = torch_format.load(src, step_lib.fresh_state(_for_shapes(cfg), cfg.model.vocab_size), cfg)
     config_lib.save(cfg, out_dir)
     checkpointer = checkpoint_lib.Checkpointer(cfg, trainer_state.get("data_fingerprint"))
     checkpointer.save(state, cfg.run.seed)
@@ -138,6 +141,13 @@ def _unreadable(step_dir: str):
     except Exception as e:
         raise UserError(f"checkpoint {step_dir} cannot be read ({type(e).__name__}: {str(e)[:300]}); convert "
                         f"another step folder of the run") from None
+
+
+def _for_shapes(cfg: Config) -> Config:
+    """`cfg` with the written-out attention, to build the state's shapes from: the attention kernel shapes no
+    param, and cuDNN's (model.attention=cudnn, which a GPU run may have trained with) refuses a machine without a
+    GPU, where conversions run. The config written out stays the run's."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
 
 
 def _one_device_mesh() -> Mesh:
@@ -177,6 +187,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     with exit_on_user_error():
+        runfolder.check_not_url(args.src, "SRC")
         commands = {"to-torch": to_torch, "from-torch": from_torch, "to-hf": to_hf, "from-hf": from_hf}
         commands[args.command](args.src, args.dst)
 

@@ -59,16 +59,17 @@ def model_overrides(hf: dict, file: str) -> dict:
         raise UserError(f"{file}: model_type {hf.get('model_type')!r}; only GPT-2 (GPT2LMHeadModel) converts")
     d = hf.get("n_embd", 768)
     unlike = {"activation_function": (hf.get("activation_function", "gelu_new"), "gelu"),
-              "n_inner": (hf.get("n_inner"), None if hf.get("n_inner") in (None, 4 * d) else 4 * d),
+              "n_inner": (4 * d if hf.get("n_inner") is None else hf["n_inner"], 4 * d),  # None: HF's 4 x n_embd
               "layer_norm_epsilon": (hf.get("layer_norm_epsilon", 1e-5), LN_EPS),
               "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), False),
               "reorder_and_upcast_attn": (hf.get("reorder_and_upcast_attn", False), False),
               "scale_attn_weights": (hf.get("scale_attn_weights", True), True)}
     for key, (found, jaxtrain_has) in unlike.items():
         if found != jaxtrain_has:
+            gelu_note = (" (GPT-2's own checkpoints use the tanh GELU, gelu_new, which jaxtrain does not implement)"
+                         if key == "activation_function" else "")
             raise UserError(f"{file}: {key}={found!r}, where jaxtrain's model (nanoGPT's) has {jaxtrain_has!r}; "
-                            f"converted, the model would compute something else. (GPT-2's own checkpoints use "
-                            f"the tanh GELU, gelu_new, which jaxtrain does not implement)")
+                            f"converted, the model would compute something else{gelu_note}")
     return {"vocab_size": hf.get("vocab_size", 50257), "seq_len": hf.get("n_positions", 1024),
             "n_layer": hf.get("n_layer", 12), "n_head": hf.get("n_head", 12), "d_model": d,
             "dropout": hf.get("resid_pdrop", 0.1), "bias": True, "tie_embeddings": hf.get("tie_word_embeddings", True)}

@@ -95,6 +95,16 @@ def check_writable(folder: str, flag: str) -> None:
         raise UserError(f"{flag.lstrip('-')}={folder!r} {problem}; choose another {flag}")
 
 
+def check_not_url(folder: str, flag: str) -> None:
+    """The converter and the sampler read and write local folders only (safetensors and JSON files, Orbax's step
+    folders by local path): a URL is refused with the way round it, not taken for a missing folder, nor written to a
+    local folder named after it."""
+    if is_url(folder):
+        copy = "a local folder" if flag == "DST" else "a local copy"
+        raise UserError(f"{flag} {folder} is a URL, and this command takes local folders only; give it {copy} and "
+                        f"copy between the two with your store's tool (gcloud storage cp -r, aws s3 cp --recursive)")
+
+
 def check_local(out_dir: str) -> None:
     """run.out_dir can hold a run: otherwise the run would fail at its first write, after the training it could
     not save (a file where a folder goes, or a step number that is a file). Object-store URIs are not local."""

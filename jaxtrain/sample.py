@@ -10,8 +10,9 @@ model.seq_len positions (model.KVCache), and each further token is one cached st
 no positions past seq_len, so once the text outgrows them each token is predicted as nanoGPT's `generate` does: a
 full forward pass over the last seq_len tokens. Either way the token after a text of n tokens is drawn from the
 model's logits at the last of its last min(n, seq_len) tokens, so the cache changes the cost, never the text. The
-draw: temperature 0 is the argmax; otherwise softmax(logits / temperature) over the top_k largest logits (nanoGPT's
-rule: ties with the k-th are kept), with token i's key jax.random.fold_in(key(seed), i), the same text for a seed.
+draw: temperature 0 (or one below fp32's smallest normal number) is the argmax; otherwise softmax(logits /
+temperature) over the top_k largest logits (nanoGPT's rule: ties with the k-th are kept), with token i's key
+jax.random.fold_in(key(seed), i), the same text for a seed.
 """
 
 import argparse
@@ -31,6 +32,7 @@ from jaxtrain import convert
 from jaxtrain import data as data_lib
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
+from jaxtrain import runfolder
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError, exit_on_user_error
 
@@ -82,9 +84,10 @@ def tokenizer(name: str) -> Tokenizer:
 def next_token(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
     """Token ids (B,) drawn from the logits: see the module's docstring."""
     logits_BxV = logits_BxV.astype(jnp.float32)
-    if temperature == 0:
+    if temperature < np.finfo(np.float32).tiny:  # 0, or so small that fp32 would make it 0: softmax's limit
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    logits_BxV = logits_BxV / temperature
+    # less the max first: divided by a tiny temperature, the largest logits would overflow to inf and tie
+    logits_BxV = (logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True)) / temperature
     if 0 < top_k < logits_BxV.shape[-1]:
         kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
         logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
@@ -161,6 +164,7 @@ class Loaded(NamedTuple):
 def load(run_dir: str, step: int | None, precision: str | None, tokenizer_name: str | None) -> Loaded:
     """The run's params at `step` (None: the newest complete checkpoint) on one device, its model config, the
     precision to compute in (None: the run's train.precision) and the tokenizer (None: that of the run's data)."""
+    runfolder.check_not_url(run_dir, "--run")
     checkpoint_kind.check_jaxtrain_run(run_dir, "--run")
     steps = checkpoint_lib.saved_steps(run_dir)
     if not steps:

@@ -138,9 +138,20 @@ def read_trainer_state(path: str) -> dict:
     fields = {"step": int, "tied_embeddings": bool, "data": dict, "config": dict}
     for key, kind in fields.items():
         if not isinstance(state.get(key), kind) or (key == "step" and state[key] < 0):
-            raise UserError(f"{file}: {key!r} is missing or not a {kind.__name__} (got {state.get(key)!r}); "
-                            f"the file is damaged, re-export the checkpoint")
+            _damaged(file, key, f"missing or not a {kind.__name__}", state.get(key))
+    if not _is_int(state["data"].get("seed")):
+        _damaged(file, "data.seed", "missing or not an integer", state["data"].get("seed"))
+    if not (_is_int(state.get("skipped", 0)) and 0 <= state.get("skipped", 0) <= state["step"]):
+        _damaged(file, "skipped", f"not an integer from 0 to step ({state['step']})", state.get("skipped"))
     return state
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _damaged(file: str, key: str, problem: str, found) -> None:
+    raise UserError(f"{file}: {key!r} is {problem} (got {found!r}); the file is damaged, re-export the checkpoint")
 
 
 def vocab_size(path: str) -> int:
@@ -155,7 +166,11 @@ def vocab_size(path: str) -> int:
 
 def check_new_folder(out_dir: str) -> None:
     """Conversions never overwrite: out_dir must not exist yet, or be empty; and it must be writable, which is
-    checked before the source is read."""
+    checked before the source is read. It is renamed into place, so it cannot be the folder the command runs in."""
+    runfolder.check_not_url(out_dir, "DST")
+    if not out_dir.strip() or os.path.abspath(out_dir) == os.getcwd():
+        raise UserError(f"DST {out_dir!r} is the folder this command runs in; the conversion is made as a new "
+                        f"folder: name one, e.g. ./converted")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise UserError(f"{out_dir} already exists and is not an empty folder; choose a new output folder or "
                         f"delete it")

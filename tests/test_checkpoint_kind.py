@@ -13,6 +13,8 @@ import pytest
 from jaxtrain import checkpoint, checkpoint_kind, config, convert, run, sample, step, torch_format
 from jaxtrain.errors import UserError
 from test_run import small_args
+from torchref import checkpoint as torchref_checkpoint
+from torchref import model as torchref_model
 
 V = 256
 STEPS = (9, 10, 20)
@@ -183,8 +185,49 @@ def test_from_torch_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):
                      "first: python -m jaxtrain.convert from-torch {torchref run}/checkpoints/20 DST, then --run DST"),
     ("torch", "is a torch-format checkpoint; convert it into a jaxtrain run first: python -m jaxtrain.convert "
               "from-torch {torch} DST, then --run DST"),
-    ("jaxtrain step", "is a checkpoint step folder, not a run folder; pass --run {jaxtrain run} --step 20")])
+    ("jaxtrain step", "is a checkpoint step folder, not a run folder; pass --run {jaxtrain run} --step 20"),
+    ("from-hf", "is a torch-format folder of weights alone, not a run; start a run from them: python -m "
+                "jaxtrain.run --config CONFIG --init.from={from-hf}, then --run that run's folder"),
+    ("hf", "is a Hugging Face GPT-2 folder, not a run; convert it (python -m jaxtrain.convert from-hf {hf} DST) and "
+           "start a run from it (python -m jaxtrain.run --config CONFIG --init.from=DST), then --run that run's "
+           "folder")])
 def test_sample_names_a_run_of_another_kind(folders, capsys, name, says):
     with pytest.raises(SystemExit) as e:
         sample.main(["--run", folders[name]])
     assert e.value.code == 2 and _error_line(capsys) == f"error: --run {folders[name]} " + says.format(**folders)
+
+
+@pytest.mark.parametrize("name,says", [
+    ("from-hf", "is a torch-format checkpoint (nanoGPT's layout, as from-hf writes it) already: --init.from takes "
+                "it as it is, and to-hf makes a Hugging Face folder of it"),
+    ("jaxtrain step", "is a jaxtrain checkpoint; python -m jaxtrain.convert to-hf {jaxtrain step} DST makes a "
+                      "Hugging Face folder of it"),
+    ("jaxtrain run", "is a jaxtrain run folder; python -m jaxtrain.convert to-hf {jaxtrain step} DST makes a "
+                     "Hugging Face folder of its newest checkpoint"),
+    ("torchref run", "is a torchref run folder, whose checkpoints are torch-format already, e.g. "
+                     "{torchref run}/checkpoints/20"),
+    ("other", "holds no Hugging Face GPT-2 model; point it at a folder that GPT2LMHeadModel.save_pretrained wrote "
+              "(config.json, model.safetensors)")])
+def test_from_hf_names_what_its_source_is(folders, tmp_path, capsys, name, says):
+    """from-hf SRC of another kind is named and nothing is written: before, from-hf's own output (nanoGPT's layout,
+    config.json beside it) was converted again, its Conv1D weights transposed a second time."""
+    with pytest.raises(SystemExit) as e:
+        convert.main(["from-hf", folders[name], str(tmp_path / "dst")])
+    assert e.value.code == 2 and _error_line(capsys) == f"error: from-hf SRC {folders[name]} " + says.format(**folders)
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("name", ["torch", "from-hf"])
+def test_init_from_trained_with_another_head_count_is_refused_in_both_backends(folders, tmp_path, cache_dir, name):
+    """The folders were written with model.n_head=2 (tiny_cfg); 4 heads fit the same tensors, d_model 32, and
+    would compute another model. trainer_state.json's config says it for the export, config.json for from-hf."""
+    says = (f"init.from={folders[name]!r} was trained with model.n_head=2, and this run has model.n_head=4: its "
+            f"weights would compute another model; set --model.n_head=2")
+    cfg = config.load(small_args(tmp_path / "jaxtrain", cache_dir, "--model.n_head=4", f"--init.from={folders[name]}"))
+    with pytest.raises(UserError) as e:
+        run.Trainer(cfg)
+    assert str(e.value) == says
+    torch_cfg = tiny_cfg(tmp_path / "torchref", "--model.n_head=4")
+    with pytest.raises(UserError) as e:
+        torchref_checkpoint.init_from(folders[name], torchref_model.GPT(torch_cfg.model), None)
+    assert str(e.value) == says

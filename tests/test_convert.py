@@ -5,6 +5,7 @@ The state comes from three real optimizer steps with accumulation 2 on a 2-layer
 optimizer leaf (moments, counts) holds a value that a mapping bug would change.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -137,6 +138,15 @@ def _truncate(file):
     return lambda out: os.truncate(os.path.join(out, file), os.path.getsize(os.path.join(out, file)) - 100)
 
 
+def _edit_trainer_state(edit):
+    def apply(out):
+        file = os.path.join(out, "trainer_state.json")
+        state = json.load(open(file, encoding="utf-8"))
+        edit(state)
+        json.dump(state, open(file, "w", encoding="utf-8"))
+    return apply
+
+
 def _bad_json(out):
     with open(os.path.join(out, "trainer_state.json"), "w", encoding="utf-8") as f:
         f.write('{"format": ')
@@ -154,6 +164,12 @@ DAMAGE = {
                     _set("model.safetensors", "transformer.wpe.weight", (8, 32))),
     "truncated file": ("optimizer.safetensors", "unreadable", _truncate("optimizer.safetensors")),
     "bad json": ("trainer_state.json", "not valid JSON", _bad_json),
+    "no data seed": ("trainer_state.json", "'data.seed' is missing or not an integer (got None)",
+                     _edit_trainer_state(lambda state: state["data"].pop("seed"))),
+    "skipped past step": ("trainer_state.json", f"'skipped' is not an integer from 0 to step ({STEPS}) (got 9)",
+                          _edit_trainer_state(lambda state: state.update(skipped=9))),
+    "skipped negative": ("trainer_state.json", "'skipped' is not an integer from 0 to step",
+                         _edit_trainer_state(lambda state: state.update(skipped=-1))),
 }
 
 
@@ -297,3 +313,47 @@ def test_skipped_updates_cross_the_bridge(tmp_path):
     template = step.fresh_state(cfg, V)
     loaded, _ = torch_format.load(out, template, cfg)
     assert_same_state(loaded, skipped_state, template)
+
+
+def test_a_run_trained_with_cudnn_attention_converts_without_a_gpu(tmp_path):
+    """A GPU run's checkpoint with model.attention=cudnn (its meta's config): the kernel shapes no param, so the
+    state restores here, where cuDNN's attention would refuse to build (before, both directions refused), and the
+    config written out stays the run's."""
+    _, state = trained(True)
+    cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="cudnn"))
+    with pytest.raises(UserError, match="model.attention=cudnn needs"):
+        step.fresh_state(cfg, V)  # what the conversions built their shapes from
+    saver = checkpoint.Checkpointer(cfg)
+    saver.save(state, data_seed=0)
+    saver.close()
+    convert.main(["to-torch", str(tmp_path / "run" / "checkpoints" / str(STEPS)), str(tmp_path / "torch")])
+    assert torch_format.read_trainer_state(str(tmp_path / "torch"))["config"]["model"]["attention"] == "cudnn"
+    convert.main(["from-torch", str(tmp_path / "torch"), str(tmp_path / "back")])
+    back = config.load(["--config", str(tmp_path / "back" / "config.yaml")])
+    assert back.model.attention == "cudnn"
+    restored, _, _ = convert.restore_step(str(tmp_path / "back" / "checkpoints" / str(STEPS)))
+    assert_same_state(restored, state, restored)  # the values; restore_step places them on its own mesh
+
+
+@pytest.mark.parametrize("command", ["to-torch", "to-hf", "from-torch", "from-hf"])
+def test_a_url_or_the_current_folder_is_refused_before_anything_is_read(command, tmp_path, capsys, monkeypatch):
+    """Conversions read and write local folders: a gs:// DST was written to ./gs:/..., reported as written; a URL
+    SRC was "does not exist"; DST `.` (renamed into place: impossible) failed after the work with a raw OSError."""
+    monkeypatch.chdir(tmp_path)
+    local = str(tmp_path / "src")  # never read: each refusal comes first
+    cases = [([command, local, "gs://bucket/out"], "DST gs://bucket/out is a URL, and this command takes local "
+                                                   "folders only; give it a local folder and copy"),
+             ([command, "s3://bucket/run/checkpoints/3", "dst"], "SRC s3://bucket/run/checkpoints/3 is a URL, and "
+                                                                  "this command takes local folders only; give it "
+                                                                  "a local copy"),
+             ([command, local, "."], "DST '.' is the folder this command runs in; the conversion is made as a new "
+                                     "folder: name one, e.g. ./converted"),
+             ([command, local, str(tmp_path)], f"DST {str(tmp_path)!r} is the folder this command runs in"),
+             ([command, local, ""], "DST '' is the folder this command runs in")]
+    for argv, says in cases:
+        with pytest.raises(SystemExit) as e:
+            convert.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and "Traceback" not in err, (argv, err)
+    assert os.listdir(tmp_path) == []

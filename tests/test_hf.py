@@ -107,5 +107,14 @@ def test_a_model_from_transformers_fine_tunes(tmp_path, cache_dir):
 def test_what_jaxtrain_cannot_compute_the_same_is_refused(tmp_path, capsys, overrides, named):
     with pytest.raises(SystemExit) as exit_info:
         convert.main(["from-hf", hf_model(tmp_path, **overrides), str(tmp_path / "jt")])
-    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and named in err
+    assert ("the tanh GELU" in err) == (named == "gelu_new")  # the note on GPT-2's own GELU, where it applies
     assert not (tmp_path / "jt").exists()
+
+
+def test_an_mlp_width_stated_as_4_n_embd_is_nanogpts(tmp_path):
+    """n_inner=None and n_inner=4 * n_embd are the same MLP (transformers' GPT2MLP takes None for 4 * n_embd);
+    the second was refused as "where jaxtrain's model has None"."""
+    convert.main(["from-hf", hf_model(tmp_path, n_inner=4 * DIMS["n_embd"]), str(tmp_path / "jt")])
+    assert tensors(tmp_path / "jt")["transformer.h.0.mlp.c_fc.weight"].shape == (4 * DIMS["n_embd"], DIMS["n_embd"])

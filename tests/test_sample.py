@@ -182,6 +182,15 @@ def test_ties_with_the_kth_logit_are_kept_and_temperature_0_is_argmax():
     assert int(sample.next_token(jnp.asarray([[0.5, 3.0, -1.0]]), jax.random.key(0), 0.0, 0)[0]) == 1
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-37, 1.2e-38, 1e-38, 1e-39, 1e-45, 1e-300])
+def test_a_temperature_near_0_draws_the_likeliest_token(temperature):
+    """Divided by such a temperature, the logits overflowed to inf and tied: categorical took the lowest index,
+    token 0, not the argmax (below fp32's smallest normal, the temperature itself rounds towards 0)."""
+    logits = jnp.asarray([[1.0, 2.0, -3.0], [4.999, -1.0, 5.0]])
+    for seed in range(5):
+        assert sample.next_token(logits, jax.random.key(seed), temperature, 0).tolist() == [1, 2]
+
+
 def test_tokenizers_encode_and_decode_known_ids():
     tok = sample.tokenizer("bytes")
     assert tok.encode("dé") == [0x64, 0xC3, 0xA9]

@@ -136,6 +136,7 @@ def init_from(path: str, model, optimizer) -> Progress | None:
     """--init.from: the weights, and the whole training state when optimizer.safetensors and trainer_state.json
     are there too. Returns the Progress to continue from, or None when only weights were loaded."""
     checkpoint_kind.check_torch_source(path, "init.from")
+    checkpoint_kind.check_n_head(path, model.cfg.n_head)
     with _fix_for("init.from"):
         load_weights(path, model)
         if not checkpoint_kind.holds_training_state(path):
