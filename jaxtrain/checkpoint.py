@@ -131,11 +131,12 @@ class Checkpointer:
         failed = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                meta, state = self._load(step, abstract_state)
+                meta, state, resumed_cfg = self._load(step, abstract_state)
             except CorruptCheckpoint as e:
                 failed.append((step, str(e)))
                 continue
             self._set_aside(failed)
+            self._go_on_with(resumed_cfg)
             self._set_best(meta.get("best"))
             return Resumed(step, state, meta.get("data_seed", meta["config"]["run"]["seed"]))
         if failed:
@@ -143,28 +144,33 @@ class Checkpointer:
                             f"{failed[0][1]}); start over with --run.fresh=true, which moves them aside")
         return None
 
+    def _go_on_with(self, cfg: Config) -> None:
+        """The resumed run's config (its own init.from) in the checkpoints saved from now on."""
+        self.cfg, self.saved_config = cfg, yaml.safe_load(config_lib.dump(cfg))
+
     def restore(self, step: int, abstract_state) -> TrainState:
         """The state saved at `step`, laid out as `abstract_state` (ShapeDtypeStructs with shardings), checked
         against its fingerprint."""
         return self._load(step, abstract_state)[1]
 
-    def _load(self, step: int, abstract_state) -> tuple[dict, TrainState]:
+    def _load(self, step: int, abstract_state) -> tuple[dict, TrainState, Config]:
         """Meta, then the config and data checks (from meta alone: a refused resume, a changed model shape
-        included, names the changed keys before any array is read), then the arrays and their fingerprint."""
+        included, names the changed keys before any array is read), then the arrays and their fingerprint; and the
+        config the run goes on with (same_run.check)."""
         where = self._step_dir(step)
         with _reading(where):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             saved_config = meta["config"]
-        same_run.check(saved_config, self.cfg, where)
+        resumed_cfg = same_run.check(saved_config, self.cfg, where, step, "jaxtrain")
         if self.data_fingerprint is not None:
-            data_lib.check_same_data(meta, self.data_fingerprint, self.cfg, where)
+            data_lib.check_same_data(meta, self.data_fingerprint, resumed_cfg, where)
         with _reading(where):
             args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)))
             state = self.manager.restore(step, args=args)["state"]
         if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
             check_fingerprint(state, meta["fingerprint"], where)
-        return meta, state
+        return meta, state, resumed_cfg
 
     def _set_aside(self, failed: list[tuple[int, str]]) -> None:
         """Move each failed step folder out of orbax's namespace, whole (the primary process moves; all wait)."""

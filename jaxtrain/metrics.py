@@ -119,7 +119,6 @@ class MetricsLogger:
         peak = peak_flops(cfg, device_kind)
         self.flops_per_s_peak = peak * n_devices if peak else None
         self.flops_per_token = flops_per_token
-        self.last_time = time.perf_counter()
         self.line_tokens = self.line_seconds = 0  # since the last metrics line
         self.run_tokens = self.run_seconds = 0  # this process's training, for the summary
         self.log = runfolder.GrowingFile(path, kept) if is_main else None
@@ -129,6 +128,7 @@ class MetricsLogger:
             if is_main and cfg.log.wandb else None
         self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not (is_main and cfg.log.progress))
+        self.last_time = time.perf_counter()  # after wandb.init, which may wait ~90 s for a network: not training
 
     def train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int,
               counters: dict | None = None) -> dict:

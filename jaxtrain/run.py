@@ -70,6 +70,8 @@ class Trainer:
         self.state_sharding = jax.tree.map(lambda x: x.sharding, self.abstract_state)
         # The newest checkpoint that verifies, or None. run.fresh opens the checkpoints later (open_run_folder).
         self.resumed = None if cfg.run.fresh else self._open_checkpoints().resume(self.abstract_state)
+        if self.resumed is not None:  # with the run's own init.from, which config.yaml records (same_run.check)
+            self.cfg = cfg = self.checkpointer.cfg
         if self.resumed is None and cfg.init.from_ is not None:  # what the run starts from, before it is read
             checkpoint_kind.check_torch_source(cfg.init.from_, "init.from")
             checkpoint_kind.check_n_head(cfg.init.from_, cfg.model.n_head)

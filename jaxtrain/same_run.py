@@ -2,6 +2,7 @@
 on resume (both backends) and hashed into torch-format checkpoints. Pure Python, as config.py: torchref imports it.
 """
 
+import dataclasses
 import hashlib
 import sys
 
@@ -38,23 +39,47 @@ _ACTS_ONLY_IF = {
 }
 
 
-def check(saved: dict, cfg: Config, where: str) -> None:
-    """Refuse to resume from a checkpoint written with another config (`saved`, as `dump` wrote it), naming the
-    keys that changed; warn that an init.from other than the run's own is not read. Keys that do not shape the
-    trajectory (out_dir, logging, checkpoint cadence, train.steps when optim.decay_steps is set) may change. A key
-    added after `saved` was written counts as its default there."""
+def check(saved: dict, cfg: Config, where: str, step: int, backend: str) -> Config:
+    """Refuse to resume from the checkpoint `where` of step `step` (written by `backend`, "jaxtrain" or "torchref")
+    with another config (`saved`, as `dump` wrote it), naming the keys that changed and the ways on; warn that an
+    init.from other than the run's own is not read. Keys that do not shape the trajectory (out_dir, logging,
+    checkpoint cadence, train.steps when optim.decay_steps is set) may change. A key added after `saved` was written
+    counts as its default there.
+
+    Returns `cfg` as the resumed run goes on with it: with the init.from the run started from, which its config.yaml
+    and later checkpoints record (a stray one recorded would make a later --run.fresh=true start from it)."""
     started_from = saved.get("init", {}).get("from")
     saved, current = _trajectory({**_flat(Config()), **_flatten(saved)}), _trajectory(_flat(cfg))
-    changed = [k for k in {**saved, **current} if saved.get(k) != current.get(k)]  # optim.groups may lose keys
-    if changed:
-        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
-        keep = (f"; to go on with the schedule it had, pass --optim.decay_steps={saved['decay length']}"
-                if "decay length" in changed and cfg.optim.decay_steps is None else "")
-        raise UserError(f"the config differs from the one that wrote {where} ({diffs}{keep}); resume with the same "
-                        f"config, or start over with --run.fresh=true or a new --run.out_dir")
+    if saved != current:
+        raise UserError(f"the config differs from the one that wrote {where} ({_changes(saved, current, cfg)}); "
+                        f"{_ways_on(saved, current, cfg, step, backend)}")
     if cfg.init.from_ is not None and cfg.init.from_ != started_from:
+        began = f"from {started_from}" if started_from is not None else "from scratch"
         print(f"warning: init.from={cfg.init.from_!r} is not read: the run resumes from {where} (init.from starts a "
-              f"run; this one started from {started_from!r})", file=sys.stderr)
+              f"run; this one started {began}, which its config.yaml keeps)", file=sys.stderr)
+    return dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, from_=started_from))
+
+
+def _changes(saved: dict, current: dict, cfg: Config) -> str:
+    """The changed keys with their values. A key that acts on one side only (_ACTS_ONLY_IF) is left out: what made it
+    act or not, another key, is named. optim.groups may lose keys."""
+    changed = [k for k in {**saved, **current} if saved.get(k) != current.get(k)
+               and not (k in _ACTS_ONLY_IF and (k in saved) != (k in current))]
+    diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
+    keep = (f"; to go on with the schedule it had, pass --optim.decay_steps={saved['decay length']}"
+            if "decay length" in changed and cfg.optim.decay_steps is None else "")
+    return diffs + keep
+
+
+def _ways_on(saved: dict, current: dict, cfg: Config, step: int, backend: str) -> str:
+    """Resume unchanged; or, where the weights still fit the model (no model.* key but dropout changed), keep the
+    changes and go on from the checkpoint in a new run (init.from takes its whole training state); or start over."""
+    over = "start over with --run.fresh=true or a new --run.out_dir"
+    reshaped = any(k.startswith("model.") and k != "model.dropout" and saved.get(k) != current.get(k)
+                   for k in {**saved, **current})
+    if reshaped:
+        return f"resume with the same config, or {over}"
+    return f"resume with the same config, or {new_run_from(cfg, step, backend, 'keep the changes')}; or {over}"
 
 
 def new_run_from(cfg: Config, step: int | None, backend: str, change: str) -> str:

@@ -148,18 +148,47 @@ def test_trajectory_check_names_changed_keys_and_allows_extending(yaml_path):
     saved = yaml.safe_load(config.dump(cfg))
     longer = config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=300",
                           "--run.out_dir=/elsewhere", "--checkpoint.every=7"])
-    same_run.check(saved, longer, "ckpt")  # same schedule and model: extending is fine
+    same_run.check(saved, longer, "ckpt", 4, "jaxtrain")  # same schedule and model: extending is fine
     other_kernels = config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=100",
                                  "--model.remat=full", "--model.attention=xla", "--model.vocab_tiles=4"])
-    same_run.check(saved, other_kernels, "ckpt")  # how the model computes may change
+    same_run.check(saved, other_kernels, "ckpt", 4, "jaxtrain")  # how the model computes may change
     for key in ("attention", "remat", "vocab_tiles"):  # a checkpoint written before these keys existed
         del saved["model"][key]
-    same_run.check(saved, cfg, "ckpt")
+    same_run.check(saved, cfg, "ckpt", 4, "jaxtrain")
     with pytest.raises(UserError, match=r"decay length: 100 -> 300"):  # the default decay follows train.steps
-        same_run.check(saved, config.load(["--config", yaml_path, "--train.steps=300"]), "ckpt")
+        same_run.check(saved, config.load(["--config", yaml_path, "--train.steps=300"]), "ckpt", 4, "jaxtrain")
     with pytest.raises(UserError, match=r"model.n_layer: 4 -> 2.*--run.fresh=true"):
-        same_run.check(saved, config.load(["--config", yaml_path, "--optim.decay_steps=100",
-                                                         "--train.steps=100", "--model.n_layer=2"]), "ckpt")
+        same_run.check(saved, config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=100",
+                                           "--model.n_layer=2"]), "ckpt", 4, "jaxtrain")
+
+
+@pytest.mark.parametrize("backend,start", [
+    ("jaxtrain", "python -m jaxtrain.convert to-torch out/r/checkpoints/4 DST, then run with --init.from=DST"),
+    ("torchref", "run with --init.from=out/r/checkpoints/4")])
+def test_a_refused_resume_says_how_to_keep_the_change(yaml_path, backend, start):
+    """Where the weights still fit the model, the refusal names the README's way on with the changed keys, a new run
+    from the checkpoint's whole state (before: only starting over); a changed model shape cannot go that way."""
+    common = ["--config", yaml_path, "--run.out_dir=out/r"]
+    saved = yaml.safe_load(config.dump(config.load(common)))
+    with pytest.raises(UserError) as e:
+        same_run.check(saved, config.load([*common, "--optim.lr=5e-4"]), "out/r/checkpoints/4", 4, backend)
+    assert str(e.value).endswith(
+        f"(optim.lr: 0.0003 -> 0.0005); resume with the same config, or keep the changes and go on from step 4 in a "
+        f"new run (a resume of out/r refuses the changed keys): {start} --run.out_dir=NEW; or start over with "
+        f"--run.fresh=true or a new --run.out_dir")
+    with pytest.raises(UserError) as e:
+        same_run.check(saved, config.load([*common, "--model.n_layer=2"]), "out/r/checkpoints/4", 4, backend)
+    assert str(e.value).endswith("(model.n_layer: 4 -> 2); resume with the same config, or start over with "
+                                 "--run.fresh=true or a new --run.out_dir")
+
+
+def test_a_key_that_stops_acting_is_not_named_as_changed(yaml_path):
+    """Dropout 0.1 -> 0 is the change; the accumulation, compared only with dropout, was named too, as "1 -> None"."""
+    for before, after in (("0.1", "0.0"), ("0.0", "0.1")):
+        saved = yaml.safe_load(config.dump(config.load(["--config", yaml_path, f"--model.dropout={before}"])))
+        with pytest.raises(UserError) as e:
+            same_run.check(saved, config.load(["--config", yaml_path, f"--model.dropout={after}"]), "c", 4, "jaxtrain")
+        assert f"(model.dropout: {before} -> {after}); " in str(e.value)
 
 
 def test_a_run_whose_decay_followed_train_steps_extends_with_that_decay_length(yaml_path):
@@ -167,9 +196,10 @@ def test_a_run_whose_decay_followed_train_steps_extends_with_that_decay_length(y
     with --optim.decay_steps=100 (before, refused as "optim.decay_steps: None -> 100"), and the refusal of a plain
     --train.steps=300 names that flag."""
     saved = yaml.safe_load(config.dump(config.load(["--config", yaml_path, "--train.steps=100"])))
-    same_run.check(saved, config.load(["--config", yaml_path, "--train.steps=300", "--optim.decay_steps=100"]), "c")
+    same_run.check(saved, config.load(["--config", yaml_path, "--train.steps=300", "--optim.decay_steps=100"]), "c",
+                   4, "jaxtrain")
     with pytest.raises(UserError) as e:
-        same_run.check(saved, config.load(["--config", yaml_path, "--train.steps=300"]), "c")
+        same_run.check(saved, config.load(["--config", yaml_path, "--train.steps=300"]), "c", 4, "jaxtrain")
     assert "(decay length: 100 -> 300; to go on with the schedule it had, pass --optim.decay_steps=100)" in str(e.value)
 
 
@@ -199,22 +229,26 @@ def test_a_key_is_compared_only_where_it_acts(yaml_path, saved_args, resumed_arg
     saved = yaml.safe_load(config.dump(config.load(common + saved_args)))
     resumed = config.load(common + resumed_args)
     if accepted:
-        same_run.check(saved, resumed, "c")
+        same_run.check(saved, resumed, "c", 4, "jaxtrain")
     else:
         with pytest.raises(UserError, match="the config differs from the one that wrote c"):
-            same_run.check(saved, resumed, "c")
+            same_run.check(saved, resumed, "c", 4, "jaxtrain")
 
 
 def test_an_init_from_a_resume_does_not_read_is_named(yaml_path, capsys):
     """init.from starts a run; a resume reads its own checkpoint. One it was not started from is named as not read
     (before, it was ignored in silence, and config.yaml recorded it as where the run came from)."""
     saved = yaml.safe_load(config.dump(config.load(["--config", yaml_path])))  # started from /some/dir
-    same_run.check(saved, config.load(["--config", yaml_path]), "ckpt")
-    same_run.check(saved, config.load(["--config", yaml_path, "--init.from=null"]), "ckpt")
-    assert capsys.readouterr().err == ""
-    same_run.check(saved, config.load(["--config", yaml_path, "--init.from=/other"]), "ckpt")
+    for overrides in ([], ["--init.from=null"], ["--init.from=/other"]):  # the run goes on with its own
+        resumed = same_run.check(saved, config.load(["--config", yaml_path, *overrides]), "ckpt", 4, "jaxtrain")
+        assert resumed.init.from_ == "/some/dir"
     assert capsys.readouterr().err == ("warning: init.from='/other' is not read: the run resumes from ckpt (init.from "
-                                       "starts a run; this one started from '/some/dir')\n")
+                                       "starts a run; this one started from /some/dir, which its config.yaml "
+                                       "keeps)\n")
+    saved["init"]["from"] = None
+    resumed = same_run.check(saved, config.load(["--config", yaml_path, "--init.from=/other"]), "ckpt", 4, "jaxtrain")
+    assert resumed.init.from_ is None
+    assert capsys.readouterr().err.endswith("this one started from scratch, which its config.yaml keeps)\n")
 
 
 def test_a_flow_mapping_without_a_space_after_its_colon_is_named(yaml_path):
@@ -243,11 +277,11 @@ def test_trajectory_check_reads_keys_added_since_as_their_defaults(yaml_path):
     saved = yaml.safe_load(config.dump(cfg))
     for key in ("schedule", "cycles", "groups"):
         del saved["optim"][key]
-    same_run.check(saved, cfg, "ckpt")
+    same_run.check(saved, cfg, "ckpt", 4, "jaxtrain")
     with pytest.raises(UserError, match=r"optim.schedule: 'cosine' -> 'linear'"):
-        same_run.check(saved, config.load(["--config", yaml_path, "--optim.schedule=linear"]), "ckpt")
+        same_run.check(saved, config.load(["--config", yaml_path, "--optim.schedule=linear"]), "ckpt", 4, "jaxtrain")
     grouped = config.load(["--config", yaml_path, "--optim.groups={wte: {lr_scale: 0.5}}"])
     with pytest.raises(UserError, match=r"optim.groups.wte.lr_scale: None -> 0.5"):
-        same_run.check(saved, grouped, "ckpt")
+        same_run.check(saved, grouped, "ckpt", 4, "jaxtrain")
     with pytest.raises(UserError, match=r"optim.groups.wte.lr_scale: 0.5 -> None"):
-        same_run.check(yaml.safe_load(config.dump(grouped)), cfg, "ckpt")
+        same_run.check(yaml.safe_load(config.dump(grouped)), cfg, "ckpt", 4, "jaxtrain")

@@ -38,6 +38,30 @@ def test_tokens_per_s_covers_the_steps_since_the_last_line_and_leaves_out_eval_a
     assert logger.mean_tokens_per_s() == 400 / 5
 
 
+def test_wandb_start_up_is_not_training_time(tmp_path, monkeypatch):
+    """wandb.init may wait ~90 s for a network before it falls back to offline: step 1's tokens_per_s counted it."""
+    clock = Clock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+
+    class SlowWandb:
+        def __init__(self, cfg, **_):
+            clock.now += 90.0
+
+        def log(self, step, scalars):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(metrics.wandb_log, "WandbLog", SlowWandb)
+    cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=1", "--log.tensorboard=false", "--log.progress=false",
+                       "--log.wandb=true", "--train.steps=1", "--optim.warmup_steps=0", "--model.vocab_size=256"])
+    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1.0, n_devices=1, device_kind="cpu",
+                                   is_main=True)
+    clock.now += 2.0
+    assert logger.train(1, 1.0, 1e-3, 1.0, 100)["tokens_per_s"] == 50.0  # 100 tokens in the step's 2 s
+
+
 def test_lines_come_every_log_every_steps_and_at_the_last(tmp_path):
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=2", "--log.tensorboard=false", "--log.progress=false",
                        "--train.steps=5", "--optim.warmup_steps=1", "--model.vocab_size=256"])

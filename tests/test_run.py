@@ -139,6 +139,20 @@ def test_moved_data_resumes_and_other_data_is_refused(reference_run, tmp_path, c
         run.Trainer(config.load(small_args(out_dir, moved)))
 
 
+def test_a_stray_init_from_on_resume_is_not_recorded(reference_run, tmp_path, cache_dir):
+    """A resume given an init.from of another run warns it is not read, and config.yaml and the checkpoints saved
+    after it keep the run's own (none): before, they recorded the stray one, and a later --run.fresh=true of that
+    config.yaml started from the other run's state."""
+    out_dir = str(tmp_path / "run")
+    shutil.copytree(reference_run[0], out_dir)
+    shutil.rmtree(os.path.join(out_dir, "checkpoints", "8"))
+    run.train(config.load(small_args(out_dir, cache_dir, "--init.from=/another/run/checkpoint")))
+    assert config.load(["--config", os.path.join(out_dir, "config.yaml")]).init.from_ is None
+    meta = json.load(open(os.path.join(out_dir, "checkpoints", "8", "meta", "metadata")))
+    assert meta["config"]["init"]["from"] is None
+    assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(reference_run[0]))
+
+
 def test_finished_run_does_nothing(reference_run, cache_dir):
     summary = run.train(config.load(small_args(reference_run[0], cache_dir)))
     assert summary == {"steps": 8}

@@ -234,6 +234,19 @@ def test_resume_drops_a_garbled_metrics_tail_with_a_warning(straight_run, token_
     assert "metrics.jsonl: dropped 1 damaged line(s)" in capsys.readouterr().err
 
 
+def test_a_stray_init_from_on_resume_is_not_recorded(straight_run, token_dir, tmp_path):
+    """As jaxtrain's (tests/test_run.py): config.yaml and the checkpoints saved after the resume keep the run's own
+    init.from (none), not the one the resume did not read."""
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    shutil.rmtree(os.path.join(out, "checkpoints", "6"))
+    run.train(tiny_cfg(token_dir, out, "--init.from=/another/run/checkpoint"))
+    assert config.load(["--config", os.path.join(out, "config.yaml")]).init.from_ is None
+    with open(os.path.join(out, "checkpoints", "6", "trainer_state.json"), encoding="utf-8") as f:
+        assert json.load(f)["config"]["init"]["from"] is None
+    assert trajectory(out) == trajectory(straight_run)
+
+
 def test_resume_with_a_changed_config_names_the_keys(straight_run, token_dir, tmp_path):
     out = str(tmp_path / "run")
     shutil.copytree(straight_run, out)

@@ -120,16 +120,17 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
             shutil.rmtree(os.path.join(root, str(step)))
 
 
-def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> Progress:
-    """Restore everything from one of this run's checkpoints; a changed config or other data is an error."""
+def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> tuple[Progress, Config]:
+    """Restore everything from one of this run's checkpoints; a changed config or other data is an error. Returns
+    where training stands and the config the run goes on with (same_run.check: the run's own init.from)."""
     with _fix_for("resume"):
         state = _read_trainer_state(path)
-        same_run.check(state.get("config", {}), cfg, path)
+        cfg = same_run.check(state.get("config", {}), cfg, path, state.get("step"), "torchref")
         check_same_data(state, data_fingerprint, cfg, path)
         load_weights(path, model)
         progress = _restore_training(path, state, model, optimizer)
         progress.best = state.get("best")  # this run's own: init.from starts a run with none
-        return progress
+        return progress, cfg
 
 
 def init_from(path: str, model, optimizer) -> Progress | None:

@@ -69,7 +69,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
         cfg.model, vocab_size=data.resolve_vocab_size(cfg.model.vocab_size, tokens)))
     model = GPT(cfg.model).to(device)
     optimizer = configure_optimizer(model, cfg)
-    progress, resumed = start(cfg, model, optimizer, tokens.fingerprint)
+    cfg, progress, resumed = start(cfg, model, optimizer, tokens.fingerprint)
     scheduler = lr_scheduler(optimizer, cfg, progress.updates)
     if progress.step >= cfg.train.steps:  # config.yaml stays the one of the run that trained, as in jaxtrain
         print(f"nothing to train: at step {progress.step} of train.steps={cfg.train.steps}", file=sys.stderr)
@@ -121,19 +121,20 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
           f"{log.mean_tokens_per_s():,.0f} tokens/s, {log.wall_s():.1f} s wall")
 
 
-def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Progress, bool]:
+def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Config, Progress, bool]:
     """Where training begins: out_dir's newest checkpoint (unless run.fresh; trained on the data of
-    `data_fingerprint`), else init.from, else step 0 with the fresh init. Also says whether this is a resume, whose
-    metrics.jsonl is kept up to the resumed step. run.fresh moves the previous run aside only once init.from has
+    `data_fingerprint`), else init.from, else step 0 with the fresh init. Also the config the run goes on with (a
+    resume keeps the run's own init.from: checkpoint.resume) and whether this is a resume, whose metrics.jsonl is
+    kept up to the resumed step. run.fresh moves the previous run aside only once init.from has
     loaded, the last check that can refuse the start: a refused fresh start leaves it in place, to resume."""
     checkpoint.remove_partial(cfg.run.out_dir)
     # A jaxtrain checkpoint is named for what it is: a resume would call it damaged (run.fresh sets it aside below).
     if not cfg.run.fresh:
         checkpoint_kind.check_own_steps(os.path.join(cfg.run.out_dir, "checkpoints"), "torchref")
     if not cfg.run.fresh and (path := checkpoint.latest(cfg.run.out_dir)) is not None:
-        progress = checkpoint.resume(path, cfg, data_fingerprint, model, optimizer)
+        progress, cfg = checkpoint.resume(path, cfg, data_fingerprint, model, optimizer)
         print(f"resuming from step {progress.step} ({path})", file=sys.stderr)
-        return progress, True
+        return cfg, progress, True
     progress = Progress(data_seed=cfg.run.seed)
     if cfg.init.from_ is not None:
         loaded = checkpoint.init_from(cfg.init.from_, model, optimizer)
@@ -144,7 +145,7 @@ def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Progres
             progress = loaded
     if cfg.run.fresh:
         runfolder.set_aside_previous_run(cfg.run.out_dir)
-    return progress, False
+    return cfg, progress, False
 
 
 def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_norm: float,
