@@ -143,8 +143,9 @@ class MetricsLogger:
         line = train_line(step, loss, lr, grad_norm, self.tokens, tokens_per_s, self.flops_per_token,
                           self.flops_per_s_peak)
         line.update(counters or {})
-        self.bar.update(step - self.bar.n)
+        # the step's numbers first: update() redraws the bar, which showed the step before's loss beside this step
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        self.bar.update(step - self.bar.n)
         if self.cfg.logs_at(step):
             self._write(line)
             self.line_tokens = self.line_seconds = 0

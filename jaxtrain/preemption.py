@@ -21,6 +21,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class StopRequest:
     def __init__(self):
         self.requested, self.signum = False, 0
+        self.training = False  # whether a step may be in flight (training_started), or start-up still runs
         self.saved_all: str | None = None  # once the run's last save is done: what to say when a signal stops it
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
@@ -32,8 +33,13 @@ class StopRequest:
             _exit_now(signum, f"\n{name} again: stopping now, without saving this step (the checkpoints already "
                               f"saved are intact)")
         self.requested, self.signum = True, signum
-        print(f"\n{name}: stopping once the step in flight is done and saved ({name} again to stop at once)",
-              file=sys.stderr, flush=True)
+        when = ("once the step in flight is done and saved" if self.training else
+                "at the end of this start-up phase, before the first step")
+        print(f"\n{name}: stopping {when} ({name} again to stop at once)", file=sys.stderr, flush=True)
+
+    def training_started(self) -> None:
+        """Start-up is over: a signal from now on stops after the step in flight, saved."""
+        self.training = True
 
     def nothing_left_to_save(self, saved: str) -> None:
         """After the run's last save (the summary line and the end-of-run sample are all that is left): from now

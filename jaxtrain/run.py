@@ -231,6 +231,7 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         agreed.check_start_up()
         trainer.compile(state)
         agreed.check_start_up()
+        stop.training_started()
         trainer.open_run_folder()
         if trainer.is_main:  # after every check: a refused start leaves the run folder as it was
             config_lib.save(cfg, cfg.run.out_dir)

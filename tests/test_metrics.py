@@ -62,6 +62,34 @@ def test_wandb_start_up_is_not_training_time(tmp_path, monkeypatch):
     assert logger.train(1, 1.0, 1e-3, 1.0, 100)["tokens_per_s"] == 50.0  # 100 tokens in the step's 2 s
 
 
+def test_the_progress_bar_shows_each_step_with_its_own_loss(tmp_path, monkeypatch):
+    """What the bar draws at each update: the step count beside that step's loss (it showed the step before's)."""
+    drawn = []
+
+    class Bar:
+        def __init__(self, **_):
+            self.n, self.postfix = 0, {}
+
+        def set_postfix(self, refresh=True, **postfix):
+            self.postfix = postfix
+
+        def update(self, n):
+            self.n += n
+            drawn.append((self.n, self.postfix["loss"]))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(metrics, "tqdm", Bar)
+    cfg = config.load([f"--run.out_dir={tmp_path}", "--log.tensorboard=false", "--train.steps=2",
+                       "--optim.warmup_steps=1", "--model.vocab_size=256"])
+    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1.0, n_devices=1, device_kind="cpu",
+                                   is_main=True)
+    logger.train(1, 2.5, 1e-3, 1.0, 100)
+    logger.train(2, 1.25, 1e-3, 1.0, 100)
+    assert drawn == [(1, "2.5000"), (2, "1.2500")]
+
+
 def test_lines_come_every_log_every_steps_and_at_the_last(tmp_path):
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=2", "--log.tensorboard=false", "--log.progress=false",
                        "--train.steps=5", "--optim.warmup_steps=1", "--model.vocab_size=256"])

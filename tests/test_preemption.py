@@ -13,7 +13,7 @@ import pytest
 
 from test_mesh import SMALL, free_port
 from test_run import final_params, read_metrics, small_args, without_timing
-from jaxtrain import config, run
+from jaxtrain import config, preemption, run
 
 # Long enough (~10 s here) that a signal 1 s after compilation lands mid-run.
 LONG = ("--train.steps=600", "--checkpoint.every=200", "--train.eval_every=200")
@@ -77,6 +77,8 @@ def test_ctrl_c_during_start_up_stops_cleanly(tmp_path, cache_dir, straight, del
     err = proc.stderr.read()
     assert proc.wait() == 0 and "Traceback" not in err and "Exception ignored" not in err, err
     assert "stopped before the first step" in err or "saved step" in err, err  # a slow start may reach step 1
+    if "stopped before the first step" in err:  # no step was in flight: the first line said so too
+        assert "SIGINT: stopping at the end of this start-up phase, before the first step" in err, err
     assert_resumes_to(out_dir, cache_dir, straight)
 
 
@@ -136,3 +138,18 @@ def test_sigterm_to_one_host_saves_the_same_step_on_both(tmp_path, cache_dir):
     for p in two_processes(out_dir, cache_dir, free_port()):
         assert p.wait(timeout=600) == 0, p.stderr.read()
     assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(straight_dir))
+
+
+def test_the_signal_line_says_whether_a_step_is_in_flight(capsys):
+    stop = preemption.StopRequest()
+    try:
+        stop._handle(signal.SIGTERM, None)
+        assert capsys.readouterr().err == ("\nSIGTERM: stopping at the end of this start-up phase, before the first "
+                                           "step (SIGTERM again to stop at once)\n")
+        stop.requested = False
+        stop.training_started()
+        stop._handle(signal.SIGINT, None)
+        assert capsys.readouterr().err == ("\nSIGINT: stopping once the step in flight is done and saved (SIGINT "
+                                           "again to stop at once)\n")
+    finally:
+        stop.restore()

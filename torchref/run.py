@@ -77,6 +77,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
     if stop.requested:
         print(f"stopped before the first step, nothing new to save; {config.resume_hint(cfg)}", file=sys.stderr)
         return
+    stop.training_started()
     config.save(cfg, cfg.run.out_dir)
     autocast = torch.autocast(device, dtype=AUTOCAST_DTYPES.get(cfg.train.precision, torch.bfloat16),
                               enabled=cfg.train.precision in AUTOCAST_DTYPES)
@@ -103,8 +104,8 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
             progress.loss_scale = scaler.state_dict() if scaler else None
             tokens_per_s = log.train(progress, loss, lr, grad_norm, n_tokens, time.perf_counter() - t0,
                                      divergence, loss_scale)
-            bar.update()
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            bar.update()  # redraws the bar with the step's numbers
             evaluated = cfg.evaluates_at(progress.step)
             if evaluated:
                 eval_loss, eval_accuracy = evaluate(model, tokens, cfg, progress.data_seed, device, autocast)
