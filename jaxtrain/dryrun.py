@@ -109,7 +109,10 @@ def memory_table(abstract_state, compiled) -> tuple[list[tuple[str, int]], int]:
 
 def check_fits(compiled, abstract_state, device) -> None:
     """Before a real run's first step: a UserError naming the levers when the compiled step needs more than the
-    device's memory (devices that report it: GPUs and TPUs; a CPU has no fixed limit)."""
+    device's memory (GPUs and TPUs report it) or, on CPUs, which report none, than the host's."""
+    if device.platform == "cpu":
+        check_fits_host(compiled, abstract_state, len(jax.local_devices(backend="cpu")))
+        return
     stats = device.memory_stats()
     limit = stats.get("bytes_limit") if stats else None
     if not limit:
@@ -118,6 +121,40 @@ def check_fits(compiled, abstract_state, device) -> None:
     if total > limit:
         raise UserError(f"the train step needs {total / GIB:.2f} GiB per device and {device.device_kind} has "
                         f"{limit / GIB:.2f} GiB for it; levers: {LEVERS}")
+
+
+def check_fits_host(compiled, abstract_state, n_devices: int) -> None:
+    """check_fits for `n_devices` CPU devices, which all take their memory from this host's: each needs the table's
+    total (the state and the step's temporaries: XLA:CPU allocates what its memory_analysis counts), and together
+    more than host_memory_bytes() cannot run (XLA:CPU would fail in step 1 with RESOURCE_EXHAUSTED)."""
+    _, total = memory_table(abstract_state, compiled)
+    host = host_memory_bytes()
+    if n_devices * total <= host:
+        return
+    several = f" per device, {n_devices * total / GIB:.2f} GiB for {n_devices} CPU devices," if n_devices > 1 else ""
+    raise UserError(f"the train step needs {total / GIB:.2f} GiB{several} and this host has {host / GIB:.2f} GiB of "
+                    f"memory; levers: {LEVERS}")
+
+
+# A container's memory limit, where it sees its own (cgroup v2, v1): lower than the host's, it is the process's.
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory_bytes() -> int:
+    """The most memory this process can have: the host's physical memory, or its container's limit where lower.
+    Not the memory free now: that moves with the other processes of a shared host and the page cache the kernel
+    gives back on demand, and would refuse a step for what runs beside it at the moment of the check; this refuses
+    only a step that cannot run however idle the host (swap not counted: a step in swap would crawl)."""
+    limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    for path in CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()  # v2 says "max" where there is no limit, v1 a number near 2**63
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits)
 
 
 def report(cfg: Config) -> dict:

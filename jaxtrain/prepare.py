@@ -14,6 +14,7 @@ import ctypes.util
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import re
@@ -148,6 +149,9 @@ def _input_files(inputs: list[str], out: str) -> list[pathlib.Path]:
     if unreadable:
         raise UserError(f"--input {unreadable[0]} cannot be read by this user ({len(unreadable)} such file(s)); "
                         f"fix its permissions or leave it out")
+    if not any(p.stat().st_size for p in files):
+        raise UserError(f"--input {' '.join(inputs)} holds no text ({len(files)} empty file(s)); pass files with "
+                        f"the text to train on")
     return files
 
 
@@ -232,6 +236,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     staging = tempfile.mkdtemp(prefix=f"{_STAGING}{socket.gethostname()}-{os.getpid()}-", dir=out)
     try:
         meta = _write_data(staging, files, tokenizer, encode, vocab_size, val_fraction, workers)
+        _check_splits(meta, inputs, val_fraction)
     except OSError as e:
         raise UserError(f"prepare stopped ({e}); {out} is unchanged: fix the cause (disk space, permissions, "
                         f"an input file that went away) and run it again") from None
@@ -245,6 +250,19 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     n_tokens, seconds = meta["train_tokens"] + meta["val_tokens"], time.perf_counter() - start
     print(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({tokenizer}, vocab "
           f"{vocab_size}) to {out} in {seconds:.1f}s ({n_tokens / seconds:,.0f} tokens/s)")
+
+
+def _check_splits(meta: dict, inputs: list[str], val_fraction: float) -> None:
+    """A UserError where the tokens are too few to give each split one: a run could neither train nor evaluate on
+    an empty split (and its refusal, to lower model.seq_len, would not say that the text is the cause)."""
+    train, val = meta["train_tokens"], meta["val_tokens"]
+    if train and val:
+        return
+    need = math.ceil(1 / val_fraction)
+    need += int(need * val_fraction) < 1  # what float rounding of need * val_fraction may take from val
+    raise UserError(f"--input {' '.join(inputs)} is too short to split: its {train + val} {meta['tokenizer']} "
+                    f"token(s) give {train} train and {val} val tokens at --val-fraction {val_fraction}; give it at "
+                    f"least {need} tokens of text (far more to train on), or raise --val-fraction")
 
 
 _STAGING = ".prepare-"  # + host-pid-random: the staging folder of the prepare of that process

@@ -278,6 +278,37 @@ def test_a_prepare_killed_mid_write_is_cleaned_up_by_the_next_and_a_live_one_ref
     assert _files_under(out) == _files_under(tmp_path / "uninterrupted")
 
 
+@pytest.mark.parametrize("texts,says", [
+    ([b""], "holds no text (1 empty file(s)); pass files with the text to train on"),
+    ([b"", b""], "holds no text (2 empty file(s)); pass files with the text to train on"),
+    ([b"abc"], "is too short to split: its 3 bytes token(s) give 3 train and 0 val tokens at --val-fraction 0.25; "
+               "give it at least 4 tokens of text (far more to train on), or raise --val-fraction"),
+], ids=["empty-file", "empty-files", "val-empty"])
+def test_prepare_refuses_text_too_short_to_split_and_writes_nothing(tmp_path, capsys, texts, says):
+    """An empty input, or one so short that a split gets no token, is refused in one line naming the input, and
+    no --out folder is left (before: "wrote 0 train and 0 val tokens", exit 0, and the run then asked for a lower
+    model.seq_len). The shortest text that splits passes; whitespace is text (the byte tokenizer's tokens)."""
+    text = tmp_path / "txt"
+    text.mkdir()
+    for i, body in enumerate(texts):
+        (text / f"{i}.txt").write_bytes(body)
+    code, err = _prepare_cli(capsys, "--input", str(text), "--out", str(tmp_path / "out"))
+    assert (code, err.strip()) == (2, f"error: --input {text} {says}")
+    assert not (tmp_path / "out").exists()
+    (text / "0.txt").write_bytes(b" \n\t ")  # 4 tokens: 1 val at 0.25
+    assert _prepare_cli(capsys, "--input", str(text), "--out", str(tmp_path / "out"))[0] == 0
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["val_tokens"] == 1
+
+
+def test_prepare_too_short_leaves_the_old_data_as_it_was(prepared, capsys, tmp_path):
+    """--overwrite with text too short to split: refused, and the data folder keeps its files."""
+    _, out, before = prepared
+    (tmp_path / "short.txt").write_bytes(b"ab")
+    code, err = _prepare_cli(capsys, "--input", str(tmp_path / "short.txt"), "--out", str(out), "--overwrite")
+    assert code == 2 and "is too short to split" in err and len(err.strip().splitlines()) == 1, err
+    assert _files_under(out) == before
+
+
 def test_entropies_of_known_streams():
     h1, h2 = data.entropies(np.array([0, 1, 2, 3] * 50), 4)
     # Every transition is certain: H(x_t | x_t-1) = 0 up to float64 rounding of the sums of p log p (~1e-16).

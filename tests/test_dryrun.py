@@ -1,6 +1,7 @@
 """--run.dry_run: the memory table of a pod config on fake devices, the verdict, and the real run's own check."""
 
 import math
+import os
 import subprocess
 import sys
 import typing
@@ -180,24 +181,88 @@ def test_a_compiler_refusing_the_step_for_memory_is_a_user_error():
 class FakeDevice:
     device_kind = "fake accelerator"
 
-    def __init__(self, limit):
-        self.limit = limit
+    def __init__(self, limit, platform="fake"):
+        self.limit, self.platform = limit, platform
 
     def memory_stats(self):
         return {"bytes_limit": self.limit} if self.limit else None
 
 
-def test_real_run_check_refuses_a_step_bigger_than_the_device():
+def small_step():
+    """(abstract state, compiled train step, the step's total bytes) of a one-layer model, on this machine."""
     cfg = config.load(["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=16",
                        "--model.vocab_size=64", "--data.batch_size=4", "--train.precision=fp32"])
     mesh = mesh_lib.make_mesh(cfg)
     abstract = checkpoint.abstract_state(cfg, 64, mesh)
     compiled = dryrun.compiled_step(cfg, abstract, mesh)
-    _, total = dryrun.memory_table(abstract, compiled)
-    dryrun.check_fits(compiled, abstract, FakeDevice(None))  # a CPU: no limit, no check
+    return abstract, compiled, dryrun.memory_table(abstract, compiled)[1]
+
+
+def test_real_run_check_refuses_a_step_bigger_than_the_device():
+    abstract, compiled, total = small_step()
+    dryrun.check_fits(compiled, abstract, FakeDevice(None))  # an accelerator that reports no limit: no check
     dryrun.check_fits(compiled, abstract, FakeDevice(total))  # exactly enough
     with pytest.raises(UserError, match="levers: mesh.fsdp"):
         dryrun.check_fits(compiled, abstract, FakeDevice(total - 1))
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
     assert total >= state_bytes  # one device holds all of the unsharded state, and more
     assert jnp.dtype(jax.tree.leaves(abstract.params)[0].dtype) == jnp.float32
+
+
+def test_on_a_cpu_the_step_is_checked_against_the_hosts_memory(monkeypatch):
+    """A CPU reports no memory limit: its step is checked against the host's memory, which all of the host's CPU
+    devices share (before, nothing was checked, and a step bigger than the host failed in step 1 with XLA's
+    RESOURCE_EXHAUSTED traceback). No memory is allocated: the host's is patched."""
+    abstract, compiled, total = small_step()
+    cpu = FakeDevice(None, platform="cpu")
+    monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: total)
+    dryrun.check_fits(compiled, abstract, cpu)  # exactly enough
+    monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: total - 1)
+    with pytest.raises(UserError, match="this host has .* GiB of memory; levers: mesh.fsdp"):
+        dryrun.check_fits(compiled, abstract, cpu)
+    monkeypatch.setattr(dryrun, "memory_table", lambda *args: ([], 40 * GIB))  # figures that read in GiB
+    monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: int(31.5 * GIB))
+    with pytest.raises(UserError) as refused:
+        dryrun.check_fits_host(compiled, abstract, 1)
+    assert str(refused.value) == (f"the train step needs 40.00 GiB and this host has 31.50 GiB of memory; "
+                                  f"levers: {dryrun.LEVERS}")
+    monkeypatch.setattr(dryrun, "memory_table", lambda *args: ([], 10 * GIB))
+    dryrun.check_fits_host(compiled, abstract, 3)  # 30 GiB for 3 devices: fits
+    with pytest.raises(UserError) as refused:
+        dryrun.check_fits_host(compiled, abstract, 4)
+    assert str(refused.value).startswith("the train step needs 10.00 GiB per device, 40.00 GiB for 4 CPU devices, "
+                                         "and this host has 31.50 GiB of memory; levers: mesh.fsdp")
+
+
+def test_host_memory_is_the_physical_memory_or_a_lower_container_limit(monkeypatch, tmp_path):
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < dryrun.host_memory_bytes() <= physical
+    (tmp_path / "v2").write_text("max\n")  # cgroup v2 without a limit
+    (tmp_path / "v1").write_text(f"{2**63 - 4096}\n")  # cgroup v1 without one
+    paths = (str(tmp_path / "v2"), str(tmp_path / "v1"), str(tmp_path / "absent"))
+    monkeypatch.setattr(dryrun, "CGROUP_LIMITS", paths)
+    assert dryrun.host_memory_bytes() == physical
+    (tmp_path / "v2").write_text("123456789\n")
+    assert dryrun.host_memory_bytes() == 123456789
+
+
+def test_a_run_bigger_than_the_cpu_host_is_refused_before_step_1_and_writes_nothing(tmp_path, cache_dir, monkeypatch):
+    """The real run's check on a CPU: exit 2's UserError, one line naming the figures and the levers, before step 1;
+    a fresh run folder gets no config.yaml, metrics or events (what it keeps, the lock file and an empty
+    checkpoints/, any refusal after the checkpoints are opened keeps: an unreadable init.from, a GPU's own check).
+    The same command with memory enough then trains in that folder."""
+    from jaxtrain import run
+    out_dir = tmp_path / "run"
+    args = ["--config", "configs/tiny.yaml", f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
+            "--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.seq_len=32",
+            "--data.batch_size=4", "--train.steps=2", "--optim.warmup_steps=1", "--train.eval_batches=1",
+            "--log.progress=false", "--log.sample_tokens=0"]
+    monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: 2**10)  # 1 KiB: less than the state alone
+    with pytest.raises(UserError, match=r"^the train step needs \d+\.\d\d GiB and this host has 0\.00 GiB of memory; "
+                                        r"levers: mesh\.fsdp .*model\.vocab_tiles") as refused:
+        run.train(config.load(args))
+    assert len(str(refused.value).splitlines()) == 1
+    assert sorted(os.listdir(out_dir)) == [".lock", "checkpoints"] and os.listdir(out_dir / "checkpoints") == []
+    monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: 2**50)
+    assert run.train(config.load(args))["step"] == 2
+    assert (out_dir / "config.yaml").exists() and os.listdir(out_dir / "checkpoints") == ["2"]
