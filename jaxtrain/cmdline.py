@@ -23,10 +23,15 @@ def yaml_name(field) -> str:
 
 
 def read(argv: list[str]) -> dict:
-    """{section: {key: value}} from `--config PATH` (the last one given) and the overrides, which win."""
+    """{section: {key: value}} from `--config PATH` and the overrides, which win. One command line reads one YAML
+    file: a second --config is refused, not read over the first (which would drop the first's keys unsaid)."""
     args = _split_args(argv)
     paths = [value for key, value in args if key == "config"]
-    raw = _read_yaml(paths[-1]) if paths else {}
+    if len(paths) > 1:
+        raise UserError(f"--config is given {len(paths)} times ({', '.join(map(repr, paths))}) but a run reads one "
+                        f"YAML file; merge them into one file, or give the later file's keys as "
+                        f"--section.key=value overrides")
+    raw = _read_yaml(paths[0]) if paths else {}
     return mergedeep.merge(raw, _parse_overrides([(key, value) for key, value in args if key != "config"]))
 
 

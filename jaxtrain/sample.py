@@ -33,6 +33,7 @@ from jaxtrain import data as data_lib
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
 from jaxtrain import runfolder
+from jaxtrain.autocast import COMPUTE_DTYPES
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError, exit_on_user_error
 
@@ -174,11 +175,29 @@ def load(run_dir: str, step: int | None, precision: str | None, tokenizer_name: 
         raise UserError(f"{run_dir} has no checkpoint of step {step}; its steps are {', '.join(map(str, steps))}")
     step = steps[-1] if step is None else step
     state, cfg, _ = convert.restore_step(os.path.join(run_dir, "checkpoints", str(step)))
-    name = tokenizer_name or data_lib.tokenizer_name(cfg.data)
+    own = _own_tokenizer(cfg.data, given=tokenizer_name is not None)
+    if tokenizer_name is not None and own is not None and tokenizer_name != own:
+        # Its ids would decode as another tokenizer's: GPT-2 ids read as bytes are U+FFFD (the ids past 255) or
+        # stray bytes, and a byte run's ids read as GPT-2's are other text; nothing would say so.
+        data = f"data folder {cfg.data.path}" if cfg.data.path is not None else "data (the embedded corpus)"
+        raise UserError(f"--tokenizer {tokenizer_name} is not the tokenizer of {run_dir}: its {data} was tokenized "
+                        f"with {own}; leave --tokenizer out to use the run's own")
+    name = tokenizer_name or own
     if name is None:
         raise UserError(f"the run's data folder {cfg.data.path} is not here to say which tokenizer it used (its "
                         f"meta.json); pass --tokenizer bytes or --tokenizer gpt2")
     return Loaded(state.params, cfg.model, precision or cfg.train.precision, tokenizer(name), step)
+
+
+def _own_tokenizer(data_cfg, given: bool) -> str | None:
+    """The tokenizer of the run's data (data.tokenizer_name), None where that is not known here: its folder is not
+    on this machine, or (with --tokenizer given, which then serves) its meta.json cannot be read."""
+    try:
+        return data_lib.tokenizer_name(data_cfg)
+    except UserError:
+        if given:
+            return None
+        raise
 
 
 class _Parser(argparse.ArgumentParser):
@@ -199,8 +218,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--top_k", type=int, default=defaults.top_k,
                     help=f"draw among the k likeliest tokens; 0: all (default {defaults.top_k})")
     ap.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same text")
-    ap.add_argument("--precision", choices=("bf16", "fp32"), help="default: the run's train.precision")
-    ap.add_argument("--tokenizer", choices=TOKENIZERS, help="default: that of the data the run trained on")
+    ap.add_argument("--precision", choices=tuple(COMPUTE_DTYPES), help="default: the run's train.precision")
+    ap.add_argument("--tokenizer", choices=TOKENIZERS,
+                    help="default, and the only one accepted where the run's data folder is here: that of the data "
+                         "the run trained on")
     return ap
 
 

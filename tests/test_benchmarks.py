@@ -105,6 +105,16 @@ ENTRY %main (a: bf16[8,4], b: bf16[4,2]) -> f32[2] {
         "custom-call.8": "matmul", "all-reduce.1": "collective"}
 
 
+def test_help_names_the_config_and_its_overrides(capsys):
+    """--config and --section.key=value go on to config.load, unseen by argparse: the help says so in its epilog."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "  --config FILE.yaml " in out and "  --section.key=VALUE " in out
+    assert "--rounds" in out  # argparse's own flags, as before
+
+
 @pytest.mark.parametrize("tool,flags,message", [
     ("run", ["--model.n_layerz=1"], "unknown config key 'model.n_layerz'; did you mean model.n_layer?"),
     ("profile", ["--model.n_layerz=1"], "unknown config key 'model.n_layerz'; did you mean model.n_layer?"),

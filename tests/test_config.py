@@ -126,6 +126,38 @@ def test_cli_error_is_one_line_exit_2(yaml_path):
     assert proc.stderr.strip().splitlines() == ["error: unknown config key 'optim.lrr'; did you mean optim.lr?"]
 
 
+@pytest.mark.parametrize("flags", [
+    ["--config", "{a}", "--config", "{b}"],
+    ["--config={a}", "--config", "{b}"],
+    ["--config", "{a}", "--config={b}"],
+    ["--config={a}", "--train.steps=2", "--config={b}"],
+])
+def test_a_second_config_is_refused_not_read_over_the_first(yaml_path, tmp_path, flags):
+    """Two --config in one line: the second used to replace the first, whose keys (lr, warmup, init.from) were
+    dropped unsaid. Refused, naming both files and what to do instead, whichever way each flag is written."""
+    other = tmp_path / "other.yaml"
+    other.write_text("train: {steps: 7}\n")
+    argv = [flag.format(a=yaml_path, b=other) for flag in flags]
+    with pytest.raises(UserError) as e:
+        config.load(argv)
+    message = str(e.value)
+    assert "\n" not in message
+    assert repr(yaml_path) in message and repr(str(other)) in message
+    assert "merge them into one file" in message and "--section.key=value" in message
+
+
+@pytest.mark.parametrize("backend", ["jaxtrain", "torchref"])
+def test_a_second_config_is_one_line_exit_2_in_both_backends(yaml_path, tmp_path, backend):
+    other = tmp_path / "other.yaml"
+    other.write_text("train: {steps: 7}\n")
+    proc = subprocess.run([sys.executable, "-m", f"{backend}.run", "--config", "configs/tiny.yaml",
+                           f"--config={other}", "--train.steps=2"], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --config is given 2 times ('configs/tiny.yaml', {str(other)!r}) but a run reads one YAML file; "
+        f"merge them into one file, or give the later file's keys as --section.key=value overrides"]
+
+
 def test_help_lists_every_key(capsys):
     with pytest.raises(SystemExit) as e:
         config.load(["--help"])

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 
 from test_run import small_args
 from jaxtrain import data, model, prepare, sample
+from jaxtrain.errors import UserError
 
 STEPS = 40  # enough that the logits are far from uniform: top-2 gaps well above the rounding bounds below
 PROMPT = "def "
@@ -85,14 +86,18 @@ def _generate_seeing_logits(loaded, precision, monkeypatch, **sampling):
     return graphdef, tokens, seen
 
 
+# fp16 keeps 3 more mantissa bits than bf16 (one ulp is 2^-11 relative): the same 4 ulps of a logit's scale, 0.003
+# (measured 0 here too; fp16's logits are fp16 and sit 3e-4 from fp32's, bf16's 3e-3: the model computes in fp16).
+FP16_ATOL = 0.003
+
 # fp32 logits of the cached steps and the full forward pass differ by summation order only (the cache's masked zero
 # keys, other dot shapes): measured 4.8e-7 on logits of scale 1.1, bound 1e-5, margin 20x. Under bf16 a sum taken in
 # another order can move a bf16 activation by one ulp (2^-8 relative) and a logit by about as much: bound 4 ulps of
 # that scale, 0.02 (measured 0 here: XLA:CPU computed the same bits both ways).
-LOGIT_ATOL = {"fp32": 1e-5, "bf16": 0.02}
+LOGIT_ATOL = {"fp32": 1e-5, "bf16": 0.02, "fp16": FP16_ATOL}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_greedy_continuation_is_the_full_forward_argmax(loaded, precision, monkeypatch):
     assert len(LONG_PROMPT) + N_NEW > loaded.model_cfg.seq_len  # the cropped steps are covered too
     graphdef, got, logits = _generate_seeing_logits(loaded, precision, monkeypatch, temperature=0.0)
@@ -123,7 +128,7 @@ def test_sampled_tokens_come_from_the_full_forward_top_k(loaded, monkeypatch):
         assert want[got[len(LONG_PROMPT) + i]] >= np.sort(want)[-10], i
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_cached_logits_are_the_full_forward_logits(loaded, precision):
     """Prefill 20 tokens, then 12 cached steps of one token, against model.apply on all 32 at once."""
     cfg = loaded.model_cfg
@@ -266,8 +271,50 @@ def test_run_and_step_errors(trained, tmp_path, capsys):
     refused(capsys, ["--run", str(tmp_path)], "holds no complete checkpoint")
     refused(capsys, ["--run", trained[0], "--step", "7"], "no checkpoint of step 7; its steps are 20, 40")
     refused(capsys, ["--run", trained[0], "--prompt", ""], "the prompt is empty")
+
+
+def test_a_tokenizer_other_than_the_runs_is_refused(trained, loaded, capsys):
+    """The run trained on the embedded corpus's bytes: GPT-2's ids would be read as bytes, or beyond its 256."""
     refused(capsys, ["--run", trained[0], "--tokenizer", "gpt2", "--prompt", "Hello"],
-            "token id 15496, beyond the model's vocabulary of 256")
+            f"--tokenizer gpt2 is not the tokenizer of {trained[0]}: its data (the embedded corpus) was tokenized "
+            f"with bytes; leave --tokenizer out to use the run's own")
+    # Where the run's tokenizer is not known (below), a prompt past the model's vocabulary is still refused.
+    with pytest.raises(UserError, match="token id 15496, beyond the model's vocabulary of 256"):
+        sample.sample_text(loaded.params, loaded.model_cfg, "fp32", sample.tokenizer("gpt2"), "Hello",
+                           sample.Sampling())
+
+
+def test_sampling_in_fp16_and_naming_the_runs_own_tokenizer(trained, capsys):
+    """--precision fp16 is accepted (the model computes in fp16, as an fp16 run's own sample does), and so is
+    --tokenizer naming the run's own one."""
+    sample.main(["--run", trained[0], "--precision", "fp16", "--tokenizer", "bytes", "--prompt", PROMPT,
+                 "--max_new_tokens", "20", "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert f"step {STEPS} of {trained[0]}, fp16, temperature 0.0" in err
+    assert out.startswith(PROMPT) and len(out) > len(PROMPT) + 1 and "\ufffd" not in out, out
+
+
+def test_a_gpt2_run_refuses_bytes_while_its_data_is_here_and_takes_a_tokenizer_once_it_is_not(
+        tmp_path, cache_dir, capsys):
+    """A run on GPT-2 BPE data sampled with --tokenizer bytes printed U+FFFD only, exit 0. Refused while its data
+    folder says gpt2; once that folder is gone, --tokenizer is how the sample knows, and bytes is taken as given."""
+    tokens = np.random.default_rng(0).integers(0, 50257, 20000, dtype=np.uint16)
+    data_dir, out_dir = str(tmp_path / "bpe"), str(tmp_path / "run")
+    prepare.write_token_dir(data_dir, tokens, tokens, 50257, "gpt2")
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(
+        out_dir, cache_dir, f"--data.path={data_dir}", "--train.steps=4", "--train.eval_every=4")],
+        capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flags = ["--prompt", "Hello", "--max_new_tokens", "3", "--temperature", "0"]
+    refused(capsys, ["--run", out_dir, "--tokenizer", "bytes", *flags],
+            f"--tokenizer bytes is not the tokenizer of {out_dir}: its data folder {data_dir} was tokenized with "
+            f"gpt2; leave --tokenizer out to use the run's own")
+    sample.main(["--run", out_dir, "--tokenizer", "gpt2", *flags])
+    assert capsys.readouterr().out.startswith("Hello")
+    os.rename(data_dir, data_dir + "-elsewhere")
+    refused(capsys, ["--run", out_dir, *flags], f"the run's data folder {data_dir} is not here")
+    sample.main(["--run", out_dir, "--tokenizer", "bytes", *flags])
+    assert capsys.readouterr().out.startswith("Hello")
 
 
 INVALID_FLAGS = st.one_of(
@@ -278,7 +325,7 @@ INVALID_FLAGS = st.one_of(
     (st.integers(-10**9, -1) | st.integers(2**32, 2**70)).map(lambda s: ([f"--seed={s}"], "--seed must be")),
     st.sampled_from(["--max_new_tokens", "--top_k", "--seed", "--step", "--temperature"]).flatmap(
         lambda flag: st.sampled_from(["x", "1e", "", "--"]).map(lambda v: ([flag, v], flag))),
-    st.sampled_from([["--precision", "fp16"], ["--tokenizer", "utf8"], ["--unknown", "1"]]).map(
+    st.sampled_from([["--precision", "fp8"], ["--tokenizer", "utf8"], ["--unknown", "1"]]).map(
         lambda args: (args, args[0])),
 )
 
