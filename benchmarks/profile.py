@@ -17,7 +17,7 @@ import re
 import sys
 import tempfile
 
-from jaxtrain.cmdline import positive_int
+from jaxtrain.cmdline import CONFIG_FLAGS_HELP, positive_int
 from jaxtrain.errors import exit_on_user_error
 
 # Op and kernel names -> what they are; the first pattern that matches wins.
@@ -108,7 +108,8 @@ def summarize(path: str, hlo: str, steps: int, top: int) -> str:
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.splitlines()[0],
+                                 epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=positive_int, default=3)
     ap.add_argument("--top", type=positive_int, default=25)
     ap.add_argument("--synthetic", action="store_true")

@@ -20,7 +20,7 @@ import sys
 
 from benchmarks.profile import hlo_categories
 from jaxtrain import target_devices
-from jaxtrain.cmdline import output_file, positive_int
+from jaxtrain.cmdline import CONFIG_FLAGS_HELP, output_file, positive_int
 from jaxtrain.errors import UserError, exit_on_user_error
 
 MODEL = ('bytes = operand + result sizes (a fusion parameter read only through slice, dynamic-slice or gather, '
@@ -259,7 +259,8 @@ def compile_step(cfg, target: str):
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.splitlines()[0],
+                                 epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="h100", choices=target_devices.GPUS,
                     help="the GPU to compile for when this machine has none")
     ap.add_argument("--top", type=positive_int, default=25, help="rows of the memory-bound kernels' table")

@@ -27,7 +27,7 @@ import sys
 from benchmarks import workers
 from benchmarks.steps import matmul_shape, with_precision
 from jaxtrain import config as config_lib
-from jaxtrain.cmdline import output_file, positive_float, positive_int
+from jaxtrain.cmdline import CONFIG_FLAGS_HELP, output_file, positive_float, positive_int
 from jaxtrain.errors import UserError, exit_on_user_error
 
 # key -> (row name, steps builder, precision, grad_accum_steps (None: the config's), builder args)
@@ -46,16 +46,9 @@ ROWS = {
 }
 
 
-# What parse_known_args leaves to config.load: argparse lists only its own flags, so the help says these in words.
-CONFIG_HELP = """the run's config, read as python -m jaxtrain.run reads it (every other flag goes to it):
-  --config FILE.yaml    the YAML file, e.g. configs/small.yaml (default: the built-in defaults)
-  --section.key=VALUE   overrides of its keys, e.g. --optim.grad_accum_steps=4
-                        (every key, with its default: python -m jaxtrain.run --help)"""
-
-
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
-                                 epilog=CONFIG_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=positive_int, default=2)
     ap.add_argument("--steps", type=positive_int, default=6, help="timed steps per row and round")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")

@@ -16,6 +16,14 @@ from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
 
+# For tools that hand the flags they do not know to config.load (argparse's parse_known_args: the benchmarks), whose
+# --help lists only their own flags: what else they take, in words.
+CONFIG_FLAGS_HELP = """the run's config, read as python -m jaxtrain.run reads it (every other flag goes to it):
+  --config FILE.yaml    the YAML file, e.g. configs/small.yaml (default: the built-in defaults)
+  --section.key=VALUE   overrides of its keys, e.g. --optim.grad_accum_steps=4
+                        (every key, with its default: python -m jaxtrain.run --help)"""
+
+
 def yaml_name(field) -> str:
     """How YAML and the command line spell a config dataclass field: its name, unless its metadata gives another
     (`init.from`, whose field is `from_` because `from` is a Python keyword)."""

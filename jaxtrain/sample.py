@@ -146,8 +146,8 @@ def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, 
         raise UserError("the prompt is empty; give one with --prompt (e.g. --prompt $'\\n' for a new line)")
     if max(ids) >= model_cfg.vocab_size:
         raise UserError(f"the prompt encodes to token id {max(ids)}, beyond the model's vocabulary of "
-                        f"{model_cfg.vocab_size}: the run was trained with another tokenizer; leave --tokenizer out "
-                        f"to use the run's own")
+                        f"{model_cfg.vocab_size}: the run was trained with another tokenizer; pass the one its data "
+                        f"used ({' or '.join(TOKENIZERS)})")
     model_cfg = dataclasses.replace(model_cfg, attention="xla")
     graphdef = model_lib.graphdef(model_cfg, vocab_size=model_cfg.vocab_size, precision=precision)
     tokens = generator(graphdef, model_cfg, precision, sampling)(params, np.asarray([ids], np.int32))
