@@ -34,13 +34,19 @@ def read(argv: list[str]) -> dict:
     """{section: {key: value}} from `--config PATH` and the overrides, which win. One command line reads one YAML
     file: a second --config is refused, not read over the first (which would drop the first's keys unsaid)."""
     args = _split_args(argv)
-    paths = [value for key, value in args if key == "config"]
+    path = one_config([value for key, value in args if key == "config"])
+    raw = _read_yaml(path) if path else {}
+    return mergedeep.merge(raw, _parse_overrides([(key, value) for key, value in args if key != "config"]))
+
+
+def one_config(paths: list[str]) -> str | None:
+    """The one --config of a command line (None: none given); a second is refused, not read over the first (which
+    would drop the first's keys unsaid)."""
     if len(paths) > 1:
         raise UserError(f"--config is given {len(paths)} times ({', '.join(map(repr, paths))}) but a run reads one "
                         f"YAML file; merge them into one file, or give the later file's keys as "
                         f"--section.key=value overrides")
-    raw = _read_yaml(paths[0]) if paths else {}
-    return mergedeep.merge(raw, _parse_overrides([(key, value) for key, value in args if key != "config"]))
+    return paths[0] if paths else None
 
 
 def given(argv: list[str], key: str) -> str | None:

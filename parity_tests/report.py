@@ -39,7 +39,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
+from jaxtrain import cmdline  # noqa: E402
 from jaxtrain.cmdline import output_folder, positive_int  # noqa: E402
+from jaxtrain.errors import UserError  # noqa: E402
 from parity_tests import judgment, runs  # noqa: E402
 
 COLORS = {"jaxtrain": "tab:blue", "torchref": "tab:orange"}  # the reference runs: gray
@@ -49,7 +51,7 @@ ZERO_FLOOR = 1e-9  # where an exact 0 difference is drawn on the log axes
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parity_tests.report", description=__doc__.split("\n\n")[0],
                                  epilog="Any further --section.key=value flag is passed to both runs.")
-    ap.add_argument("--config", required=True, help="run config YAML, e.g. configs/tiny.yaml")
+    ap.add_argument("--config", required=True, action="append", help="run config YAML, e.g. configs/tiny.yaml")
     ap.add_argument("--steps", type=positive_int, help="train.steps for both runs (default: the config's)")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     ap.add_argument("--out", required=True, type=output_folder, help="folder for report.md, the PNGs and the runs (runs/ is replaced)")
@@ -57,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     bad = [a for a in overrides if not (a.startswith("--") and "=" in a)]
     if bad:
         ap.error(f"unexpected argument {bad[0]!r}; overrides look like --section.key=value")
-    config = known.config if "://" in known.config else os.path.abspath(known.config)  # its runs start in REPO
+    try:
+        config = cmdline.one_config(known.config)
+    except UserError as e:
+        ap.error(str(e))  # exit 2, as every refusal of the report's flags
+    config = config if "://" in config else os.path.abspath(config)  # its runs start in REPO
     try:
         report = build(config, known.steps, known.precision, os.path.abspath(known.out), overrides)
     except runs.RunFailed as failed:

@@ -33,3 +33,15 @@ def test_report_refuses_a_bad_config_in_one_line_and_keeps_the_previous_report(t
     lines = [line for line in proc.stderr.splitlines() if line != "export init ..."]  # its progress line
     assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
     assert _contents(out) == before  # and nothing added: no staged init left behind
+
+
+def test_a_second_config_is_refused_not_read_over_the_first(tmp_path, capsys):
+    """As the trainers' command line (jaxtrain.cmdline.one_config): argparse kept the last --config, unsaid."""
+    from parity_tests import report
+
+    with pytest.raises(SystemExit) as e:
+        report.main(["--config", runs.TINY, "--config", "configs/small.yaml", "--out", str(tmp_path / "r")])
+    assert e.value.code == 2
+    assert f"error: --config is given 2 times ('{runs.TINY}', 'configs/small.yaml') but a run reads one YAML file" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
