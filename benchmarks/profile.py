@@ -107,13 +107,18 @@ def summarize(path: str, hlo: str, steps: int, top: int) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str]) -> None:
+def parser() -> argparse.ArgumentParser:
+    """This tool's own flags; the rest (--config, --section.key=value) go to config.load."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.splitlines()[0],
                                  epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=positive_int, default=3)
     ap.add_argument("--top", type=positive_int, default=25)
     ap.add_argument("--synthetic", action="store_true")
-    args, rest = ap.parse_known_args(argv)
+    return ap
+
+
+def main(argv: list[str]) -> None:
+    args, rest = parser().parse_known_args(argv)
     from benchmarks.run import resolved_config
     cfg = resolved_config(rest, args.synthetic)
     print(summarize(*trace_steps(cfg, args.synthetic, args.steps), args.steps, args.top))

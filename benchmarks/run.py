@@ -47,24 +47,8 @@ ROWS = {
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
-                                 epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=positive_int, default=2)
-    ap.add_argument("--steps", type=positive_int, default=6, help="timed steps per row and round")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
-    ap.add_argument("--synthetic", action="store_true", help="random token ids instead of data.path")
-    ap.add_argument("--peak-tflops", type=positive_float, help="the device's nominal dense bf16 peak, for MFU")
-    ap.add_argument("--one-at-a-time", action="store_true",
-                    help="each row's process runs all its rounds alone (a GPU that cannot hold every row at once)")
-    ap.add_argument("--json", type=output_file, help="also write the results here")
-    ap.add_argument("--only", choices=("throughput", "save"), help="print only this part")
-    args, rest = ap.parse_known_args(argv)
-    keys = [k.strip() for k in args.rows.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in ROWS]
-    if not keys:
-        raise UserError(f"--rows={args.rows!r} names no row; give one or more, comma-separated, of {', '.join(ROWS)}")
-    if unknown:
-        raise UserError(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
+    args, rest = parser().parse_known_args(argv)
+    keys = row_keys(args.rows)
     workers.quiet_gpu_allocators()
     base = resolved_config(rest, args.synthetic)
     device, n_params, peak = describe_device(base, args.peak_tflops)
@@ -80,6 +64,32 @@ def main(argv: list[str]) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def parser() -> argparse.ArgumentParser:
+    """This tool's own flags; the rest (--config, --section.key=value) go to config.load."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
+                                 epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=positive_int, default=2)
+    ap.add_argument("--steps", type=positive_int, default=6, help="timed steps per row and round")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
+    ap.add_argument("--synthetic", action="store_true", help="random token ids instead of data.path")
+    ap.add_argument("--peak-tflops", type=positive_float, help="the device's nominal dense bf16 peak, for MFU")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="each row's process runs all its rounds alone (a GPU that cannot hold every row at once)")
+    ap.add_argument("--json", type=output_file, help="also write the results here")
+    ap.add_argument("--only", choices=("throughput", "save"), help="print only this part")
+    return ap
+
+
+def row_keys(rows: str) -> list[str]:
+    keys = [k.strip() for k in rows.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in ROWS]
+    if not keys:
+        raise UserError(f"--rows={rows!r} names no row; give one or more, comma-separated, of {', '.join(ROWS)}")
+    if unknown:
+        raise UserError(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
+    return keys
 
 
 def resolved_config(overrides: list[str], synthetic: bool):

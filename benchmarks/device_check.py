@@ -1,0 +1,192 @@
+"""The GPU measurements issue 11 still needs, as one call of the device tool, in order of value, inside a time budget.
+
+A lent GPU comes with 15 minutes of device time a task, the machine's start included, and one command runs at most
+10 minutes: there is no time to think between commands. So the commands are prepared here, and this module runs them
+there one after the other, each under its own time cap, and stops starting new ones when the budget would not cover
+them (and says so). Every stage's output goes to one log; a summary names each stage's exit, time and result lines.
+
+Here, once (the pure-Python packages the device image lacks, as wheels for its Python 3.12; `.whl/` is ignored):
+
+    python -m benchmarks.device_check --wheels .whl
+
+There, as the device tool's command (kind nvidia-h100-x1, the card of the README's table; carry [".whl"];
+timeout_s 560, which leaves time to rerun one stage on the warm machine):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. &&
+    python3 -m benchmarks.device_check --out $OUT --budget-s 480
+
+`--list` prints the stages and their caps. If the norm kernels' tests fail (stage `kernels`: their Triton lowering,
+which this CPU cannot run), the table is measured with `--model.norm=xla` and the kernels become the A/B row, so the
+README's figures are never those of wrong math. Only the standard library here: the `env` stage is what reports a
+package the image lacks.
+"""
+
+import argparse
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+# benchmarks.run's settings for GPT-2 124M on one GPU: the README's table (batch 128 x 1024 in 4 micro-batches).
+GPT2 = ("--config", "configs/gpt2-124m.yaml", "--synthetic", "--one-at-a-time", "--only", "throughput")
+TABLE = ("--rounds", "3", "--steps", "6", "--data.batch_size=128", "--optim.grad_accum_steps=4")
+AB = ("--rounds", "2", "--steps", "6", "--rows", "jax-bf16")
+ENV_SCRIPT = """
+import importlib.metadata as m, shutil, subprocess
+for p in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint", "draccus",
+          "torch", "triton"):
+    try: print(p, m.version(p))
+    except m.PackageNotFoundError: print(p, "not installed")
+if shutil.which("nvidia-smi"): print(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout)
+import jax; print("devices:", jax.devices())
+import jaxtrain.run, torchref.run, benchmarks.run, benchmarks.profile  # what every stage below imports
+"""
+BUDGET_S = 480  # of the device tool's 560 s timeout: what is left covers one stage's rerun on the warm machine
+WHEELS = ("draccus", "mergedeep", "toml")  # jaxtrain's needs that the device image lacks (KINDS.md's package list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One command (the arguments after `python`), what it tells, the seconds it is expected to take (it is not
+    started with less left) and its cap (it is stopped there). `{norm}` and `{other_norm}` in its arguments are the
+    norm the table is measured with and the other one."""
+    name: str
+    why: str
+    args: tuple[str, ...]
+    expect_s: int
+    cap_s: int
+    required: bool = False  # a failure stops the stages after it
+    json: bool = False  # benchmarks.run writes its results to <out>/<name>.json
+
+
+STAGES = (
+    Stage("env", "versions, the GPU, and whether jaxtrain imports on the image's jax", ("-c", ENV_SCRIPT), 15, 60,
+          required=True),
+    Stage("kernels", "the norm kernels as Triton compiles them, against float64 formulas and XLA's autodiff "
+          "(NOTES command 0)", ("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_fused_norm.py",
+                                "-k", "not mesh"), 40, 120),
+    Stage("table", "the README's table: jaxtrain bf16 against torchref eager and torch.compile, MFU of 989 TFLOP/s "
+          "(NOTES command 1)", ("-m", "benchmarks.run", *GPT2, *TABLE, "--model.norm={norm}", "--rows",
+                                "jax-bf16,torch-bf16,compile-bf16,matmul-jax-bf16,matmul-torch-bf16"), 170, 300,
+          json=True),
+    Stage("norm_ab", "the same jaxtrain row with the other norm: whether the Pallas kernels beat XLA's ops "
+          "(NOTES command 6)", ("-m", "benchmarks.run", *GPT2, *AB, "--data.batch_size=128",
+                                "--optim.grad_accum_steps=4", "--model.norm={other_norm}"), 50, 100, json=True),
+    Stage("micro64", "micro-batch 64 (batch 256 in 4): whether bigger gemms are faster (NOTES command 7)",
+          ("-m", "benchmarks.run", *GPT2, *AB, "--data.batch_size=256", "--optim.grad_accum_steps=4",
+           "--model.norm={norm}"), 70, 120, json=True),
+    Stage("profile", "where the step's time goes now (NOTES command 2; 173 ms of GPU time before)",
+          ("-m", "benchmarks.profile", "--config", "configs/gpt2-124m.yaml", "--synthetic", "--data.batch_size=64",
+           "--optim.grad_accum_steps=4", "--model.norm={norm}"), 50, 100),
+)
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.device_check", description=__doc__.splitlines()[0])
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", help="the folder for session.log, summary.md and the tables' JSON (there: $OUT)")
+    what.add_argument("--wheels", help="here: download the wheels the device image lacks into this folder")
+    what.add_argument("--list", action="store_true", help="print the stages and their times")
+    ap.add_argument("--budget-s", type=int, default=BUDGET_S, help="seconds for all the stages together")
+    args = ap.parse_args(argv)
+    if args.list:
+        print("\n".join(f"{s.name:8} expect {s.expect_s:3d}s cap {s.cap_s:3d}s  {s.why}" for s in STAGES))
+    elif args.wheels:
+        download_wheels(args.wheels)
+    else:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            print(f"error: --out {args.out!r}: {e.strerror}; choose another folder", file=sys.stderr)
+            sys.exit(2)
+        results = run_stages(STAGES, args.out, args.budget_s)
+        print(write_summary(results, args.out))
+
+
+def download_wheels(folder: str) -> None:
+    """This venv's versions of WHEELS, as wheels for the device's Python 3.12 (pure Python: any platform's do)."""
+    import importlib.metadata
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", "-d", folder, *pins], check=True)
+    print(f"{folder}: {', '.join(sorted(os.listdir(folder)))}")
+
+
+def run_stages(stages, out: str, budget_s: float) -> list[dict]:
+    """Each stage in turn while the budget covers its expected time; its output appended to <out>/session.log."""
+    deadline, norm, stopped = time.monotonic() + budget_s, "auto", None
+    results = []
+    with open(os.path.join(out, "session.log"), "ab") as log:
+        for stage in stages:
+            left = deadline - time.monotonic()
+            if stopped or left < stage.expect_s:
+                why = f"not run: {stopped} failed" if stopped else f"not run: {left:.0f}s of the budget left"
+                results.append({"stage": stage, "outcome": why, "seconds": 0.0})
+                continue
+            result = run_one(stage, stage_args(stage, norm, out), min(stage.cap_s, left), log)
+            results.append(result)
+            if stage.name == "kernels" and result["outcome"] != "passed":
+                norm = "xla"  # the table is not measured on kernels whose math the tests refused
+            if stage.required and result["outcome"] != "passed":
+                stopped = stage.name
+    return results
+
+
+def stage_args(stage: Stage, norm: str, out: str) -> list[str]:
+    other = "xla" if norm == "auto" else "auto"
+    args = [a.replace("{norm}", norm).replace("{other_norm}", other) for a in stage.args]
+    return args + ["--json", os.path.join(out, f"{stage.name}.json")] if stage.json else args
+
+
+def run_one(stage: Stage, args: list[str], timeout_s: float, log) -> dict:
+    """Runs one stage in its own process group (benchmarks.run starts a process per row), killed whole at the
+    timeout; its output goes to the log between a header and a footer."""
+    _write(log, f"\n===== {stage.name}: {command_line(args)}\n")
+    start, t0 = log.tell(), time.monotonic()
+    proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        rc = proc.wait(timeout=timeout_s)
+        outcome = "passed" if rc == 0 else f"failed (exit {rc})"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        outcome = f"stopped at its cap of {timeout_s:.0f}s"
+    seconds = time.monotonic() - t0
+    log.seek(0, os.SEEK_END)  # past what the stage wrote through the same open file
+    _write(log, f"===== {stage.name}: {outcome} in {seconds:.1f}s\n")
+    return {"stage": stage, "outcome": outcome, "seconds": seconds, "start": start, "args": args}
+
+
+def command_line(args: list[str]) -> str:
+    return "python " + " ".join("<script>" if "\n" in a else a for a in args)
+
+
+def _write(log, text: str) -> None:
+    log.write(text.encode())
+    log.flush()
+
+
+def write_summary(results: list[dict], out: str) -> str:
+    """summary.md: a line per stage, then the end of each stage's output (a passed stage's last 80 lines: the tables,
+    pytest's closing line; a failed one's last 25)."""
+    with open(os.path.join(out, "session.log"), "rb") as f:
+        log = f.read()
+    lines = ["| stage | outcome | s | what it tells |", "|---|---|---|---|"]
+    lines += [f"| {r['stage'].name} | {r['outcome']} | {r['seconds']:.0f} | {r['stage'].why} |" for r in results]
+    for r in results:
+        if "args" not in r:
+            continue
+        output = log[r["start"]:].decode(errors="replace").split(f"===== {r['stage'].name}: ", 1)[0].splitlines()
+        lines += ["", f"## {r['stage'].name}: {command_line(r['args'])}", "",
+                  *output[-(80 if r["outcome"] == "passed" else 25):]]
+    summary = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

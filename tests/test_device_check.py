@@ -1,0 +1,151 @@
+"""benchmarks/device_check.py, the prepared GPU session: each stage is a command its tool takes (so the script cannot
+rot while no GPU is lent), and the runner keeps to its budget, stops a stage at its cap with the processes it
+started, measures the table with XLA's norm when the kernels' tests fail, and writes a summary of every stage."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import device_check, profile, run as bench
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _after_module(args: list[str], module: str) -> list[str] | None:
+    return args[2:] if args[:2] == ["-m", module] else None
+
+
+@pytest.mark.parametrize("norm", ["auto", "xla"])
+def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkeypatch):
+    """The flags through the tool's own parser, the overrides through config.load (an unknown key or a bad value
+    is refused there), the rows through benchmarks.run's check; the norm as the runner substitutes it."""
+    monkeypatch.chdir(REPO)
+    seen = set()
+    for stage in device_check.STAGES:
+        args = device_check.stage_args(stage, norm, str(tmp_path))
+        for module, tool in (("benchmarks.run", bench), ("benchmarks.profile", profile)):
+            rest = _after_module(args, module)
+            if rest is None:
+                continue
+            parsed, overrides = tool.parser().parse_known_args(rest)
+            cfg = bench.resolved_config(overrides, parsed.synthetic)
+            assert cfg.model.seq_len == 1024 and cfg.model.d_model == 768, stage.name  # GPT-2 124M
+            expected_norm = {"norm_ab": "xla" if norm == "auto" else "auto"}.get(stage.name, norm)
+            assert cfg.model.norm == expected_norm, stage.name
+            if tool is bench:
+                assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
+            seen.add(stage.name)
+    assert seen == {"table", "norm_ab", "micro64", "profile"}
+
+
+def test_the_kernels_stage_selects_the_norm_tests_but_the_mesh_one():
+    """One GPU has no (2, 2) mesh: the mesh test is left out, every other test of the file is run."""
+    stage = next(s for s in device_check.STAGES if s.name == "kernels")
+    args = _after_module(list(stage.args), "pytest")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    everything = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_fused_norm.py"],
+                                cwd=REPO, capture_output=True, text=True, timeout=300).stdout
+    assert collected and not any("mesh" in line for line in collected)
+    assert len(collected) == sum("::" in line for line in everything.splitlines()) - 1
+
+
+def test_the_env_stage_runs_and_names_the_versions():
+    stage = next(s for s in device_check.STAGES if s.name == "env")
+    proc = subprocess.run([sys.executable, *stage.args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "jax 0." in proc.stdout and "devices: [CpuDevice(id=0)]" in proc.stdout
+
+
+def _stage(name, code, expect_s=0, cap_s=30, **kw):
+    return device_check.Stage(name, f"{name} stage", ("-c", code, "--model.norm={norm}", "--other={other_norm}"),
+                              expect_s, cap_s, **kw)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has ended: nobody reaps it in some containers
+    except FileNotFoundError:
+        return False
+
+
+def test_a_stage_past_its_cap_is_stopped_with_the_processes_it_started(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)")
+    t0 = time.monotonic()
+    results = device_check.run_stages([_stage("slow", code, cap_s=3), _stage("next", "print('next ran')")],
+                                      str(tmp_path), budget_s=60)
+    assert time.monotonic() - t0 < 30  # 3 s of cap, not 60 s of sleep (the bound: process start-up on 2 busy cores)
+    assert results[0]["outcome"] == "stopped at its cap of 3s" and results[1]["outcome"] == "passed"
+    deadline = time.monotonic() + 5
+    while _alive(int(pid_file.read_text())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(int(pid_file.read_text()))
+    log = (tmp_path / "session.log").read_text()
+    assert "started" in log and "next ran" in log and "===== slow: stopped at its cap of 3s" in log
+
+
+def test_the_budget_starts_no_stage_it_cannot_cover(tmp_path):
+    stages = [_stage("first", "import time; time.sleep(2)", expect_s=1),
+              _stage("big", "print('big ran')", expect_s=100),
+              _stage("small", "print('small ran')", expect_s=1)]
+    results = device_check.run_stages(stages, str(tmp_path), budget_s=20)
+    outcomes = [r["outcome"] for r in results]
+    assert outcomes[0] == "passed" and outcomes[2] == "passed"
+    assert outcomes[1].startswith("not run: ") and outcomes[1].endswith("s of the budget left")
+    assert "big ran" not in (tmp_path / "session.log").read_text()
+
+
+def test_a_stage_is_stopped_where_the_budget_ends_before_its_cap(tmp_path):
+    results = device_check.run_stages([_stage("long", "import time; time.sleep(60)", cap_s=60)], str(tmp_path),
+                                      budget_s=3)
+    assert results[0]["outcome"] == "stopped at its cap of 3s" and results[0]["seconds"] < 30
+
+
+@pytest.mark.parametrize("kernels_exit,norm,other", [(0, "auto", "xla"), (1, "xla", "auto")])
+def test_failed_kernel_tests_measure_the_table_with_xlas_norm(tmp_path, kernels_exit, norm, other):
+    stages = [_stage("kernels", f"raise SystemExit({kernels_exit})"),
+              _stage("table", "import sys; print('table got', *sys.argv[1:])")]
+    device_check.run_stages(stages, str(tmp_path), budget_s=60)
+    assert f"table got --model.norm={norm} --other={other}" in (tmp_path / "session.log").read_text()
+
+
+def test_a_required_stage_that_fails_stops_the_rest_and_the_summary_says_so(tmp_path):
+    stages = [_stage("env", "import sys; print('no jax here'); sys.exit(3)", required=True),
+              _stage("table", "print('table ran')", json=True)]
+    results = device_check.run_stages(stages, str(tmp_path), budget_s=60)
+    summary = device_check.write_summary(results, str(tmp_path))
+    assert [r["outcome"] for r in results] == ["failed (exit 3)", "not run: env failed"]
+    assert "| env | failed (exit 3) |" in summary and "| table | not run: env failed | 0 |" in summary
+    assert "no jax here" in summary  # a failed stage's last lines
+    assert (tmp_path / "summary.md").read_text() == summary
+
+
+def test_the_summary_holds_each_stages_own_output_and_the_json_path(tmp_path):
+    stages = [_stage("a", "print('| row a |'); print('caf\\u00e9')"), _stage("b", "import sys; print(sys.argv[-2:])",
+                                                                          json=True)]
+    summary = device_check.write_summary(device_check.run_stages(stages, str(tmp_path), 60), str(tmp_path))
+    section_a = summary.split("## a: ")[1].split("## b: ")[0]
+    assert "| row a |" in section_a and "café" in section_a and "--json" not in section_a
+    assert repr(["--json", str(tmp_path / "b.json")]) in summary.split("## b: ")[1]
+
+
+def test_list_names_every_stage_within_the_tool_call():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--list"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == [s.name for s in device_check.STAGES]
+    assert sum(s.expect_s for s in device_check.STAGES) <= device_check.BUDGET_S  # the default budget runs them all
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--out", str(tmp_path / "file" / "out")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "choose another folder" in proc.stderr
