@@ -74,6 +74,8 @@ STAGES = (
     Stage("norm_ab", "the same jaxtrain row with the other norm: whether the Pallas kernels beat XLA's ops "
           "(NOTES command 6)", ("-m", "benchmarks.run", *GPT2, *AB, "--data.batch_size=128",
                                 "--optim.grad_accum_steps=4", "--model.norm={other_norm}"), 50, 100, json=True),
+    Stage("norm_sweep", "the norm kernels alone against XLA's ops, GB/s for each rows-and-warps setting "
+          "(fused_norm.MAX_ROWS, NUM_WARPS: set on no GPU)", ("-m", "benchmarks.norm_kernels"), 35, 90),
     Stage("micro64", "micro-batch 64 (batch 256 in 4): whether bigger gemms are faster (NOTES command 7)",
           ("-m", "benchmarks.run", *GPT2, *AB, "--data.batch_size=256", "--optim.grad_accum_steps=4",
            "--model.norm={norm}"), 70, 120, json=True),
@@ -92,7 +94,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--budget-s", type=int, default=BUDGET_S, help="seconds for all the stages together")
     args = ap.parse_args(argv)
     if args.list:
-        print("\n".join(f"{s.name:8} expect {s.expect_s:3d}s cap {s.cap_s:3d}s  {s.why}" for s in STAGES))
+        print("\n".join(f"{s.name:10} expect {s.expect_s:3d}s cap {s.cap_s:3d}s  {s.why}" for s in STAGES))
     elif args.wheels:
         download_wheels(args.wheels)
     else:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from benchmarks import device_check, profile, run as bench
+from benchmarks import device_check, norm_kernels, profile, run as bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,12 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
             if tool is bench:
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
-    assert seen == {"table", "norm_ab", "micro64", "profile"}
+        rest = _after_module(args, "benchmarks.norm_kernels")
+        if rest is not None:
+            parsed = norm_kernels.parser().parse_args(rest)
+            assert norm_kernels.settings(parsed.rows, parsed.warps) and parsed.tokens == 32 * 1024  # table's micro
+            seen.add(stage.name)
+    assert seen == {"table", "norm_ab", "norm_sweep", "micro64", "profile"}
 
 
 def test_the_kernels_stage_selects_the_norm_tests_but_the_mesh_one():
