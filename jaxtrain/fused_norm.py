@@ -24,14 +24,23 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import PartitionSpec as P
+
+try:  # deprecated since jax 0.11.0 ("will be removed in a future JAX version"): a jax without it runs XLA's ops
+    from jax.experimental.pallas import triton as pl_triton
+except ImportError:
+    pl_triton = None
 
 from jaxtrain import autocast, mesh
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default; model.LayerNorm's too
 MAX_ROWS = 8  # rows a kernel instance holds; the backward writes one partial-sum row of dw and db per instance
 NUM_WARPS = 8  # 256 threads: 24 of a 768-wide row block's elements each (none measured on a GPU yet)
+
+
+def triton_available() -> bool:
+    """Whether this jax has Pallas's Triton backend, which the kernels are written for."""
+    return pl_triton is not None
 
 
 def pieces(d: int) -> list[slice]:

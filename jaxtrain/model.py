@@ -28,7 +28,7 @@ from flax import nnx
 from jaxtrain.autocast import COMPUTE_DTYPES, backend, biased_matmul, gelu, matmul, rounded_matmul, row_major
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
-from jaxtrain.fused_norm import LN_EPS, residual_norm
+from jaxtrain.fused_norm import LN_EPS, residual_norm, triton_available
 from jaxtrain.mesh import batch_sharded
 
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
@@ -207,8 +207,12 @@ class Block(nnx.Module):
 def uses_norm_kernels(cfg: ModelConfig) -> bool:
     """Whether each block's residual adds and LayerNorms run as fused_norm's kernels (model.norm): auto on a GPU,
     where XLA writes them as several passes over the fp32 residual stream; pallas anywhere (off a GPU through
-    Pallas's interpreter: slow, for checking the kernels)."""
-    return cfg.norm == "pallas" or (cfg.norm == "auto" and backend() == "gpu")
+    Pallas's interpreter: slow, for checking the kernels). Both need Pallas's Triton backend, which jax 0.11
+    deprecated: without it auto runs XLA's ops and pallas is refused."""
+    if cfg.norm == "pallas" and not triton_available():
+        raise UserError(f"model.norm=pallas needs Pallas's Triton backend, which jax {jax.__version__} does not "
+                        f"have; use model.norm=auto (XLA's ops here) or a jax that has it")
+    return cfg.norm == "pallas" or (cfg.norm == "auto" and backend() == "gpu" and triton_available())
 
 
 # model.remat: what the backward pass finds kept from each block's forward (the rest it recomputes). full: nothing

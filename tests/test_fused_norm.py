@@ -159,3 +159,28 @@ def test_the_kernels_run_on_each_devices_rows_under_a_mesh():
     assert proc.returncode == 0, proc.stderr[-3000:]
     loss_rel, grad_rel = (float(v) for v in proc.stdout.split())
     assert loss_rel <= 1e-6 and grad_rel <= 1e-5  # as the one-device fp32 test: measured 0 and 2.0e-7
+
+
+WITHOUT_TRITON = """
+import sys
+class NoTriton:  # a jax whose Pallas has no Triton backend (deprecated in jax 0.11.0, to be removed)
+    def find_spec(self, name, path=None, target=None):
+        if name == "jax.experimental.pallas.triton":
+            raise ImportError("no Pallas Triton backend in this jax")
+sys.meta_path.insert(0, NoTriton())
+from jaxtrain import autocast, config, errors, model
+cfg = lambda norm: config.load(["--config", "configs/tiny.yaml", f"--model.norm={norm}"]).model
+with autocast.compiling_for("gpu"):
+    print("auto on a gpu:", model.uses_norm_kernels(cfg("auto")))
+    try:
+        model.uses_norm_kernels(cfg("pallas"))
+    except errors.UserError as e:
+        print("pallas:", e)
+"""
+
+
+def test_a_jax_without_pallas_triton_runs_xlas_norm_and_refuses_pallas():
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "auto on a gpu: False" in proc.stdout
+    assert "pallas: model.norm=pallas needs Pallas's Triton backend" in proc.stdout and "model.norm=auto" in proc.stdout
