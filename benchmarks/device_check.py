@@ -75,7 +75,7 @@ STAGES = (
           "(NOTES command 6)", ("-m", "benchmarks.run", *GPT2, *AB, "--data.batch_size=128",
                                 "--optim.grad_accum_steps=4", "--model.norm={other_norm}"), 50, 100, json=True),
     Stage("norm_sweep", "the norm kernels alone against XLA's ops, GB/s for each rows-and-warps setting "
-          "(fused_norm.MAX_ROWS, NUM_WARPS: set on no GPU)", ("-m", "benchmarks.norm_kernels"), 35, 90),
+          "(fused_norm.MAX_ROWS, NUM_WARPS: set on no GPU)", ("-m", "benchmarks.norm_kernels"), 50, 100),
     Stage("micro64", "micro-batch 64 (batch 256 in 4): whether bigger gemms are faster (NOTES command 7)",
           ("-m", "benchmarks.run", *GPT2, *AB, "--data.batch_size=256", "--optim.grad_accum_steps=4",
            "--model.norm={norm}"), 70, 120, json=True),
