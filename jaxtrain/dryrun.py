@@ -194,6 +194,8 @@ def _devices(cfg: Config) -> tuple[list, str]:
     compiler for it is installed and no local device is meant (this machine has none, or run.dry_run_devices asks
     for a count); else run.dry_run_devices fake CPUs, or this machine's devices. Before jax starts its backends."""
     target, count = cfg.run.target_device, cfg.run.dry_run_devices
+    if count:  # before the devices exist: 100,000 of them took all of a 24 GiB host's memory to create
+        mesh_lib.validate_devices(cfg, count)
     if target and target_devices.compiler_installed(target) and (count or not target_devices.machine_has(target)):
         target_devices.allow_compile_only(target)
         devices = target_devices.devices(target, count or 1)

@@ -2,6 +2,7 @@
 
 import math
 import os
+import resource
 import subprocess
 import sys
 import typing
@@ -266,3 +267,14 @@ def test_a_run_bigger_than_the_cpu_host_is_refused_before_step_1_and_writes_noth
     monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: 2**50)
     assert run.train(config.load(args))["step"] == 2
     assert (out_dir / "config.yaml").exists() and os.listdir(out_dir / "checkpoints") == ["2"]
+
+
+def test_a_device_count_the_batch_cannot_split_over_is_refused_before_the_devices_exist():
+    """100,000 fake devices took all of a 24 GiB host's memory to create before the batch's split was checked; the
+    address space is capped here so that a regression fails this test instead of the machine."""
+    cap = lambda: resource.setrlimit(resource.RLIMIT_AS, (12 * 2**30, 12 * 2**30))
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", "--config", "configs/tiny.yaml", "--run.dry_run=true",
+                           "--run.dry_run_devices=100000"], capture_output=True, text=True, timeout=300,
+                          preexec_fn=cap)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "does not split over 100000 devices" in proc.stderr
