@@ -292,7 +292,8 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
             trainer.checkpointer.save(state, trainer.data_seed, summary["eval_loss"] if evaluate else None)
         if save or evaluate:
             logger.exclude_time()
-        if stopping:
+        if stopping:  # said once the step is committed: an operator or a preemption script acts on this line
+            trainer.checkpointer.wait()
             print(f"saved step {step}; {config_lib.resume_hint(cfg)}", file=sys.stderr)
             summary["stopped"] = True
             break
