@@ -53,7 +53,8 @@ class Divergence:
         latest = self.latest_checkpoint()
         saved = (f"the newest checkpoint, step {latest}, holds only finite values"
                  if latest is not None else "no checkpoint was saved")
-        change = "lower optim.lr, lengthen optim.warmup_steps or set optim.max_grad_norm"
+        clip = " or set optim.max_grad_norm" if self.cfg.optim.max_grad_norm == 0 else ""  # not when it is set
+        change = f"lower optim.lr{',' if clip else ' or'} lengthen optim.warmup_steps{clip}"
         skip = ("; or resume as it is with --train.nan_policy=skip to step over rare bad batches"
                 if self.policy == "halt" and latest is not None else "")
         raise UserError(f"loss {line['loss']}, grad norm {line['grad_norm']} at step {line['step']}: {what}; "

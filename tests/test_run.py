@@ -14,6 +14,7 @@ import pytest
 from design_formulas import default_lr_at
 from parity_tests import inject_nan
 from jaxtrain import config, convert, model, run, runlock
+from jaxtrain.divergence import Divergence
 from jaxtrain.errors import UserError
 
 TIMING_KEYS = ("tokens_per_s", "mfu")  # wall-clock measurements, the only fields that may differ between runs
@@ -247,7 +248,7 @@ def test_the_way_on_a_halt_names_is_one_that_runs(tmp_path, cache_dir, monkeypat
     with pytest.raises(UserError) as e:
         run.train(config.load(args))
     monkeypatch.undo()
-    found = re.search(r"the newest checkpoint, step 2, .*: lower optim\.lr, .* and go on from step 2 in a new run \(a "
+    found = re.search(r"the newest checkpoint, step 2, .*: lower optim\.lr.* and go on from step 2 in a new run \(a "
                       r"resume of \S+ refuses the changed keys\): python -m jaxtrain\.convert to-torch (\S+) DST, "
                       r"then run with --init\.from=DST --run\.out_dir=NEW", str(e.value))
     assert found and found.group(1) == f"{out_dir}/checkpoints/2", str(e.value)
@@ -269,3 +270,14 @@ def test_accumulation_keeps_every_step_loss(reference_run, tmp_path, cache_dir):
     for a, b in zip(accum4, accum1):
         key = "loss" if "loss" in a else "eval_loss"
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=0), (a["step"], key)
+
+
+@pytest.mark.parametrize("clip,levers", [(1.0, "lower optim.lr or lengthen optim.warmup_steps"),
+                                         (0.0, "lower optim.lr, lengthen optim.warmup_steps or set "
+                                               "optim.max_grad_norm")])
+def test_a_halt_names_clipping_only_where_it_is_off(clip, levers):
+    cfg = config.load(["--config", "configs/tiny.yaml", f"--optim.max_grad_norm={clip}"])
+    divergence = Divergence(cfg, lambda: 2, "jaxtrain")
+    with pytest.raises(UserError) as e:
+        divergence.check({"step": 3, "loss": float("nan"), "grad_norm": float("nan")})
+    assert f": {levers}, " in str(e.value) or f": {levers} and" in str(e.value), str(e.value)
