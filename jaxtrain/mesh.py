@@ -40,6 +40,13 @@ def init_distributed() -> None:
         jax.distributed.initialize()
 
 
+def from_process_0(flag: bool) -> bool:
+    """Process 0's flag on every process: one small collective that all of them join (nothing on one process)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
 def barrier(name: str) -> None:
     """Every process waits here until all have arrived (nothing to do on one process)."""
     if jax.process_count() > 1:

@@ -8,7 +8,8 @@ new to save: the run stops at the end of the start-up phase it is in. A second s
 temporary name and rename only a complete one), and the next start cleans what it left.
 
 On several processes each sees only its own signal (a preemption may reach one host); jaxtrain's loop agrees on the
-request through a collective (mesh.any_process) so that every host saves the same step.
+request through a collective (mesh.any_process) so that every host saves the same step. After the last save a
+signal stops one process at once, but one of several ends with the others (nothing_left_to_save).
 """
 
 import os
@@ -23,12 +24,18 @@ class StopRequest:
         self.requested, self.signum = False, 0
         self.training = False  # whether a step may be in flight (training_started), or start-up still runs
         self.saved_all: str | None = None  # once the run's last save is done: what to say when a signal stops it
+        self.several = False  # one of several processes (nothing_left_to_save)
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.saved_all is not None:
+        if self.saved_all is not None and not (self.several and not self.requested):
             _exit_now(signum, f"\n{name}: stopping now; {self.saved_all}")
+        if self.saved_all is not None:  # one of several: its peers' shutdown waits for it
+            self.requested, self.signum = True, signum
+            print(f"\n{name}: {self.saved_all}; ending with the other processes, whose shutdown waits for this "
+                  f"one ({name} again to stop at once)", file=sys.stderr, flush=True)
+            return
         if self.requested:
             _exit_now(signum, f"\n{name} again: stopping now, without saving this step (the checkpoints already "
                               f"saved are intact)")
@@ -41,12 +48,14 @@ class StopRequest:
         """Start-up is over: a signal from now on stops after the step in flight, saved."""
         self.training = True
 
-    def nothing_left_to_save(self, saved: str) -> None:
+    def nothing_left_to_save(self, saved: str, several: bool = False) -> None:
         """After the run's last save (the summary line and the end-of-run sample are all that is left): from now
         on a signal stops the process at once, with one line ending in `saved`, and exit 128 + signal; one that
-        came during the last save's wait does so now."""
-        self.saved_all = saved
-        if self.requested:
+        came during the last save's wait does so now. One of `several` processes instead says so and ends with
+        the others: every process must reach JAX's shutdown barrier, and the others, left waiting for one that
+        died, abort minutes later (a finished run reported failed)."""
+        self.saved_all, self.several = saved, several
+        if self.requested and not several:
             _exit_now(self.signum, f"{signal.Signals(self.signum).name}: stopping now; {saved}")
 
     def reclaim(self) -> None:

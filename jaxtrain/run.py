@@ -35,7 +35,7 @@ from jaxtrain import sample as sample_lib
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
-from jaxtrain.errors import exit_on_user_error
+from jaxtrain.errors import UserError, exit_on_user_error
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,14 +51,28 @@ class Trainer:
         mesh_lib.init_distributed()
         preemption.reclaim()
         self.is_main = jax.process_index() == 0
-        # Taken before anything touches the run folder, so that a refused start leaves it as it was.
-        self.lock = runlock.take(cfg.run.out_dir, cfg.run.lock_timeout_s) if self.is_main else None
+        self.lock = self._take_lock(cfg)
         self.checkpointer = None
         try:
             self._build(cfg)
         except BaseException:
             self.close()
             raise
+
+    def _take_lock(self, cfg: Config):
+        """The run folder's lock, taken by process 0 before anything touches the folder, so that a refused start
+        leaves it as it was. Every process learns whether it was taken and a refused start ends in one line on each
+        (the others went on into a collective process 0 never joined: a Gloo traceback 30 s later)."""
+        lock = refusal = None
+        if self.is_main:
+            try:
+                lock = runlock.take(cfg.run.out_dir, cfg.run.lock_timeout_s)
+            except UserError as e:
+                refusal = e
+        if not mesh_lib.from_process_0(refusal is None):
+            raise refusal or UserError(f"process 0 refused to start on run.out_dir={cfg.run.out_dir} (its output "
+                                       f"says why and what to do); this process stops with it")
+        return lock
 
     def _build(self, cfg: Config) -> None:
         self.data = data_lib.load(cfg.data, cfg.model.seq_len)
@@ -204,11 +218,16 @@ def train(cfg: Config) -> dict:
         summary, state, trainer = train_steps(cfg, stop)
         if state is None or summary.get("stopped"):
             return summary
-        stop.nothing_left_to_save(f"the run is trained and saved at step {summary['step']}")
+        several = jax.process_count() > 1
+        stop.nothing_left_to_save(f"the run is trained and saved at step {summary['step']}", several)
+        # Gathered whole on every process (a collective, which a signal to one of several no longer cuts short).
+        params = multihost_utils.process_allgather(state.params, tiled=True) if cfg.log.sample_tokens else None
         if trainer.is_main:
             print(format_summary(summary), file=sys.stderr)
-        if cfg.log.sample_tokens:
-            print_sample(trainer.cfg, state.params, trainer.data.tokenizer, trainer.is_main)
+            if cfg.log.sample_tokens:
+                print_sample(trainer.cfg, params, trainer.data.tokenizer)
+        if several:  # here, not at exit: a signal now lets this process reach the barrier the others wait at
+            jax.distributed.shutdown()
         return summary
     finally:
         preemption.uninstall()
@@ -254,13 +273,10 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
             logger.close()
 
 
-def print_sample(cfg: Config, params, tokenizer: str, is_main: bool) -> None:
-    """log.sample_tokens tokens after log.sample_prompt, drawn by jaxtrain.sample's defaults with run.seed, printed
-    on stdout. Every process gathers the params whole (a collective); the main process alone samples, on one
-    device, as `python -m jaxtrain.sample` does."""
-    params = multihost_utils.process_allgather(params, tiled=True)
-    if not is_main:
-        return
+def print_sample(cfg: Config, params, tokenizer: str) -> None:
+    """log.sample_tokens tokens after log.sample_prompt, drawn by jaxtrain.sample's defaults with run.seed from the
+    whole params (gathered from every process), printed on stdout, on one device, as `python -m jaxtrain.sample`
+    does."""
     sampling = sample_lib.Sampling(max_new_tokens=cfg.log.sample_tokens, seed=cfg.run.seed)
     text = sample_lib.sample_text(params, cfg.model, cfg.train.precision, sample_lib.tokenizer(tokenizer),
                                   cfg.log.sample_prompt, sampling)

@@ -110,13 +110,14 @@ def wait_for_a_logged_step(out_dir, timeout_s: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-def two_processes(out_dir, cache_dir, port):
+def two_processes(out_dir, cache_dir, port, *extra):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2")
     cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}",
            f"--data.cache_dir={cache_dir}", "--mesh.fsdp=2", "--train.steps=60", "--checkpoint.every=30",
-           "--train.eval_every=30"]
-    return [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(env, JAX_PROCESS_ID=str(i)))
+           "--train.eval_every=30", *extra]
+    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(env, JAX_PROCESS_ID=str(i)))
             for i in range(2)]
 
 
@@ -155,6 +156,56 @@ def test_the_signal_line_says_whether_a_step_is_in_flight(capsys):
         stop.restore()
 
 
+class ExitedNow(Exception):
+    pass
+
+
+def _exit_raises(signum, line):
+    raise ExitedNow(signum, line)
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one process", "several"])
+def test_after_the_last_save_one_process_stops_at_once_one_of_several_ends_with_the_others(several, capsys,
+                                                                                           monkeypatch):
+    """One process: a signal after the last save exits at once (128 + signal), saying the run is saved. One of
+    several: it says so and goes on to the shutdown barrier its peers wait at; a second signal exits at once."""
+    monkeypatch.setattr(preemption, "_exit_now", _exit_raises)
+    stop = preemption.StopRequest()
+    try:
+        stop.training_started()
+        stop.nothing_left_to_save("the run is trained and saved at step 9", several)
+        if not several:
+            with pytest.raises(ExitedNow) as exited:
+                stop._handle(signal.SIGTERM, None)
+            assert exited.value.args == (signal.SIGTERM, "\nSIGTERM: stopping now; the run is trained and saved "
+                                                         "at step 9")
+            return
+        stop._handle(signal.SIGTERM, None)
+        assert capsys.readouterr().err == ("\nSIGTERM: the run is trained and saved at step 9; ending with the other "
+                                           "processes, whose shutdown waits for this one (SIGTERM again to stop at "
+                                           "once)\n")
+        with pytest.raises(ExitedNow):
+            stop._handle(signal.SIGINT, None)
+    finally:
+        stop.restore()
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one process", "several"])
+def test_a_signal_during_the_last_save_stops_one_process_once_it_is_saved(several, monkeypatch):
+    monkeypatch.setattr(preemption, "_exit_now", _exit_raises)
+    stop = preemption.StopRequest()
+    try:
+        stop.training_started()
+        stop._handle(signal.SIGTERM, None)  # during the last save's wait
+        if several:
+            stop.nothing_left_to_save("saved", several)  # and on to the shutdown barrier
+        else:
+            with pytest.raises(ExitedNow):
+                stop.nothing_left_to_save("saved", several)
+    finally:
+        stop.restore()
+
+
 def test_saved_step_is_said_once_its_checkpoint_is_committed(tmp_path, cache_dir, monkeypatch):
     """"saved step N" is the line an operator or a preemption script trusts before the grace period ends: the step's
     folder is committed when it is printed (it was printed as the asynchronous save began, ~1.6 s before its commit
@@ -175,3 +226,19 @@ def test_saved_step_is_said_once_its_checkpoint_is_committed(tmp_path, cache_dir
     monkeypatch.setattr(run.config_lib, "resume_hint", resume_hint)
     summary = run.train(cfg)
     assert summary["stopped"] and listed == [[str(summary["step"])]]  # committed: no orbax-checkpoint-tmp name
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_host_after_the_last_save_lets_both_end(tmp_path, cache_dir):
+    """SIGTERM to process 1 while process 0 prints the end-of-run sample: process 1 says the run is saved and ends
+    with process 0, both exit 0 at once. It died at once, and process 0, left alone at JAX's shutdown barrier,
+    aborted (SIGABRT) some 85 s later: a finished run reported failed."""
+    procs = two_processes(str(tmp_path / "run"), cache_dir, free_port(), "--log.sample_tokens=400")
+    wait_for(procs[0], "done: steps")
+    procs[1].send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    assert time.monotonic() - t0 < 60  # the sample (a few seconds here), not a barrier's time-out
+    assert "SIGTERM: the run is trained and saved at step 60; ending with the other processes" in outs[1][1]
+    assert outs[0][0].strip()  # process 0's sample, on stdout

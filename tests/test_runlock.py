@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from test_mesh import free_port
 from test_preemption import LONG, start, wait_for_a_logged_step
 from test_run import read_metrics, small_args, without_timing
 from jaxtrain import config, run, runlock
@@ -109,3 +110,25 @@ def test_two_runs_started_together_one_refuses(tmp_path, cache_dir, straight):
     refused = errs[[p.returncode for p in procs].index(2)]
     assert "is in use by pid" in refused and "Traceback" not in refused and len(refused.strip().splitlines()) == 1
     assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(straight))
+
+
+def test_a_refused_start_of_several_processes_is_one_line_on_each(tmp_path, cache_dir):
+    """Two processes on a folder another run holds: process 0 names the holder, process 1 says process 0 refused,
+    both exit 2 at once (process 1 went on into the checkpoints' collective, which process 0 never joined: a Gloo
+    DEADLINE_EXCEEDED traceback 30 s later), and the folder is as it was."""
+    out_dir = str(tmp_path / "held")
+    holder = hold(out_dir)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
+    try:
+        procs = [subprocess.Popen([sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir),
+                                   "--mesh.fsdp=2"], stderr=subprocess.PIPE, text=True,
+                                  env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        holder.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert all(err.count("\n") == 1 for err in errs), errs
+    assert f"run folder {out_dir} is in use by pid {holder.pid}" in errs[0]
+    assert "error: process 0 refused to start" in errs[1]
+    assert os.listdir(out_dir) == [".lock"]
