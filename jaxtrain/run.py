@@ -48,6 +48,7 @@ class Trainer:
     """The pieces of one run, built once from the config."""
 
     def __init__(self, cfg: Config):
+        runlock.check_free(cfg.run.out_dir)  # before this launch's processes join: a live run's would be ended
         mesh_lib.init_distributed()
         preemption.reclaim()
         self.is_main = jax.process_index() == 0

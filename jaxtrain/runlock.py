@@ -34,6 +34,26 @@ def take(out_dir: str, timeout_s: float = 60.0):
     return NoLock()
 
 
+def check_free(out_dir: str) -> None:
+    """Refuse in one line where a live run holds out_dir's local lock: a check before the processes of a run join
+    (jax.distributed.initialize), which is a barrier of all of them, so that none of a launch has taken the lock
+    yet. Joining first would connect a second launch's processes to the live run's coordinator (the same hosts and
+    port), and JAX's coordination service ends a run one of whose processes "restarted": every process aborts, the
+    steps since its last checkpoint lost. A shared lock, taken and dropped at once: the processes of one launch do
+    not refuse each other. A gs:// lease cannot be told live or dead without watching it for run.lock_timeout_s:
+    there the lock is taken after the join only."""
+    path = os.path.join(out_dir, NAME)
+    if runfolder.is_url(out_dir) or not os.path.exists(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(out_dir, os.read(fd, 1000).decode("utf-8", "replace").strip() or "another process") from None
+    finally:
+        os.close(fd)
+
+
 def _holder() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
 

@@ -112,23 +112,57 @@ def test_two_runs_started_together_one_refuses(tmp_path, cache_dir, straight):
     assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(straight))
 
 
-def test_a_refused_start_of_several_processes_is_one_line_on_each(tmp_path, cache_dir):
-    """Two processes on a folder another run holds: process 0 names the holder, process 1 says process 0 refused,
-    both exit 2 at once (process 1 went on into the checkpoints' collective, which process 0 never joined: a Gloo
-    DEADLINE_EXCEEDED traceback 30 s later), and the folder is as it was."""
+# A start on the lock's other path: no check before the processes join (a gs:// lease has none), so process 0
+# meets the held lock after the join.
+UNCHECKED = ("import sys; from jaxtrain import run, runlock\n"
+             "runlock.check_free = lambda out_dir: None\n"
+             "run.main(sys.argv[1:])")
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["before the join", "after the join"])
+def test_a_refused_start_of_several_processes_is_one_line_on_each(tmp_path, cache_dir, checked):
+    """Two processes on a folder another run holds: each refuses in one line, exit 2, and the folder is as it was.
+    Before the join (a local lock), each names the holder; after it (process 0 meets the lock), process 1 says
+    process 0 refused: it went on into the checkpoints' collective, which process 0 never joined, and ended in a
+    Gloo DEADLINE_EXCEEDED traceback 30 s later."""
     out_dir = str(tmp_path / "held")
     holder = hold(out_dir)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
+    start = ["-m", "jaxtrain.run"] if checked else ["-c", UNCHECKED]
     try:
-        procs = [subprocess.Popen([sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir),
-                                   "--mesh.fsdp=2"], stderr=subprocess.PIPE, text=True,
-                                  env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]
+        procs = [subprocess.Popen([sys.executable, *start, *small_args(out_dir, cache_dir), "--mesh.fsdp=2"],
+                                  stderr=subprocess.PIPE, text=True, env=dict(env, JAX_PROCESS_ID=str(i)))
+                 for i in range(2)]
         errs = [p.communicate(timeout=120)[1] for p in procs]
     finally:
         holder.kill()
     assert [p.returncode for p in procs] == [2, 2], errs
     assert all(err.count("\n") == 1 for err in errs), errs
-    assert f"run folder {out_dir} is in use by pid {holder.pid}" in errs[0]
-    assert "error: process 0 refused to start" in errs[1]
+    in_use = f"run folder {out_dir} is in use by pid {holder.pid}"
+    assert in_use in errs[0] and (in_use if checked else "error: process 0 refused to start") in errs[1]
     assert os.listdir(out_dir) == [".lock"]
+
+
+@pytest.mark.slow
+def test_a_second_launch_on_the_live_runs_coordinator_is_refused_and_the_run_goes_on(tmp_path, cache_dir):
+    """Two processes on localhost, launched again with the same coordinator while the run is alive (a TPU VM's fixed
+    port, a requeue racing the old job): the second launch's processes refuse in one line before they join, and the
+    live run trains to its end. They joined first, reached the live run's coordinator as a "restarted" process 1, and
+    JAX's coordination service aborted the live run (SIGABRT on both, its steps since the last checkpoint lost)."""
+    out_dir = str(tmp_path / "live")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
+    cmd = [sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, "--train.steps=400",
+                                                             "--checkpoint.every=200"), "--mesh.fsdp=2"]
+    launch = lambda: [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]
+    live = launch()
+    wait_for_a_logged_step(out_dir)
+    second = launch()
+    errs = [p.communicate(timeout=120)[1] for p in second]
+    assert [p.returncode for p in second] == [2, 2], errs
+    assert all(err.count("\n") == 1 and f"run folder {out_dir} is in use by pid" in err for err in errs), errs
+    live_errs = [p.communicate(timeout=600)[1] for p in live]
+    assert [p.returncode for p in live] == [0, 0], [err[-2000:] for err in live_errs]
+    assert [line["step"] for line in read_metrics(out_dir) if "loss" in line][-1] == 400
