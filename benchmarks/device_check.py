@@ -10,7 +10,8 @@ Here, once (the pure-Python packages the device image lacks, as wheels for its P
     python -m benchmarks.device_check --wheels .whl
 
 There, as the device tool's command (kind nvidia-h100-x1, the card of the README's table; carry [".whl"];
-timeout_s 560, which leaves time to rerun one stage on the warm machine):
+timeout_s 560: with the machine's start, about 11 of the 15 minutes, which leaves one stage's rerun on the warm
+machine):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. &&
     python3 -m benchmarks.device_check --out $OUT --budget-s 480
@@ -43,7 +44,7 @@ if shutil.which("nvidia-smi"): print(subprocess.run(["nvidia-smi", "-L"], captur
 import jax; print("devices:", jax.devices())
 import jaxtrain.run, torchref.run, benchmarks.run, benchmarks.profile  # what every stage below imports
 """
-BUDGET_S = 480  # of the device tool's 560 s timeout: what is left covers one stage's rerun on the warm machine
+BUDGET_S = 480  # no stage runs past it; the device tool's timeout_s of 560 adds the wheels' install and slack
 WHEELS = ("draccus", "mergedeep", "toml")  # jaxtrain's needs that the device image lacks (KINDS.md's package list)
 
 
