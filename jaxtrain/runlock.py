@@ -49,13 +49,18 @@ def check_free(out_dir: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise _in_use(out_dir, os.read(fd, 1000).decode("utf-8", "replace").strip() or "another process") from None
+        raise _in_use(out_dir, _holder_in(fd)) from None
     finally:
         os.close(fd)
 
 
 def _holder() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+
+
+def _holder_in(fd: int) -> str:
+    """Who holds the lock, as its holder wrote it into the open lock file."""
+    return os.read(fd, 1000).decode("utf-8", "replace").strip() or "another process"
 
 
 def _in_use(out_dir: str, holder: str) -> UserError:
@@ -75,7 +80,7 @@ class FileLock:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(self.fd, 1000).decode("utf-8", "replace").strip() or "another process"
+            holder = _holder_in(self.fd)
             os.close(self.fd)
             raise _in_use(out_dir, holder) from None
         os.ftruncate(self.fd, 0)
