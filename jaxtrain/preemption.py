@@ -29,10 +29,10 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.saved_all is not None and not (self.several and not self.requested):
-            _exit_now(signum, f"\n{name}: stopping now; {self.saved_all}")
-        if self.saved_all is not None:  # one of several: its peers' shutdown waits for it
-            self.requested, self.signum = True, signum
+        if self.saved_all is not None:
+            if not self.several or self.requested:
+                _exit_now(signum, f"\n{name}: stopping now; {self.saved_all}")
+            self.requested, self.signum = True, signum  # one of several: its peers' shutdown waits for it
             print(f"\n{name}: {self.saved_all}; ending with the other processes, whose shutdown waits for this "
                   f"one ({name} again to stop at once)", file=sys.stderr, flush=True)
             return
