@@ -5,11 +5,16 @@ Most end-to-end tests start `python -m jaxtrain.run` on the same small configs, 
 the same train, eval and init steps again: a tiny.yaml run of 20 steps took 21.6 s fresh and 11.9 s with the cache
 warm (same losses: the cache holds what the compiler would have produced). The folder is new for each session, so
 nothing compiled by another version of the code is ever loaded. A JAX_COMPILATION_CACHE_DIR set by the caller wins.
+pytest-xdist's workers start after the controller's pytest_configure, so they inherit its folder and share it.
+
+And how many pytest-xdist workers `-n auto` (pyproject's addopts) starts.
 """
 
 import os
 import shutil
 import tempfile
+
+import pytest
 
 CACHE_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",  # the steps, not the many one-op jits (not worth a file)
@@ -30,3 +35,14 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     for folder in _made:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest without pytest-xdist (the GPU image) has no such hook
+def pytest_xdist_auto_num_workers(config):
+    """One worker a core, as many as the memory holds: a worker with the runs it starts reaches ~2.5 GB (the largest
+    process of a 2-worker default suite, `/usr/bin/time -v`), so one per 4 GiB. PYTEST_XDIST_AUTO_NUM_WORKERS, when
+    set, is left to xdist's own hook."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(len(os.sched_getaffinity(0)), int(memory_gib // 4)))

@@ -66,8 +66,8 @@ STAGES = (
     Stage("env", "versions, the GPU, and whether jaxtrain imports on the image's jax", ("-c", ENV_SCRIPT), 15, 60,
           required=True),
     Stage("kernels", "the norm kernels as Triton compiles them, against float64 formulas and XLA's autodiff "
-          "(NOTES command 0)", ("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_fused_norm.py",
-                                "-k", "not mesh"), 40, 120),
+          "(NOTES command 0)", ("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
+                                "tests/test_fused_norm.py", "-k", "not mesh"), 40, 120),
     Stage("table", "the README's table: jaxtrain bf16 against torchref eager and torch.compile, MFU of 989 TFLOP/s "
           "(NOTES command 1)", ("-m", "benchmarks.run", *GPT2, *TABLE, "--model.norm={norm}", "--rows",
                                 "jax-bf16,torch-bf16,compile-bf16,matmul-jax-bf16,matmul-torch-bf16"), 170, 300,

@@ -1,5 +1,6 @@
 """Shared by the end-to-end tests of this folder."""
 
+import collections
 import itertools
 import os
 
@@ -66,3 +67,17 @@ def _set_environ(values: dict) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def pytest_terminal_summary(terminalreporter):
+    """test_fuzz.py's closing line: how many invalid inputs its tests generated, by kind, summed from the reports'
+    `fuzz_invalid_inputs` property (what its tests record: reports come back from xdist's workers, prints do not)."""
+    invalid = collections.Counter()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for name, counts in getattr(report, "user_properties", ()):
+                if name == "fuzz_invalid_inputs" and report.when == "teardown":
+                    invalid.update(counts)
+    if invalid:
+        kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(invalid.items()))
+        terminalreporter.write_line(f"test_fuzz: {sum(invalid.values())} generated invalid inputs refused ({kinds})")

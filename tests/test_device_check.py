@@ -47,10 +47,11 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
 
 
 def test_the_kernels_stage_selects_the_norm_tests_but_the_mesh_one():
-    """One GPU has no (2, 2) mesh: the mesh test is left out, every other test of the file is run."""
+    """One GPU has no (2, 2) mesh: the mesh test is left out, every other test of the file is run. The device image
+    has no pytest-xdist (`-p no:xdist` here), so the stage must not take pyproject's `-n auto`."""
     stage = next(s for s in device_check.STAGES if s.name == "kernels")
     args = _after_module(list(stage.args), "pytest")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "--collect-only", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     collected = [line for line in proc.stdout.splitlines() if "::" in line]

@@ -35,15 +35,16 @@ from jaxtrain.param_groups import ParamGroup
 FUZZ = settings(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 INVALID = collections.Counter()  # generated invalid inputs by kind, reported when the module ends
+INVALID_PROPERTY = "fuzz_invalid_inputs"  # the report property conftest.py sums
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report_invalid_count(request):
+@pytest.fixture(autouse=True)
+def report_invalid_count(record_property):
+    """Each test's generated invalid inputs, by kind, as a property of its report: conftest.py sums them at the end
+    (a report reaches the terminal from an xdist worker; a print would not)."""
+    before = INVALID.copy()
     yield
-    kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(INVALID.items()))
-    line = f"test_fuzz: {sum(INVALID.values())} generated invalid inputs refused ({kinds})"
-    with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
-        print(f"\n{line}")
+    record_property(INVALID_PROPERTY, dict(INVALID - before))
 
 
 class _Warnings(logging.Handler):
