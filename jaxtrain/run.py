@@ -48,11 +48,12 @@ class Trainer:
     """The pieces of one run, built once from the config."""
 
     def __init__(self, cfg: Config):
-        runlock.check_free(cfg.run.out_dir)  # before this launch's processes join: a live run's would be ended
+        # Before this launch's processes join: a live run's would be ended. A gs:// lease it saw die is taken at once.
+        dead_lease = runlock.check_free(cfg.run.out_dir, cfg.run.lock_timeout_s)
         mesh_lib.init_distributed()
         preemption.reclaim()
         self.is_main = jax.process_index() == 0
-        self.lock = self._take_lock(cfg)
+        self.lock = self._take_lock(cfg, dead_lease)
         self.checkpointer = None
         try:
             self._build(cfg)
@@ -60,14 +61,14 @@ class Trainer:
             self.close()
             raise
 
-    def _take_lock(self, cfg: Config):
+    def _take_lock(self, cfg: Config, dead_lease: int | None):
         """The run folder's lock, taken by process 0 before anything touches the folder, so that a refused start
         leaves it as it was. Every process learns whether it was taken and a refused start ends in one line on each
         (the others went on into a collective process 0 never joined: a Gloo traceback 30 s later)."""
         lock = refusal = None
         if self.is_main:
             try:
-                lock = runlock.take(cfg.run.out_dir, cfg.run.lock_timeout_s)
+                lock = runlock.take(cfg.run.out_dir, cfg.run.lock_timeout_s, dead_lease)
             except UserError as e:
                 refusal = e
         if not mesh_lib.from_process_0(refusal is None):

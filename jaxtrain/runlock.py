@@ -22,29 +22,35 @@ from jaxtrain.errors import UserError
 NAME = ".lock"
 
 
-def take(out_dir: str, timeout_s: float = 60.0):
+def take(out_dir: str, timeout_s: float = 60.0, dead_lease: int | None = None):
     """The lock of `out_dir`, taken; release() gives it back. `timeout_s`: how long a gs:// lease may go without a
-    heartbeat before a new run takes it over (run.lock_timeout_s)."""
+    heartbeat before a new run takes it over (run.lock_timeout_s). `dead_lease`: check_free's answer, a gs:// lease
+    this start already watched die, taken over without watching it again."""
     if not runfolder.is_url(out_dir):
         return FileLock(out_dir)
     if out_dir.startswith("gs://"):
-        return GcsLease(out_dir, timeout_s)
+        return GcsLease(out_dir, timeout_s, dead_lease)
     print(f"warning: run.out_dir={out_dir} is not locked (locks exist for local folders and gs:// only): a second "
           f"run started on it now would write into this one", file=sys.stderr)
     return NoLock()
 
 
-def check_free(out_dir: str) -> None:
-    """Refuse in one line where a live run holds out_dir's local lock: a check before the processes of a run join
+def check_free(out_dir: str, timeout_s: float) -> int | None:
+    """Refuse in one line where a live run holds out_dir's lock: a check before the processes of a run join
     (jax.distributed.initialize), which is a barrier of all of them, so that none of a launch has taken the lock
     yet. Joining first would connect a second launch's processes to the live run's coordinator (the same hosts and
     port), and JAX's coordination service ends a run one of whose processes "restarted": every process aborts, the
-    steps since its last checkpoint lost. A shared lock, taken and dropped at once: the processes of one launch do
-    not refuse each other. A gs:// lease cannot be told live or dead without watching it for run.lock_timeout_s:
-    there the lock is taken after the join only."""
+    steps since its last checkpoint lost.
+
+    A local lock: a shared flock, taken and dropped at once (the processes of one launch do not refuse each other).
+    A gs:// lease: watched as GcsLease watches it (reads only, on every process), up to timeout_s; dead, its
+    generation is returned for process 0's take() to take over without a second wait."""
+    if out_dir.startswith("gs://"):
+        lease = GcsLease.held(out_dir)
+        return None if lease is None else GcsLease.watch(out_dir, timeout_s, lease)
     path = os.path.join(out_dir, NAME)
     if runfolder.is_url(out_dir) or not os.path.exists(path):
-        return
+        return None
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -52,6 +58,7 @@ def check_free(out_dir: str) -> None:
         raise _in_use(out_dir, _holder_in(fd)) from None
     finally:
         os.close(fd)
+    return None
 
 
 def _holder() -> str:
@@ -102,39 +109,59 @@ class GcsLease:
     Watching the object, not comparing timestamps, needs no agreement between the hosts' clocks. A run stopped
     cleanly deletes the object, so its restart waits for nothing; one killed waits timeout_s."""
 
-    def __init__(self, out_dir: str, timeout_s: float):
-        from google.api_core import exceptions  # gcsfs depends on google-cloud-storage: `pip install jaxtrain[gcs]`
-        from google.cloud import storage
+    def __init__(self, out_dir: str, timeout_s: float, dead_lease: int | None = None):
+        from google.api_core import exceptions
 
         self.out_dir, self.timeout_s, self.gone = out_dir, timeout_s, exceptions.PreconditionFailed
-        bucket, _, prefix = out_dir[len("gs://"):].partition("/")
-        self.blob = storage.Client().bucket(bucket).blob(f"{prefix.rstrip('/')}/{NAME}".lstrip("/"))
-        self.generation = self._take(exceptions)
+        self.blob = self._blob(out_dir)
+        self.generation = self._take(dead_lease)
         self.stopped = threading.Event()
         self.heartbeat = threading.Thread(target=self._beat, name="jaxtrain-lease", daemon=True)
         self.heartbeat.start()
 
-    def _take(self, exceptions) -> int:
+    @staticmethod
+    def _blob(out_dir: str):
+        from google.cloud import storage  # gcsfs depends on google-cloud-storage: `pip install jaxtrain[gcs]`
+
+        bucket, _, prefix = out_dir[len("gs://"):].partition("/")
+        return storage.Client().bucket(bucket).blob(f"{prefix.rstrip('/')}/{NAME}".lstrip("/"))
+
+    @classmethod
+    def held(cls, out_dir: str):
+        """The lease object as it is now, or None where there is none."""
+        blob = cls._blob(out_dir)
+        return blob.bucket.get_blob(blob.name)
+
+    @staticmethod
+    def watch(out_dir: str, timeout_s: float, seen) -> int:
+        """`seen`'s generation once it has stood unchanged for timeout_s (its holder is dead); refused as soon as it
+        is rewritten or deleted (its holder is alive, or was until just now)."""
+        holder = seen.download_as_text()
+        print(f"run folder {out_dir} is locked by {holder}; watching the lock for up to {timeout_s:.0f} s to tell a "
+              f"live run from a dead one", file=sys.stderr)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, timeout_s / 8))
+            now = seen.bucket.get_blob(seen.name)
+            if now is None or now.generation != seen.generation:
+                raise _in_use(out_dir, holder)
+        return seen.generation
+
+    def _take(self, dead_lease: int | None) -> int:
         """The generation this run wrote the lease at: a new lease, or a dead run's taken over."""
         try:
             return self._write(0)
-        except exceptions.PreconditionFailed:
+        except self.gone:
             pass
-        seen = self.blob.bucket.get_blob(self.blob.name)
+        seen = self.held(self.out_dir)
         if seen is None:  # released between the two calls
             return self._write(0)
+        if seen.generation != dead_lease:  # not the lease check_free watched die: watch this one
+            self.watch(self.out_dir, self.timeout_s, seen)
         holder = seen.download_as_text()
-        print(f"run folder {self.out_dir} is locked by {holder}; watching the lock for up to {self.timeout_s:.0f} s "
-              f"to tell a live run from a dead one", file=sys.stderr)
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            time.sleep(min(1.0, self.timeout_s / 8))
-            now = self.blob.bucket.get_blob(self.blob.name)
-            if now is None or now.generation != seen.generation:
-                raise _in_use(self.out_dir, holder)
         try:
             generation = self._write(seen.generation)
-        except exceptions.PreconditionFailed:  # another start took it over first
+        except self.gone:  # another start took it over first
             raise _in_use(self.out_dir, "another run that took over its dead lock") from None
         print(f"took over the lock of a run that stopped renewing it ({holder})", file=sys.stderr)
         return generation

@@ -1,12 +1,15 @@
 """One run per run folder (jaxtrain.runlock): a second process started on a folder in use refuses in one line and
 touches nothing; the first finishes as if alone; a killed run leaves no lock behind."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+from etils import epath
 
 from test_mesh import free_port
 from test_preemption import LONG, start, wait_for_a_logged_step
@@ -18,6 +21,11 @@ HOLD = ("from jaxtrain import runlock; import sys, time; runlock.take(sys.argv[1
         "print('held', flush=True); time.sleep(600)")
 TAKE = ("import sys; from jaxtrain import runlock; from jaxtrain.errors import exit_on_user_error\n"
         "with exit_on_user_error(): runlock.take(sys.argv[1], float(sys.argv[2])).release()")
+# What jaxtrain.run does around the join: check_free on every process, then take() on process 0 with its answer.
+CHECK = ("import sys; from jaxtrain import runlock; from jaxtrain.errors import exit_on_user_error\n"
+         "with exit_on_user_error():\n"
+         "    dead_lease = runlock.check_free(sys.argv[1], float(sys.argv[2]))\n")
+CHECK_THEN_TAKE = CHECK + "    runlock.take(sys.argv[1], float(sys.argv[2]), dead_lease).release()"
 LEASE_S = 2.0  # run.lock_timeout_s of the gs:// cases: a dead holder's lease is taken over after this long
 
 
@@ -74,6 +82,23 @@ def test_a_gs_lease_refuses_while_renewed_and_passes_to_one_start_once_its_holde
     assert again.returncode == 0 and again.stderr == "", again.stderr  # released: nothing to watch
 
 
+def test_a_gs_lease_is_checked_before_the_join_and_a_dead_one_is_watched_once(gcs):
+    """check_free, which runs before a launch's processes join, refuses a renewed gs:// lease (a second launch must
+    not reach a live run's coordinator), and watches a dead one once: take() then takes it over at once."""
+    out_dir = f"{gcs()}/run"
+    holder = hold(out_dir)
+    check = lambda script: subprocess.run([sys.executable, "-c", script, out_dir, str(LEASE_S)],
+                                          capture_output=True, text=True, timeout=10 * LEASE_S)
+    refused = check(CHECK)
+    assert refused.returncode == 2 and f"is in use by pid {holder.pid} on " in refused.stderr, refused.stderr
+    holder.kill()
+    holder.wait()
+    taken = check(CHECK_THEN_TAKE)
+    assert taken.returncode == 0, taken.stderr
+    assert taken.stderr.count("watching the lock for up to") == 1, taken.stderr
+    assert f"took over the lock of a run that stopped renewing it (pid {holder.pid} on " in taken.stderr
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, cache_dir):
     out_dir = str(tmp_path_factory.mktemp("straight"))
@@ -115,7 +140,7 @@ def test_two_runs_started_together_one_refuses(tmp_path, cache_dir, straight):
 # A start on the lock's other path: no check before the processes join (a gs:// lease has none), so process 0
 # meets the held lock after the join.
 UNCHECKED = ("import sys; from jaxtrain import run, runlock\n"
-             "runlock.check_free = lambda out_dir: None\n"
+             "runlock.check_free = lambda out_dir, timeout_s: None\n"
              "run.main(sys.argv[1:])")
 
 
@@ -144,25 +169,41 @@ def test_a_refused_start_of_several_processes_is_one_line_on_each(tmp_path, cach
     assert os.listdir(out_dir) == [".lock"]
 
 
+def wait_for_the_lease(out_dir, timeout_s: float = 300.0) -> None:
+    """Until a gs:// run's lease exists: its processes have joined and process 0 holds the folder."""
+    lease, deadline = epath.Path(out_dir) / runlock.NAME, time.monotonic() + timeout_s
+    while not lease.exists():
+        assert time.monotonic() < deadline, f"no lease in {out_dir} after {timeout_s} s"
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
-def test_a_second_launch_on_the_live_runs_coordinator_is_refused_and_the_run_goes_on(tmp_path, cache_dir):
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_a_second_launch_on_the_live_runs_coordinator_is_refused_and_the_run_goes_on(tmp_path, cache_dir, where,
+                                                                                     request):
     """Two processes on localhost, launched again with the same coordinator while the run is alive (a TPU VM's fixed
     port, a requeue racing the old job): the second launch's processes refuse in one line before they join, and the
     live run trains to its end. They joined first, reached the live run's coordinator as a "restarted" process 1, and
-    JAX's coordination service aborted the live run (SIGABRT on both, its steps since the last checkpoint lost)."""
-    out_dir = str(tmp_path / "live")
+    JAX's coordination service aborted the live run (SIGABRT on both, its steps since the last checkpoint lost).
+    In a gs:// folder each process of the second launch watches the live run's lease renewed (every second, at
+    run.lock_timeout_s=4) and refuses; before, only process 0 looked at the lease, after the join."""
+    out_dir = str(tmp_path / "live") if where == "local" else f"{request.getfixturevalue('gcs')()}/live"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
     cmd = [sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, "--train.steps=400",
-                                                             "--checkpoint.every=200"), "--mesh.fsdp=2"]
+                                                             "--checkpoint.every=200", "--run.lock_timeout_s=4"),
+           "--mesh.fsdp=2"]
     launch = lambda: [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]
     live = launch()
-    wait_for_a_logged_step(out_dir)
+    wait_for_a_logged_step(out_dir) if where == "local" else wait_for_the_lease(out_dir)
     second = launch()
     errs = [p.communicate(timeout=120)[1] for p in second]
     assert [p.returncode for p in second] == [2, 2], errs
-    assert all(err.count("\n") == 1 and f"run folder {out_dir} is in use by pid" in err for err in errs), errs
+    in_use = f"error: run folder {out_dir} is in use by pid"
+    assert all(err.strip().splitlines()[-1].startswith(in_use) for err in errs), errs
+    assert all(err.count("\n") == (1 if where == "local" else 2) for err in errs), errs  # gs://: "watching" first
     live_errs = [p.communicate(timeout=600)[1] for p in live]
     assert [p.returncode for p in live] == [0, 0], [err[-2000:] for err in live_errs]
-    assert [line["step"] for line in read_metrics(out_dir) if "loss" in line][-1] == 400
+    metrics = [json.loads(line) for line in (epath.Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in metrics if "loss" in line][-1] == 400
