@@ -46,8 +46,8 @@ def check_free(out_dir: str, timeout_s: float) -> int | None:
     A gs:// lease: watched as GcsLease watches it (reads only, on every process), up to timeout_s; dead, its
     generation is returned for process 0's take() to take over without a second wait."""
     if out_dir.startswith("gs://"):
-        lease = GcsLease.held(out_dir)
-        return None if lease is None else GcsLease.watch(out_dir, timeout_s, lease)
+        current = GcsLease.current(GcsLease.blob_of(out_dir))
+        return None if current is None else GcsLease.watch(out_dir, timeout_s, *current)
     path = os.path.join(out_dir, NAME)
     if runfolder.is_url(out_dir) or not os.path.exists(path):
         return None
@@ -113,30 +113,29 @@ class GcsLease:
         from google.api_core import exceptions
 
         self.out_dir, self.timeout_s, self.gone = out_dir, timeout_s, exceptions.PreconditionFailed
-        self.blob = self._blob(out_dir)
+        self.blob = self.blob_of(out_dir)
         self.generation = self._take(dead_lease)
         self.stopped = threading.Event()
         self.heartbeat = threading.Thread(target=self._beat, name="jaxtrain-lease", daemon=True)
         self.heartbeat.start()
 
     @staticmethod
-    def _blob(out_dir: str):
+    def blob_of(out_dir: str):
         from google.cloud import storage  # gcsfs depends on google-cloud-storage: `pip install jaxtrain[gcs]`
 
         bucket, _, prefix = out_dir[len("gs://"):].partition("/")
         return storage.Client().bucket(bucket).blob(f"{prefix.rstrip('/')}/{NAME}".lstrip("/"))
 
-    @classmethod
-    def held(cls, out_dir: str):
-        """The lease object as it is now, or None where there is none."""
-        blob = cls._blob(out_dir)
-        return blob.bucket.get_blob(blob.name)
+    @staticmethod
+    def current(blob):
+        """The lease object as it is now, with its holder's line; None where there is none."""
+        seen = blob.bucket.get_blob(blob.name)
+        return None if seen is None else (seen, seen.download_as_text())
 
     @staticmethod
-    def watch(out_dir: str, timeout_s: float, seen) -> int:
+    def watch(out_dir: str, timeout_s: float, seen, holder: str) -> int:
         """`seen`'s generation once it has stood unchanged for timeout_s (its holder is dead); refused as soon as it
         is rewritten or deleted (its holder is alive, or was until just now)."""
-        holder = seen.download_as_text()
         print(f"run folder {out_dir} is locked by {holder}; watching the lock for up to {timeout_s:.0f} s to tell a "
               f"live run from a dead one", file=sys.stderr)
         deadline = time.monotonic() + timeout_s
@@ -153,12 +152,12 @@ class GcsLease:
             return self._write(0)
         except self.gone:
             pass
-        seen = self.held(self.out_dir)
-        if seen is None:  # released between the two calls
+        current = self.current(self.blob)
+        if current is None:  # released between the two calls
             return self._write(0)
+        seen, holder = current
         if seen.generation != dead_lease:  # not the lease check_free watched die: watch this one
-            self.watch(self.out_dir, self.timeout_s, seen)
-        holder = seen.download_as_text()
+            self.watch(self.out_dir, self.timeout_s, seen, holder)
         try:
             generation = self._write(seen.generation)
         except self.gone:  # another start took it over first

@@ -1,7 +1,6 @@
 """One run per run folder (jaxtrain.runlock): a second process started on a folder in use refuses in one line and
 touches nothing; the first finishes as if alone; a killed run leaves no lock behind."""
 
-import json
 import os
 import signal
 import subprocess
@@ -183,27 +182,32 @@ def test_a_second_launch_on_the_live_runs_coordinator_is_refused_and_the_run_goe
                                                                                      request):
     """Two processes on localhost, launched again with the same coordinator while the run is alive (a TPU VM's fixed
     port, a requeue racing the old job): the second launch's processes refuse in one line before they join, and the
-    live run trains to its end. They joined first, reached the live run's coordinator as a "restarted" process 1, and
-    JAX's coordination service aborted the live run (SIGABRT on both, its steps since the last checkpoint lost).
-    In a gs:// folder each process of the second launch watches the live run's lease renewed (every second, at
-    run.lock_timeout_s=4) and refuses; before, only process 0 looked at the lease, after the join."""
+    live run goes on (stopped by SIGTERM after that, it exits 0). They joined first, reached the live run's
+    coordinator as a "restarted" process 1, and JAX's coordination service aborted the live run (SIGABRT on both,
+    its steps since the last checkpoint lost). In a gs:// folder each process of the second launch watches the live
+    run's lease renewed (every second, at run.lock_timeout_s=4) and refuses; before, only process 0 looked at the
+    lease, after the join."""
     out_dir = str(tmp_path / "live") if where == "local" else f"{request.getfixturevalue('gcs')()}/live"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
-    cmd = [sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, "--train.steps=400",
-                                                             "--checkpoint.every=200", "--run.lock_timeout_s=4"),
-           "--mesh.fsdp=2"]
+    cmd = [sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, "--train.steps=100000",
+                                                             "--checkpoint.every=1000", "--run.lock_timeout_s=4"),
+           "--mesh.fsdp=2"]  # a run that outlives the second launch whatever the load: the test stops it
     launch = lambda: [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]
-    live = launch()
-    wait_for_a_logged_step(out_dir) if where == "local" else wait_for_the_lease(out_dir)
-    second = launch()
-    errs = [p.communicate(timeout=120)[1] for p in second]
-    assert [p.returncode for p in second] == [2, 2], errs
-    in_use = f"error: run folder {out_dir} is in use by pid"
-    assert all(err.strip().splitlines()[-1].startswith(in_use) for err in errs), errs
-    assert all(err.count("\n") == (1 if where == "local" else 2) for err in errs), errs  # gs://: "watching" first
-    live_errs = [p.communicate(timeout=600)[1] for p in live]
-    assert [p.returncode for p in live] == [0, 0], [err[-2000:] for err in live_errs]
-    metrics = [json.loads(line) for line in (epath.Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in metrics if "loss" in line][-1] == 400
+    live, second = launch(), []
+    try:
+        wait_for_a_logged_step(out_dir) if where == "local" else wait_for_the_lease(out_dir)
+        second = launch()
+        errs = [p.communicate(timeout=120)[1] for p in second]
+        assert [p.returncode for p in second] == [2, 2], errs
+        in_use = f"error: run folder {out_dir} is in use by pid"
+        assert all(err.strip().splitlines()[-1].startswith(in_use) for err in errs), errs
+        assert all(err.count("\n") == (1 if where == "local" else 2) for err in errs), errs  # gs://: "watching" too
+        assert [p.poll() for p in live] == [None, None]  # not aborted
+        live[1].send_signal(signal.SIGTERM)
+        live_errs = [p.communicate(timeout=300)[1] for p in live]
+        assert [p.returncode for p in live] == [0, 0], [err[-2000:] for err in live_errs]
+    finally:  # a failed check leaves no run behind
+        for p in live + second:
+            p.kill()
