@@ -4,7 +4,7 @@ names the cause (exit 2, no traceback) and leaves what it found as it was; every
 Most examples go in-process through what the command lines call before their first array work (config.load,
 data.load, run.Trainer: config -> data -> mesh -> resume check), where any exception but UserError fails; a few run
 the real `python -m jaxtrain.run` and `python -m torchref.run`. Hypothesis is derandomized and keeps no database, so
-CI sees the same examples every run; the module ends by printing how many invalid inputs it generated.
+CI sees the same examples every run; the session ends by printing how many invalid inputs it generated.
 """
 
 import collections
@@ -34,7 +34,7 @@ from jaxtrain.param_groups import ParamGroup
 
 FUZZ = settings(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-INVALID = collections.Counter()  # generated invalid inputs by kind, reported when the module ends
+INVALID = collections.Counter()  # generated invalid inputs by kind, recorded per test (report_invalid_count)
 INVALID_PROPERTY = "fuzz_invalid_inputs"  # the report property conftest.py sums
 
 
