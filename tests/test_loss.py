@@ -122,12 +122,17 @@ def test_tiled_loss_and_every_gradient_match_the_untiled_model(tiles, precision,
             # entry (derived for the head; the blocks' backward passes carry it on). Measured 1e-6 of the scale
             # (7.6e-6 allowed).
             assert np.all(np.abs(g - g_1) <= 2 * n * U * scale), path
-        else:
-            # bf16: the weight gradients are rounded to bf16 (an ulp is at most 2^-7 of the value) after the fp32
-            # sums, so where two sums straddle a rounding boundary they differ by one ulp. Measured: all equal on
-            # this CPU.
+        elif np.array_equal(g_1, g_1.astype(jnp.bfloat16).astype(np.float32)):
+            # bf16: the Linears' weight gradients are rounded to bf16 (an ulp is at most 2^-7 of the value) after
+            # the fp32 sums, so where two sums straddle a rounding boundary they differ by one ulp: rarely, the
+            # sums differing by ~1e-7 of an ulp of 2^-8. Measured: all equal (jax 0.9.0 and 0.10.2).
             assert np.all(np.abs(g - g_1) <= 2**-7 * scale), path
             assert np.mean(g == g_1) > 0.95, path
+        else:
+            # bf16, the embeddings' gradients (the gathers' fp32 scatter-adds, not rounded): fp32 sums in another
+            # order, as for fp32 above. Measured 1.1e-7 of the scale at jax 0.9.0 (72-80% of entries equal), 0 at
+            # 0.10.2.
+            assert np.all(np.abs(g - g_1) <= 2 * n * U * scale), path
 
 
 

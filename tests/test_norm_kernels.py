@@ -19,8 +19,12 @@ def _pallas_calls(fn, *args):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
                 found.append(eqn)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
+            for value in eqn.params.values():  # a scan's or a custom_vjp's body, a cond's branches
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
     walk(jaxpr.jaxpr)
     return found
 

@@ -1,5 +1,6 @@
-"""The suite's own plumbing: how many xdist workers `-n auto` starts (conftest.py), and test_fuzz's closing count,
-which reaches the terminal from xdist's workers (tests/conftest.py)."""
+"""The suite's own plumbing: how many xdist workers `-n auto` starts (conftest.py), test_fuzz's closing count,
+which reaches the terminal from xdist's workers (tests/conftest.py), and the dependency floors CI tests
+(.ci/floors.txt)."""
 
 import os
 import subprocess
@@ -38,3 +39,30 @@ def test_fuzz_counts_from_the_workers_reports_are_summed_once(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "test_fuzz: 6 generated invalid inputs refused (data 1, yaml 5)" in proc.stdout, proc.stdout[-2000:]
     assert "2 workers" in proc.stdout or "created: 2/2 workers" in proc.stdout, proc.stdout[-2000:]
+
+
+def _floors_file() -> dict[str, str]:
+    """.ci/floors.txt: {normalized name: version} of its `name==version` lines."""
+    from packaging.utils import canonicalize_name
+    with open(os.path.join(REPO, ".ci", "floors.txt")) as f:
+        pins = [line.split("#")[0].strip() for line in f]
+    return {canonicalize_name(name): version for name, version in (pin.split("==") for pin in pins if pin)}
+
+
+def test_each_dependency_floor_is_the_version_ci_tests():
+    """pyproject's runtime dependencies: each one floor (`>=`), and .ci/floors.txt, which .ci/run installs and tests,
+    pins that same version (jaxlib: jax's), so a floor cannot move without the tested version moving with it."""
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        requirements = [Requirement(text) for text in tomllib.load(f)["project"]["dependencies"]]
+    floors = {}
+    for requirement in requirements:
+        (spec,) = requirement.specifier  # one clause each
+        assert spec.operator == ">=", requirement
+        floors[canonicalize_name(requirement.name)] = Version(spec.version)
+    pinned = {name: Version(version) for name, version in _floors_file().items()}
+    assert pinned.pop("jaxlib") == floors["jax"]
+    assert pinned == floors
