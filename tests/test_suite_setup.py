@@ -5,6 +5,11 @@ which reaches the terminal from xdist's workers (tests/conftest.py), and the dep
 import os
 import subprocess
 import sys
+import tomllib
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,21 +46,16 @@ def test_fuzz_counts_from_the_workers_reports_are_summed_once(tmp_path):
     assert "2 workers" in proc.stdout or "created: 2/2 workers" in proc.stdout, proc.stdout[-2000:]
 
 
-def _floors_file() -> dict[str, str]:
+def _floors_file() -> dict[str, Version]:
     """.ci/floors.txt: {normalized name: version} of its `name==version` lines."""
-    from packaging.utils import canonicalize_name
     with open(os.path.join(REPO, ".ci", "floors.txt")) as f:
         pins = [line.split("#")[0].strip() for line in f]
-    return {canonicalize_name(name): version for name, version in (pin.split("==") for pin in pins if pin)}
+    return {canonicalize_name(name): Version(version) for name, version in (pin.split("==") for pin in pins if pin)}
 
 
 def test_each_dependency_floor_is_the_version_ci_tests():
     """pyproject's runtime dependencies: each one floor (`>=`), and .ci/floors.txt, which .ci/run installs and tests,
     pins that same version (jaxlib: jax's), so a floor cannot move without the tested version moving with it."""
-    import tomllib
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-    from packaging.version import Version
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         requirements = [Requirement(text) for text in tomllib.load(f)["project"]["dependencies"]]
     floors = {}
@@ -63,6 +63,6 @@ def test_each_dependency_floor_is_the_version_ci_tests():
         (spec,) = requirement.specifier  # one clause each
         assert spec.operator == ">=", requirement
         floors[canonicalize_name(requirement.name)] = Version(spec.version)
-    pinned = {name: Version(version) for name, version in _floors_file().items()}
+    pinned = _floors_file()
     assert pinned.pop("jaxlib") == floors["jax"]
     assert pinned == floors
