@@ -48,14 +48,14 @@ def test_pass_bytes_are_the_rows_the_kernels_move():
 
 
 def test_each_setting_is_traced_in_both_passes_and_the_defaults_come_back(monkeypatch):
-    grids = []
+    grids, defaults = [], (fused_norm.MAX_ROWS, fused_norm.NUM_WARPS)
     real = fused_norm.pl.pallas_call
     monkeypatch.setattr(fused_norm.pl, "pallas_call", lambda *a, **kw: grids.append(kw["grid"]) or real(*a, **kw))
     text = norm_kernels.table(64, 96, [(4, 8), (2, 4)], iters=1)
     # 64 rows in instances of 4, then of 2: each setting's forward (jit), forward (vjp's) and backward
     assert grids == [(16,)] * 3 + [(32,)] * 3
     assert "| kernels, 4 rows, 8 warps |" in text and "| kernels, 2 rows, 4 warps |" in text and "| XLA's ops |" in text
-    assert (fused_norm.MAX_ROWS, fused_norm.NUM_WARPS) == (8, 8)
+    assert (fused_norm.MAX_ROWS, fused_norm.NUM_WARPS) == defaults
 
 
 def test_xlas_path_is_the_kernels_math():
