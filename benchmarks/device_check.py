@@ -87,7 +87,7 @@ STAGES = (
           "roofline: not a byte)", STEP, 50, 100, json=True, env=EXACT),
     Stage("profile", "where the step's time goes with the GPU's default norm (153.4 ms of GPU time with XLA's, "
           "2026-11-27)", ("-m", "benchmarks.profile", "--config", "configs/gpt2-124m.yaml", "--synthetic",
-                          "--data.batch_size=64", "--optim.grad_accum_steps=4", "--model.norm={norm}"), 50, 100),
+                          "--data.batch_size=64", "--optim.grad_accum_steps=4", "--model.norm={norm}"), 70, 120),
     Stage("table", "the README's table: jaxtrain bf16 against torchref eager and torch.compile, MFU of 989 TFLOP/s "
           "(NOTES stage 4)", ("-m", "benchmarks.run", *GPT2, *TABLE, "--model.norm={norm}", "--rows",
                                 "jax-bf16,torch-bf16,compile-bf16,matmul-jax-bf16,matmul-torch-bf16"), 170, 300,
