@@ -63,8 +63,8 @@ class Stage:
     env: tuple[tuple[str, str], ...] = ()  # set for its process, over the runner's environment
 
 
-# XLA:GPU rounding to bf16 wherever the program says, as torch's autocast does: by default it may drop a rounding
-# between a gemm and an fp32 consumer (NOTES.md, "Measured on an H100, 2026-11-27").
+# XLA:GPU rounding to bf16 wherever the program says, as torch's autocast does: by default it may drop a bf16
+# rounding that an fp32 consumer follows (NOTES.md, "Measured on an H100, 2026-11-27").
 EXACT = (("XLA_FLAGS", "--xla_allow_excess_precision=false"),)
 MODEL_TESTS = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=short", "tests/test_model.py",
                "-k", "exact_gelu or linear_bf16_is_torchs")

@@ -109,11 +109,12 @@ def _loss_and_grads(norm: str, precision: str):
     def loss(params):
         logits = model.apply(graphdef, params, idx).astype(jnp.float32)
         return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
-    # Both compiled without excess precision, rounding where torch's autocast does: by default XLA:GPU drops a bf16
-    # rounding between a gemm and an fp32 consumer (measured on an H100, jax 0.11.2: c + bf16(a @ b) equalled the
-    # rounded branch at 5 of 32768 elements, XLA:CPU at 32767), as before each residual add, which the kernels, taking
-    # the branch's bf16 output, keep. So XLA's path there was 1.9e-5 relative from the kernels' loss (measured), 170x
-    # this test's CPU measurement.
+    # Both compiled without excess precision, rounding where torch's autocast does. By default XLA:GPU drops a bf16
+    # rounding that an fp32 consumer follows (on an H100, jax 0.11.2: c + bf16(a @ b) equalled the rounded value at 5
+    # of 32768 elements, XLA:CPU at 32767), and drops different ones on either side: compiled for an H100 (jax 0.10.2,
+    # ahead of time), this model keeps 18 more bf16 roundings without excess precision on XLA's side (1 in the
+    # forward), 22 on the kernels' (5). The two losses were 1.9e-5 relative apart there (measured), 170x this test's
+    # CPU measurement.
     return jax.jit(jax.value_and_grad(loss), compiler_options={"xla_allow_excess_precision": False})(params)
 
 
