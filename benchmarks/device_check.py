@@ -18,8 +18,8 @@ machine):
 
 `--list` prints the stages and their caps. If the norm kernels' tests fail (stage `kernels`: their Triton lowering,
 which this CPU cannot run), the steps are measured with `--model.norm=xla`, so the README's figures are never those of
-wrong math. A stage's `env` sets variables for it alone (`XLA_FLAGS` for an A/B of an XLA option). Only the standard library here: the `env` stage is what reports a
-package the image lacks.
+wrong math. A stage's `env` sets variables for it alone (`XLA_FLAGS` for an A/B of an XLA option). Only the standard
+library here: the `env` stage is what reports a package the image lacks.
 """
 
 import argparse
@@ -76,11 +76,11 @@ STAGES = (
           required=True),
     Stage("kernels", "the norm kernels as Triton compiles them, against float64 formulas and XLA's autodiff "
           "(NOTES stage 0)", ("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
-                                "tests/test_fused_norm.py", "-k", "not mesh"), 40, 120),
+                              "tests/test_fused_norm.py", "-k", "not mesh"), 40, 120),
     Stage("model_tests", "test_model's bit-for-bit tests against torch on the GPU (four failed there on 2026-11-27, "
           "their text lost at a cap)", MODEL_TESTS, 40, 90),
-    Stage("model_tests_exact", "the same without XLA's excess precision: whether it is what they met", MODEL_TESTS, 40,
-          90, env=EXACT),
+    Stage("model_tests_exact", "the same without XLA's excess precision: whether it is what they met", MODEL_TESTS,
+          40, 90, env=EXACT),
     Stage("step", "jaxtrain's row of the table alone, the A/B's baseline on the same machine", STEP, 50, 100,
           json=True),
     Stage("step_exact", "the same compiled without excess precision: what torch's roundings cost on the GPU (the "
@@ -90,7 +90,7 @@ STAGES = (
                           "--data.batch_size=64", "--optim.grad_accum_steps=4", "--model.norm={norm}"), 70, 120),
     Stage("table", "the README's table: jaxtrain bf16 against torchref eager and torch.compile, MFU of 989 TFLOP/s "
           "(NOTES stage 4)", ("-m", "benchmarks.run", *GPT2, *TABLE, "--model.norm={norm}", "--rows",
-                                "jax-bf16,torch-bf16,compile-bf16,matmul-jax-bf16,matmul-torch-bf16"), 170, 300,
+                              "jax-bf16,torch-bf16,compile-bf16,matmul-jax-bf16,matmul-torch-bf16"), 170, 300,
           json=True),
 )
 

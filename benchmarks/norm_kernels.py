@@ -3,12 +3,12 @@ pass's time and the GB/s it moves, for each setting of rows per kernel instance 
 
     python -m benchmarks.norm_kernels [--tokens 32768] [--d 768] [--rows 4,8,16] [--warps 4,8] [--iters 50]
 
-This says whether the kernels run near the memory bandwidth, measured here as a read and a write of the same fp32
-rows (`ceiling`), and which setting of rows per instance and warps to keep (fused_norm.MAX_ROWS, NUM_WARPS: the
-fastest on an H100, 2026-11-27, where the kernels ran at 94% of that ceiling forward and 79% backward). A pass's bytes are what its kernels must read and write once (pass_bytes), so XLA's row and the kernels' are
-rated on the same work. Inputs as in a GPT-2 block on a GPU: fp32 residual stream, bf16 branch output, LayerNorm
-bias, the output padded with the bias row's column. Off a GPU the kernels run through Pallas's interpreter: slow, for
-the tests only.
+This says whether the kernels run near the memory bandwidth, measured here as a read and a write of the same fp32 rows
+(`ceiling`), and which setting of rows per instance and warps to keep (fused_norm.MAX_ROWS, NUM_WARPS: the fastest on
+an H100, 2026-11-27, where the kernels ran at 94% of that ceiling forward and 79% backward). A pass's bytes are what
+its kernels must read and write once (pass_bytes), so XLA's row and the kernels' are rated on the same work. Inputs as
+in a GPT-2 block on a GPU: fp32 residual stream, bf16 branch output, LayerNorm bias, the output padded with the bias
+row's column. Off a GPU the kernels run through Pallas's interpreter: slow, for the tests only.
 """
 
 import argparse

@@ -35,8 +35,9 @@ from jaxtrain import autocast, mesh
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default; model.LayerNorm's too
 # Rows a kernel instance holds (the backward writes one partial-sum row of dw and db per instance) and its warps:
-# the fastest of six settings on an H100 (benchmarks.norm_kernels, 32768 rows of 768, 2026-11-27: forward 123 us and
-# backward 195, against 136 and 213 for the 8 rows and 8 warps set before; the whole GPT-2 step the same within noise).
+# the fastest of six settings on an H100 (benchmarks.norm_kernels, 32768 rows of 768, 2026-11-27: forward 123 us
+# and backward 195, against 136 and 213 for the 8 rows and 8 warps set before; the whole GPT-2 step the same within
+# noise).
 MAX_ROWS = 16
 NUM_WARPS = 4
 

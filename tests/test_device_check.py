@@ -76,8 +76,8 @@ def test_the_model_tests_stages_select_the_bit_for_bit_tests():
 
 
 def test_a_stages_env_reaches_its_process_and_its_log_line(tmp_path):
-    stage = device_check.Stage("flagged", "a stage with env", ("-c", "import os; print('got', os.environ['XLA_FLAGS'])"),
-                               0, 30, env=(("XLA_FLAGS", "--xla_x=1"),))
+    code = "import os; print('got', os.environ['XLA_FLAGS'])"
+    stage = device_check.Stage("flagged", "a stage with env", ("-c", code), 0, 30, env=(("XLA_FLAGS", "--xla_x=1"),))
     results = device_check.run_stages([stage], str(tmp_path), budget_s=60)
     log = (tmp_path / "session.log").read_text()
     assert results[0]["outcome"] == "passed" and "got --xla_x=1" in log

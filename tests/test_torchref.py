@@ -39,7 +39,8 @@ def write_token_dir(path, train, val) -> str:
 @pytest.fixture(scope="module")
 def token_dir(tmp_path_factory):
     rng = np.random.default_rng(0)
-    return write_token_dir(tmp_path_factory.mktemp("tokens"), rng.integers(0, VOCAB, 4000), rng.integers(0, VOCAB, 1000))
+    return write_token_dir(tmp_path_factory.mktemp("tokens"), rng.integers(0, VOCAB, 4000),
+                           rng.integers(0, VOCAB, 1000))
 
 
 def tiny_argv(token_dir, out_dir, *overrides):
