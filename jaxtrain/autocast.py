@@ -160,6 +160,35 @@ def biased_matmul(x, w, b, precision: str):
     return rounded_matmul(x, jnp.concatenate([w, row], 0), precision)
 
 
+def linear(x, w, b, precision: str):
+    """x @ w (+ b where b is not None) in the compute dtype, as autocast's linear: biased_matmul or rounded_matmul."""
+    return rounded_matmul(x, w, precision) if b is None else biased_matmul(x, w, b, precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def column_blocks(x, w, b, precision: str, parts: int):
+    """linear(x, w, b)'s `parts` equal column blocks, each from a dot of its own on those columns of w (and b):
+    the sums of the whole output sliced, each rounded once (their fp32 order is the gemm kernel's, which may block
+    K otherwise for another width). cuDNN's attention takes q, k and v as separate arrays, and a slice of one gemm's
+    output is a copy; three gemms write them where they go (XLA's dot merger would merge them back:
+    step.compiler_options). The gradient is the whole linear's (one dx gemm on the blocks' gradients concatenated,
+    rounded once, as torch's): not three rounded dx summed."""
+    bs = [None] * parts if b is None else jnp.split(b, parts, -1)
+    return tuple(linear(x, wi, bi, precision) for wi, bi in zip(jnp.split(w, parts, -1), bs))
+
+
+def _column_blocks_fwd(x, w, b, precision, parts):
+    return column_blocks(x, w, b, precision, parts), (x, w, b)
+
+
+def _column_blocks_bwd(precision, parts, res, g_blocks):
+    _, linear_vjp = jax.vjp(lambda x, w, b: linear(x, w, b, precision), *res)
+    return linear_vjp(jnp.concatenate(g_blocks, -1))
+
+
+column_blocks.defvjp(_column_blocks_fwd, _column_blocks_bwd)
+
+
 def bias_row_applies(precision: str) -> bool:
     """Whether biased_matmul adds the bias as the gemm's last row of weights: on a GPU under bf16 or fp16, where
     the mesh keeps each weight whole."""

@@ -24,14 +24,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.autocast import COMPUTE_DTYPES, backend, biased_matmul, gelu, matmul, rounded_matmul, row_major
+from jaxtrain.autocast import COMPUTE_DTYPES, backend, column_blocks, gelu, linear, matmul, rounded_matmul, row_major
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import LN_EPS, residual_norm, triton_available
-from jaxtrain.mesh import batch_sharded
+from jaxtrain.mesh import batch_sharded, weight_shards
 
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
+GEMM_BLOCKS = "gemm_blocks"  # the name of Linear.column_blocks' outputs, which remat's dots policy keeps
 
 
 def _dropout(x, rate: float, key):
@@ -71,9 +73,17 @@ class Linear(nnx.Module):
         self.precision = precision
 
     def __call__(self, x):
-        if self.bias is None:
-            return rounded_matmul(x, self.kernel[...], self.precision)
-        return biased_matmul(x, self.kernel[...], self.bias[...], self.precision)
+        return linear(x, self.kernel[...], self._bias(), self.precision)
+
+    def column_blocks(self, x, parts: int) -> tuple:
+        """The output's `parts` column blocks, each its own gemm (autocast.column_blocks): self(x) split, without
+        the copies a split makes. Named GEMM_BLOCKS: remat's dots policy keeps them, as it keeps self(x) (its
+        dots are inside a custom_vjp, where the policy does not look)."""
+        blocks = column_blocks(x, self.kernel[...], self._bias(), self.precision, parts)
+        return tuple(checkpoint_name(block, GEMM_BLOCKS) for block in blocks)
+
+    def _bias(self):
+        return None if self.bias is None else self.bias[...]
 
 
 class LayerNorm(nnx.Module):
@@ -130,7 +140,11 @@ class CausalSelfAttention(nnx.Module):
         values added; without one, x starts at position 0 and the cache stays None."""
         B, T, D = x_BxTxD.shape[:2] + self.c_proj.kernel.shape[1:]  # x may carry the bias row's column (fused_norm)
         probs_key, resid_key = _split(key, 2)
-        q, k, v = (t.reshape(B, T, self.n_head, D // self.n_head) for t in jnp.split(self.c_attn(x_BxTxD), 3, -1))
+        if self.fused and weight_shards() == 1:  # cuDNN takes q, k, v apart: three gemms write them so
+            qkv = self.c_attn.column_blocks(x_BxTxD, 3)
+        else:  # a split fuses into the attention's ops, or is local where fsdp splits the weight across devices
+            qkv = jnp.split(self.c_attn(x_BxTxD), 3, -1)
+        q, k, v = (t.reshape(B, T, self.n_head, D // self.n_head) for t in qkv)
         if cache is not None:
             cache = cache.append(k, v)
             y_BxTxHxS = self._written_out(q, cache.k_BxLxHxS, cache.v_BxLxHxS, probs_key, start=cache.length - T)
@@ -217,9 +231,11 @@ def uses_norm_kernels(cfg: ModelConfig) -> bool:
 
 # model.remat: what the backward pass finds kept from each block's forward (the rest it recomputes). full: nothing
 # but the block's input; dots: also the outputs of matmuls without batch dimensions (the weight matmuls, not the
-# attention's), as MaxText's and Levanter's save-dots policies.
+# attention's), as MaxText's and Levanter's save-dots policies, and Linear.column_blocks' gemms.
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+                  "dots": jax.checkpoint_policies.save_from_both_policies(
+                      jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                      jax.checkpoint_policies.save_only_these_names(GEMM_BLOCKS))}
 
 
 def _run_block(block, x_BxTxD, key):

@@ -155,20 +155,31 @@ def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
 
 
 SOL_ESTIMATOR = "xla_gpu_enable_analytical_sol_latency_estimator"
+DOT_MERGER = "xla_gpu_dot_merger_threshold_mb"
 
 
 def compiler_options(cfg: Config) -> dict:
-    """XLA options of the train step's compile: on a GPU with the weights whole on every device (mesh.fsdp=1), XLA's
-    older latency estimator for its latency-hiding scheduler. The default analytical ("SoL") estimator moved the
-    weight-gradient gemms of the backward pass toward the step's gradient all-reduces, keeping their inputs (the
-    logits' gradient, LayerNorm outputs, the MLP's gradients) alive across layers: gpt-1b over 16 H100 data-parallel
-    39.72 GiB a device with fused_norm's kernels, 32.12 without that estimator, the same compute estimate, less
-    exposed communication (benchmarks.xla_flags). Not under fsdp > 1, where the default overlapped the weights'
-    gathers better (exposed 7.63 ms, 11.52 without it). The user's own setting of it in XLA_FLAGS wins, and so does
-    one given at compile time (benchmarks.xla_flags)."""
-    if autocast.backend() == "gpu" and cfg.mesh.fsdp == 1 and SOL_ESTIMATOR not in os.environ.get("XLA_FLAGS", ""):
-        return {SOL_ESTIMATOR: False}
-    return {}
+    """XLA options of the train step's compile, each only where it was measured to pay, and never over the user's
+    own setting of it in XLA_FLAGS (nor one given at compile time: benchmarks.xla_flags).
+
+    On a GPU with the weights whole on every device (mesh.fsdp=1), XLA's older latency estimator for its
+    latency-hiding scheduler. The default analytical ("SoL") estimator moved the weight-gradient gemms of the
+    backward pass toward the step's gradient all-reduces, keeping their inputs (the logits' gradient, LayerNorm
+    outputs, the MLP's gradients) alive across layers: gpt-1b over 16 H100 data-parallel 39.72 GiB a device with
+    fused_norm's kernels, 32.12 without that estimator, the same compute estimate, less exposed communication
+    (benchmarks.xla_flags). Not under fsdp > 1, where the default overlapped the weights' gathers better (exposed
+    7.63 ms, 11.52 without it).
+
+    There too, where attention is cuDNN's kernel, XLA's dot merger off: it merges the q, k and v gemms
+    (model.Linear.column_blocks) back into one and slices its output, the copies those gemms are there to avoid
+    (GPT-2 124M's step on an H100, the roofline: 2.0 ms of 91.8; it merged nothing else there)."""
+    if autocast.backend() != "gpu" or cfg.mesh.fsdp > 1:
+        return {}
+    options = {SOL_ESTIMATOR: False}
+    if model.fused_attention(cfg.model, cfg.train.precision):
+        options[DOT_MERGER] = 0
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    return {name: value for name, value in options.items() if name not in xla_flags}
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:

@@ -101,6 +101,39 @@ def test_the_bias_rides_in_the_gemm_on_a_gpu_whose_weights_are_whole(platform, f
                                                                             np.float64))
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_column_blocks_are_the_linear_split_and_take_its_gradient(platform, precision, bias):
+    """column_blocks (q, k and v as three gemms) gives the whole linear's output split in three, up to the order of
+    each fp32 sum (a gemm of another width may block K otherwise), and exactly the whole linear's gradients: one dx
+    from the blocks' gradients together, rounded once, not three rounded dx summed. The expectation is autodiff of
+    jnp.split(linear(...)), the one-gemm linear whose numerics are torch's (tests/test_model.py); traced for a GPU
+    too, where the bias rides in the gemm."""
+    x, w, b, *gs = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+                    enumerate([(2, 5, 24), (24, 48), (48,), (2, 5, 16), (2, 5, 16), (2, 5, 16)]))
+    b = b if bias else None
+
+    def loss(blocks):  # each block weighted by its own cotangent: the gradients reach the blocks apart
+        return sum(jnp.vdot(block.astype(jnp.float32), g) for block, g in zip(blocks, gs))
+
+    by_blocks = lambda x, w, b: loss(autocast.column_blocks(x, w, b, precision, 3))
+    by_split = lambda x, w, b: loss(jnp.split(autocast.linear(x, w, b, precision), 3, -1))
+    with autocast.compiling_for(platform):
+        got = jax.jit(lambda *a: autocast.column_blocks(*a, precision, 3))(x, w, b)
+        want = jax.jit(lambda *a: jnp.split(autocast.linear(*a, precision), 3, -1))(x, w, b)
+        grads = jax.jit(jax.grad(by_blocks, (0, 1, 2)))(x, w, b), jax.jit(jax.grad(by_split, (0, 1, 2)))(x, w, b)
+    # two orders of a fp32 sum of K = 24 products are each within K units of rounding of sum |x w| (+ |b|) of it
+    magnitude = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)) + (
+        0 if b is None else np.abs(np.asarray(b, np.float64)))
+    bound = 2 * 24 * 2.0 ** -24 * magnitude
+    want = np.concatenate([np.asarray(t, np.float64) for t in want], -1)
+    if precision == "bf16":  # and the sums' roundings to bf16 one bf16 unit apart at most
+        bound = bound + _ulp(want, jnp.bfloat16)
+    assert np.all(np.abs(np.concatenate([np.asarray(t, np.float64) for t in got], -1) - want) <= bound)
+    jax.tree.map(np.testing.assert_array_equal, *grads)
+
+
 def test_bf16_matmul_backward_dots_are_bf16_with_fp32_accumulation():
     """Autodiff of a preferred_element_type dot would make fp32 (or bf16-output) dots; the custom_vjp must not."""
     a, b, w = _operands((4, 16, 64), (64, 48))

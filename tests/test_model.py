@@ -257,6 +257,25 @@ def test_remat_recomputes_what_its_policy_does_not_keep():
     assert count["dots"] - count["none"] == SMALL.n_layer * 2
 
 
+def test_remat_dots_keeps_the_column_blocks():
+    """Linear.column_blocks' gemms (q, k and v, where attention is cuDNN's) run inside a custom_vjp, whose dots
+    remat's dots policy does not see: named, the blocks are kept, and the backward pass recomputes none of them.
+    Dots in the gradient's program: the three blocks' forward gemms and the backward's one dx and one dw (5), as
+    without remat; full recomputes the three blocks (8)."""
+    graphdef, state = nnx.split(M.Linear(16, 24, bias=True, std=0.02, precision="bf16", rngs=nnx.Rngs(0)))
+
+    def loss(state, x):
+        q, k, v = nnx.merge(graphdef, state).column_blocks(x, 3)
+        return jnp.sum((q * k * v).astype(jnp.float32))  # the backward pass needs all three blocks
+
+    x = jax.random.normal(jax.random.key(0), (2, 8, 16))
+    policies = {"none": None, **M.REMAT_POLICIES}
+    count = {remat: len(compiled_hlo.dot_types(jax.jit(jax.value_and_grad(  # the loss too: forward dots stay
+        jax.checkpoint(loss, policy=policy) if policy else loss, (0, 1))).lower(state, x).as_text()))
+        for remat, policy in policies.items()}
+    assert count == {"none": 5, "dots": 5, "full": 8}
+
+
 def _erf_gelu(x):
     return 0.5 * x * (1 + jax.scipy.special.erf(x / math.sqrt(2)))
 

@@ -175,7 +175,8 @@ def test_the_eval_step_runs_under_remat_and_sums_what_it_sums_without(remat):
 def test_the_gpu_step_drops_xlas_sol_latency_estimator_under_data_parallelism_only(monkeypatch):
     """XLA's analytical ("SoL") latency estimator kept gradients alive across layers to overlap the all-reduces
     (gpt-1b over 16 H100 data-parallel: 39.72 against 32.12 GiB a device, benchmarks/NOTES.md): off for a GPU step
-    with mesh.fsdp=1; left to XLA under fsdp > 1, off a GPU, and where the user's XLA_FLAGS set it."""
+    with mesh.fsdp=1; left to XLA under fsdp > 1, off a GPU, and where the user's XLA_FLAGS set it. This fp32 model
+    has no cuDNN attention, so XLA's dot merger stays (the next test)."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     cfg = make(1)[0]
     fsdp = config.load(["--mesh.fsdp=2", "--data.batch_size=8"])
@@ -185,3 +186,22 @@ def test_the_gpu_step_drops_xlas_sol_latency_estimator_under_data_parallelism_on
         assert step.compiler_options(fsdp) == {}
         monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_analytical_sol_latency_estimator=true")
         assert step.compiler_options(cfg) == {}
+
+
+def test_the_gpu_step_keeps_xlas_dot_merger_off_the_qkv_gemms_where_attention_is_cudnns(monkeypatch):
+    """Where attention is cuDNN's kernel and the weights are whole, q, k and v are three gemms
+    (model.Linear.column_blocks), which XLA's dot merger would merge back into one and slice: the GPU step compiles
+    with its threshold 0; not for the written-out attention, not under fsdp > 1, and never over the user's
+    XLA_FLAGS."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    bf16 = make(1, "--train.precision=bf16")[0]
+    dropout = make(1, "--train.precision=bf16", "--model.dropout=0.1")[0]
+    fsdp = config.load(["--mesh.fsdp=2", "--data.batch_size=8", "--train.precision=bf16"])
+    sol = {"xla_gpu_enable_analytical_sol_latency_estimator": False}
+    assert step.compiler_options(bf16) == {}  # this CPU
+    with autocast.compiling_for("gpu"):
+        assert step.compiler_options(bf16) == {**sol, "xla_gpu_dot_merger_threshold_mb": 0}
+        assert step.compiler_options(dropout) == sol  # cuDNN's kernel has no dropout: attention written out
+        assert step.compiler_options(fsdp) == {}
+        monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_dot_merger_threshold_mb=32")
+        assert step.compiler_options(bf16) == sol
