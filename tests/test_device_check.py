@@ -37,13 +37,15 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
             if tool is bench:
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
-    assert seen == {"step", "step_exact", "profile", "table"}
+    assert seen == {"step", "step_exact", "profile", "table", "step_merged"}
 
 
 def test_the_ab_stages_differ_in_their_xla_flags_alone(tmp_path):
-    step, exact = (next(s for s in device_check.STAGES if s.name == n) for n in ("step", "step_exact"))
-    assert step.args == exact.args and step.env == () and exact.env == (("XLA_FLAGS",
-                                                                          "--xla_allow_excess_precision=false"),)
+    step, exact, merged = (next(s for s in device_check.STAGES if s.name == n)
+                           for n in ("step", "step_exact", "step_merged"))
+    assert step.args == exact.args == merged.args and step.env == ()
+    assert exact.env == (("XLA_FLAGS", "--xla_allow_excess_precision=false"),)
+    assert merged.env == (("XLA_FLAGS", "--xla_gpu_dot_merger_threshold_mb=1024"),)
 
 
 def test_the_kernels_stage_selects_the_norm_tests_but_the_mesh_one():
