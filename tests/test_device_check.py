@@ -65,16 +65,21 @@ def test_the_kernels_stage_selects_the_norm_tests_but_the_mesh_one():
 
 def test_the_model_tests_stages_select_the_bit_for_bit_tests():
     """The tests that failed on an H100 (test_mlp_uses_exact_gelu, test_linear_bf16_is_torchs' four cases), with
-    and without excess precision; nothing else of test_model.py, which takes minutes there."""
+    and without excess precision, cuDNN's attention against the written-out one and the q, k, v gemms' tests;
+    nothing else of test_model.py and test_autocast.py, which take minutes there."""
     stages = [s for s in device_check.STAGES if s.name.startswith("model_tests")]
     assert [s.env for s in stages] == [(), device_check.EXACT]
     args = _after_module(list(stages[0].args), "pytest")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "--collect-only", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     collected = sorted(line.split("::")[1] for line in proc.stdout.splitlines() if "::" in line)
-    assert collected == ["test_linear_bf16_is_torchs[cpu-False]", "test_linear_bf16_is_torchs[cpu-True]",
-                         "test_linear_bf16_is_torchs[gpu-False]", "test_linear_bf16_is_torchs[gpu-True]",
-                         "test_mlp_uses_exact_gelu"]
+    blocks = [f"test_column_blocks_are_the_linear_split_and_take_its_gradient[{platform}-{precision}-{bias}]"
+              for platform in ("cpu", "gpu") for precision in ("bf16", "fp32") for bias in (False, True)]
+    torch_bits = [f"test_linear_bf16_is_torchs[{platform}-{bias}]" for platform in ("cpu", "gpu")
+                  for bias in (False, True)]
+    assert collected == sorted(blocks + torch_bits + ["test_cudnn_attention_matches_the_written_out_one",
+                                                      "test_mlp_uses_exact_gelu",
+                                                      "test_remat_dots_keeps_the_column_blocks"])
 
 
 def test_a_stages_env_reaches_its_process_and_its_log_line(tmp_path):
