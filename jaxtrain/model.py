@@ -200,13 +200,15 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, precision=precision, rngs=rngs)
         self.precision, self.norm_kernels = precision, uses_norm_kernels(cfg)
 
-    def __call__(self, x_BxTxD, key, cache: KVCache | None = None):
-        """(x, cache): the attention's cache passed through (see CausalSelfAttention)."""
+    def __call__(self, x_BxTxD, delta_BxTxD, key, cache: KVCache | None = None):
+        """(x, delta, cache): the residual stream comes and goes as x and the MLP's output not yet added to it
+        (None before the first block), so that the add runs in the next norm's kernel (one pass fewer over the fp32
+        stream); the attention's cache passed through (see CausalSelfAttention)."""
         attn_key, mlp_key = _split(key, 2)
-        x_BxTxD, h_BxTxD = self._residual_norm(self.ln_1, x_BxTxD, None)
+        x_BxTxD, h_BxTxD = self._residual_norm(self.ln_1, x_BxTxD, delta_BxTxD)
         y_BxTxD, cache = self.attn(h_BxTxD, attn_key, cache)
         x_BxTxD, h_BxTxD = self._residual_norm(self.ln_2, x_BxTxD, y_BxTxD)
-        return x_BxTxD + self.mlp(h_BxTxD, mlp_key), cache
+        return x_BxTxD, self.mlp(h_BxTxD, mlp_key), cache
 
     def _residual_norm(self, ln: LayerNorm, x_BxTxD, y_BxTxD):
         """(x + y, ln(x + y)), y None for none; fp32 + bf16 -> fp32, as in torch. One Pallas kernel each way where
@@ -238,18 +240,21 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                       jax.checkpoint_policies.save_only_these_names(GEMM_BLOCKS))}
 
 
-def _run_block(block, x_BxTxD, key):
-    return batch_sharded(block(x_BxTxD, key)[0])
+def _run_block(block, x_BxTxD, delta_BxTxD, key):
+    x_BxTxD, delta_BxTxD, _ = block(x_BxTxD, delta_BxTxD, key)
+    return batch_sharded(x_BxTxD), batch_sharded(delta_BxTxD)
 
 
 def _rematted(remat: str):
     """_run_block under jax.checkpoint with remat's policy, the block's params passed in as an argument. Not
     nnx.remat: it writes the block's params back after the call, which under a scan that closes over them (the
     eval step's, the sampler's) is a write across trace levels, and flax refuses it (TraceContextError)."""
-    def run_block(block, x_BxTxD, key):
+    def run_block(block, x_BxTxD, delta_BxTxD, key):
         graphdef, state = nnx.split(block)
-        pure = lambda state, x_BxTxD, key: _run_block(nnx.merge(graphdef, state), x_BxTxD, key)
-        return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x_BxTxD, key)
+        pure = lambda state, *stream_and_key: _run_block(nnx.merge(graphdef, state), *stream_and_key)
+        # a block's inputs are what remat keeps: the stream added up, not x and delta (a B x T x D more a layer)
+        x_BxTxD = x_BxTxD if delta_BxTxD is None else x_BxTxD + delta_BxTxD
+        return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x_BxTxD, None, key)
     return run_block
 
 
@@ -279,9 +284,10 @@ class GPT(nnx.Module):
         emb_key, *block_keys = _split(dropout_key, len(self.h) + 1)
         x_BxTxD = batch_sharded(_dropout(self.wte(idx_BxT) + self.wpe(jnp.arange(T)), self.dropout, emb_key))
         run_block = _run_block if self.remat == "none" else _rematted(self.remat)
+        delta_BxTxD = None
         for block, key in zip(self.h, block_keys):
-            x_BxTxD = run_block(block, x_BxTxD, key)
-        return self.ln_f(x_BxTxD)
+            x_BxTxD, delta_BxTxD = run_block(block, x_BxTxD, delta_BxTxD, key)
+        return self.ln_f(x_BxTxD + delta_BxTxD)
 
     def extend(self, idx_BxT, caches: list[KVCache]) -> tuple[jax.Array, list[KVCache]]:
         """Logits (B, T, V) of tokens that continue the positions `caches` hold (one per layer, all of the same
@@ -289,11 +295,11 @@ class GPT(nnx.Module):
         keeps length + T <= seq_len: past it, the position lookup and the cache writes would clamp silently."""
         positions_T = caches[0].length + jnp.arange(idx_BxT.shape[1])
         x_BxTxD = self.wte(idx_BxT) + self.wpe(positions_T)
-        extended = []
+        delta_BxTxD, extended = None, []
         for block, cache in zip(self.h, caches):
-            x_BxTxD, cache = block(x_BxTxD, None, cache)
+            x_BxTxD, delta_BxTxD, cache = block(x_BxTxD, delta_BxTxD, None, cache)
             extended.append(cache)
-        return self._logits(self.ln_f(x_BxTxD)), extended
+        return self._logits(self.ln_f(x_BxTxD + delta_BxTxD)), extended
 
     def _logits(self, x_BxTxD):
         return head_logits(x_BxTxD, self.head_weight(), self.precision)
