@@ -202,8 +202,8 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxTxD, delta_BxTxD, key, cache: KVCache | None = None):
         """(x, delta, cache): the residual stream comes and goes as x and the MLP's output not yet added to it
-        (None before the first block), so that the add runs in the next norm's kernel (one pass fewer over the fp32
-        stream); the attention's cache passed through (see CausalSelfAttention)."""
+        (None before the first block), so that the add runs in the next norm's kernel where model.norm picks the
+        kernels (one pass fewer over the fp32 stream); the attention's cache passed through (CausalSelfAttention)."""
         attn_key, mlp_key = _split(key, 2)
         x_BxTxD, h_BxTxD = self._residual_norm(self.ln_1, x_BxTxD, delta_BxTxD)
         y_BxTxD, cache = self.attn(h_BxTxD, attn_key, cache)
