@@ -66,8 +66,8 @@ class Stage:
 # rounding that an fp32 consumer follows (NOTES.md, "Measured on an H100, 2026-11-27").
 EXACT = (("XLA_FLAGS", "--xla_allow_excess_precision=false"),)
 MODEL_TESTS = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=short", "tests/test_model.py",
-               "tests/test_autocast.py", "-k",
-               "exact_gelu or linear_bf16_is_torchs or cudnn_attention_matches or column_blocks")
+               "tests/test_autocast.py", "tests/test_loss.py", "-k",
+               "exact_gelu or linear_bf16_is_torchs or cudnn_attention_matches or column_blocks or logsumexp")
 STEP = ("-m", "benchmarks.run", *GPT2, *AB, "--data.batch_size=128", "--optim.grad_accum_steps=4",
         "--model.norm={norm}")
 
@@ -79,7 +79,8 @@ STAGES = (
                               "tests/test_fused_norm.py", "-k", "not mesh"), 40, 120),
     Stage("model_tests", "test_model's bit-for-bit tests against torch on the GPU (four failed there on 2026-11-27, "
           "their text lost at a cap), cuDNN's attention against the written-out one, and the q, k, v gemms "
-          "(Linear.column_blocks) against the one gemm split", MODEL_TESTS, 40, 90),
+          "(Linear.column_blocks) against the one gemm split, the loss's one-pass logsumexp against float64",
+          MODEL_TESTS, 40, 90),
     Stage("model_tests_exact", "the same without XLA's excess precision: whether it is what they met", MODEL_TESTS,
           40, 90, env=EXACT),
     Stage("step", "jaxtrain's row of the table alone, the A/B's baseline on the same machine", STEP, 50, 100,

@@ -22,16 +22,17 @@ from jaxtrain import autocast, mesh, model
 def token_ce(logits_BxTxV: jax.Array, labels_BxT: jax.Array) -> jax.Array:
     """Per-token cross-entropy in fp32, logsumexp(logits) - logits[label], from logits of any float dtype.
 
-    What optax.softmax_cross_entropy_with_integer_labels computes, with the gradient written out: softmax - one_hot
-    in fp32, rounded once to the logits' dtype, in one elementwise pass. Autodiff's version scatters the one-hot
-    into an fp32 copy of B x T x V and casts it in further passes: on GPT-2 124M (an H100, bf16) 20 ms of a 180 ms
-    step went to those passes over the logits (benchmarks/NOTES.md)."""
+    What optax.softmax_cross_entropy_with_integer_labels computes, with the logsumexp in one read of the logits
+    (`logsumexp`) and the gradient written out: softmax - one_hot in fp32, rounded once to the logits' dtype, in one
+    elementwise pass. Autodiff's version scatters the one-hot into an fp32 copy of B x T x V and casts it in further
+    passes: on GPT-2 124M (an H100, bf16) 20 ms of a 180 ms step went to those passes over the logits
+    (benchmarks/NOTES.md)."""
     return _token_ce_fwd(logits_BxTxV, labels_BxT)[0]
 
 
 def _token_ce_fwd(logits_BxTxV, labels_BxT):
     logits_f32 = logits_BxTxV.astype(jnp.float32)
-    lse_BxT = jax.nn.logsumexp(logits_f32, axis=-1)
+    lse_BxT = logsumexp(logits_f32)
     picked_BxT = jnp.take_along_axis(logits_f32, labels_BxT[..., None], axis=-1)[..., 0]
     return lse_BxT - picked_BxT, (logits_BxTxV, labels_BxT, lse_BxT)
 
@@ -45,6 +46,42 @@ def _token_ce_bwd(residuals, g_BxT):
 
 
 token_ce.defvjp(_token_ce_fwd, _token_ce_bwd)
+
+MAX_CHAIN = 1024  # the longest run of one reduction's combines that logsumexp lets XLA:CPU chain, inner or outer
+
+
+def logsumexp(x_f32: jax.Array) -> jax.Array:
+    """log(sum(exp(x))) over the last axis, reading x once: a reduction of (max, sum of exp(x - max)) pairs, each
+    pair rescaled to the larger max as two combine (the online softmax's rule). jax.nn.logsumexp reads x twice, for
+    the max and then the sum: on GPT-2 124M (the H100 roofline) 1.98 ms a step for the second read of the logits.
+    Not differentiable (a reduction with a computation of its own): token_ce's gradient is written out.
+
+    The axis is reduced in chunks and then over the chunks, each run at most MAX_CHAIN long: XLA:CPU runs a variadic
+    reduction as one sequential chain, whose rounding grows with its length (50,304 bf16 logits of std 3: 1.7e-4
+    against float64 in one chain, 2.3e-6 in chunks of 786, jax.nn.logsumexp 9.6e-7; a GPU or TPU reduces in a tree
+    either way). An axis with no such split (a prime longer than MAX_CHAIN) takes jax.nn.logsumexp."""
+    size = x_f32.shape[-1]
+    chunk = max(c for c in range(1, min(size, MAX_CHAIN) + 1) if size % c == 0)
+    if size // chunk > MAX_CHAIN:
+        return jax.nn.logsumexp(x_f32, axis=-1)
+    chunked = x_f32.reshape(*x_f32.shape[:-1], size // chunk, chunk)
+    max_sum = _reduce_pairs((chunked, jnp.ones_like(chunked)), axis=x_f32.ndim)
+    max_, sum_ = _reduce_pairs(max_sum, axis=x_f32.ndim - 1)
+    return max_ + jnp.log(sum_)
+
+
+def _reduce_pairs(max_sum, axis: int):
+    return jax.lax.reduce(max_sum, (jnp.float32(-jnp.inf), jnp.float32(0)), _combine_pairs, (axis,))
+
+
+def _combine_pairs(a, b):
+    """(max, sum) pairs into one, the smaller max's sum scaled by exp(its max - the larger): one exp a combine.
+    Two empty pairs (-inf, 0), which a reduction's padding combines, give (-inf, 0), not exp(-inf + inf) = nan."""
+    (max_a, sum_a), (max_b, sum_b) = a, b
+    a_larger = max_a >= max_b
+    larger, smaller = jnp.maximum(max_a, max_b), jnp.minimum(max_a, max_b)
+    scale = jnp.where(smaller == -jnp.inf, 0.0, jnp.exp(smaller - larger))
+    return larger, jnp.where(a_larger, sum_a, sum_b) + jnp.where(a_larger, sum_b, sum_a) * scale
 
 
 def tiled_ce_sum(x_BxTxD: jax.Array, w_DxV: jax.Array, targets_BxT: jax.Array, precision: str,

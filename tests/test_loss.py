@@ -26,7 +26,8 @@ def test_token_ce_matches_optax_value_and_gradient(dtype):
     ref = lambda x: jnp.sum(weights * optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), labels))
     (value, grad), (ref_value, ref_grad) = jax.value_and_grad(ours)(logits), jax.value_and_grad(ref)(logits)
     assert grad.dtype == dtype
-    assert float(value) == pytest.approx(float(ref_value), rel=1e-6)  # the same fp32 ops in the same order
+    # fp32 CE of logits up to ~10 over 50 terms: two orders of the same sums, 1e-6 far above their ~50 U apart
+    assert float(value) == pytest.approx(float(ref_value), rel=1e-6)
     # Entries of softmax - one_hot are in [-1, 1]: fp32 differs by a few roundings (1e-6); bf16 rounds each once,
     # so the two agree to one bf16 ulp at 1 (2^-7) where the fp32 values straddle a rounding boundary.
     atol = 1e-6 if dtype == jnp.float32 else 2**-7
@@ -41,6 +42,45 @@ def test_token_ce_gradient_has_no_scatter():
     assert "scatter" in jax.jit(jax.grad(lambda x: optax.softmax_cross_entropy_with_integer_labels(
         x.astype(jnp.float32), labels).sum())).lower(logits).as_text()  # what autodiff of optax's emits
 
+
+
+def _reduced_lengths(f, x) -> list[int]:
+    """The length of each axis that a reduction in f's jaxpr runs along, and the names of those reductions."""
+    eqns = jax.make_jaxpr(f)(x).jaxpr.eqns
+    return [(e.primitive.name, [e.invars[0].aval.shape[a] for a in e.params["axes" if "axes" in e.params else
+                                                                             "dimensions"]])
+            for e in eqns if e.primitive.name.startswith("reduce")]
+
+
+def test_logsumexp_reads_the_logits_once_in_chains_of_at_most_1024():
+    """GPT-2's padded vocabulary: one reduction reads the logits (no separate max), along chunks of 786, then one
+    over the 64 chunks' pairs; XLA:CPU chains each reduction's combines one after another, so no chain is longer
+    than 1024. A vocabulary of 1000 in one chunk; 2053 (prime, no split) falls back to jax.nn.logsumexp."""
+    assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 50304))) == [("reduce", [786]), ("reduce", [64])]
+    assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 1000))) == [("reduce", [1000]), ("reduce", [1])]
+    assert [name for name, _ in _reduced_lengths(loss.logsumexp, jnp.zeros((2, 2053)))] == ["reduce_max",
+                                                                                           "reduce_sum"]
+
+
+@pytest.mark.parametrize("V, chain", [(50304, 786 + 64), (1000, 1000 + 1), (2053, 2053)])
+def test_logsumexp_is_float64s_within_its_chains_rounding(V, chain):
+    """Against float64, bf16 logits of std 3 (as a model's), within fp32's bound for sums of positive terms along
+    chains of `chain` combines (derived): each term's exp errs by <= 2 U, each combine adds one rounding and
+    rescales with at most one exp and one multiply (3 U), so the sum errs by <= (4 chain + 2) U relative; the log
+    and the final add of the max add U |lse| each."""
+    logits = (3 * jax.random.normal(jax.random.key(0), (64, V))).astype(jnp.bfloat16).astype(jnp.float32)
+    want = np.log(np.exp(np.float64(logits)).sum(-1))
+    got = np.float64(jax.jit(loss.logsumexp)(logits))
+    assert np.all(np.abs(got - want) <= (4 * chain + 2) * U + 2 * U * np.abs(want))
+
+
+def test_logsumexp_of_minus_infinity():
+    """-inf logits (a masked vocabulary entry) add nothing, and a row of them only gives -inf, as
+    jax.nn.logsumexp: the reduction's empty pairs (-inf, 0) combine to themselves, not to exp(-inf + inf) = nan."""
+    x = jnp.array([[-jnp.inf] * 6, [0.0, -jnp.inf, 1.0, 2.0, -jnp.inf, 3.0]], jnp.float32)
+    got = np.asarray(loss.logsumexp(x))
+    assert got[0] == -np.inf
+    assert got[1] == pytest.approx(np.log(np.exp([0.0, 1.0, 2.0, 3.0]).sum()), rel=4 * U)  # a few roundings
 
 def _padded_targets(B: int, T: int, V: int, seed: int = 2) -> np.ndarray:
     """Random targets, about a third of them padding (-1), and the whole last sequence padding."""
