@@ -55,14 +55,14 @@ def _reduced_lengths(f, x) -> list[int]:
 def test_logsumexp_reads_the_logits_once_in_chains_of_at_most_1024():
     """GPT-2's padded vocabulary: one reduction reads the logits (no separate max), along chunks of 786, then one
     over the 64 chunks' pairs; XLA:CPU chains each reduction's combines one after another, so no chain is longer
-    than 1024. A vocabulary of 1000 in one chunk; 2053 (prime, no split) falls back to jax.nn.logsumexp."""
+    than 1024. 4096 in 4 chunks of 1024. A byte-level 256 and 2053 (prime, no split) take jax.nn.logsumexp."""
     assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 50304))) == [("reduce", [786]), ("reduce", [64])]
-    assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 1000))) == [("reduce", [1000]), ("reduce", [1])]
-    assert [name for name, _ in _reduced_lengths(loss.logsumexp, jnp.zeros((2, 2053)))] == ["reduce_max",
-                                                                                           "reduce_sum"]
+    assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 4096))) == [("reduce", [1024]), ("reduce", [4])]
+    for V in (256, 2053):
+        assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, V))) == [("reduce_max", [V]), ("reduce_sum", [V])]
 
 
-@pytest.mark.parametrize("V, chain", [(50304, 786 + 64), (1000, 1000 + 1), (2053, 2053)])
+@pytest.mark.parametrize("V, chain", [(50304, 786 + 64), (4096, 1024 + 4), (256, 256), (2053, 2053)])
 def test_logsumexp_is_float64s_within_its_chains_rounding(V, chain):
     """Against float64, bf16 logits of std 3 (as a model's), within fp32's bound for sums of positive terms along
     chains of `chain` combines (derived): each term's exp errs by <= 2 U, each combine adds one rounding and
@@ -77,7 +77,8 @@ def test_logsumexp_is_float64s_within_its_chains_rounding(V, chain):
 def test_logsumexp_of_minus_infinity():
     """-inf logits (a masked vocabulary entry) add nothing, and a row of them only gives -inf, as
     jax.nn.logsumexp: the reduction's empty pairs (-inf, 0) combine to themselves, not to exp(-inf + inf) = nan."""
-    x = jnp.array([[-jnp.inf] * 6, [0.0, -jnp.inf, 1.0, 2.0, -jnp.inf, 3.0]], jnp.float32)
+    x = jnp.full((2, 2048), -jnp.inf).at[1, jnp.array([0, 700, 1500, 2047])].set(jnp.array([0.0, 1.0, 2.0, 3.0]))
+    assert _reduced_lengths(loss.logsumexp, x) == [("reduce", [1024]), ("reduce", [2])]  # the pairs' path
     got = np.asarray(loss.logsumexp(x))
     assert got[0] == -np.inf
     assert got[1] == pytest.approx(np.log(np.exp([0.0, 1.0, 2.0, 3.0]).sum()), rel=4 * U)  # a few roundings
