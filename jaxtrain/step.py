@@ -170,13 +170,13 @@ def compiler_options(cfg: Config) -> dict:
     (benchmarks.xla_flags). Not under fsdp > 1, where the default overlapped the weights' gathers better (exposed
     7.63 ms, 11.52 without it).
 
-    There too, where attention is cuDNN's kernel, XLA's dot merger off: it merges the q, k and v gemms
-    (model.Linear.column_blocks) back into one and slices its output, the copies those gemms are there to avoid
-    (GPT-2 124M's step on an H100, the roofline: 2.0 ms of 91.8; it merged nothing else there)."""
+    There too, where q, k and v are three gemms (model.qkv_gemm_blocks), XLA's dot merger off: it merges them back
+    into one and slices its output, the copies those gemms are there to avoid (GPT-2 124M's step on an H100, the
+    roofline: 2.0 ms of 91.8; it merged nothing else there)."""
     if autocast.backend() != "gpu" or cfg.mesh.fsdp > 1:
         return {}
     options = {SOL_ESTIMATOR: False}
-    if model.fused_attention(cfg.model, cfg.train.precision):
+    if model.qkv_gemm_blocks(model.fused_attention(cfg.model, cfg.train.precision), cfg.mesh.fsdp):
         options[DOT_MERGER] = 0
     xla_flags = os.environ.get("XLA_FLAGS", "")
     return {name: value for name, value in options.items() if name not in xla_flags}

@@ -2,6 +2,7 @@
 the gradient dots, Linear against torch, the compiled CPU dots), attention choice, remat, exact GELU in the MLP."""
 
 import collections
+import contextlib
 import dataclasses
 import math
 import re
@@ -368,3 +369,20 @@ def test_compiled_cpu_gradient_keeps_every_dot_bf16(tie):
     grad = jax.jit(jax.grad(lambda p, idx: apply(graphdef, p, idx).astype(jnp.float32).std()))
     types = _compiled_dot_operand_types(grad.lower(params, _idx(B=2)).compile().as_text())
     assert len(types) >= 3 * (4 * cfg.n_layer + 1) and set(types) == {("bf16", "bf16")}
+
+
+@pytest.mark.parametrize("attention, fsdp, blocks", [("cudnn", None, True), ("cudnn", 1, True), ("cudnn", 2, False),
+                                                    ("xla", None, False)])
+def test_qkv_are_three_gemms_where_attention_is_cudnns_and_the_weights_whole(attention, fsdp, blocks, monkeypatch):
+    """c_attn writes q, k and v as three gemms (Linear.column_blocks, their outputs named GEMM_BLOCKS) only where
+    cuDNN's attention takes them as three arrays and the mesh traced under keeps each weight whole (fsdp 1, or no
+    mesh); split over 2 devices it is one gemm sliced, as with the written-out attention (traced for a GPU; jax
+    traces cuDNN's attention only where cuDNN is installed, so a stand-in of its shape takes its place)."""
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **kwargs: q + k + v)
+    cfg = dataclasses.replace(SMALL, attention=attention)
+    mesh = jax.sharding.AbstractMesh((4 // fsdp, fsdp), ("data", "fsdp")) if fsdp else None
+    with autocast.compiling_for("gpu"):
+        graphdef, params = _init(cfg, precision="bf16")
+        with jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
+            jaxpr = str(jax.make_jaxpr(lambda p, idx: M.apply(graphdef, p, idx))(params, _idx(B=4)))
+    assert jaxpr.count(f"name={M.GEMM_BLOCKS}") == (3 * SMALL.n_layer if blocks else 0)
