@@ -47,25 +47,26 @@ def _token_ce_bwd(residuals, g_BxT):
 
 token_ce.defvjp(_token_ce_fwd, _token_ce_bwd)
 
-MAX_CHAIN = 1024  # the longest run of one reduction's combines that logsumexp lets XLA:CPU chain, inner or outer
+MAX_CHAIN = 1024  # the longest run of one reduction's combines that logsumexp lets a backend chain, inner or outer
 
 
 def logsumexp(x_f32: jax.Array) -> jax.Array:
-    """log(sum(exp(x))) over the last axis, reading x once: a reduction of (max, sum of exp(x - max)) pairs, each
-    pair rescaled to the larger max as two combine (the online softmax's rule). jax.nn.logsumexp reads x twice, for
-    the max and then the sum: on GPT-2 124M (the H100 roofline) 1.98 ms a step for the second read of the logits.
-    Not differentiable (a reduction with a computation of its own): token_ce's gradient is written out.
+    """log(sum(exp(x))) over the last axis, on a GPU reading x once: a reduction of (max, sum of exp(x - max))
+    pairs, each pair rescaled to the larger max as two combine (the online softmax's rule). jax.nn.logsumexp reads x
+    twice, for the max and then the sum: on GPT-2 124M (the H100 roofline) 1.98 ms a step for the second read of the
+    logits. Not differentiable (a reduction with a computation of its own): token_ce's gradient is written out.
 
-    The axis is reduced in chunks and then over the chunks, each run at most MAX_CHAIN long: XLA:CPU runs a variadic
-    reduction as one sequential chain, whose rounding grows with its length (50,304 bf16 logits of std 3: 1.7e-4
-    against float64 in one chain, 2.3e-6 in chunks of 786, jax.nn.logsumexp 9.6e-7; a GPU or TPU reduces in a tree
-    either way). An axis with no such split (a prime longer than MAX_CHAIN) takes jax.nn.logsumexp, and so does one
-    of at most MAX_CHAIN (a byte-level vocabulary): its logits are too few for a second read to matter, and XLA:CPU
-    runs the chain as a scalar loop, where its two passes vectorize (8192 x 256 logits: 3.7 against 0.9 ns a logit;
-    8192 x 50,304: 2.9 against 4.0)."""
+    The axis is reduced in chunks and then over the chunks, each run at most MAX_CHAIN long, so that the rounding
+    does not depend on the order a backend combines in: XLA:CPU chains a variadic reduction's combines one after
+    another, where a GPU reduces in a tree (50,304 bf16 logits of std 3 on this CPU: 1.7e-4 against float64 in one
+    chain, 2.3e-6 in chunks of 786, jax.nn.logsumexp 9.6e-7). An axis with no such split (a prime longer than
+    MAX_CHAIN) takes jax.nn.logsumexp, and so does every backend but a GPU: XLA:TPU lays the logits out
+    vocabulary-major for a variadic reduction, an fp32 copy of them (configs/pod-fsdp.yaml on 64 v5e, libtpu's
+    compile: 5.49 -> 6.26 GiB a device), and XLA:CPU runs it as a scalar loop where its two passes vectorize (8192
+    x 256 logits: 3.7 against 0.9 ns a logit)."""
     size = x_f32.shape[-1]
     chunk = max(c for c in range(1, min(size, MAX_CHAIN) + 1) if size % c == 0)
-    if size <= MAX_CHAIN or size // chunk > MAX_CHAIN:
+    if autocast.backend() != "gpu" or size // chunk > MAX_CHAIN:
         return jax.nn.logsumexp(x_f32, axis=-1)
     chunked = x_f32.reshape(*x_f32.shape[:-1], size // chunk, chunk)
     max_sum = _reduce_pairs((chunked, jnp.ones_like(chunked)), axis=x_f32.ndim)

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxtrain import config, loss, model, step
+from jaxtrain import autocast, config, loss, model, step
 from jaxtrain.config import ModelConfig
 
 U = 2.0**-24  # fp32's unit roundoff
@@ -46,31 +46,40 @@ def test_token_ce_gradient_has_no_scatter():
 
 def _reduced_lengths(f, x) -> list[int]:
     """The length of each axis that a reduction in f's jaxpr runs along, and the names of those reductions."""
-    eqns = jax.make_jaxpr(f)(x).jaxpr.eqns
+    eqns = jax.make_jaxpr(lambda x: f(x))(x).jaxpr.eqns  # a new function each time: no trace cached for another
+    # backend (autocast.compiling_for is not part of jax's cache key)
     return [(e.primitive.name, [e.invars[0].aval.shape[a] for a in e.params["axes" if "axes" in e.params else
                                                                              "dimensions"]])
             for e in eqns if e.primitive.name.startswith("reduce")]
 
 
 def test_logsumexp_reads_the_logits_once_in_chains_of_at_most_1024():
-    """GPT-2's padded vocabulary: one reduction reads the logits (no separate max), along chunks of 786, then one
-    over the 64 chunks' pairs; XLA:CPU chains each reduction's combines one after another, so no chain is longer
-    than 1024. 4096 in 4 chunks of 1024. A byte-level 256 and 2053 (prime, no split) take jax.nn.logsumexp."""
-    assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 50304))) == [("reduce", [786]), ("reduce", [64])]
-    assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 4096))) == [("reduce", [1024]), ("reduce", [4])]
-    for V in (256, 2053):
-        assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, V))) == [("reduce_max", [V]), ("reduce_sum", [V])]
+    """Traced for a GPU, GPT-2's padded vocabulary: one reduction reads the logits (no separate max), along chunks of
+    786, then one over the 64 chunks' pairs; no chain is longer than 1024 (XLA:CPU chains each reduction's combines
+    one after another). 4096 in 4 chunks of 1024, 256 in one. 2053 (prime, no split) takes jax.nn.logsumexp, and so
+    does every size traced for a CPU or a TPU."""
+    with autocast.compiling_for("gpu"):
+        assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 50304))) == [("reduce", [786]), ("reduce", [64])]
+        assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 4096))) == [("reduce", [1024]), ("reduce", [4])]
+        assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 256))) == [("reduce", [256]), ("reduce", [1])]
+        assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 2053))) == [("reduce_max", [2053]),
+                                                                         ("reduce_sum", [2053])]
+    for platform in ("cpu", "tpu"):
+        with autocast.compiling_for(platform):
+            assert _reduced_lengths(loss.logsumexp, jnp.zeros((2, 50304))) == [("reduce_max", [50304]),
+                                                                              ("reduce_sum", [50304])]
 
 
-@pytest.mark.parametrize("V, chain", [(50304, 786 + 64), (4096, 1024 + 4), (256, 256), (2053, 2053)])
+@pytest.mark.parametrize("V, chain", [(50304, 786 + 64), (4096, 1024 + 4), (256, 256 + 1), (2053, 2053)])
 def test_logsumexp_is_float64s_within_its_chains_rounding(V, chain):
-    """Against float64, bf16 logits of std 3 (as a model's), within fp32's bound for sums of positive terms along
-    chains of `chain` combines (derived): each term's exp errs by <= 2 U, each combine adds one rounding and
-    rescales with at most one exp and one multiply (3 U), so the sum errs by <= (4 chain + 2) U relative; the log
-    and the final add of the max add U |lse| each."""
+    """Traced for a GPU and run here, against float64, bf16 logits of std 3 (as a model's), within fp32's bound for
+    sums of positive terms along chains of `chain` combines (derived): each term's exp errs by <= 2 U, each combine
+    adds one rounding and rescales with at most one exp and one multiply (3 U), so the sum errs by <= (4 chain + 2) U
+    relative; the log and the final add of the max add U |lse| each."""
     logits = (3 * jax.random.normal(jax.random.key(0), (64, V))).astype(jnp.bfloat16).astype(jnp.float32)
     want = np.log(np.exp(np.float64(logits)).sum(-1))
-    got = np.float64(jax.jit(loss.logsumexp)(logits))
+    with autocast.compiling_for("gpu"):
+        got = np.float64(jax.jit(lambda x: loss.logsumexp(x))(logits))
     assert np.all(np.abs(got - want) <= (4 * chain + 2) * U + 2 * U * np.abs(want))
 
 
@@ -78,10 +87,12 @@ def test_logsumexp_of_minus_infinity():
     """-inf logits (a masked vocabulary entry) add nothing, and a row of them only gives -inf, as
     jax.nn.logsumexp: the reduction's empty pairs (-inf, 0) combine to themselves, not to exp(-inf + inf) = nan."""
     x = jnp.full((2, 2048), -jnp.inf).at[1, jnp.array([0, 700, 1500, 2047])].set(jnp.array([0.0, 1.0, 2.0, 3.0]))
-    assert _reduced_lengths(loss.logsumexp, x) == [("reduce", [1024]), ("reduce", [2])]  # the pairs' path
-    got = np.asarray(loss.logsumexp(x))
+    with autocast.compiling_for("gpu"):
+        assert _reduced_lengths(loss.logsumexp, x) == [("reduce", [1024]), ("reduce", [2])]  # the pairs' path
+        got = np.asarray(jax.jit(lambda x: loss.logsumexp(x))(x))
     assert got[0] == -np.inf
     assert got[1] == pytest.approx(np.log(np.exp([0.0, 1.0, 2.0, 3.0]).sum()), rel=4 * U)  # a few roundings
+
 
 def _padded_targets(B: int, T: int, V: int, seed: int = 2) -> np.ndarray:
     """Random targets, about a third of them padding (-1), and the whole last sequence padding."""
