@@ -35,7 +35,7 @@ def read(argv: list[str]) -> dict:
     file: a second --config is refused, not read over the first (which would drop the first's keys unsaid)."""
     args = _split_args(argv)
     path = one_config([value for key, value in args if key == "config"])
-    raw = _read_yaml(path) if path else {}
+    raw = _read_yaml(path) if path is not None else {}
     return mergedeep.merge(raw, _parse_overrides([(key, value) for key, value in args if key != "config"]))
 
 
@@ -58,6 +58,8 @@ def given(argv: list[str], key: str) -> str | None:
 def _read_yaml(path: str) -> dict:
     """A local file, or a run folder's config.yaml in an object store (gs://...: what a stopped run's resume
     hint names)."""
+    if not path:  # not the defaults, which `if path` took it for: an unset shell variable, most likely
+        raise UserError("--config is an empty path (an unset variable?); pass a YAML file (see configs/)")
     file = runfolder.path(path)
     if not file.is_file():
         raise UserError(f"config file {path!r} not found; pass an existing YAML file to --config (see configs/)")
@@ -68,12 +70,33 @@ def _read_yaml(path: str) -> dict:
         raise UserError(f"config file {path!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
                         f"save it as UTF-8") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except (yaml.YAMLError, RecursionError) as e:
         raise UserError(f"config file {path!r} is not valid YAML: {_yaml_problem(e)}; fix that line") from None
     if not isinstance(raw, dict):
         raise UserError(f"config file {path!r} must hold a mapping of sections (run:, model:, ...)")
     return raw
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last, so a section written
+    twice would lose the first one's keys unsaid (their defaults would train)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    repeated = key in seen
+                except TypeError:  # an unhashable key (a list): the base loader refuses it, below
+                    break
+                if repeated:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice in one mapping (YAML would keep only the last: "
+                        f"merge the two)", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _yaml_problem(e: Exception) -> str:

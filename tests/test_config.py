@@ -146,6 +146,34 @@ def test_a_second_config_is_refused_not_read_over_the_first(yaml_path, tmp_path,
     assert "merge them into one file" in message and "--section.key=value" in message
 
 
+@pytest.mark.parametrize("flags", [["--config="], ["--config", ""]])
+def test_an_empty_config_path_is_refused_not_taken_for_no_config(flags):
+    """`--config=$CFG` with CFG unset trained with the built-in defaults (1,000 steps into out/run), unsaid."""
+    with pytest.raises(UserError, match=r"^--config is an empty path \(an unset variable\?\); pass a YAML file"):
+        config.load(flags + ["--train.steps=2"])
+
+
+@pytest.mark.parametrize("text, key, line", [
+    ("optim: {lr: 3.0e-4, warmup_steps: 5}\ntrain: {steps: 20}\noptim:\n  lr: 1.0e-3\n", "optim", 3),
+    ("model:\n  n_layer: 2\n  n_head: 2\n  n_layer: 3\n", "n_layer", 4),
+    ("train: {steps: 20, steps: 30}\n", "steps", 1),
+])
+def test_a_key_given_twice_in_the_yaml_is_refused_not_the_last_one_kept(tmp_path, text, key, line):
+    """PyYAML keeps a repeated key's last value: a section written twice lost the first copy's keys (their defaults
+    trained: warmup_steps 100 where the file said 5). Refused, naming the key and its second line."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as e:
+        config.load(["--config", str(path)])
+    assert f"key {key!r} is given twice" in str(e.value) and f"at line {line}," in str(e.value)
+
+
+def test_every_shipped_config_has_each_key_once():
+    """The refusal above, on the project's own configs: each loads."""
+    for name in sorted(os.listdir("configs")):
+        config.load(["--config", os.path.join("configs", name), "--run.dry_run=true"])
+
+
 @pytest.mark.parametrize("backend", ["jaxtrain", "torchref"])
 def test_a_second_config_is_one_line_exit_2_in_both_backends(yaml_path, tmp_path, backend):
     other = tmp_path / "other.yaml"

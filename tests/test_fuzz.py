@@ -345,9 +345,13 @@ def bad_yaml_file(draw) -> tuple[str, bytes, str]:
     """(kind, file bytes, what the message must name)."""
     raw = {"run": {"seed": 0}, **draw(valid_mapping())}
     text = yaml.safe_dump(raw, sort_keys=False)
-    kind = draw(st.sampled_from(["syntax", "utf-8", "not a mapping", "nesting", "bad value"]))
+    kind = draw(st.sampled_from(["syntax", "utf-8", "not a mapping", "nesting", "bad value", "key twice"]))
     if kind == "syntax":
         return kind, (text + draw(st.sampled_from(BROKEN_ENDINGS)) + "\n").encode(), "is not valid YAML"
+    if kind == "key twice":  # a section of the file written again at its end (PyYAML would keep only that one)
+        section = draw(st.sampled_from(sorted(raw)))
+        again = yaml.safe_dump({section: raw[section]}, sort_keys=False)
+        return kind, (text + again).encode(), f"key {section!r} is given twice"
     if kind == "utf-8":
         data, at = text.encode(), draw(st.integers(0, len(text)))
         return kind, data[:at] + draw(st.sampled_from(BAD_UTF8)) + data[at:], "is not UTF-8"
