@@ -223,6 +223,10 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     already holds data is replaced only with `overwrite`: runs trained on the old data would refuse to resume."""
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    for flag, value in [("--out", out)] + [("--input", item) for item in inputs]:
+        if not value:  # "" is the current folder to pathlib and os.path: an unset shell variable, most likely
+            raise UserError(f"{flag} is an empty path (an unset variable?); pass a folder or file by name")
+    runfolder.check_not_url(out, "--out")  # else written to a local folder named gs:
     runfolder.check_writable(out, "--out")
     existing = [name for name in _DATA_FILES if os.path.lexists(os.path.join(out, name))]
     if existing and not overwrite:
@@ -361,3 +365,9 @@ def _split_tail(path: str, tail_path: str, keep: int, dtype: np.dtype, chunk: in
         while block := src.read(chunk):
             dst.write(block)
         src.truncate(offset)
+
+
+if __name__ == "__main__":  # a likely guess at the command, which is jaxtrain.data's: say so rather than do nothing
+    print("error: this module has no command of its own; prepare data with `python -m jaxtrain.data prepare "
+          "--input TEXT... --out DIR --tokenizer bytes|gpt2`", file=sys.stderr)
+    sys.exit(2)

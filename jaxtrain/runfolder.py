@@ -96,11 +96,11 @@ def check_writable(folder: str, flag: str) -> None:
 
 
 def check_not_url(folder: str, flag: str) -> None:
-    """The converter and the sampler read and write local folders only (safetensors and JSON files, Orbax's step
-    folders by local path): a URL is refused with the way round it, not taken for a missing folder, nor written to a
-    local folder named after it."""
+    """The converter, the sampler and prepare read and write local folders only (safetensors and JSON files, Orbax's
+    step folders by local path, numpy's memory maps): a URL is refused with the way round it, not taken for a missing
+    folder, nor written to a local folder named after it."""
     if is_url(folder):
-        copy = "a local folder" if flag == "DST" else "a local copy"
+        copy = "a local folder" if flag in ("DST", "--out") else "a local copy"
         raise UserError(f"{flag} {folder} is a URL, and this command takes local folders only; give it {copy} and "
                         f"copy between the two with your store's tool (gcloud storage cp -r, aws s3 cp --recursive)")
 

@@ -152,6 +152,41 @@ def test_bad_input_exits_with_one_line(tmp_path, capsys):
     assert "neither a file nor a folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("empty", ["--input", "--out", "both"])
+def test_prepare_refuses_an_empty_path_and_reads_nothing(tmp_path, capsys, monkeypatch, empty):
+    """An empty --input or --out (an unset shell variable): "" is the current folder to pathlib, so an empty --input
+    tokenized every file under it (from a checkout: the whole venv, until the disk was full) and an empty --out
+    ended in a traceback from os.makedirs. Refused before anything is read or written."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "notes.txt").write_text("text that an empty --input would have read\n" * 50)
+    text = tmp_path / "in.txt"
+    text.write_text("some text to tokenize\n" * 50)
+    monkeypatch.chdir(cwd)
+    inputs = "" if empty in ("--input", "both") else str(text)
+    out = "" if empty in ("--out", "both") else str(tmp_path / "out")
+    code, err = _prepare_cli(capsys, "--input", inputs, "--out", out)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith(f"error: {'--out' if empty == 'both' else empty} is an empty path")
+    assert sorted(os.listdir(cwd)) == ["notes.txt"] and not (tmp_path / "out").exists()
+
+
+def test_prepare_refuses_a_url_out_and_writes_no_folder_named_after_it(tmp_path, capsys, monkeypatch):
+    """--out gs://... was written to a local folder named `gs:`, and prepare said it wrote to the bucket."""
+    text = tmp_path / "in.txt"
+    text.write_text("some text to tokenize\n" * 50)
+    monkeypatch.chdir(tmp_path)
+    code, err = _prepare_cli(capsys, "--input", str(text), "--out", "gs://bucket/owt")
+    assert code == 2 and "gs://bucket/owt is a URL" in err and "a local folder" in err
+    assert sorted(os.listdir(tmp_path)) == ["in.txt"]
+
+
+def test_python_m_jaxtrain_prepare_says_which_command_prepares():
+    """`python -m jaxtrain.prepare` (the module's name, a likely guess) did nothing and exited 0."""
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.prepare", "--input", "x"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "python -m jaxtrain.data prepare" in proc.stderr
+
+
 def _files_under(folder) -> dict[str, bytes]:
     """Every file under `folder`, hidden ones included, by relative path: what a prepare left there."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
