@@ -78,6 +78,7 @@ class Trainer:
 
     def _build(self, cfg: Config) -> None:
         self.data = data_lib.load(cfg.data, cfg.model.seq_len)
+        self.sample_tokenizer = self._sample_tokenizer(cfg) if cfg.log.sample_tokens else None
         vocab_size = data_lib.resolve_vocab_size(cfg.model.vocab_size, self.data)
         # Written down, so that config.yaml and every checkpoint say what the model was built with.
         self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
@@ -96,6 +97,15 @@ class Trainer:
             cfg, self.data_seed, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
         graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision)
         self.eval_step = jax.jit(step_lib.make_eval_step(graphdef))
+
+    def _sample_tokenizer(self, cfg: Config) -> sample_lib.Tokenizer:
+        """The end-of-run sample's tokenizer, loaded before the first step: a data folder whose tokenizer jaxtrain
+        does not have (or a gpt2 one without its files here) is refused now, not after the training."""
+        try:
+            return sample_lib.tokenizer(self.data.tokenizer)
+        except UserError as e:
+            raise UserError(f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) could not be drawn: "
+                            f"{e}. To train without it, set --log.sample_tokens=0") from None
 
     def _open_checkpoints(self) -> checkpoint_lib.Checkpointer:
         self.checkpointer = checkpoint_lib.Checkpointer(self.cfg, self.data.fingerprint)
@@ -227,7 +237,7 @@ def train(cfg: Config) -> dict:
         if trainer.is_main:
             print(format_summary(summary), file=sys.stderr)
             if cfg.log.sample_tokens:
-                print_sample(trainer.cfg, params, trainer.data.tokenizer)
+                print_sample(trainer.cfg, params, trainer.sample_tokenizer)
         if several:  # here, not at exit: a signal now lets this process reach the barrier the others wait at
             jax.distributed.shutdown()
         return summary
@@ -275,13 +285,12 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
             logger.close()
 
 
-def print_sample(cfg: Config, params, tokenizer: str) -> None:
+def print_sample(cfg: Config, params, tokenizer: sample_lib.Tokenizer) -> None:
     """log.sample_tokens tokens after log.sample_prompt, drawn by jaxtrain.sample's defaults with run.seed from the
     whole params (gathered from every process), printed on stdout, on one device, as `python -m jaxtrain.sample`
     does."""
     sampling = sample_lib.Sampling(max_new_tokens=cfg.log.sample_tokens, seed=cfg.run.seed)
-    text = sample_lib.sample_text(params, cfg.model, cfg.train.precision, sample_lib.tokenizer(tokenizer),
-                                  cfg.log.sample_prompt, sampling)
+    text = sample_lib.sample_text(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling)
     print(f"sample ({cfg.log.sample_tokens} tokens, temperature {sampling.temperature}, top_k {sampling.top_k}):",
           file=sys.stderr)
     print(text, flush=True)

@@ -73,7 +73,15 @@ class Tokenizer(NamedTuple):
         return b"".join(pieces).decode("utf-8", errors="replace")
 
 
+TOKENIZERS = ("bytes", "gpt2")
+
+
 def tokenizer(name: str) -> Tokenizer:
+    """A data folder's tokenizer by its meta.json name. Training reads any folder's ids; encoding a prompt and
+    decoding tokens needs one of TOKENIZERS (another's ids, read as GPT-2's, would be refused or decode wrong)."""
+    if name not in TOKENIZERS:
+        raise UserError(f"the data's tokenizer is {name!r}, and jaxtrain encodes and decodes text with "
+                        f"{' or '.join(TOKENIZERS)} only")
     if name == "bytes":  # surrogateescape: bytes of the command line that were not UTF-8 come back as they were
         return Tokenizer(lambda text: list(text.encode("utf-8", "surrogateescape")), lambda i: bytes([i]), 256)
     enc = prepare_lib.gpt2_encoding()
@@ -186,7 +194,12 @@ def load(run_dir: str, step: int | None, precision: str | None, tokenizer_name: 
     if name is None:
         raise UserError(f"the run's data folder {cfg.data.path} is not here to say which tokenizer it used (its "
                         f"meta.json); pass --tokenizer bytes or --tokenizer gpt2")
-    return Loaded(state.params, cfg.model, precision or cfg.train.precision, tokenizer(name), step)
+    try:
+        text_tokenizer = tokenizer(name)
+    except UserError as e:
+        raise UserError(f"{e}; sample {run_dir} outside jaxtrain, with its data's tokenizer (`python -m jaxtrain."
+                        f"convert to-torch` writes its checkpoint in nanoGPT's format)") from None
+    return Loaded(state.params, cfg.model, precision or cfg.train.precision, text_tokenizer, step)
 
 
 def _own_tokenizer(data_cfg, given: bool) -> str | None:

@@ -317,6 +317,29 @@ def test_a_gpt2_run_refuses_bytes_while_its_data_is_here_and_takes_a_tokenizer_o
     assert capsys.readouterr().out.startswith("Hello")
 
 
+def test_data_whose_tokenizer_jaxtrain_lacks_trains_and_its_sample_is_refused_before_the_first_step(
+        tmp_path, cache_dir, capsys):
+    """A data folder whose meta.json names another tokenizer (a character-level one): its ids train as any. The
+    end-of-run sample used to read them as GPT-2's after the whole run and exit 2 with a fix no flag gives; now the
+    run is refused before its first step, naming log.sample_tokens=0, and `jaxtrain.sample` refuses in one line."""
+    tokens = np.random.default_rng(0).integers(0, 65, 20000, dtype=np.uint16)
+    data_dir, out_dir = str(tmp_path / "chars"), str(tmp_path / "run")
+    prepare.write_token_dir(data_dir, tokens, tokens, 65, "char")
+    command = [sys.executable, "-m", "jaxtrain.run", *small_args(
+        out_dir, cache_dir, f"--data.path={data_dir}", "--train.steps=4", "--train.eval_every=4")]
+    proc = subprocess.run(command + ["--log.sample_tokens=20"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: the end-of-run sample (log.sample_tokens=20) could not be drawn: the data's tokenizer is 'char', and "
+        "jaxtrain encodes and decodes text with bytes or gpt2 only. To train without it, set --log.sample_tokens=0"]
+    assert not os.path.exists(os.path.join(out_dir, "checkpoints"))
+    proc = subprocess.run(command + ["--log.sample_tokens=0"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "done: steps 0->4" in proc.stderr, proc.stderr[-3000:]
+    refused(capsys, ["--run", out_dir, "--prompt", "a"],
+            f"the data's tokenizer is 'char', and jaxtrain encodes and decodes text with bytes or gpt2 only; sample "
+            f"{out_dir} outside jaxtrain, with its data's tokenizer (`python -m jaxtrain.convert to-torch`")
+
+
 INVALID_FLAGS = st.one_of(
     st.integers(-10**9, 0).map(lambda n: ([f"--max_new_tokens={n}"], "--max_new_tokens must be > 0")),
     st.floats(max_value=-1e-30).map(lambda t: ([f"--temperature={t!r}"], "--temperature must be")),
