@@ -16,6 +16,7 @@ Pure Python (no jax, no torch): both backends and the converter ask it.
 
 import json
 import os
+import re
 
 from etils import epath
 from safetensors import SafetensorError, safe_open
@@ -154,9 +155,14 @@ def check_jaxtrain_step(path: str, command: str) -> None:
     if found == JAXTRAIN_STEP and name.isdigit():
         return
     step = newest_step(path)
+    renamed = (f"is a jaxtrain step folder renamed {name!r}; Orbax finds a step by its folder's name: give it back "
+               f"its step number (as in <run>/checkpoints/250)")
+    if re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", name):  # Orbax writes a step here, then renames it
+        complete = newest_step(_run_of(path))
+        renamed = (f"is a save that did not finish (its run stopped while writing it; the run's next start removes "
+                   f"it); convert a complete step folder of the run{f', e.g. {complete}' if complete else ''}")
     what = {
-        JAXTRAIN_STEP: f"is a jaxtrain step folder renamed {name!r}; Orbax finds a step by its folder's name: give it "
-                       f"back its step number (as in <run>/checkpoints/250)",
+        JAXTRAIN_STEP: renamed,
         JAXTRAIN_RUN: f"is a jaxtrain run folder; pass one of its step folders, e.g. {step}",
         TORCH: "is a torch-format checkpoint already: torchref and --init.from take it as it is",
         TORCHREF_RUN: f"is a torchref run folder, whose checkpoints are torch-format already, e.g. {step}",

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import shutil
 import sys
 
 import jax
@@ -54,8 +55,12 @@ def to_hf(src: str, out_dir: str) -> None:
         tensors = torch_format.model_tensors(state.params)
     else:
         tensors = hf_format.read_tensors(src)
-        if checkpoint_kind.holds_training_state(src):
+        if os.path.exists(os.path.join(src, torch_format.TRAINER_STATE)):  # with or without the optimizer's file
             cfg = config_lib.from_dict(torch_format.read_trainer_state(src)["config"])
+        elif not os.path.exists(os.path.join(src, hf_format.CONFIG)):
+            raise UserError(f"to-hf SRC {src} holds weights alone, with neither {torch_format.TRAINER_STATE} (a "
+                            f"checkpoint's, which holds its model config) nor {hf_format.CONFIG} (from-hf's) to say "
+                            f"the model's shape; convert the checkpoint folder the weights came from")
     # without a run's config: weights that from-hf wrote, with the model's config.json beside them
     config = hf_format.hf_config(cfg.model, tensors[torch_format.WTE].shape[0]) if cfg else hf_format.read_config(src)
     tokenizer = data_lib.tokenizer_name(cfg.data) if cfg else None
@@ -93,19 +98,25 @@ def from_hf(src: str, out_dir: str) -> None:
           f"--init.from={out_dir}`", file=sys.stderr)
 
 
-def restore_step(step_dir: str):
-    """(state, config, meta) of a jaxtrain step folder (checkpoint_kind.check_jaxtrain_step), restored on one
-    device."""
+def restore_step(step_dir: str, fix: str = "convert another step folder of the run"):
+    """(state, config, meta) of a jaxtrain step folder (checkpoint_kind.check_jaxtrain_step), restored on one device
+    and checked against its fingerprint, as a resume checks it: one that cannot be read or does not match is
+    refused with `fix`, what the caller's user can do instead."""
     root, name = os.path.split(os.path.normpath(os.path.abspath(step_dir)))
     step = int(name)
     with ocp.CheckpointManager(root, item_handlers={"state": ocp.StandardCheckpointHandler(),
                                                     "meta": ocp.JsonCheckpointHandler()}) as manager:
-        with _unreadable(step_dir):
+        with _unreadable(step_dir, fix):
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         cfg = config_lib.from_dict(meta["config"])  # jaxtrain.run writes the resolved model.vocab_size into it
         target = checkpoint_lib.abstract_state(_for_shapes(cfg), cfg.model.vocab_size, _one_device_mesh())
-        with _unreadable(step_dir):
+        with _unreadable(step_dir, fix):
             state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
+        try:
+            checkpoint_lib.check_fingerprint(state, meta["fingerprint"], step_dir)
+        except checkpoint_lib.CorruptCheckpoint as e:
+            raise UserError(f"{e}: it is corrupt; {fix}") from None
     return state, cfg, meta
 
 
@@ -124,23 +135,42 @@ def from_torch(src: str, out_dir: str) -> None:
     if cfg.model.vocab_size is None:  # written down, so that the run folder does not depend on the data for it
         cfg.model.vocab_size = torch_format.vocab_size(src)
     state, _ = torch_format.load(src, step_lib.fresh_state(_for_shapes(cfg), cfg.model.vocab_size), cfg)
-    config_lib.save(cfg, out_dir)
-    checkpointer = checkpoint_lib.Checkpointer(cfg, trainer_state.get("data_fingerprint"))
-    checkpointer.save(state, cfg.run.seed)
-    checkpointer.wait()
-    checkpointer.close()
+    _check_finite(state, src)
+    existed = os.path.isdir(out_dir)
+    try:
+        config_lib.save(cfg, out_dir)
+        checkpointer = checkpoint_lib.Checkpointer(cfg, trainer_state.get("data_fingerprint"))
+        try:
+            checkpointer.save(state, cfg.run.seed)
+            checkpointer.wait()
+        finally:
+            checkpointer.close()  # the save's writes end here, before a failure removes what they wrote
+    except BaseException:  # a complete conversion or nothing, as the other conversions (folder_into_place)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        if existed:  # it was an empty folder (check_new_folder): left as it was
+            os.makedirs(out_dir, exist_ok=True)
+        raise
     print(f"wrote {out_dir} (step {int(state.step)}); resume with "
           f"`python -m jaxtrain.run --config {os.path.join(out_dir, 'config.yaml')}`", file=sys.stderr)
 
 
+def _check_finite(state, src: str) -> None:
+    """A torch-format state holding inf or NaN is refused before anything is written: a run resumed from it would
+    train on nothing (jaxtrain's saves refuse such a state too)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        values = np.asarray(leaf)
+        if jax.numpy.issubdtype(values.dtype, jax.numpy.floating) and not np.isfinite(values).all():
+            raise UserError(f"{src} holds inf or NaN ({jax.tree_util.keystr(path, simple=True, separator='/')}), "
+                            f"which no run can resume from; convert a checkpoint saved before its values overflowed")
+
+
 @contextlib.contextmanager
-def _unreadable(step_dir: str):
+def _unreadable(step_dir: str, fix: str):
     """Orbax's failures (ValueError, FileNotFoundError, tensorstore errors, ...) as one UserError."""
     try:
         yield
     except Exception as e:
-        raise UserError(f"checkpoint {step_dir} cannot be read ({type(e).__name__}: {str(e)[:300]}); convert "
-                        f"another step folder of the run") from None
+        raise UserError(f"checkpoint {step_dir} cannot be read ({type(e).__name__}: {str(e)[:300]}); {fix}") from None
 
 
 def _for_shapes(cfg: Config) -> Config:

@@ -31,6 +31,7 @@ from jaxtrain import model as model_lib
 from jaxtrain import preemption
 from jaxtrain import runfolder
 from jaxtrain import runlock
+from jaxtrain import same_run
 from jaxtrain import sample as sample_lib
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
@@ -162,6 +163,7 @@ class Trainer:
         if cfg.init.from_ is None:
             return fresh
         state, kind = torch_format.load(cfg.init.from_, fresh, cfg)
+        same_run.check_init_step(cfg, int(state.step))
         what = f"the full training state at step {int(state.step)}" if kind == "full" else "weights only, step 0"
         print(f"initialised from {cfg.init.from_}: {what}", file=sys.stderr)
         return state

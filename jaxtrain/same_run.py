@@ -96,6 +96,14 @@ def new_run_from(cfg: Config, step: int | None, backend: str, change: str) -> st
             f"keys): {start} --run.out_dir=NEW")
 
 
+def check_init_step(cfg: Config, step: int) -> None:
+    """A new run starts from init.from's full training state at `step`: one at or past train.steps would train
+    nothing, and a new run folder would end "already trained" with exit 0 (both backends)."""
+    if step >= cfg.train.steps:
+        raise UserError(f"init.from={cfg.init.from_} is a training state at step {step}, at or past "
+                        f"train.steps={cfg.train.steps}: raise train.steps to train on from it")
+
+
 def config_hash(cfg: Config) -> str:
     """sha256 of the resolved config's trajectory keys: written into torch-format checkpoints."""
     trajectory = _trajectory(_flat(cfg))

@@ -182,7 +182,10 @@ def load(run_dir: str, step: int | None, precision: str | None, tokenizer_name: 
     if step is not None and step not in steps:
         raise UserError(f"{run_dir} has no checkpoint of step {step}; its steps are {', '.join(map(str, steps))}")
     step = steps[-1] if step is None else step
-    state, cfg, _ = convert.restore_step(os.path.join(run_dir, "checkpoints", str(step)))
+    others = ", ".join(str(s) for s in steps if s != step)
+    fix = (f"sample another of its checkpoints with --step ({others})" if others else
+           "its run has no other checkpoint to sample")
+    state, cfg, _ = convert.restore_step(os.path.join(run_dir, "checkpoints", str(step)), fix)
     own = _own_tokenizer(cfg.data, given=tokenizer_name is not None)
     if tokenizer_name is not None and own is not None and tokenizer_name != own:
         # Its ids would decode as another tokenizer's: GPT-2 ids read as bytes are U+FFFD (the ids past 255) or

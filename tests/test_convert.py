@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import pathlib
+import shutil
 
 import jax
 import numpy as np
@@ -26,11 +27,14 @@ NANOGPT_BLOCK = ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.
                  "mlp.c_proj.weight", "mlp.c_proj.bias"]
 
 
+def make_cfg_args(tied: bool) -> list[str]:
+    return ["--model.n_layer=2", "--model.d_model=32", "--model.n_head=4", "--model.seq_len=16",
+            f"--model.vocab_size={V}", f"--model.tie_embeddings={str(tied).lower()}", "--optim.grad_accum_steps=2",
+            "--optim.warmup_steps=2", "--train.steps=10", "--train.precision=fp32", "--data.batch_size=4"]
+
+
 def make_cfg(tied: bool, *overrides) -> config.Config:
-    return config.load(["--model.n_layer=2", "--model.d_model=32", "--model.n_head=4", "--model.seq_len=16",
-                        f"--model.vocab_size={V}", f"--model.tie_embeddings={str(tied).lower()}",
-                        "--optim.grad_accum_steps=2", "--optim.warmup_steps=2", "--train.steps=10",
-                        "--train.precision=fp32", "--data.batch_size=4", *overrides])
+    return config.load([*make_cfg_args(tied), *overrides])
 
 
 @functools.cache
@@ -357,3 +361,119 @@ def test_a_url_or_the_current_folder_is_refused_before_anything_is_read(command,
         err = capsys.readouterr().err
         assert e.value.code == 2 and says in err and "Traceback" not in err, (argv, err)
     assert os.listdir(tmp_path) == []
+
+
+def _saved_run(tmp_path) -> str:
+    """A jaxtrain run folder holding trained(True)'s state as its one checkpoint; returns the step folder."""
+    _, state = trained(True)
+    cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false")
+    saver = checkpoint.Checkpointer(cfg)
+    saver.save(state, data_seed=0)
+    saver.close()
+    return str(tmp_path / "run" / "checkpoints" / str(STEPS))
+
+
+def test_a_checkpoint_off_its_fingerprint_is_refused_by_the_converters_and_the_sampler(tmp_path, capsys):
+    """to-torch, to-hf and jaxtrain.sample restored a step without checking it against its fingerprint, as a resume
+    does: a corrupt checkpoint converted with exit 0, and from-torch then gave the damage a valid fingerprint. Here
+    the arrays read but one checksum in meta differs (what a flipped bit in them gives), so each refuses, naming
+    the array and what to do instead, and writes nothing."""
+    from jaxtrain import sample
+    step_dir = _saved_run(tmp_path)
+    meta_file = os.path.join(step_dir, "meta", "metadata")
+    meta = json.load(open(meta_file))
+    path = sorted(meta["fingerprint"])[0]
+    meta["fingerprint"][path] = (meta["fingerprint"][path] + 1) % 2**32
+    json.dump(meta, open(meta_file, "w"))
+    for command in ("to-torch", "to-hf"):
+        with pytest.raises(SystemExit) as e:
+            convert.main([command, step_dir, str(tmp_path / command)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"checkpoint {step_dir} does not match its fingerprint: {path}" in err
+        assert "it is corrupt; convert another step folder of the run" in err and not (tmp_path / command).exists()
+    with pytest.raises(UserError, match=f"{path} .*it is corrupt; its run has no other checkpoint to sample"):
+        sample.load(str(tmp_path / "run"), None, None, None)
+
+
+def test_a_save_that_did_not_finish_is_named_so_and_a_complete_step_offered(tmp_path, capsys):
+    """Orbax writes a step into <step>.orbax-checkpoint-tmp(-<time>) and renames it when complete; a run killed
+    mid-save leaves that folder (with Orbax's metadata file in it). to-torch called it a renamed step and said to
+    give it back its number: that put an incomplete save under a step's name."""
+    step_dir = _saved_run(tmp_path)
+    for name in (f"{STEPS + 1}.orbax-checkpoint-tmp", f"{STEPS + 1}.orbax-checkpoint-tmp-1764270000"):
+        partial = tmp_path / "run" / "checkpoints" / name
+        (partial / "state").mkdir(parents=True)
+        (partial / "_CHECKPOINT_METADATA").write_text("{}")
+        with pytest.raises(SystemExit) as e:
+            convert.main(["to-torch", str(partial), str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "renamed" not in err
+        assert f"{partial} is a save that did not finish" in err and f"e.g. {step_dir}" in err
+
+
+def test_from_torch_refuses_inf_or_nan_and_leaves_no_half_written_folder(tmp_path, capsys, monkeypatch):
+    """A torch-format state holding NaN got the message of a training step that overflowed (lower optim.lr,
+    --run.fresh) and left DST with config.yaml and an empty checkpoints/, which blocked the retry. Now it is refused
+    before anything is written, naming the array; and a conversion that fails while writing removes DST."""
+    _, _, out = exported(True, tmp_path)
+    nan = str(tmp_path / "nan")
+    shutil.copytree(out, nan)
+    _edit_tensors(os.path.join(nan, "model.safetensors"),
+                  lambda tensors: tensors["transformer.ln_f.bias"].__setitem__(0, np.nan))
+    with pytest.raises(SystemExit) as e:
+        convert.main(["from-torch", nan, str(tmp_path / "back")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{nan} holds inf or NaN (params/ln_f/bias" in err and "optim.lr" not in err
+    assert not (tmp_path / "back").exists()
+
+    save = checkpoint.Checkpointer.save
+
+    def full_disk(self, *args):  # the step's files written, then the disk full
+        save(self, *args)
+        self.wait()
+        assert os.listdir(os.path.join(self.cfg.run.out_dir, "checkpoints"))
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", full_disk)
+    for dst in (tmp_path / "new", tmp_path / "empty"):
+        if dst.name == "empty":
+            dst.mkdir()
+        with pytest.raises(OSError):
+            convert.from_torch(out, str(dst))
+        assert (not dst.exists()) if dst.name == "new" else os.listdir(dst) == []
+
+
+def test_to_hf_takes_weights_with_their_trainer_state_and_names_what_bare_weights_lack(tmp_path, capsys):
+    """A torch-format folder whose optimizer.safetensors was deleted (what read_trainer_state's message suggests,
+    to load the weights alone) holds the model's config in trainer_state.json: to-hf ignored it and asked for a
+    Hugging Face config.json. Weights with neither file are refused naming both."""
+    _, _, out = exported(True, tmp_path)
+    os.remove(os.path.join(out, "optimizer.safetensors"))
+    convert.main(["to-hf", out, str(tmp_path / "hf")])
+    assert json.load(open(tmp_path / "hf" / "config.json"))["n_layer"] == 2
+    os.remove(os.path.join(out, "trainer_state.json"))
+    with pytest.raises(SystemExit) as e:
+        convert.main(["to-hf", out, str(tmp_path / "hf2")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "holds weights alone, with neither trainer_state.json" in err
+
+
+def test_init_from_a_state_at_or_past_train_steps_is_refused_in_both_backends(tmp_path):
+    """A full training state at step 3 with train.steps=3 printed "already trained to step 3; nothing to do",
+    exit 0, and left a new run folder that trained nothing. Refused, in both backends, with the key to raise."""
+    cfg = make_cfg(True)
+    with pytest.raises(UserError, match=r"init.from=x is a training state at step 3, at or past train.steps=3: "
+                                        r"raise train.steps"):
+        same_run.check_init_step(dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, from_="x"),
+                                                     train=dataclasses.replace(cfg.train, steps=3)), 3)
+    same_run.check_init_step(cfg, 3)  # train.steps=10: goes on
+    from jaxtrain import prepare, run
+    from torchref import run as torchref_run
+    _, _, out = exported(True, tmp_path)
+    tokens = np.random.default_rng(0).integers(0, V, 5000, dtype=np.uint16)
+    prepare.write_token_dir(str(tmp_path / "data"), tokens, tokens, V, "bytes")
+    for backend, train in (("jaxtrain", run.train), ("torchref", torchref_run.train)):
+        argv = [*make_cfg_args(True), f"--data.path={tmp_path / 'data'}", f"--init.from={out}",
+                f"--run.out_dir={tmp_path / backend}", f"--train.steps={STEPS}", "--log.sample_tokens=0"]
+        with pytest.raises(UserError, match=f"is a training state at step {STEPS}, at or past train.steps={STEPS}"):
+            train(config.load(argv))
+        assert not os.path.exists(tmp_path / backend / "config.yaml")

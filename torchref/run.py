@@ -26,7 +26,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from jaxtrain import checkpoint_kind, config, data, metrics, preemption, runfolder, runlock, wandb_log
+from jaxtrain import checkpoint_kind, config, data, metrics, preemption, runfolder, runlock, same_run, wandb_log
 from jaxtrain.config import Config
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import UserError, exit_on_user_error
@@ -141,7 +141,8 @@ def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Config,
         loaded = checkpoint.init_from(cfg.init.from_, model, optimizer)
         what = f"weights and training state at step {loaded.step}" if loaded else "weights"
         print(f"init.from: loaded {what} from {cfg.init.from_}", file=sys.stderr)
-        if loaded is not None:  # the data seed rule jaxtrain follows too
+        if loaded is not None:  # the data seed rule jaxtrain follows too, and its step's
+            same_run.check_init_step(cfg, loaded.step)
             loaded.data_seed = data.continued_seed(loaded.data_seed, cfg)
             progress = loaded
     if cfg.run.fresh:
