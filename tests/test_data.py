@@ -363,6 +363,18 @@ def test_stats_prints_counts_and_entropies(tmp_path, capsys):
     assert f"H(x_t): {math.log(2):.3f} nats" in out and "H(x_t | x_t-1): 0.000 nats" in out
 
 
+def test_stats_of_a_one_token_split_asks_for_more_text_not_a_shorter_window(tmp_path, capsys):
+    """prepare writes a split of one token from a few bytes of text; stats reads windows of one token (two with the
+    target), and its refusal told the user to lower model.seq_len=1, which cannot go lower."""
+    path = _folder(tmp_path, val=np.array([7]))
+    with pytest.raises(SystemExit) as e:
+        data.main(["stats", "--data-path", path])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "val.bin has 1 tokens but a window of model.seq_len=1 needs 2; prepare more text" in err
+    assert "lower model.seq_len" not in err
+
+
 # The embedded corpus -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
