@@ -158,8 +158,7 @@ def _check_finite(state, src: str) -> None:
     """A torch-format state holding inf or NaN is refused before anything is written: a run resumed from it would
     train on nothing (jaxtrain's saves refuse such a state too)."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        values = np.asarray(leaf)
-        if jax.numpy.issubdtype(values.dtype, jax.numpy.floating) and not np.isfinite(values).all():
+        if not step_lib.all_finite(leaf):
             raise UserError(f"{src} holds inf or NaN ({jax.tree_util.keystr(path, simple=True, separator='/')}), "
                             f"which no run can resume from; convert a checkpoint saved before its values overflowed")
 

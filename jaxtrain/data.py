@@ -33,7 +33,7 @@ from jaxtrain.config import Config, DataConfig
 from jaxtrain.errors import UserError, exit_on_user_error
 
 TRAIN, VAL = 0, 1  # split ids, part of every batch's RNG key
-_PREPARE_HINT = "create it with `python -m jaxtrain.data prepare --input TEXT... --out DIR --tokenizer bytes|gpt2`"
+_PREPARE_HINT = f"create it with {prepare_lib.COMMAND}"
 _META_TYPES = {"vocab_size": int, "dtype": str, "tokenizer": str, "train_tokens": int, "val_tokens": int}
 
 
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("prepare", help="tokenize text files into train.bin, val.bin, meta.json")
     p.add_argument("--input", nargs="+", required=True, help="text files or folders (all files, recursively)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--tokenizer", choices=("bytes", "gpt2"), required=True)
+    p.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS, required=True)
     p.add_argument("--val-fraction", type=float, default=0.1, help="tail of the token stream held out for val")
     p.add_argument("--overwrite", action="store_true", help="replace the data an existing --out folder holds")
     s = sub.add_parser("stats", help="token counts and the entropies a model's loss should beat")

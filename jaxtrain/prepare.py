@@ -31,6 +31,9 @@ from tqdm import tqdm
 from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
+TOKENIZERS = ("bytes", "gpt2")
+COMMAND = f"`python -m jaxtrain.data prepare --input TEXT... --out DIR --tokenizer {'|'.join(TOKENIZERS)}`"
+
 
 def _dtype_for(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
@@ -368,6 +371,5 @@ def _split_tail(path: str, tail_path: str, keep: int, dtype: np.dtype, chunk: in
 
 
 if __name__ == "__main__":  # a likely guess at the command, which is jaxtrain.data's: say so rather than do nothing
-    print("error: this module has no command of its own; prepare data with `python -m jaxtrain.data prepare "
-          "--input TEXT... --out DIR --tokenizer bytes|gpt2`", file=sys.stderr)
+    print(f"error: this module has no command of its own; prepare data with {COMMAND}", file=sys.stderr)
     sys.exit(2)

@@ -37,7 +37,6 @@ from jaxtrain.autocast import COMPUTE_DTYPES
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError, exit_on_user_error
 
-TOKENIZERS = ("bytes", "gpt2")
 REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
 
 
@@ -73,15 +72,13 @@ class Tokenizer(NamedTuple):
         return b"".join(pieces).decode("utf-8", errors="replace")
 
 
-TOKENIZERS = ("bytes", "gpt2")
-
-
 def tokenizer(name: str) -> Tokenizer:
     """A data folder's tokenizer by its meta.json name. Training reads any folder's ids; encoding a prompt and
-    decoding tokens needs one of TOKENIZERS (another's ids, read as GPT-2's, would be refused or decode wrong)."""
-    if name not in TOKENIZERS:
+    decoding tokens needs one of prepare's TOKENIZERS (another's ids, read as GPT-2's, would be refused or decode
+    wrong)."""
+    if name not in prepare_lib.TOKENIZERS:
         raise UserError(f"the data's tokenizer is {name!r}, and jaxtrain encodes and decodes text with "
-                        f"{' or '.join(TOKENIZERS)} only")
+                        f"{' or '.join(prepare_lib.TOKENIZERS)} only")
     if name == "bytes":  # surrogateescape: bytes of the command line that were not UTF-8 come back as they were
         return Tokenizer(lambda text: list(text.encode("utf-8", "surrogateescape")), lambda i: bytes([i]), 256)
     enc = prepare_lib.gpt2_encoding()
@@ -155,7 +152,7 @@ def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, 
     if max(ids) >= model_cfg.vocab_size:
         raise UserError(f"the prompt encodes to token id {max(ids)}, beyond the model's vocabulary of "
                         f"{model_cfg.vocab_size}: the run was trained with another tokenizer; pass the one its data "
-                        f"used ({' or '.join(TOKENIZERS)})")
+                        f"used ({' or '.join(prepare_lib.TOKENIZERS)})")
     model_cfg = dataclasses.replace(model_cfg, attention="xla")
     graphdef = model_lib.graphdef(model_cfg, vocab_size=model_cfg.vocab_size, precision=precision)
     tokens = generator(graphdef, model_cfg, precision, sampling)(params, np.asarray([ids], np.int32))
@@ -235,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"draw among the k likeliest tokens; 0: all (default {defaults.top_k})")
     ap.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same text")
     ap.add_argument("--precision", choices=tuple(COMPUTE_DTYPES), help="default: the run's train.precision")
-    ap.add_argument("--tokenizer", choices=TOKENIZERS,
+    ap.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
                     help="default, and the only one accepted where the run's data folder is here: that of the data "
                          "the run trained on")
     return ap
