@@ -27,7 +27,6 @@ from jaxtrain import dryrun
 from jaxtrain.divergence import Divergence
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
-from jaxtrain import model as model_lib
 from jaxtrain import preemption
 from jaxtrain import runfolder
 from jaxtrain import runlock
@@ -96,8 +95,7 @@ class Trainer:
         self.data_seed = self._data_seed()
         self.jit_train_step = step_lib.jit_train_step(
             cfg, self.data_seed, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
-        graphdef = model_lib.graphdef(cfg.model, vocab_size=vocab_size, precision=cfg.train.precision)
-        self.eval_step = jax.jit(step_lib.make_eval_step(graphdef))
+        self.eval_step = step_lib.jit_eval_step(cfg)
 
     def _sample_tokenizer(self, cfg: Config) -> sample_lib.Tokenizer:
         """The end-of-run sample's tokenizer, loaded before the first step: a data folder whose tokenizer jaxtrain

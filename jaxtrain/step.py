@@ -159,8 +159,8 @@ DOT_MERGER = "xla_gpu_dot_merger_threshold_mb"
 
 
 def compiler_options(cfg: Config) -> dict:
-    """XLA options of the train step's compile, each only where it was measured to pay, and never over the user's
-    own setting of it in XLA_FLAGS (nor one given at compile time: benchmarks.xla_flags).
+    """XLA options of the train and eval steps' compiles, each only where it was measured to pay, and never over the
+    user's own setting of it in XLA_FLAGS (nor one given at compile time: benchmarks.xla_flags).
 
     On a GPU with the weights whole on every device (mesh.fsdp=1), XLA's older latency estimator for its
     latency-hiding scheduler. The default analytical ("SoL") estimator moved the weight-gradient gemms of the
@@ -180,6 +180,13 @@ def compiler_options(cfg: Config) -> dict:
         options[DOT_MERGER] = 0
     xla_flags = os.environ.get("XLA_FLAGS", "")
     return {name: value for name, value in options.items() if name not in xla_flags}
+
+
+def jit_eval_step(cfg: Config) -> Callable:
+    """The run's eval step for cfg's model (its resolved vocab_size), jitted with the train step's compile options:
+    the same forward pass compiles the same way (on a GPU, q, k and v stay three gemms)."""
+    graphdef = model.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
+    return jax.jit(make_eval_step(graphdef), compiler_options=compiler_options(cfg))
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
