@@ -39,13 +39,25 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from jaxtrain import cmdline  # noqa: E402
+from jaxtrain import cmdline, config_checks  # noqa: E402
+from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain.cmdline import output_folder, positive_int  # noqa: E402
 from jaxtrain.errors import UserError  # noqa: E402
 from parity_tests import judgment, runs  # noqa: E402
 
 COLORS = {"jaxtrain": "tab:blue", "torchref": "tab:orange"}  # the reference runs: gray
 ZERO_FLOOR = 1e-9  # where an exact 0 difference is drawn on the log axes
+# Keys the report sets in every run, which a flag of the user's would override (later flags win): the way instead.
+REPORT_SETS = {
+    "run.out_dir": "each run goes into --out's runs/: give --out",
+    "run.fresh": "--out's runs/ is replaced at each report: give --out",
+    "run.dry_run": "the report trains both backends; for a dry run, python -m jaxtrain.run",
+    "init.from": "both backends start from jaxtrain's fresh params for the config, which the report exports",
+    "train.precision": "give --precision",
+    "train.steps": "give --steps",
+    "model.dropout": "dropout masks cannot match across backends: the report runs without dropout",
+    "train.eval_every": "the report evaluates once, at the end",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [a for a in overrides if not (a.startswith("--") and "=" in a)]
     if bad:
         ap.error(f"unexpected argument {bad[0]!r}; overrides look like --section.key=value")
+    reserved = [key for key in REPORT_SETS if cmdline.given(overrides, key) is not None]
+    if reserved:
+        ap.error(f"--{reserved[0]} is the report's to set ({REPORT_SETS[reserved[0]]})")
     try:
         config = cmdline.one_config(known.config)
     except UserError as e:
@@ -144,11 +159,15 @@ def judge(work: str, dirs: dict, refs: dict, precision: str, resolved: dict) -> 
 
 def reference(precision: str, resolved: dict) -> tuple[str | None, list[str]]:
     """What each backend's second run changes, the rounding-only reference that gives the floor: fp32 for a bf16
-    or fp16 report; twice the accumulation for an fp32 one (None where the batch does not split further)."""
+    or fp16 report; twice the accumulation for an fp32 one, None where the config refuses that (the batch does
+    not split further, or the smaller micro-batch breaks another of its rules, such as model.vocab_tiles')."""
     if precision != "fp32":
         return "fp32", ["--train.precision=fp32"]
-    k, batch = resolved["optim"]["grad_accum_steps"], resolved["data"]["batch_size"]
-    if batch % (2 * k):
+    k = resolved["optim"]["grad_accum_steps"]
+    doubled = {**resolved, "optim": {**resolved["optim"], "grad_accum_steps": 2 * k}}
+    try:
+        config_checks.validate(config_lib.from_dict(doubled))
+    except UserError:
         return None, []
     return f"accum {2 * k}", [f"--optim.grad_accum_steps={2 * k}"]
 
@@ -237,12 +256,13 @@ def plot_lr(lines: dict, path: str, precision: str) -> None:
     _curves(top, {k: lines[k] for k in ("jaxtrain", "torchref")}, "lr", "lr")
     steps, j = column(lines["jaxtrain"], "lr")
     _, t = column(lines["torchref"], "lr")
-    bottom.plot(steps, (j / t - 1) * 1e6, color="tab:purple", marker=".", ms=3, lw=0.8)
-    bound = judgment.FP32["lr"].rtol * 1e6
+    bottom.plot(steps, (j - t) / np.abs(t).max() * 1e6, color="tab:purple", marker=".", ms=3, lw=0.8)
+    bound = judgment.FP32["lr"].peak_rtol * 1e6
     for sign in (1, -1):
-        bottom.axhline(sign * bound, color="tab:red", ls=":", lw=1, label="bound (rtol 1e-6)" if sign > 0 else None)
+        bottom.axhline(sign * bound, color="tab:red", ls=":", lw=1,
+                       label=f"bound ({judgment.FP32['lr'].text()})" if sign > 0 else None)
     bottom.axhline(0, color="black", lw=0.5)
-    bottom.set_ylabel("jaxtrain / torchref - 1  (x 1e-6)")
+    bottom.set_ylabel("(jaxtrain - torchref) / peak LR  (x 1e-6)")
     bottom.legend(loc="upper right")
     bottom.grid(alpha=0.3)
     _save(fig, path)
@@ -332,8 +352,9 @@ def markdown(config: str, precision: str, resolved: dict, flags: list[str], rows
 
 def _floor_paragraph(precision: str, refs: dict) -> str:
     if not refs:
-        return ("**No rounding floor**: the batch does not split into twice the accumulation, so no reference run "
-                "was made; every bound is its constant part alone, and the key bias is held like the other params.")
+        return ("**No rounding floor**: the config does not run at twice the accumulation (the batch does not split "
+                "further, or the smaller micro-batch breaks another of its rules), so no reference run was made; "
+                "every bound is its constant part alone, and the key bias is held like the other params.")
     what = (f"in fp32 (how far {precision} alone moves it)" if precision != "fp32" else
             "with only the order of its fp32 sums changed (twice the accumulation: same batches, same math)")
     return (f"**Rounding floor**: each backend run again {what}: `{'`, `'.join(refs.values())}`. The floor column is "

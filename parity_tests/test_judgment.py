@@ -50,3 +50,35 @@ def test_key_bias_is_judged_against_its_floor_and_the_rest_tightly():
     assert [r.passed for r in rows] == [False, True]
     bf16 = judgment.compare_states(_state(key_bias_shift=2e-2), _state(), {"params": None}, floor)
     assert [r.passed for r in bf16] == [None, False]  # params shown; the key bias judged by its floor alone
+
+
+def test_peak_rtol_is_a_fraction_of_the_columns_largest_value():
+    b = np.array([1e-3, 5e-4, 1e-5, 0.0, 0.0])  # peak 1e-3: allowed 1e-9 + 1e-3 x |b| at every step
+    bound = Bound(1e-9, 1e-3, "test", peak_rtol=2e-6)  # + 2e-9: 1e-6 + 3e-9, 5e-7 + 3e-9, 1e-8 + 3e-9, 3e-9, 3e-9
+    assert judgment.compare_series("lr", STEPS, b + [1e-6, 5e-7, 1e-8, 2.9e-9, -2.9e-9], b, bound).passed
+    assert judgment.compare_series("lr", STEPS, b + [0, 0, 0, 0, 3.1e-9], b, bound).first_bad == 5
+    assert bound.text() == "atol 1e-09 + rtol 1e-03 + 2.0e-06 x peak"
+
+
+def test_the_lr_bound_holds_for_optaxs_float32_schedule_at_any_run_length():
+    """jaxtrain's schedule (optax, float32) against the cosine written out in float64, as torchref evaluates it, over
+    long runs and to min_lr = 0, where a bound relative to the LR itself fails at the last steps (it did, in a
+    report of 20 steps): the LR's bound is a fraction of its peak."""
+    import jax.numpy as jnp
+
+    from jaxtrain import optim
+    from parity_tests.conftest import make_cfg
+
+    # (the relative bound fails at the long run's last steps; at 20 it still held here, 7.9e-7)
+    for lr, min_lr, warmup, steps, relative_fails in ((1e-3, 0.0, 10, 20, False), (6e-4, 0.0, 2000, 100_000, True),
+                                                      (3e-3, 3e-4, 500, 50_000, False)):
+        cfg = make_cfg(f"--optim.lr={lr}", f"--optim.min_lr={min_lr}", f"--optim.warmup_steps={warmup}",
+                       f"--train.steps={steps}")
+        t = np.arange(steps + 1, dtype=np.float64)
+        warm = lr * (t + 1) / (warmup + 1)  # the default warmup_init_lr = lr / (W + 1)
+        cosine = min_lr + (lr - min_lr) * 0.5 * (1 + np.cos(np.pi * (t - warmup) / (steps - warmup)))
+        want = np.where(t < warmup, warm, cosine)
+        got = np.asarray(optim.lr_schedule(cfg)(jnp.arange(steps + 1)), np.float64)
+        assert judgment.compare_series("lr", t, got, want, judgment.FP32["lr"]).passed, (lr, min_lr, steps)
+        if relative_fails:
+            assert not judgment.compare_series("lr", t, got, want, Bound(0.0, 1e-6, "relative")).passed

@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
+from jaxtrain import config
 from parity_tests import runs
 
 
@@ -45,3 +47,41 @@ def test_a_second_config_is_refused_not_read_over_the_first(tmp_path, capsys):
     assert f"error: --config is given 2 times ('{runs.TINY}', 'configs/small.yaml') but a run reads one YAML file" \
         in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("flag,way", [
+    ("--run.out_dir=USER", "give --out"), ("--init.from=USER", "fresh params"), ("--train.steps=9", "--steps"),
+    ("--train.precision=bf16", "--precision"), ("--model.dropout=0.1", "without dropout")])
+def test_a_key_the_report_sets_is_refused_naming_the_way(tmp_path, capsys, flag, way):
+    """Each run's own flags come first in its command, the report's after: --run.out_dir of the user's sent
+    jaxtrain's run into the user's folder (resuming, or --run.fresh setting aside, a run there) and torchref's onto
+    it; the others were overridden unsaid. Refused before anything is written."""
+    from parity_tests import report
+
+    flag = flag.replace("USER", str(tmp_path / "mine"))
+    with pytest.raises(SystemExit) as e:
+        report.main(["--config", runs.TINY, "--out", str(tmp_path / "r"), flag])
+    key = flag.split("=")[0]
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"python -m parity_tests.report: error: {key} is the report's to set") and way in err, err
+    assert not (tmp_path / "mine").exists() and not (tmp_path / "r").exists()
+
+
+def test_the_fp32_floor_runs_at_twice_the_accumulation_only_where_the_config_allows_it():
+    """The reference doubles optim.grad_accum_steps; where the halved micro-batch breaks a rule of the config (the
+    batch, or model.vocab_tiles' division of a micro-batch's tokens), the report has no floor, rather than a
+    reference run refused after both backends trained."""
+    from parity_tests import report
+
+    def resolved(*flags):
+        cfg = config.load(["--config", runs.TINY, "--model.seq_len=48", "--model.vocab_size=256", *flags])
+        return yaml.safe_load(config.dump(cfg))
+
+    assert report.reference("fp32", resolved("--data.batch_size=4")) == ("accum 2", ["--optim.grad_accum_steps=2"])
+    assert report.reference("fp32", resolved("--data.batch_size=3")) == (None, [])  # 3 does not halve
+    # 4 sequences of 48 tokens: 192 a micro-batch, 96 at twice the accumulation, which 64 tiles do not divide
+    assert report.reference("fp32", resolved("--data.batch_size=4", "--model.vocab_tiles=64")) == (None, [])
+    assert report.reference("fp32", resolved("--data.batch_size=4", "--model.vocab_tiles=32")) == (
+        "accum 2", ["--optim.grad_accum_steps=2"])
+    assert report.reference("bf16", resolved("--data.batch_size=3")) == ("fp32", ["--train.precision=fp32"])
