@@ -284,7 +284,12 @@ def test_corrupt_checkpoint_file_is_named(straight_run, token_dir, tmp_path):
                            "or start over with --run.fresh=true") + "$"
     with pytest.raises(UserError, match=r"checkpoints/6/model\.safetensors .*" + resume_fix):
         run.train(tiny_cfg(token_dir, out))
-    os.remove(os.path.join(out, "checkpoints", "6", "trainer_state.json"))
+    state_file = os.path.join(out, "checkpoints", "6", "trainer_state.json")
+    with open(state_file, "w") as f:
+        f.write('{"step": 6}')  # JSON, not ours: it had the fix of a wrong init.from ("point at a ... folder")
+    with pytest.raises(UserError, match=r"checkpoints/6/trainer_state\.json is not a .*" + resume_fix):
+        run.train(tiny_cfg(token_dir, out))
+    os.remove(state_file)
     with pytest.raises(UserError, match=r"checkpoints/6/trainer_state\.json .*" + resume_fix):
         run.train(tiny_cfg(token_dir, out))
 
@@ -476,3 +481,16 @@ def test_cli_reports_user_errors(token_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         run.main(tiny_argv(token_dir, tmp_path, "--init.from=/nonexistent"))
     assert e.value.code == 2 and "init.from='/nonexistent' does not exist" in capsys.readouterr().err
+
+
+def test_the_keys_torchref_does_not_read_are_named(token_dir, tmp_path):
+    """A config with jaxtrain's devices and kernels set trains in torchref, on one device (the same math): those
+    keys are named in its one note, as the TensorBoard and sample keys were, not passed over unsaid."""
+    quiet = tiny_cfg(token_dir, tmp_path, "--log.tensorboard=false", "--log.sample_tokens=0")
+    assert run.jaxtrain_only(quiet) == []
+    pod = tiny_cfg(token_dir, tmp_path, "--log.tensorboard=false", "--log.sample_tokens=0", "--mesh.fsdp=2",
+                   "--model.attention=cudnn", "--model.remat=dots", "--model.vocab_tiles=2")
+    assert run.jaxtrain_only(pod) == ["mesh.fsdp=2", "model.attention=cudnn", "model.remat=dots",
+                                               "model.vocab_tiles=2"]
+    assert run.jaxtrain_only(tiny_cfg(token_dir, tmp_path, "--log.tensorboard=true")) == [
+        "log.tensorboard=True"]

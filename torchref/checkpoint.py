@@ -255,7 +255,7 @@ def _read_trainer_state(path: str) -> dict:
     except (OSError, ValueError) as e:
         raise _Damaged(f"checkpoint file {file} is missing or unreadable ({e})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UserError(f"{file} is not a {FORMAT} trainer state; point at a torch-format checkpoint folder")
+        raise _Damaged(f"{file} is not a {FORMAT} trainer state")
     return state
 
 

@@ -60,6 +60,18 @@ def train(cfg: Config) -> None:
         lock.release()
 
 
+# The keys torchref does not read, each with the value that asks nothing of a trainer: what jaxtrain writes besides
+# metrics.jsonl, and how it computes (over devices, with which kernels), not what (torchref/model.py's GPT).
+JAXTRAIN_ONLY = {"log.tensorboard": False, "log.sample_tokens": 0, "mesh.data": -1, "mesh.fsdp": 1,
+                 "model.attention": "auto", "model.norm": "auto", "model.remat": "none", "model.vocab_tiles": 1}
+
+
+def jaxtrain_only(cfg: Config) -> list[str]:
+    """`key=value` for each of JAXTRAIN_ONLY's keys that cfg sets to something torchref would leave undone."""
+    values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in JAXTRAIN_ONLY}
+    return [f"{key}={value}" for key, value in values.items() if value != JAXTRAIN_ONLY[key]]
+
+
 def _train(cfg: Config, stop: preemption.StopRequest) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.run.seed)
@@ -278,9 +290,11 @@ class MetricsLog:
     def __init__(self, cfg: Config, resumed_step: int, flops_per_token: float, peak_flops: float | None):
         self.path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
         self.cfg, self.flops_per_token, self.peak_flops = cfg, flops_per_token, peak_flops
-        if cfg.log.tensorboard or cfg.log.sample_tokens:  # said once training starts, after every refusal
-            print("torchref: no TensorBoard events and no end-of-run sample (log.tensorboard and log.sample_tokens "
-                  "are jaxtrain's); metrics.jsonl holds the same lines", file=sys.stderr)
+        unread = jaxtrain_only(cfg)
+        if unread:  # said once training starts, after every refusal
+            print(f"torchref: {', '.join(unread)}: jaxtrain's (its TensorBoard events, end-of-run sample, devices "
+                  f"and kernels), not read here; torchref trains the same math on one device, and metrics.jsonl "
+                  f"holds the same lines", file=sys.stderr)
         kept = metrics.kept_lines(self.path, resumed_step) if resumed_step else []
         self.wandb = wandb_log.WandbLog(cfg, start_step=resumed_step, last_jsonl_step=metrics.last_step(self.path)) \
             if cfg.log.wandb else None
