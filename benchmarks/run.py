@@ -152,10 +152,12 @@ def table(rows: list[dict], base, n_params: int, peak: float | None) -> str:
     for r in rows:
         r["cfg"] = dataclasses.asdict(r.pop("cfg"))
         if r["times"]:
-            per_s = [(2 * m * k * n if r["key"].startswith("matmul") else
-                      base.data.batch_size * base.model.seq_len) / t for t in r["times"]]
-            r.update(median=statistics.median(per_s), low=min(per_s), high=max(per_s),
-                     step_ms=statistics.median(r["times"]) * 1e3)
+            # One rule for every figure: the work of a step over the median step time (the min-max from the
+            # slowest and fastest step), so tokens/s, step ms and MFU agree also for an even count of steps.
+            work = 2 * m * k * n if r["key"].startswith("matmul") else base.data.batch_size * base.model.seq_len
+            step_s = statistics.median(r["times"])
+            r.update(median=work / step_s, low=work / max(r["times"]), high=work / min(r["times"]),
+                     step_ms=step_s * 1e3)
     ceiling = {p: max((r["median"] for r in rows if r["key"].startswith("matmul") and r["precision"] == p
                        and "median" in r), default=None) for p in ("bf16", "fp32")}
     jax_main = {r["precision"]: r["median"] for r in rows if r["key"] in ("jax-bf16", "jax-fp32") and "median" in r}

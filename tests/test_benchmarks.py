@@ -134,3 +134,17 @@ def test_user_errors_are_one_line_exit_2(tool, flags, message):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr[-2000:]
+
+
+def test_rates_are_work_over_the_median_time():
+    """With an even number of steps the median of per-step rates is not the rate of the median step: tokens/s, its
+    min-max, the step ms and MFU all come from the step times (128 tokens a step, steps of 1 s and 3 s)."""
+    rows = [_row("jax-bf16", [1.0, 3.0]), _row("matmul-jax-bf16", [1.0, 4.0])]
+    bench.table(rows, config.load(TINY), n_params=10_000, peak=1e6)
+    jax_row, matmul_row = rows
+    assert (jax_row["median"], jax_row["low"], jax_row["high"], jax_row["step_ms"]) == (64, 128 / 3, 128, 2000)
+    flops = 2 * 64 * 32 * 128  # the matmul's 2mkn
+    assert (matmul_row["median"], matmul_row["low"], matmul_row["high"]) == (flops / 2.5, flops / 4, flops)
+    flops_per_token = 6 * (10_000 - 16 * 32) + 12 * 1 * 32 * 16  # nanoGPT's: 6N (wpe not in N) + 12 L d T
+    assert jax_row["mfu_peak"] == pytest.approx(64 * flops_per_token / 1e6)
+    assert jax_row["mfu_ceiling"] == pytest.approx(64 * flops_per_token / (flops / 2.5))
