@@ -26,7 +26,7 @@ import sys
 
 from benchmarks import workers
 from benchmarks.steps import matmul_shape, with_precision
-from jaxtrain import config as config_lib
+from jaxtrain import config as config_lib, config_checks
 from jaxtrain.cmdline import CONFIG_FLAGS_HELP, output_file, positive_float, positive_int
 from jaxtrain.errors import UserError, exit_on_user_error
 
@@ -126,8 +126,8 @@ def measure(base, keys: list[str], args) -> list[dict]:
     """Start each row's process (one after the other, so warm-ups do not share the machine), then the rounds: each
     round gives every live row its turn. With --one-at-a-time a row's process runs all its rounds and ends before
     the next starts, for a GPU whose memory cannot hold every row's activations and caches at once."""
-    rows = [{"key": key, "name": ROWS[key][0], "precision": ROWS[key][2], "times": [],
-             "cfg": with_precision(base, ROWS[key][2], ROWS[key][3])} for key in keys]
+    rows = [{"key": key, "name": ROWS[key][0], "precision": ROWS[key][2], "times": [], "cfg": row_config(base, key)}
+            for key in keys]
     groups = [[r] for r in rows] if args.one_at_a_time else [rows]
     for group in groups:
         for r in group:
@@ -143,6 +143,19 @@ def measure(base, keys: list[str], args) -> list[dict]:
             r["peak_memory"] = r["worker"].peak_memory() if "error" not in r else None
             r.pop("worker").close()
     return rows
+
+
+def row_config(base, key: str):
+    """The config row `key` runs, checked as the trainer checks its own: a row's precision or micro-batch count
+    can make a valid base config invalid (k=4 on a batch of 6), a user error to report before any process starts
+    rather than a failed row."""
+    name, _, precision, accum_steps, _ = ROWS[key]
+    cfg = with_precision(base, precision, accum_steps)
+    try:
+        config_checks.validate(cfg)
+    except UserError as e:
+        raise UserError(f"{name}: {e}") from None
+    return cfg
 
 
 def table(rows: list[dict], base, n_params: int, peak: float | None) -> str:

@@ -126,7 +126,10 @@ def test_help_names_the_config_and_its_overrides(capsys, tool, own_flag):
     ("xla_flags", ["--target", "cpu", "--model.n_layerz=1"], "unknown config key 'model.n_layerz'"),
     ("run", ["--synthetic", "--model.vocab_size=null"], "--synthetic needs model.vocab_size"),
     ("run", ["--rows", "jax-bf16,nope"], "unknown --rows ['nope']; choose from jax-bf16,"),
-    ("run", ["--rows", ","], "--rows=',' names no row; give one or more, comma-separated, of jax-bf16,")])
+    ("run", ["--rows", ","], "--rows=',' names no row; give one or more, comma-separated, of jax-bf16,"),
+    ("run", ["--synthetic", "--model.vocab_size=256", "--only", "throughput", "--rows", "jax-bf16-k4",
+             "--data.batch_size=6"],
+     "jaxtrain bf16, k=4: data.batch_size=6 is not divisible by optim.grad_accum_steps=4")])
 def test_user_errors_are_one_line_exit_2(tool, flags, message):
     """A config or flag the user can fix ends each tool in jaxtrain's one line, exit code 2, no traceback."""
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{tool}", "--config", "configs/tiny.yaml", *flags],
@@ -148,3 +151,16 @@ def test_rates_are_work_over_the_median_time():
     flops_per_token = 6 * (10_000 - 16 * 32) + 12 * 1 * 32 * 16  # nanoGPT's: 6N (wpe not in N) + 12 L d T
     assert jax_row["mfu_peak"] == pytest.approx(64 * flops_per_token / 1e6)
     assert jax_row["mfu_ceiling"] == pytest.approx(64 * flops_per_token / (flops / 2.5))
+
+
+def test_row_configs_are_validated_before_any_process_starts(monkeypatch):
+    """The k=4 row sets optim.grad_accum_steps=4, which 6 sequences do not divide: the trainer's own check says so,
+    naming the row, before a row's process starts (it used to run, and fail into the table as a row)."""
+    def no_process(row, synthetic):
+        raise AssertionError(f"row {row.name!r}'s process started before every row's config was checked")
+
+    monkeypatch.setattr(bench.workers, "Worker", no_process)
+    args = bench.parser().parse_args(["--rows", "jax-bf16,jax-bf16-k4"])
+    with pytest.raises(bench.UserError, match=r"^jaxtrain bf16, k=4: data.batch_size=6 is not divisible by "
+                                              r"optim.grad_accum_steps=4; "):
+        bench.measure(config.load([*TINY, "--data.batch_size=6"]), ["jax-bf16", "jax-bf16-k4"], args)
