@@ -60,7 +60,9 @@ def main(argv: list[str]) -> None:
         results["rows"] = measure(base, keys, args)
         print(table(results["rows"], base, n_params, peak), flush=True)
     if args.only != "throughput":
-        print(save_cost(base, args), flush=True)
+        from benchmarks.save_cost import save_cost_table  # jax and orbax: not in the rows' spawned processes
+        results["save"] = save_cost(base, args)
+        print(save_cost_table(results["save"]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -77,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--peak-tflops", type=positive_float, help="the device's nominal dense bf16 peak, for MFU")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="each row's process runs all its rounds alone (a GPU that cannot hold every row at once)")
-    ap.add_argument("--json", type=output_file, help="also write the results here")
+    ap.add_argument("--json", type=output_file, help="also write the results here (the rows, and the save costs)")
     ap.add_argument("--only", choices=("throughput", "save"), help="print only this part")
     return ap
 
@@ -216,14 +218,15 @@ def _pct(x: float | None) -> str:
     return f"{x:.1%}" if x is not None else "n/a"
 
 
-def save_cost(base, args) -> str:
-    from benchmarks.save_cost import save_cost_table
+def save_cost(base, args) -> dict:
+    """The cost of a checkpoint save (benchmarks/save_cost.py), on the base config with a fresh state."""
+    from benchmarks.save_cost import save_costs
     from benchmarks.steps import windows
     from jaxtrain import step as step_lib
     data = workers.tokens(base, args.synthetic)
     state = step_lib.fresh_state(base, base.model.vocab_size)
-    return save_cost_table(base, step_lib.jit_train_step(base, base.run.seed), state, windows(base, data),
-                           pairs=max(args.rounds * args.steps // 2, 2))
+    return save_costs(base, step_lib.jit_train_step(base, base.run.seed), state, windows(base, data),
+                      pairs=max(args.rounds * args.steps // 2, 2))
 
 
 if __name__ == "__main__":

@@ -39,20 +39,29 @@ def pair_seconds(train_step, state, window, saver) -> tuple[object, dict]:
     return state, {"plain": plain, "held": held, "saved": time.perf_counter() - start}
 
 
-def save_cost_table(cfg, train_step, state, window, pairs: int) -> str:
-    """What a save costs the training, as a table: `pairs` pairs of steps per variant on `state`, trained on by
-    `train_step` with window(step) as the batches of a step. cfg: the resolved config whose saves are measured."""
+def save_costs(cfg, train_step, state, window, pairs: int) -> dict:
+    """What a save costs the training: `pairs` pairs of steps per variant on `state`, trained on by `train_step`
+    with window(step) as the batches of a step. cfg: the resolved config whose saves are measured. Medians, in
+    ms; of_step: the cost as a fraction of a plain step."""
     times = measure(cfg, train_step, state, window, pairs)
     step_s = statistics.median(t["plain"] for name in VARIANTS for t in times[name])
-    state_mb = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6
-    lines = [f"checkpoint saves of the {state_mb:.0f} MB state; a train step without takes {step_s * 1e3:,.0f} ms "
-             f"({pairs} saves of each kind)\n",
+    rows = []
+    for name in VARIANTS:
+        cost_s = statistics.median(t["saved"] - t["plain"] for t in times[name])
+        rows.append({"save": name, "loop_waits_ms": statistics.median(t["held"] for t in times[name]) * 1e3,
+                     "costs_ms": cost_s * 1e3, "of_step": cost_s / step_s})
+    return {"state_mb": sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6, "step_ms": step_s * 1e3,
+            "pairs": pairs, "rows": rows}
+
+
+def save_cost_table(costs: dict) -> str:
+    """save_costs' figures as a table."""
+    lines = [f"checkpoint saves of the {costs['state_mb']:.0f} MB state; a train step without takes "
+             f"{costs['step_ms']:,.0f} ms ({costs['pairs']} saves of each kind)\n",
              f"| {'save':<34} | {'loop waits (ms)':>15} | {'costs (ms)':>10} | {'of a step':>9} |",
              f"|{'-' * 36}|{'-' * 17}|{'-' * 12}|{'-' * 11}|"]
-    for name in VARIANTS:
-        held = statistics.median(t["held"] for t in times[name])
-        cost = statistics.median(t["saved"] - t["plain"] for t in times[name])
-        lines.append(f"| {name:<34} | {held * 1e3:15.1f} | {cost * 1e3:10.1f} | {cost / step_s:9.1%} |")
+    lines += [f"| {r['save']:<34} | {r['loop_waits_ms']:15.1f} | {r['costs_ms']:10.1f} | {r['of_step']:9.1%} |"
+              for r in costs["rows"]]
     return "\n".join(lines)
 
 

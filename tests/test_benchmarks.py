@@ -164,3 +164,28 @@ def test_row_configs_are_validated_before_any_process_starts(monkeypatch):
     with pytest.raises(bench.UserError, match=r"^jaxtrain bf16, k=4: data.batch_size=6 is not divisible by "
                                               r"optim.grad_accum_steps=4; "):
         bench.measure(config.load([*TINY, "--data.batch_size=6"]), ["jax-bf16", "jax-bf16-k4"], args)
+
+
+def test_json_carries_the_save_table(tmp_path, monkeypatch, capsys):
+    """--only save --json: the JSON holds the save table's figures, the numbers the printed table shows. Hand-made
+    pair times: a plain step of 2.0 s (median of 1, 3, 2, 2); async saves held the loop 0.1 and 0.3 s and cost 0.5
+    and 0.7 s; sync saves 0.5 and 0.7 s, costing 1.0 and 0.8 s."""
+    from benchmarks import save_cost
+    times = {"async (checkpoint.async_save=true)": [{"plain": 1.0, "held": 0.1, "saved": 1.5},
+                                                    {"plain": 3.0, "held": 0.3, "saved": 3.7}],
+             "sync (checkpoint.async_save=false)": [{"plain": 2.0, "held": 0.5, "saved": 3.0},
+                                                    {"plain": 2.0, "held": 0.7, "saved": 2.8}]}
+    monkeypatch.setattr(save_cost, "measure", lambda cfg, train_step, state, window, pairs: times)
+    out = tmp_path / "save.json"
+    bench.main([*TINY, "--synthetic", "--only", "save", "--rounds", "1", "--steps", "4", "--json", str(out)])
+    saves = json.loads(out.read_text())["save"]
+    assert saves["step_ms"] == pytest.approx(2000) and saves["pairs"] == 2
+    expected = [["async (checkpoint.async_save=true)", 200, 600, 0.30],
+                ["sync (checkpoint.async_save=false)", 600, 900, 0.45]]
+    assert [[r["save"], r["loop_waits_ms"], r["costs_ms"], r["of_step"]] for r in saves["rows"]] == [
+        [name, pytest.approx(held), pytest.approx(cost), pytest.approx(share)]
+        for name, held, cost, share in expected]
+    printed = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
+               if line.startswith(("| async", "| sync"))]
+    assert printed == [["async (checkpoint.async_save=true)", "200.0", "600.0", "30.0%"],
+                       ["sync (checkpoint.async_save=false)", "600.0", "900.0", "45.0%"]]
