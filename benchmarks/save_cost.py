@@ -17,6 +17,7 @@ import time
 import jax
 
 from jaxtrain import checkpoint
+from jaxtrain.errors import exit_no_command_of_its_own
 
 VARIANTS = {"async (checkpoint.async_save=true)": True, "sync (checkpoint.async_save=false)": False}
 
@@ -81,3 +82,8 @@ def measure(cfg, train_step, state, window, pairs: int) -> dict[str, list[dict]]
         for saver in savers.values():
             saver.close()
     return times
+
+
+if __name__ == "__main__":  # a likely guess at the command, which is benchmarks.run's: say so rather than do nothing
+    exit_no_command_of_its_own("measure a save's cost with `python -m benchmarks.run --config CONFIG --only save "
+                               "[--steps N]`")

@@ -7,6 +7,7 @@ cause and the fix, with exit code 2, instead of a traceback.
 
 import contextlib
 import sys
+from typing import NoReturn
 
 
 class UserError(Exception):
@@ -21,3 +22,11 @@ def exit_on_user_error():
         # One line even when a message quotes a library's multi-line text (the tests hold every message to one).
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
+
+
+def exit_no_command_of_its_own(use_instead: str) -> NoReturn:
+    """For `python -m` of a module without a command line of its own whose name is a likely guess at one: one line
+    saying what to run instead (`use_instead`, e.g. "prepare data with `python -m ...`"), exit code 2, rather than
+    doing nothing and exiting 0."""
+    print(f"error: this module has no command of its own; {use_instead}", file=sys.stderr)
+    sys.exit(2)

@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtrain import runfolder
-from jaxtrain.errors import UserError
+from jaxtrain.errors import UserError, exit_no_command_of_its_own
 
 TOKENIZERS = ("bytes", "gpt2")
 COMMAND = f"`python -m jaxtrain.data prepare --input TEXT... --out DIR --tokenizer {'|'.join(TOKENIZERS)}`"
@@ -371,5 +371,4 @@ def _split_tail(path: str, tail_path: str, keep: int, dtype: np.dtype, chunk: in
 
 
 if __name__ == "__main__":  # a likely guess at the command, which is jaxtrain.data's: say so rather than do nothing
-    print(f"error: this module has no command of its own; prepare data with {COMMAND}", file=sys.stderr)
-    sys.exit(2)
+    exit_no_command_of_its_own(f"prepare data with {COMMAND}")

@@ -4,6 +4,7 @@ user errors in one line."""
 import importlib
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -189,3 +190,12 @@ def test_json_carries_the_save_table(tmp_path, monkeypatch, capsys):
                if line.startswith(("| async", "| sync"))]
     assert printed == [["async (checkpoint.async_save=true)", "200.0", "600.0", "30.0%"],
                        ["sync (checkpoint.async_save=false)", "600.0", "900.0", "45.0%"]]
+
+
+def test_python_m_save_cost_says_which_command_measures(capsys):
+    """`python -m benchmarks.save_cost` (the module's name, a likely guess) did nothing and exited 0."""
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(REPO, "benchmarks", "save_cost.py"), run_name="__main__")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1
+    assert lines[0].startswith("error: ") and "`python -m benchmarks.run --config CONFIG --only save" in lines[0]
