@@ -70,14 +70,13 @@ def hlo_categories(hlo: str) -> dict[str, str]:
     return by_name
 
 
-def trace_steps(cfg, synthetic: bool, steps: int) -> tuple[str, str]:
-    """Runs two warm-up steps, then `steps` traced ones: the path of the trace's .xplane.pb, and the step's
-    optimized HLO."""
+def trace_steps(cfg, synthetic: bool, steps: int, folder: str) -> tuple[str, str]:
+    """Runs two warm-up steps, then `steps` traced ones into `folder`: the path of the trace's .xplane.pb, and the
+    step's optimized HLO."""
     import jax
     from benchmarks import steps as steps_lib, workers
     timed = steps_lib.jaxtrain(cfg, workers.tokens(cfg, synthetic))
     timed.step(), timed.step()
-    folder = tempfile.mkdtemp(prefix="jaxtrain-profile-")
     with jax.profiler.trace(folder):
         for _ in range(steps):
             timed.step()
@@ -121,7 +120,8 @@ def main(argv: list[str]) -> None:
     args, rest = parser().parse_known_args(argv)
     from benchmarks.run import resolved_config
     cfg = resolved_config(rest, args.synthetic)
-    print(summarize(*trace_steps(cfg, args.synthetic, args.steps), args.steps, args.top))
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-profile-") as folder:  # removed once the trace is read
+        print(summarize(*trace_steps(cfg, args.synthetic, args.steps, folder), args.steps, args.top))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import runpy
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -199,3 +200,16 @@ def test_python_m_save_cost_says_which_command_measures(capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(lines) == 1
     assert lines[0].startswith("error: ") and "`python -m benchmarks.run --config CONFIG --only save" in lines[0]
+
+
+def test_profile_removes_its_trace_folder(tmp_path, monkeypatch):
+    """A profile read its trace from a jaxtrain-profile-* folder it left in the temp folder, one per run."""
+    import jax
+    import jax.numpy as jnp
+    from benchmarks import profile, steps
+    double = jax.jit(lambda x: 2 * x)
+    monkeypatch.setattr(steps, "jaxtrain", lambda cfg, data: steps.Timed(
+        step=lambda: jax.block_until_ready(double(jnp.ones(8))), peak_memory=lambda: 0, program=lambda: ""))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    profile.main([*TINY, "--synthetic", "--steps", "1"])
+    assert [name for name in os.listdir(tmp_path) if name.startswith("jaxtrain-profile-")] == []
