@@ -22,8 +22,10 @@ Each step at most once. A W&B run's history takes each step once and only in inc
 that an offline run only records for the sync to request). A resumed run therefore logs only the steps above every
 step W&B may hold: above the step it resumed at, above the last step of metrics.jsonl as the earlier process left it
 (it may have gone on past its last checkpoint before it stopped: those steps are trained again and rewritten in
-metrics.jsonl, but W&B keeps the first process's values, the same losses in a bit-exact resume), and, online, above
-the last step the server reports (run.starting_step - 1). A step's row is sent whole: the lines of one step (a train
+metrics.jsonl, but W&B keeps the first process's values, the same losses in a bit-exact resume), above the mark
+an earlier start kept in wandb.json (`may_hold`: a start truncates metrics.jsonl to its checkpoint, so a process
+stopped before it passed that last step would leave the file shorter than what W&B holds), and, online, above the
+last step the server reports (run.starting_step - 1). A step's row is sent whole: the lines of one step (a train
 line and an eval line) are gathered and sent when a later step begins, before each checkpoint save (sync: a run
 resumed there would not send it again) and at the end. A kill -9 can lose the last row (and what wandb-core had not
 yet written), never send one twice.
@@ -39,7 +41,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
-RUN_FILE = "wandb.json"  # in the run folder: {"id": ...}, written once
+RUN_FILE = "wandb.json"  # in the run folder: {"id": ...}, and "may_hold": <step> from a resume that raised it
 
 
 class WandbLog:
@@ -49,13 +51,15 @@ class WandbLog:
 
     def __init__(self, cfg, *, start_step: int, last_jsonl_step: int | None):
         run_file = runfolder.path(cfg.run.out_dir, RUN_FILE)
-        run_id = _saved_id(run_file)
+        run_id, may_hold = _saved_run(run_file)
         self.run = _start(cfg, run_id)
         self.logged_step = start_step
         if run_id is None:  # a new W&B run: its id, drawn by wandb, is this run folder's from now on
             runfolder.write_whole(run_file, json.dumps({"id": self.run.id}) + "\n")
         else:  # steps an earlier process of this run may have sent
-            self.logged_step = max(start_step, last_jsonl_step or 0, self.run.starting_step - 1)
+            self.logged_step = max(start_step, last_jsonl_step or 0, may_hold, self.run.starting_step - 1)
+            if self.logged_step > may_hold:  # kept before this start truncates metrics.jsonl
+                runfolder.write_whole(run_file, json.dumps({"id": run_id, "may_hold": self.logged_step}) + "\n")
         self.row, self.row_step = {}, None
 
     def log(self, step: int, scalars: dict) -> None:
@@ -78,20 +82,22 @@ class WandbLog:
         self.run.finish()
 
 
-def _saved_id(run_file) -> str | None:
-    """The W&B run id that wandb.json holds; None where there is no such file yet (a new W&B run)."""
+def _saved_run(run_file) -> tuple[str | None, int]:
+    """The W&B run id that wandb.json holds, and the step up to which that run may hold rows; (None, 0) where there
+    is no such file yet (a new W&B run). A file written before may_hold was kept reads as 0."""
     if not run_file.exists():
-        return None
+        return None, 0
     try:
-        run_id = json.loads(run_file.read_bytes().decode("utf-8"))["id"]
-    except (ValueError, KeyError, TypeError):  # not UTF-8 or not JSON; no "id" in it, or not an object
-        run_id = None
-    if not (isinstance(run_id, str) and run_id):
+        saved = json.loads(run_file.read_bytes().decode("utf-8"))
+        run_id, may_hold = saved["id"], saved.get("may_hold", 0)
+    except (ValueError, KeyError, TypeError, AttributeError):  # not UTF-8 or not JSON; no "id" in it, or no object
+        run_id, may_hold = None, None
+    if not (isinstance(run_id, str) and run_id and type(may_hold) is int):
         raise UserError(f"{run_file} is damaged: it holds the id of this run folder's W&B run, as "
                         f"{{\"id\": \"<id>\"}}; write the id back (the W&B run's page shows it, and so do the names "
                         f"of its local folders, (offline-)run-<time>-<id>), or move the file aside to log to a new "
                         f"W&B run")
-    return run_id
+    return run_id, may_hold
 
 
 def _start(cfg, run_id: str | None):

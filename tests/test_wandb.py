@@ -158,3 +158,24 @@ def test_without_the_package_one_line_names_the_fix_and_nothing_starts(tmp_path,
     [line] = proc.stderr.splitlines()
     assert line.startswith("error: log.wandb=true needs the wandb package") and "pip install 'jaxtrain[wandb]'" in line
     assert not out_dir.exists()
+
+
+def test_what_wandb_may_hold_outlives_a_resume_that_stopped_before_it(tmp_path, cache_dir):
+    """A process sent steps 1..6 and died with checkpoint 4 its newest; the next resumed at 4, cut metrics.jsonl
+    back to step 4 and stopped (Ctrl-C) before step 5; the third resumed at 4 too. metrics.jsonl no longer says that
+    W&B has 5 and 6: the third sent them again (a reviewer's run: steps 42-45 twice). wandb.json keeps the mark."""
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    cfg = config.load(small_args(out_dir, cache_dir, *WANDB))
+    first = wandb_log.WandbLog(cfg, start_step=0, last_jsonl_step=None)
+    for step in range(1, 7):
+        first.log(step, {"train/loss": float(step)})
+    first.close()
+    wandb_log.WandbLog(cfg, start_step=4, last_jsonl_step=6).close()  # its metrics.jsonl: 1..6, cut to 4
+    third = wandb_log.WandbLog(cfg, start_step=4, last_jsonl_step=4)
+    for step in range(5, 9):
+        third.log(step, {"train/loss": 10.0 + step})
+    third.close()
+    runs = wandb_records(out_dir)
+    assert [[row["_step"] for row in history([records])] for records in runs] == [[1, 2, 3, 4, 5, 6], [], [7, 8]]
+    assert len(set(run_ids(runs))) == 1
