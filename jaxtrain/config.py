@@ -199,11 +199,22 @@ def load(argv: list[str]) -> Config:
     if "-h" in argv or "--help" in argv:
         print(usage())
         raise SystemExit(0)
-    cfg = from_dict(cmdline.read(argv))
+    cfg = _home_expanded(from_dict(cmdline.read(argv)))
     config_checks.validate(cfg)
     if cmdline.given(argv, "run.out_dir") is None:
         runfolder.note_moved_run(cmdline.given(argv, "config"), cfg.run.out_dir)
     return cfg
+
+
+def _home_expanded(cfg: Config) -> Config:
+    """A leading ~ in a path key is the user's home, as in a shell: no shell expands it after `--run.out_dir=`, nor
+    in a YAML file, and a run folder was made under ./~ (data.cache_dir, too, already read it so)."""
+    def home(path: str | None) -> str | None:
+        return os.path.expanduser(path) if path and path.startswith("~") else path
+    return dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, out_dir=home(cfg.run.out_dir)),
+        data=dataclasses.replace(cfg.data, path=home(cfg.data.path), cache_dir=home(cfg.data.cache_dir)),
+        init=dataclasses.replace(cfg.init, from_=home(cfg.init.from_)))
 
 
 def usage() -> str:
