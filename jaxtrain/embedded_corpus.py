@@ -11,7 +11,6 @@ import pathlib
 import shutil
 import sys
 import sysconfig
-import tempfile
 import zlib
 
 from jaxtrain import prepare as prepare_lib
@@ -64,7 +63,7 @@ def prepare(root: str, files: list[str], out: str) -> None:
     parent = os.path.dirname(out)
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+        tmp = prepare_lib.staging_folder(parent, refuse_live=False)
     except OSError as e:
         raise UserError(f"cannot write the embedded corpus to {parent} ({e}); "
                         f"set data.cache_dir to a writable folder") from None

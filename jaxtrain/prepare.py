@@ -18,6 +18,7 @@ import math
 import os
 import pathlib
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -239,8 +240,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     encode, vocab_size = _encoder(tokenizer)
     start, created = time.perf_counter(), not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
-    _remove_killed_stagings(out)
-    staging = tempfile.mkdtemp(prefix=f"{_STAGING}{socket.gethostname()}-{os.getpid()}-", dir=out)
+    staging = staging_folder(out, refuse_live=True)
     try:
         meta = _write_data(staging, files, tokenizer, encode, vocab_size, val_fraction, workers)
         _check_splits(meta, inputs, val_fraction)
@@ -275,21 +275,35 @@ def _check_splits(meta: dict, inputs: list[str], val_fraction: float) -> None:
 _STAGING = ".prepare-"  # + host-pid-random: the staging folder of the prepare of that process
 
 
-def _remove_killed_stagings(out: str) -> None:
-    """Delete the staging folders in `out` that prepares killed on this host left (a kill -9 runs no clean-up; each
-    may hold gigabytes of tokens); refuse while another prepare is writing into `out`, whose files and this one's
-    would replace each other's one by one. A staging folder of another host is left: its process cannot be seen."""
+def staging_folder(out: str, *, refuse_live: bool) -> str:
+    """A new staging folder in `out` for this process, after removing those that killed prepares left there
+    (_remove_killed_stagings). Made by os.mkdir, with the umask's permissions, those of any folder the user makes:
+    tempfile.mkdtemp's 0700 kept a shared cache's other users out of the folder it is renamed into."""
+    _remove_killed_stagings(out, refuse_live)
+    staging = os.path.join(out, f"{_STAGING}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(8)}")
+    os.mkdir(staging)
+    return staging
+
+
+def _remove_killed_stagings(out: str, refuse_live: bool) -> None:
+    """Delete the staging folders in `out` that prepares killed on this host left (a kill -9 or a second Ctrl-C
+    runs no clean-up; each may hold gigabytes of tokens). refuse_live: refuse while another prepare is writing into
+    `out`, whose files and this one's would replace each other's one by one (else leave its folder be: the
+    embedded corpus, where the loser of a race drops its copy). A staging folder of another host is left: its
+    process cannot be seen."""
     host = socket.gethostname()
     for name in sorted(os.listdir(out)):
         owner = re.fullmatch(rf"{re.escape(_STAGING + host)}-(\d+)-\w+", name)
         if not (owner and os.path.isdir(os.path.join(out, name))):
             continue
         pid = int(owner.group(1))
-        if _alive(pid):
+        alive = _alive(pid)
+        if alive and refuse_live:
             raise UserError(f"another prepare (process {pid}) is writing into --out {out}; wait for it to finish, "
                             f"or choose another --out")
-        shutil.rmtree(os.path.join(out, name))
-        print(f"prepare: removed {os.path.join(out, name)}, left by a prepare that was killed", file=sys.stderr)
+        if not alive:
+            shutil.rmtree(os.path.join(out, name))
+            print(f"prepare: removed {os.path.join(out, name)}, left by a prepare that was killed", file=sys.stderr)
 
 
 def _alive(pid: int) -> bool:

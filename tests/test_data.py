@@ -6,6 +6,8 @@ import math
 import os
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -405,9 +407,20 @@ def test_embedded_corpus_entropies_are_the_documented_yardstick(embedded):
 
 
 def test_embedded_corpus_is_prepared_once_and_atomically(tmp_path, capsys):
+    """Also: a staging folder that a killed start-up left (a second Ctrl-C exits at once) is removed, one of a live
+    process is left to it; and the corpus folder has the umask's permissions, as a folder the user makes."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    killed, live = (tmp_path / f".prepare-{host}-{ended.stdout.strip()}-x1", tmp_path / f".prepare-{host}-1-x2")
+    killed.mkdir(), live.mkdir()  # pid 1: alive
+    (tmp_path / "made-by-the-user").mkdir()
     cfg = DataConfig(cache_dir=str(tmp_path))
     path = data.load(cfg, seq_len=128).path
     assert "preparing embedded corpus" in capsys.readouterr().out
+    assert not killed.exists() and live.exists()
+    live.rmdir()
+    assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(tmp_path / "made-by-the-user").st_mode)
+    (tmp_path / "made-by-the-user").rmdir()
     assert data.load(cfg, seq_len=128).path == path
     assert capsys.readouterr().out == ""
     written = os.stat(os.path.join(path, "meta.json")).st_mtime_ns
