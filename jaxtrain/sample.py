@@ -35,9 +35,11 @@ from jaxtrain import prepare as prepare_lib
 from jaxtrain import runfolder
 from jaxtrain.autocast import COMPUTE_DTYPES
 from jaxtrain.config import ModelConfig
+from jaxtrain.config_checks import INT32_MAX
 from jaxtrain.errors import UserError, exit_on_user_error
 
 REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
+RESTORE_TRIES = 3  # reads of the newest checkpoint of a run still training, each replaced as it was read: give up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,9 @@ class Sampling:
     def check(self) -> None:
         if self.max_new_tokens <= 0:
             raise UserError(f"--max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.max_new_tokens >= INT32_MAX:  # with a prompt of one token, the text's last position is INT32_MAX
+            raise UserError(f"--max_new_tokens must be below {INT32_MAX} (2**31 - 1: the text's positions are "
+                            f"int32), got {self.max_new_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise UserError(f"--temperature must be a finite number >= 0 (0: always the likeliest token), "
                             f"got {self.temperature}")
@@ -149,6 +154,10 @@ def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, 
     ids = tok.encode(prompt)
     if not ids:
         raise UserError("the prompt is empty; give one with --prompt (e.g. --prompt $'\\n' for a new line)")
+    if len(ids) + sampling.max_new_tokens > INT32_MAX:
+        raise UserError(f"the prompt's {len(ids)} tokens and --max_new_tokens {sampling.max_new_tokens} make a text "
+                        f"longer than int32 positions reach ({INT32_MAX}); ask for at most "
+                        f"{INT32_MAX - len(ids)} new tokens")
     if max(ids) >= model_cfg.vocab_size:
         raise UserError(f"the prompt encodes to token id {max(ids)}, beyond the model's vocabulary of "
                         f"{model_cfg.vocab_size}: the run was trained with another tokenizer; pass the one its data "
@@ -170,47 +179,95 @@ class Loaded(NamedTuple):
 def load(run_dir: str, step: int | None, precision: str | None, tokenizer_name: str | None) -> Loaded:
     """The run's params at `step` (None: the newest complete checkpoint) on one device, its model config, the
     precision to compute in (None: the run's train.precision) and the tokenizer (None: that of the run's data)."""
+    if not run_dir:
+        raise UserError("--run is an empty path (an unset variable?); pass the run folder, e.g. --run out/tiny")
     runfolder.check_not_url(run_dir, "--run")
     checkpoint_kind.check_jaxtrain_run(run_dir, "--run")
-    steps = checkpoint_lib.saved_steps(run_dir)
-    if not steps:
-        raise UserError(f"{run_dir} holds no complete checkpoint (no {os.path.join(run_dir, 'checkpoints', '<step>')}"
-                        f"); pass the run.out_dir of a run that saved one")
-    if step is not None and step not in steps:
-        raise UserError(f"{run_dir} has no checkpoint of step {step}; its steps are {', '.join(map(str, steps))}")
-    step = steps[-1] if step is None else step
-    others = ", ".join(str(s) for s in steps if s != step)
-    fix = (f"sample another of its checkpoints with --step ({others})" if others else
-           "its run has no other checkpoint to sample")
-    state, cfg, _ = convert.restore_step(os.path.join(run_dir, "checkpoints", str(step)), fix)
-    own = _own_tokenizer(cfg.data, given=tokenizer_name is not None)
-    if tokenizer_name is not None and own is not None and tokenizer_name != own:
+    step, (state, cfg, meta) = _restore(run_dir, step)
+    text_tokenizer = _text_tokenizer(run_dir, cfg, meta, tokenizer_name)
+    return Loaded(state.params, cfg.model, precision or cfg.train.precision, text_tokenizer, step)
+
+
+def _restore(run_dir: str, step: int | None):
+    """(step, convert.restore_step's (state, config, meta)) of checkpoint `step`, or with None of the newest one.
+
+    A run still training deletes its older checkpoints once a newer one is saved (checkpoint.max_to_keep), so the
+    newest can vanish while it is read: when it is no longer the newest afterwards, the new newest is read, up to
+    RESTORE_TRIES times. One that fails while it is still the newest is refused as it is: it is corrupt."""
+    for _ in range(RESTORE_TRIES):
+        steps = checkpoint_lib.saved_steps(run_dir)
+        if not steps:
+            raise UserError(f"{run_dir} holds no complete checkpoint (no "
+                            f"{os.path.join(run_dir, 'checkpoints', '<step>')}); pass the run.out_dir of a run that "
+                            f"saved one")
+        if step is not None and step not in steps:
+            raise UserError(f"{run_dir} has no checkpoint of step {step}; its steps are {', '.join(map(str, steps))}")
+        chosen = steps[-1] if step is None else step
+        others = ", ".join(str(s) for s in steps if s != chosen)
+        fix = (f"sample another of its checkpoints with --step ({others})" if others else
+               "its run has no other checkpoint to sample")
+        try:
+            return chosen, convert.restore_step(os.path.join(run_dir, "checkpoints", str(chosen)), fix)
+        except UserError:
+            if step is not None or checkpoint_lib.saved_steps(run_dir)[-1:] == [chosen]:
+                raise
+    raise UserError(f"{run_dir} is still training and replaced its newest checkpoint while it was read, "
+                    f"{RESTORE_TRIES} times; raise its checkpoint.max_to_keep (older steps then stay to be read) or "
+                    f"sample once the run has ended")
+
+
+def _text_tokenizer(run_dir: str, cfg, meta: dict, given: str | None) -> Tokenizer:
+    """The tokenizer to encode the prompt with: `given` (--tokenizer) or that of the run's data, never another than
+    the data's where that is known, nor one with more tokens than the model has embeddings."""
+    own = _own_tokenizer(cfg, meta, given=given is not None)
+    if given is not None and own is not None and given != own:
         # Its ids would decode as another tokenizer's: GPT-2 ids read as bytes are U+FFFD (the ids past 255) or
         # stray bytes, and a byte run's ids read as GPT-2's are other text; nothing would say so.
         data = f"data folder {cfg.data.path}" if cfg.data.path is not None else "data (the embedded corpus)"
-        raise UserError(f"--tokenizer {tokenizer_name} is not the tokenizer of {run_dir}: its {data} was tokenized "
+        raise UserError(f"--tokenizer {given} is not the tokenizer of {run_dir}: its {data} was tokenized "
                         f"with {own}; leave --tokenizer out to use the run's own")
-    name = tokenizer_name or own
-    if name is None:
-        raise UserError(f"the run's data folder {cfg.data.path} is not here to say which tokenizer it used (its "
-                        f"meta.json); pass --tokenizer bytes or --tokenizer gpt2")
+    name = given or own
     try:
         text_tokenizer = tokenizer(name)
     except UserError as e:
         raise UserError(f"{e}; sample {run_dir} outside jaxtrain, with its data's tokenizer (`python -m jaxtrain."
                         f"convert to-torch` writes its checkpoint in nanoGPT's format)") from None
-    return Loaded(state.params, cfg.model, precision or cfg.train.precision, text_tokenizer, step)
+    vocab_size = cfg.model.vocab_size
+    if text_tokenizer.size > vocab_size:  # its ids past the model's have no embedding, and those below are not its
+        fix = ("pass --tokenizer bytes" if name != "bytes" and tokenizer("bytes").size <= vocab_size else
+               "sample it outside jaxtrain, with its data's tokenizer")
+        raise UserError(f"--tokenizer {name} has {text_tokenizer.size} tokens, more than the {vocab_size} of the "
+                        f"model of {run_dir}: the run was trained with another tokenizer; {fix}")
+    return text_tokenizer
 
 
-def _own_tokenizer(data_cfg, given: bool) -> str | None:
-    """The tokenizer of the run's data (data.tokenizer_name), None where that is not known here: its folder is not
-    on this machine, or (with --tokenizer given, which then serves) its meta.json cannot be read."""
+def _own_tokenizer(cfg, meta: dict, given: bool) -> str | None:
+    """The tokenizer of the data the run trained on; where this machine cannot tell which, None if --tokenizer was
+    `given` (it then serves), else refused, asking for it."""
     try:
-        return data_lib.tokenizer_name(data_cfg)
-    except UserError:
+        return _trained_data_tokenizer(cfg, meta)
+    except UserError as e:
         if given:
             return None
-        raise
+        raise UserError(f"{e}; pass --tokenizer bytes or --tokenizer gpt2, the one the run's data used") from None
+
+
+def _trained_data_tokenizer(cfg, meta: dict) -> str:
+    """The tokenizer in the run's data folder's meta.json while the folder still holds the data the run trained on:
+    its fingerprint (data.load's, which a resume checks) is the checkpoint's data_fingerprint. A folder prepared
+    again since, with other text or another tokenizer, would name a tokenizer that is not the run's. Checkpoints
+    older than data fingerprints record none: the folder's word is all there is."""
+    path = cfg.data.path
+    if path is None:
+        return data_lib.tokenizer_name(cfg.data)  # the embedded corpus's: bytes
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise UserError(f"the run's data folder {path} is not here to say which tokenizer it used (its meta.json)")
+    data = data_lib.load(cfg.data, cfg.model.seq_len)
+    if meta.get("data_fingerprint") not in (None, data.fingerprint):
+        raise UserError(f"the run's data folder {path} no longer holds the data the run trained on (its data "
+                        f"fingerprint changed: prepared again since), so its meta.json does not say the run's "
+                        f"tokenizer")
+    return data.tokenizer
 
 
 class _Parser(argparse.ArgumentParser):
@@ -233,8 +290,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same text")
     ap.add_argument("--precision", choices=tuple(COMPUTE_DTYPES), help="default: the run's train.precision")
     ap.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
-                    help="default, and the only one accepted where the run's data folder is here: that of the data "
-                         "the run trained on")
+                    help="default, and the only one accepted where the run's data folder is here and still holds "
+                         "the data the run trained on: that data's")
     return ap
 
 

@@ -2,7 +2,9 @@
 pass, the draw against softmax written out in numpy, the tokenizers against known ids, and the command line."""
 
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from test_run import small_args
-from jaxtrain import data, model, prepare, sample
+from jaxtrain import convert, data, model, prepare, sample
 from jaxtrain.errors import UserError
 
 STEPS = 40  # enough that the logits are far from uniform: top-2 gaps well above the rounding bounds below
@@ -271,6 +273,17 @@ def test_run_and_step_errors(trained, tmp_path, capsys):
     refused(capsys, ["--run", str(tmp_path)], "holds no complete checkpoint")
     refused(capsys, ["--run", trained[0], "--step", "7"], "no checkpoint of step 7; its steps are 20, 40")
     refused(capsys, ["--run", trained[0], "--prompt", ""], "the prompt is empty")
+    refused(capsys, ["--run", ""], "--run is an empty path")  # was: "error:  holds no complete checkpoint"
+
+
+def test_a_text_longer_than_int32_positions_is_refused(trained, loaded, capsys):
+    """--max_new_tokens 3000000000 ended in jit's OverflowError, a traceback: the text's positions are int32."""
+    refused(capsys, ["--run", trained[0], "--max_new_tokens", "3000000000"],
+            "--max_new_tokens must be below 2147483647 (2**31 - 1")
+    with pytest.raises(UserError, match="the prompt's 4 tokens and --max_new_tokens 2147483646 make a text longer "
+                                        "than int32 positions reach .*ask for at most 2147483643 new tokens"):
+        sample.sample_text(loaded.params, loaded.model_cfg, "fp32", loaded.tokenizer, PROMPT,
+                           sample.Sampling(max_new_tokens=2**31 - 2))
 
 
 def test_a_tokenizer_other_than_the_runs_is_refused(trained, loaded, capsys):
@@ -315,6 +328,40 @@ def test_a_gpt2_run_refuses_bytes_while_its_data_is_here_and_takes_a_tokenizer_o
     refused(capsys, ["--run", out_dir, *flags], f"the run's data folder {data_dir} is not here")
     sample.main(["--run", out_dir, "--tokenizer", "bytes", *flags])
     assert capsys.readouterr().out.startswith("Hello")
+    # The folder prepared again, as bytes: its meta.json is no word on the run's tokenizer (it sampled in bytes,
+    # exit 0, and --tokenizer gpt2 was refused), so --tokenizer is asked for, and gpt2 taken.
+    prepare.write_token_dir(data_dir, tokens % 256, tokens % 256, 256, "bytes")
+    refused(capsys, ["--run", out_dir, *flags],
+            f"the run's data folder {data_dir} no longer holds the data the run trained on (its data fingerprint "
+            f"changed: prepared again since), so its meta.json does not say the run's tokenizer; pass --tokenizer "
+            f"bytes or --tokenizer gpt2")
+    sample.main(["--run", out_dir, "--tokenizer", "gpt2", *flags])
+    assert capsys.readouterr().out.startswith("Hello")
+
+
+def test_a_byte_run_whose_folder_was_prepared_again_as_gpt2_takes_bytes_and_refuses_gpt2(tmp_path, cache_dir,
+                                                                                         capsys):
+    """The other way round: a byte run (vocab 256) whose data folder now says gpt2 was sampled with GPT-2's BPE
+    (its ids below 256 read as other text, exit 0) and refused --tokenizer bytes, its own. Now bytes is taken, the
+    same text as before the folder changed, and gpt2, whose 50257 tokens the model has no room for, is refused."""
+    tokens = np.frombuffer(b"def forward(self, x):\n    return x\n" * 600, np.uint8)
+    data_dir, out_dir = str(tmp_path / "bytes"), str(tmp_path / "run")
+    prepare.write_token_dir(data_dir, tokens, tokens, 256, "bytes")
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(
+        out_dir, cache_dir, f"--data.path={data_dir}", "--train.steps=4", "--train.eval_every=4")],
+        capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flags = ["--prompt", "a", "--max_new_tokens", "8", "--temperature", "0"]
+    sample.main(["--run", out_dir, *flags])
+    before = capsys.readouterr().out
+    gpt2_ids = np.random.default_rng(0).integers(0, 50257, 20000, dtype=np.uint16)
+    prepare.write_token_dir(data_dir, gpt2_ids, gpt2_ids, 50257, "gpt2")
+    refused(capsys, ["--run", out_dir, *flags], f"the run's data folder {data_dir} no longer holds the data")
+    refused(capsys, ["--run", out_dir, "--tokenizer", "gpt2", *flags],
+            f"--tokenizer gpt2 has 50257 tokens, more than the 256 of the model of {out_dir}: the run was trained "
+            f"with another tokenizer; pass --tokenizer bytes")
+    sample.main(["--run", out_dir, "--tokenizer", "bytes", *flags])
+    assert capsys.readouterr().out == before and before.startswith("a") and len(before) > 2
 
 
 def test_data_whose_tokenizer_jaxtrain_lacks_trains_and_its_sample_is_refused_before_the_first_step(
@@ -342,6 +389,7 @@ def test_data_whose_tokenizer_jaxtrain_lacks_trains_and_its_sample_is_refused_be
 
 INVALID_FLAGS = st.one_of(
     st.integers(-10**9, 0).map(lambda n: ([f"--max_new_tokens={n}"], "--max_new_tokens must be > 0")),
+    st.integers(2**31 - 1, 2**70).map(lambda n: ([f"--max_new_tokens={n}"], "--max_new_tokens must be below")),
     st.floats(max_value=-1e-30).map(lambda t: ([f"--temperature={t!r}"], "--temperature must be")),
     st.sampled_from(["nan", "inf", "-inf"]).map(lambda t: ([f"--temperature={t}"], "--temperature must be")),
     st.integers(-10**9, -1).map(lambda k: ([f"--top_k={k}"], "--top_k must be >= 0")),
@@ -358,3 +406,62 @@ INVALID_FLAGS = st.one_of(
 def test_invalid_flags_are_refused_in_one_line_before_the_run_is_read(case, capsys, tmp_path):
     args, named = case
     refused(capsys, ["--run", str(tmp_path / "never-read"), *args], named)
+
+
+def _copy_of(trained, tmp_path) -> tuple[str, str]:
+    """A copy of the trained run (steps 20 and 40) to change: (its folder, its checkpoints folder)."""
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(trained[0], run_dir)
+    return run_dir, os.path.join(run_dir, "checkpoints")
+
+
+def _trainer_replacing_the_newest(monkeypatch, checkpoints: str, times: int) -> None:
+    """convert.restore_step as a run still training with checkpoint.max_to_keep makes it, `times` times: while the
+    newest step N is read, the run saves N + 20 and deletes N, and orbax's read of N fails."""
+    restore, replaced = convert.restore_step, []
+
+    def restore_as_replaced(step_dir, fix):
+        if len(replaced) < times:
+            step = int(os.path.basename(step_dir))
+            shutil.copytree(step_dir, os.path.join(checkpoints, str(step + 20)))
+            shutil.rmtree(step_dir)
+            replaced.append(step)
+        return restore(step_dir, fix)
+
+    monkeypatch.setattr(convert, "restore_step", restore_as_replaced)
+
+
+def test_sampling_a_run_that_replaces_its_newest_checkpoint_reads_the_new_newest(trained, loaded, tmp_path,
+                                                                                 monkeypatch):
+    """Step 40 deleted by the run while it was read: "checkpoint .../40 cannot be read", exit 2. Now the new newest,
+    60 (40's arrays), is read."""
+    run_dir, checkpoints = _copy_of(trained, tmp_path)
+    _trainer_replacing_the_newest(monkeypatch, checkpoints, times=1)
+    got = sample.load(run_dir, None, None, None)
+    assert got.step == 60 and sorted(os.listdir(checkpoints), key=int) == ["20", "60"]
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(loaded.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_run_that_keeps_replacing_its_newest_checkpoint_is_named_still_training(trained, tmp_path, monkeypatch,
+                                                                                  capsys):
+    run_dir, checkpoints = _copy_of(trained, tmp_path)
+    _trainer_replacing_the_newest(monkeypatch, checkpoints, times=sample.RESTORE_TRIES)
+    refused(capsys, ["--run", run_dir], f"{run_dir} is still training and replaced its newest checkpoint while it "
+                                        f"was read, 3 times; raise its checkpoint.max_to_keep")
+    assert sorted(os.listdir(checkpoints), key=int) == ["20", "100"]  # 40 -> 60 -> 80 -> 100
+
+
+def test_a_corrupt_newest_checkpoint_still_listed_is_named_corrupt_not_still_training(trained, tmp_path, capsys):
+    """One checksum off in step 40's meta (a flipped bit in its arrays): 40 is still the newest after the read."""
+    run_dir, checkpoints = _copy_of(trained, tmp_path)
+    meta_file = os.path.join(checkpoints, "40", "meta", "metadata")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    array = sorted(meta["fingerprint"])[0]
+    meta["fingerprint"][array] += 1
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    refused(capsys, ["--run", run_dir], f"checkpoint {os.path.join(checkpoints, '40')} does not match its "
+                                        f"fingerprint: {array}")
+    refused(capsys, ["--run", run_dir], "it is corrupt; sample another of its checkpoints with --step (20)")
