@@ -307,17 +307,24 @@ def test_sampling_in_fp16_and_naming_the_runs_own_tokenizer(trained, capsys):
     assert out.startswith(PROMPT) and len(out) > len(PROMPT) + 1 and "\ufffd" not in out, out
 
 
+def _trained_on(tmp_path, cache_dir, name: str, tokens, vocab_size: int, tokenizer: str) -> tuple[str, str]:
+    """(data folder, run folder) of a 4-step run (`python -m jaxtrain.run`) on the data folder tmp_path/name that
+    holds `tokens` in both splits."""
+    data_dir, out_dir = str(tmp_path / name), str(tmp_path / "run")
+    prepare.write_token_dir(data_dir, tokens, tokens, vocab_size, tokenizer)
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(
+        out_dir, cache_dir, f"--data.path={data_dir}", "--train.steps=4", "--train.eval_every=4")],
+        capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return data_dir, out_dir
+
+
 def test_a_gpt2_run_refuses_bytes_while_its_data_is_here_and_takes_a_tokenizer_once_it_is_not(
         tmp_path, cache_dir, capsys):
     """A run on GPT-2 BPE data sampled with --tokenizer bytes printed U+FFFD only, exit 0. Refused while its data
     folder says gpt2; once that folder is gone, --tokenizer is how the sample knows, and bytes is taken as given."""
     tokens = np.random.default_rng(0).integers(0, 50257, 20000, dtype=np.uint16)
-    data_dir, out_dir = str(tmp_path / "bpe"), str(tmp_path / "run")
-    prepare.write_token_dir(data_dir, tokens, tokens, 50257, "gpt2")
-    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(
-        out_dir, cache_dir, f"--data.path={data_dir}", "--train.steps=4", "--train.eval_every=4")],
-        capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    data_dir, out_dir = _trained_on(tmp_path, cache_dir, "bpe", tokens, 50257, "gpt2")
     flags = ["--prompt", "Hello", "--max_new_tokens", "3", "--temperature", "0"]
     refused(capsys, ["--run", out_dir, "--tokenizer", "bytes", *flags],
             f"--tokenizer bytes is not the tokenizer of {out_dir}: its data folder {data_dir} was tokenized with "
@@ -345,12 +352,7 @@ def test_a_byte_run_whose_folder_was_prepared_again_as_gpt2_takes_bytes_and_refu
     (its ids below 256 read as other text, exit 0) and refused --tokenizer bytes, its own. Now bytes is taken, the
     same text as before the folder changed, and gpt2, whose 50257 tokens the model has no room for, is refused."""
     tokens = np.frombuffer(b"def forward(self, x):\n    return x\n" * 600, np.uint8)
-    data_dir, out_dir = str(tmp_path / "bytes"), str(tmp_path / "run")
-    prepare.write_token_dir(data_dir, tokens, tokens, 256, "bytes")
-    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(
-        out_dir, cache_dir, f"--data.path={data_dir}", "--train.steps=4", "--train.eval_every=4")],
-        capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    data_dir, out_dir = _trained_on(tmp_path, cache_dir, "bytes", tokens, 256, "bytes")
     flags = ["--prompt", "a", "--max_new_tokens", "8", "--temperature", "0"]
     sample.main(["--run", out_dir, *flags])
     before = capsys.readouterr().out
