@@ -112,6 +112,7 @@ def build(config: str, steps: int | None, precision: str, out: str, overrides: l
         print(f"{label}: {walls[label]:.1f} s", file=sys.stderr, flush=True)
 
     init = os.path.join(work, "init")
+    created = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
     staged = tempfile.mkdtemp(prefix=".init-", dir=out)
     try:  # the export loads the config, the overrides and the data as the trainers do: only then is runs/ replaced
@@ -121,6 +122,8 @@ def build(config: str, steps: int | None, precision: str, out: str, overrides: l
         os.rename(staged, init)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
+        if created and not os.listdir(out):  # a refused config leaves no trace
+            os.rmdir(out)
     dirs = {label: os.path.join(work, label) for label in runs.BACKENDS}
     for backend in runs.BACKENDS:
         step(backend, lambda: runs.train(backend, args(backend), init))

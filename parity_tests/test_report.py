@@ -35,6 +35,10 @@ def test_report_refuses_a_bad_config_in_one_line_and_keeps_the_previous_report(t
     lines = [line for line in proc.stderr.splitlines() if line != "export init ..."]  # its progress line
     assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
     assert _contents(out) == before  # and nothing added: no staged init left behind
+    fresh = tmp_path / "new-report"
+    proc = subprocess.run([sys.executable, "-m", "parity_tests.report", "--config", runs.TINY, "--out",
+                           str(fresh), *flags], cwd=runs.REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and not fresh.exists()  # nor an empty --out made
 
 
 def test_a_second_config_is_refused_not_read_over_the_first(tmp_path, capsys):
