@@ -58,8 +58,7 @@ def given(argv: list[str], key: str) -> str | None:
 def _read_yaml(path: str) -> dict:
     """A local file, or a run folder's config.yaml in an object store (gs://...: what a stopped run's resume
     hint names)."""
-    if not path:  # not the defaults, which `if path` took it for: an unset shell variable, most likely
-        raise UserError("--config is an empty path (an unset variable?); pass a YAML file (see configs/)")
+    runfolder.check_given(path, "--config", "a YAML file (see configs/)")
     file = runfolder.path(path)
     if not file.is_file():
         raise UserError(f"config file {path!r} not found; pass an existing YAML file to --config (see configs/)")

@@ -228,8 +228,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in (0, 1), got {val_fraction}")
     for flag, value in [("--out", out)] + [("--input", item) for item in inputs]:
-        if not value:  # "" is the current folder to pathlib and os.path: an unset shell variable, most likely
-            raise UserError(f"{flag} is an empty path (an unset variable?); pass a folder or file by name")
+        runfolder.check_given(value, flag, "a folder or file by name")
     runfolder.check_not_url(out, "--out")  # else written to a local folder named gs:
     runfolder.check_writable(out, "--out")
     existing = [name for name in _DATA_FILES if os.path.lexists(os.path.join(out, name))]

@@ -95,6 +95,13 @@ def check_writable(folder: str, flag: str) -> None:
         raise UserError(f"{flag.lstrip('-')}={folder!r} {problem}; choose another {flag}")
 
 
+def check_given(path: str, flag: str, wanted: str) -> None:
+    """"" is the current folder to pathlib and os.path (and `if path` takes it for "use the default"): given for a
+    path, it is an unset shell variable, most likely, refused with `wanted`, what to pass instead."""
+    if not path:
+        raise UserError(f"{flag} is an empty path (an unset variable?); pass {wanted}")
+
+
 def check_not_url(folder: str, flag: str) -> None:
     """The converter, the sampler and prepare read and write local folders only (safetensors and JSON files, Orbax's
     step folders by local path, numpy's memory maps): a URL is refused with the way round it, not taken for a missing

@@ -179,8 +179,7 @@ class Loaded(NamedTuple):
 def load(run_dir: str, step: int | None, precision: str | None, tokenizer_name: str | None) -> Loaded:
     """The run's params at `step` (None: the newest complete checkpoint) on one device, its model config, the
     precision to compute in (None: the run's train.precision) and the tokenizer (None: that of the run's data)."""
-    if not run_dir:
-        raise UserError("--run is an empty path (an unset variable?); pass the run folder, e.g. --run out/tiny")
+    runfolder.check_given(run_dir, "--run", "the run folder, e.g. --run out/tiny")
     runfolder.check_not_url(run_dir, "--run")
     checkpoint_kind.check_jaxtrain_run(run_dir, "--run")
     step, (state, cfg, meta) = _restore(run_dir, step)
