@@ -20,12 +20,13 @@ from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
 NAME = ".lock"
+TIMEOUT_FIELD = "\nlock_timeout_s="  # a gs:// lease's holder's run.lock_timeout_s follows its holder's line
 
 
 def take(out_dir: str, timeout_s: float = 60.0, dead_lease: int | None = None):
-    """The lock of `out_dir`, taken; release() gives it back. `timeout_s`: how long a gs:// lease may go without a
-    heartbeat before a new run takes it over (run.lock_timeout_s). `dead_lease`: check_free's answer, a gs:// lease
-    this start already watched die, taken over without watching it again."""
+    """The lock of `out_dir`, taken; release() gives it back. `timeout_s`: how long this run's gs:// lease may go
+    without a heartbeat before a new run takes it over (run.lock_timeout_s, recorded in the lease). `dead_lease`:
+    check_free's answer, a gs:// lease this start already watched die, taken over without watching it again."""
     if not runfolder.is_url(out_dir):
         return FileLock(out_dir)
     if out_dir.startswith("gs://"):
@@ -43,8 +44,8 @@ def check_free(out_dir: str, timeout_s: float) -> int | None:
     steps since its last checkpoint lost.
 
     A local lock: a shared flock, taken and dropped at once (the processes of one launch do not refuse each other).
-    A gs:// lease: watched as GcsLease watches it (reads only, on every process), up to timeout_s; dead, its
-    generation is returned for process 0's take() to take over without a second wait."""
+    A gs:// lease: watched as GcsLease watches it (reads only, on every process), up to its holder's timeout;
+    dead, its generation is returned for process 0's take() to take over without a second wait."""
     if out_dir.startswith("gs://"):
         current = GcsLease.current(GcsLease.blob_of(out_dir))
         return None if current is None else GcsLease.watch(out_dir, timeout_s, *current)
@@ -101,13 +102,16 @@ class FileLock:
 
 class GcsLease:
     """`<out_dir>/.lock` as a GCS object, written only where it is absent (ifGenerationMatch=0) and rewritten by
-    its holder every timeout_s/4 (each rewrite conditional on the generation it last wrote).
+    its holder every timeout_s/4 (each rewrite conditional on the generation it last wrote). It holds the holder's
+    line and its timeout_s.
 
-    A start that finds the object watches it, up to timeout_s: rewritten meanwhile, a live run holds it and the
-    start is refused; unchanged that long, its holder died (kill -9, a lost VM) and the lease is taken over by a
-    write conditional on the generation watched, so of two starts racing for a dead lease exactly one wins.
-    Watching the object, not comparing timestamps, needs no agreement between the hosts' clocks. A run stopped
-    cleanly deletes the object, so its restart waits for nothing; one killed waits timeout_s."""
+    A start that finds the object watches it for the holder's timeout_s, whatever its own: the holder renews on its
+    own timeout's schedule, and a start that waited less could miss every renewal and take a live run's folder over,
+    which a local lock never allows. Rewritten meanwhile, a live run holds it and the start is refused; unchanged
+    that long, its holder died (kill -9, a lost VM) and the lease is taken over by a write conditional on the
+    generation watched, so of two starts racing for a dead lease exactly one wins. Watching the object, not
+    comparing timestamps, needs no agreement between the hosts' clocks. A run stopped cleanly deletes the object, so
+    its restart waits for nothing; one killed waits its timeout_s."""
 
     def __init__(self, out_dir: str, timeout_s: float, dead_lease: int | None = None):
         from google.api_core import exceptions
@@ -128,14 +132,20 @@ class GcsLease:
 
     @staticmethod
     def current(blob):
-        """The lease object as it is now, with its holder's line; None where there is none."""
+        """The lease object as it is now, with its holder's line and timeout_s (None in a lease written before
+        leases held it); None where there is no lease."""
         seen = blob.bucket.get_blob(blob.name)
-        return None if seen is None else (seen, seen.download_as_text())
+        if seen is None:
+            return None
+        holder, _, timeout_s = seen.download_as_text().partition(TIMEOUT_FIELD)
+        return seen, holder, float(timeout_s) if timeout_s else None
 
     @staticmethod
-    def watch(out_dir: str, timeout_s: float, seen, holder: str) -> int:
-        """`seen`'s generation once it has stood unchanged for timeout_s (its holder is dead); refused as soon as it
-        is rewritten or deleted (its holder is alive, or was until just now)."""
+    def watch(out_dir: str, timeout_s: float, seen, holder: str, holder_timeout_s: float | None) -> int:
+        """`seen`'s generation once it has stood unchanged for its holder's timeout (this start's `timeout_s` where
+        the lease does not say it): its holder is dead. Refused as soon as it is rewritten or deleted (its holder is
+        alive, or was until just now)."""
+        timeout_s = timeout_s if holder_timeout_s is None else holder_timeout_s
         print(f"run folder {out_dir} is locked by {holder}; watching the lock for up to {timeout_s:.0f} s to tell a "
               f"live run from a dead one", file=sys.stderr)
         deadline = time.monotonic() + timeout_s
@@ -155,9 +165,9 @@ class GcsLease:
         current = self.current(self.blob)
         if current is None:  # released between the two calls
             return self._write(0)
-        seen, holder = current
+        seen, holder, _ = current
         if seen.generation != dead_lease:  # not the lease check_free watched die: watch this one
-            self.watch(self.out_dir, self.timeout_s, seen, holder)
+            self.watch(self.out_dir, self.timeout_s, *current)
         try:
             generation = self._write(seen.generation)
         except self.gone:  # another start took it over first
@@ -166,7 +176,7 @@ class GcsLease:
         return generation
 
     def _write(self, generation: int) -> int:
-        self.blob.upload_from_string(_holder(), if_generation_match=generation)
+        self.blob.upload_from_string(f"{_holder()}{TIMEOUT_FIELD}{self.timeout_s}", if_generation_match=generation)
         return self.blob.generation
 
     def _beat(self) -> None:

@@ -98,6 +98,30 @@ def test_a_gs_lease_is_checked_before_the_join_and_a_dead_one_is_watched_once(gc
     assert f"took over the lock of a run that stopped renewing it (pid {holder.pid} on " in taken.stderr
 
 
+def test_a_gs_lease_is_watched_for_its_holders_timeout_not_the_watchers(gcs):
+    """A start with a shorter run.lock_timeout_s than the live holder's waits for the holder's (which sets how often
+    the holder renews), so it refuses, before the join (check_free) as at take(); it waited for its own, saw no
+    renewal in that time and took the live run's folder over. A lease without the holder's timeout (written before
+    leases held it) is watched for the watcher's own."""
+    out_dir = f"{gcs()}/run"
+    holder = hold(out_dir)  # renews every LEASE_S / 4
+    try:
+        for script in (CHECK_THEN_TAKE, TAKE):
+            refused = subprocess.run([sys.executable, "-c", script, out_dir, "0.05"], capture_output=True, text=True,
+                                     timeout=10 * LEASE_S)
+            assert refused.returncode == 2 and f"is in use by pid {holder.pid} on " in refused.stderr, refused.stderr
+            assert f"watching the lock for up to {LEASE_S:.0f} s" in refused.stderr, refused.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    old_lease = epath.Path(out_dir) / runlock.NAME
+    old_lease.write_text("pid 1 on old-host, since 2025-01-01 00:00:00")
+    taken = try_lock(out_dir)
+    assert taken.returncode == 0, taken.stderr
+    assert f"watching the lock for up to {LEASE_S:.0f} s" in taken.stderr, taken.stderr
+    assert "took over the lock of a run that stopped renewing it (pid 1 on old-host, since " in taken.stderr
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, cache_dir):
     out_dir = str(tmp_path_factory.mktemp("straight"))
