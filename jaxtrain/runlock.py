@@ -9,6 +9,7 @@ In a gs:// folder there is no flock and nobody drops a lock for a dead process: 
 Another object store (s3://, ...) gets no lock, and a warning says so.
 """
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -76,6 +77,24 @@ def _in_use(out_dir: str, holder: str) -> UserError:
                      f"or give this one another run.out_dir")
 
 
+@contextlib.contextmanager
+def _refusing_an_unusable_bucket(blob):
+    """A run's first request to the bucket of its lease `blob`, where GCS's answer that the bucket does not exist
+    (404), or that the run's credentials may not use it (403), is a UserError naming the bucket and the fix."""
+    from google.api_core import exceptions
+
+    bucket = f"gs://{blob.bucket.name}"
+    try:
+        yield
+    except exceptions.NotFound:
+        raise UserError(f"run.out_dir's bucket {bucket} does not exist; create it (gcloud storage buckets create "
+                        f"{bucket}) or fix run.out_dir") from None
+    except exceptions.Forbidden as e:
+        raise UserError(f"run.out_dir's bucket {bucket} refuses this run's credentials (403 Forbidden: {e.message}); "
+                        f"fix the credentials (gcloud auth application-default login) or their permissions on the "
+                        f"bucket, or fix run.out_dir") from None
+
+
 class FileLock:
     def __init__(self, out_dir: str):
         self.path = os.path.join(out_dir, NAME)
@@ -134,7 +153,8 @@ class GcsLease:
     def current(blob):
         """The lease object as it is now, with its holder's line and timeout_s (None in a lease written before
         leases held it); None where there is no lease."""
-        seen = blob.bucket.get_blob(blob.name)
+        with _refusing_an_unusable_bucket(blob):  # jaxtrain.run's first request (a missing bucket reads as no lease)
+            seen = blob.bucket.get_blob(blob.name)
         if seen is None:
             return None
         holder, _, timeout_s = seen.download_as_text().partition(TIMEOUT_FIELD)
@@ -159,7 +179,8 @@ class GcsLease:
     def _take(self, dead_lease: int | None) -> int:
         """The generation this run wrote the lease at: a new lease, or a dead run's taken over."""
         try:
-            return self._write(0)
+            with _refusing_an_unusable_bucket(self.blob):  # the first write (torchref's first request): 404 here
+                return self._write(0)
         except self.gone:
             pass
         current = self.current(self.blob)

@@ -89,3 +89,14 @@ def test_fresh_sets_the_previous_run_aside_in_a_bucket(gcs, monkeypatch):
     for count, label in (("", "first"), ("-1", "second")):
         assert (folder / f"checkpoints.before-fresh-20261125-010203{count}/4/state/data").read_text() == label
         assert (folder / f"tb.before-fresh-20261125-010203{count}/events").read_text() == label
+
+
+def test_a_bucket_that_does_not_exist_is_one_line(gcs, cache_dir):
+    """run.out_dir in a bucket nobody created (the emulator answers 404, as GCS does): one line naming the bucket
+    and the fix, exit 2. It was two tracebacks ending in Google's NotFound, from the lease's first write."""
+    gcs()  # the emulator running, with buckets of other names
+    cmd = [sys.executable, "-m", "jaxtrain.run", *small_args("gs://no-such-bucket/run", cache_dir)]
+    missing = subprocess.run(cmd, capture_output=True, text=True, timeout=TIME_LIMIT_S)
+    assert missing.returncode == 2, missing.stderr
+    assert missing.stderr == ("error: run.out_dir's bucket gs://no-such-bucket does not exist; create it (gcloud "
+                              "storage buckets create gs://no-such-bucket) or fix run.out_dir\n")

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 from etils import epath
@@ -120,6 +121,27 @@ def test_a_gs_lease_is_watched_for_its_holders_timeout_not_the_watchers(gcs):
     assert taken.returncode == 0, taken.stderr
     assert f"watching the lock for up to {LEASE_S:.0f} s" in taken.stderr, taken.stderr
     assert "took over the lock of a run that stopped renewing it (pid 1 on old-host, since " in taken.stderr
+
+
+def test_a_gs_bucket_that_refuses_the_credentials_is_one_line(monkeypatch):
+    """A bucket that answers 403 (the emulator checks no credentials: a fake one here): the lease's first read
+    (check_free, before the join) and its first write (take) each refuse in one line naming the bucket, the
+    credentials and the fix, not in Google's Forbidden traceback."""
+    from google.api_core.exceptions import Forbidden
+
+    def refuse(*args, **kwargs):
+        raise Forbidden("ci@example.iam.gserviceaccount.com does not have storage.objects.get access")
+
+    bucket = types.SimpleNamespace(name="their-bucket", get_blob=refuse)
+    lease = types.SimpleNamespace(bucket=bucket, name="run/.lock", upload_from_string=refuse)
+    monkeypatch.setattr(runlock.GcsLease, "blob_of", staticmethod(lambda out_dir: lease))
+    for start in (runlock.check_free, runlock.take):
+        with pytest.raises(UserError) as e:
+            start("gs://their-bucket/run", LEASE_S)
+        assert str(e.value) == (
+            "run.out_dir's bucket gs://their-bucket refuses this run's credentials (403 Forbidden: "
+            "ci@example.iam.gserviceaccount.com does not have storage.objects.get access); fix the credentials "
+            "(gcloud auth application-default login) or their permissions on the bucket, or fix run.out_dir")
 
 
 @pytest.fixture(scope="module")
