@@ -11,6 +11,7 @@ Another object store (s3://, ...) gets no lock, and a warning says so.
 
 import contextlib
 import fcntl
+import math
 import os
 import socket
 import sys
@@ -75,6 +76,16 @@ def _holder_in(fd: int) -> str:
 def _in_use(out_dir: str, holder: str) -> UserError:
     return UserError(f"run folder {out_dir} is in use by {holder}; wait for that run to finish (or stop it), "
                      f"or give this one another run.out_dir")
+
+
+def _timeout(written: str) -> float | None:
+    """A lease's timeout_s as its holder wrote it; None where it holds none, or none a run could have set (an object
+    edited by hand): the watcher's own timeout then serves."""
+    try:
+        timeout_s = float(written)
+    except ValueError:
+        return None
+    return timeout_s if math.isfinite(timeout_s) and timeout_s > 0 else None
 
 
 @contextlib.contextmanager
@@ -157,8 +168,8 @@ class GcsLease:
             seen = blob.bucket.get_blob(blob.name)
         if seen is None:
             return None
-        holder, _, timeout_s = seen.download_as_text().partition(TIMEOUT_FIELD)
-        return seen, holder, float(timeout_s) if timeout_s else None
+        holder, _, written = seen.download_as_text().partition(TIMEOUT_FIELD)
+        return seen, holder, _timeout(written)
 
     @staticmethod
     def watch(out_dir: str, timeout_s: float, seen, holder: str, holder_timeout_s: float | None) -> int:

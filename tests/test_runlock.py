@@ -257,3 +257,10 @@ def test_a_second_launch_on_the_live_runs_coordinator_is_refused_and_the_run_goe
     finally:  # a failed check leaves no run behind
         for p in live + second:
             p.kill()
+
+
+def test_a_leases_timeout_is_read_where_a_run_could_have_written_it():
+    """The holder's lock_timeout_s as its lease holds it; anything else (no field: a lease from before the field, or
+    an object edited by hand) leaves the watcher's own timeout to serve, never a traceback or an endless watch."""
+    assert runlock._timeout("2.5") == 2.5 and runlock._timeout("60.0") == 60.0
+    assert [runlock._timeout(text) for text in ("", "x", "inf", "nan", "-1", "0")] == [None] * 6
