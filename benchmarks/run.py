@@ -48,13 +48,14 @@ ROWS = {
 
 def main(argv: list[str]) -> None:
     args, rest = parser().parse_known_args(argv)
-    keys = row_keys(args.rows)
+    keys = row_keys(",".join(ROWS) if args.rows is None else args.rows)
+    check_only_save(args)
     workers.quiet_gpu_allocators()
     base = resolved_config(rest, args.synthetic)
     device, n_params, peak = describe_device(base, args.peak_tflops)
+    rounds = "" if args.only == "save" else f"; {args.rounds} rounds x {args.steps} steps per row"
     print(f"{device}; {n_params:,} params; batch {base.data.batch_size} x seq {base.model.seq_len} in "
-          f"{base.optim.grad_accum_steps} micro-batches; {args.rounds} rounds x {args.steps} steps per row\n",
-          flush=True)
+          f"{base.optim.grad_accum_steps} micro-batches{rounds}\n", flush=True)
     results = {"device": device, "config": rest, "n_params": n_params, "rows": []}
     if args.only != "save":
         results["rows"] = measure(base, keys, args)
@@ -74,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
                                  epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=positive_int, default=2)
     ap.add_argument("--steps", type=positive_int, default=6, help="timed steps per row and round")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
+    ap.add_argument("--rows", help=f"comma-separated, of: {', '.join(ROWS)} (default: all)")
     ap.add_argument("--synthetic", action="store_true", help="random token ids instead of data.path")
     ap.add_argument("--peak-tflops", type=positive_float, help="the device's nominal dense bf16 peak, for MFU")
     ap.add_argument("--one-at-a-time", action="store_true",
@@ -82,6 +83,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", type=output_file, help="also write the results here (the rows, and the save costs)")
     ap.add_argument("--only", choices=("throughput", "save"), help="print only this part")
     return ap
+
+
+def check_only_save(args) -> None:
+    """--only save measures a checkpoint save, no row: a flag that picks or reads the rows would be passed over."""
+    given = {"--rows": args.rows, "--one-at-a-time": args.one_at_a_time, "--peak-tflops": args.peak_tflops}
+    ignored = [flag for flag, value in given.items() if value not in (None, False)]
+    if args.only == "save" and ignored:
+        raise UserError(f"{ignored[0]} is for the throughput rows, which --only save does not run; drop it, or drop "
+                        f"--only save")
 
 
 def row_keys(rows: str) -> list[str]:

@@ -131,7 +131,10 @@ def test_help_names_the_config_and_its_overrides(capsys, tool, own_flag):
     ("run", ["--rows", ","], "--rows=',' names no row; give one or more, comma-separated, of jax-bf16,"),
     ("run", ["--synthetic", "--model.vocab_size=256", "--only", "throughput", "--rows", "jax-bf16-k4",
              "--data.batch_size=6"],
-     "jaxtrain bf16, k=4: data.batch_size=6 is not divisible by optim.grad_accum_steps=4")])
+     "jaxtrain bf16, k=4: data.batch_size=6 is not divisible by optim.grad_accum_steps=4"),
+    ("run", ["--only", "save", "--rows", "jax-bf16"],
+     "--rows is for the throughput rows, which --only save does not run; drop it, or drop --only save"),
+    ("run", ["--only", "save", "--peak-tflops", "989"], "--peak-tflops is for the throughput rows")])
 def test_user_errors_are_one_line_exit_2(tool, flags, message):
     """A config or flag the user can fix ends each tool in jaxtrain's one line, exit code 2, no traceback."""
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{tool}", "--config", "configs/tiny.yaml", *flags],
