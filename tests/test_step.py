@@ -212,9 +212,8 @@ def test_the_gpu_step_keeps_xlas_dot_merger_off_the_qkv_gemms_where_attention_is
 def test_the_train_and_eval_steps_both_compile_with_the_steps_compiler_options(monkeypatch):
     """The eval step is the train step's forward pass: it compiles under the same XLA options (on a GPU, the dot
     merger off the q, k and v gemms). An option XLA does not know, put in their place, fails both compiles by name."""
-    cfg = make(4)[0]
+    cfg, _, state, _ = make(4)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
-    state = make(4)[2]
     window = window_of(*batch_with_padding(), 4)
     monkeypatch.setattr(step, "compiler_options", lambda _: {"xla_no_such_option": True})
     for jitted, args in ((step.jit_train_step(cfg, seed=0), (state, *window)),

@@ -16,6 +16,7 @@ if __name__ == "__main__":  # before the imports below (torch takes seconds): a 
     preemption.install()
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -68,7 +69,7 @@ JAXTRAIN_ONLY = {"log.tensorboard": False, "log.sample_tokens": 0, "mesh.data": 
 
 def jaxtrain_only(cfg: Config) -> list[str]:
     """`key=value` for each of JAXTRAIN_ONLY's keys that cfg sets to something torchref would leave undone."""
-    values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in JAXTRAIN_ONLY}
+    values = {key: functools.reduce(getattr, key.split("."), cfg) for key in JAXTRAIN_ONLY}
     return [f"{key}={value}" for key, value in values.items() if value != JAXTRAIN_ONLY[key]]
 
 
