@@ -248,7 +248,8 @@ def _own_tokenizer(cfg, meta: dict, given: bool) -> str | None:
     except UserError as e:
         if given:
             return None
-        raise UserError(f"{e}; pass --tokenizer bytes or --tokenizer gpt2, the one the run's data used") from None
+        choices = " or ".join(f"--tokenizer {name}" for name in prepare_lib.TOKENIZERS)
+        raise UserError(f"{e}; pass {choices}, the one the run's data used") from None
 
 
 def _trained_data_tokenizer(cfg, meta: dict) -> str:
