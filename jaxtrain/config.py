@@ -74,7 +74,8 @@ class DataConfig:
 
 
 # LR(t) after the warmup (optim.py): cosine or linear from lr to min_lr at decay_steps; constant lr; cosine with
-# hard restarts (optim.cycles cosines from lr to min_lr). constant has no warmup; all are flat at min_lr past decay.
+# hard restarts (optim.cycles cosines from lr to min_lr). constant has no warmup; the decaying ones are flat at min_lr
+# past decay_steps, the constant ones stay at lr.
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "cosine_with_restarts")
 
 

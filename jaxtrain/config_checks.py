@@ -15,7 +15,8 @@ from jaxtrain import param_groups
 from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
-# The schedules that decay from lr to min_lr over decay_steps (optim.py), so whose warmup must end before it.
+# The schedules that decay from lr to min_lr over decay_steps (optim.py), so whose warmup must end before it and
+# whose min_lr must not lie above lr; the constant ones never reach min_lr.
 DECAYING_SCHEDULES = ("cosine", "linear", "cosine_with_restarts")
 
 # optax, MultiSteps and the train state count steps in int32: a larger count would wrap around.
@@ -85,8 +86,9 @@ def _check_schedule(cfg) -> None:
     if o.schedule == "cosine_with_restarts" and not o.cycles * (cfg.decay_steps - o.warmup_steps) <= INT32_MAX:
         raise UserError(f"optim.cycles={o.cycles} over {cfg.decay_steps - o.warmup_steps} decay steps is past the "
                         f"int32 arithmetic of the schedule's phase; use fewer cycles")
-    if o.min_lr > o.lr:
-        raise UserError(f"optim.min_lr={o.min_lr} is larger than optim.lr={o.lr}; the cosine decays from lr to min_lr")
+    if o.schedule in DECAYING_SCHEDULES and o.min_lr > o.lr:
+        raise UserError(f"optim.min_lr={o.min_lr} is larger than optim.lr={o.lr}; optim.schedule={o.schedule} decays "
+                        f"from lr to min_lr: lower min_lr or raise lr")
 
 
 def _check_places(cfg) -> None:

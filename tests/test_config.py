@@ -86,6 +86,18 @@ def test_user_errors_name_the_key(yaml_path, args, words):
         assert word in str(e.value)
 
 
+@pytest.mark.parametrize("schedule, warmup", [("constant", 0), ("constant_with_warmup", 5)])
+def test_a_schedule_that_never_decays_takes_an_lr_below_min_lr(yaml_path, schedule, warmup):
+    """The constant schedules never reach min_lr, so a min_lr above lr (the default 1e-4 beside a fine-tuning LR)
+    is not refused there (it was, as if the schedule decayed); a schedule that decays to it still refuses it."""
+    args = ["--config", yaml_path, f"--optim.warmup_steps={warmup}", "--optim.lr=1e-5", "--optim.min_lr=1e-4"]
+    assert config.load([*args, f"--optim.schedule={schedule}"]).optim.lr == 1e-5
+    for decaying in ("cosine", "linear", "cosine_with_restarts"):
+        with pytest.raises(UserError, match=f"optim.min_lr=0.0001 is larger than optim.lr=1e-05; "
+                                            f"optim.schedule={decaying} decays"):
+            config.load([*args, f"--optim.schedule={decaying}"])
+
+
 @settings(deadline=None, derandomize=True, database=None, max_examples=200)
 @given(sequences=st.integers(1, 64), accum=st.sampled_from([1, 2, 4]), seq_len=st.integers(1, 512),
        tiles=st.integers(-3, 300))
