@@ -69,9 +69,10 @@ def _check_ranges(cfg) -> None:
     for key in ("b1", "b2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             raise UserError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
-    if not (math.log2(t.loss_scale_init).is_integer() and t.loss_scale_init <= 2.0**127):
-        raise UserError(f"train.loss_scale_init={t.loss_scale_init} must be a power of 2 (e.g. 65536, at most 2**127 "
-                        f"in fp32), so that scaling the loss and unscaling its gradient are exact")
+    if not (math.log2(t.loss_scale_init).is_integer() and 2.0**-126 <= t.loss_scale_init <= 2.0**127):
+        raise UserError(f"train.loss_scale_init={t.loss_scale_init} must be a power of 2 (e.g. 65536) from 2**-126 "
+                        f"to 2**127 (a normal fp32 number), so that scaling the loss and unscaling its gradient are "
+                        f"exact")
 
 
 def _check_schedule(cfg) -> None:

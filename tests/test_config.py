@@ -4,9 +4,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxtrain import config, config_checks, mesh, same_run
@@ -111,6 +112,25 @@ def test_vocab_tiles_must_divide_the_micro_batch_tokens(sequences, accum, seq_le
     else:
         with pytest.raises(UserError, match=r"^model\.vocab_tiles"):
             config.load(args)
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=200)
+@given(exponent=st.integers(-1074, 1023))
+@example(-200).via("the run that trained nothing")
+@example(-127).via("below the bound")
+@example(-126).via("the bound")
+@example(127).via("the bound")
+@example(128).via("above the bound")
+def test_loss_scale_init_is_a_power_of_2_that_fp32_holds(exponent):
+    """train.loss_scale_init = 2**e is accepted exactly when fp32 holds it as a normal number. Below, fp32 rounds it
+    to a subnormal (scaling no longer exact) or to 0: at 2**-200 an fp16 run skipped every window for good, its
+    scale 0 and every gradient 0/0, and trained nothing without a word. Above, fp32 rounds it to inf."""
+    scale, fp32 = 2.0 ** exponent, np.finfo(np.float32)
+    if float(fp32.tiny) <= scale <= float(fp32.max):
+        assert config.load([f"--train.loss_scale_init={scale!r}"]).train.loss_scale_init == scale
+    else:
+        with pytest.raises(UserError, match=r"^train\.loss_scale_init=.* must be a power of 2"):
+            config.load([f"--train.loss_scale_init={scale!r}"])
 
 
 def test_missing_config_file():
