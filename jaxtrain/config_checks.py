@@ -51,12 +51,13 @@ def _check_ranges(cfg) -> None:
         "train.nan_skip_limit": t.nan_skip_limit, "run.lock_timeout_s": cfg.run.lock_timeout_s,
         "optim.cycles": o.cycles, "train.loss_scale_init": t.loss_scale_init,
         "train.loss_scale_growth_interval": t.loss_scale_growth_interval,
+        "optim.eps": o.eps,  # AdamW's m / (sqrt(v) + eps) is 0 / 0 for a weight no gradient has reached yet
     }
     for key, value in positive.items():
         if value <= 0:
             raise UserError(f"{key} must be > 0, got {value}")
     non_negative = {"optim.warmup_steps": o.warmup_steps, "optim.min_lr": o.min_lr, "optim.weight_decay": o.weight_decay,
-                    "optim.max_grad_norm": o.max_grad_norm, "optim.eps": o.eps, "train.eval_every": t.eval_every,
+                    "optim.max_grad_norm": o.max_grad_norm, "train.eval_every": t.eval_every,
                     "log.sample_tokens": cfg.log.sample_tokens}
     for key, value in non_negative.items():
         if value < 0:

@@ -62,6 +62,7 @@ def test_dump_reads_back(yaml_path, tmp_path):
     (["--data.batch_size=33", "--optim.grad_accum_steps=2"], ["data.batch_size=33", "optim.grad_accum_steps=2"]),
     (["--data.path=/does/not/exist"], ["data.path", "jaxtrain.data prepare"]),
     (["--optim.min_lr=1"], ["optim.min_lr", "optim.lr"]),
+    (["--optim.eps=0"], ["optim.eps must be > 0, got 0.0"]),  # an untied embedding row no token reached went NaN
     (["--train.steps"], ["--train.steps", "no value"]),
     (["--synthtic"], ["malformed argument '--synthtic'", "--section.key=value"]),  # a mistyped flag, no value
     (["positional"], ["positional"]),

@@ -151,7 +151,8 @@ VALID = {
     "data.cache_dir": _NULL | _text(),
     "optim.lr": _floats(1e-3, 1e3), "optim.min_lr": _floats(0.0, 1e-3), "optim.warmup_steps": _ints(0, 7),
     "optim.warmup_init_lr": _NULL | _floats(0.0, 10.0), "optim.decay_steps": _NULL | _ints(8, INT32_MAX),
-    "optim.b1": _UNIT, "optim.b2": _UNIT, "optim.eps": _floats(0.0, 1.0), "optim.weight_decay": _floats(0.0, 10.0),
+    "optim.b1": _UNIT, "optim.b2": _UNIT, "optim.eps": _floats(0.0, 1.0, exclude_min=True),
+    "optim.weight_decay": _floats(0.0, 10.0),
     "optim.decay_mask": st.sampled_from(["ndim", "names"]), "optim.max_grad_norm": _floats(0.0, 100.0),
     "optim.grad_accum_steps": st.sampled_from(["1", "2", "4", "8", "16", "32"]),
     "optim.schedule": st.sampled_from(["cosine", "linear", "constant_with_warmup", "cosine_with_restarts"]),
@@ -187,7 +188,7 @@ OUT_OF_RANGE = {
     "optim.warmup_steps": st.integers(-10**6, -1).map(str) | _ints(8, INT32_MAX),
     "optim.warmup_init_lr": _BELOW_ZERO, "optim.decay_steps": st.integers(-INT32_MAX, 2).map(str),
     "optim.b1": _floats(1.0, 1e6) | _BELOW_ZERO, "optim.b2": _floats(1.0, 1e6) | _BELOW_ZERO,
-    "optim.eps": _BELOW_ZERO, "optim.weight_decay": _BELOW_ZERO, "optim.max_grad_norm": _BELOW_ZERO,
+    "optim.eps": _BELOW_ZERO | st.just("0.0"), "optim.weight_decay": _BELOW_ZERO, "optim.max_grad_norm": _BELOW_ZERO,
     "optim.grad_accum_steps": _NEGATIVE | st.sampled_from(["3", "5", "6", "7", "64", "33"]),
     "optim.schedule": st.just("constant"),  # with BASE's warmup: constant has none
     "optim.cycles": _NEGATIVE, "optim.groups": _groups(valid=False),
