@@ -17,14 +17,16 @@ grad_accum_steps therefore never changes the tokens per optimizer step.
 import copy
 import dataclasses
 import difflib
+import inspect
 import os
+import re
 import sys
+import tokenize
 import typing
 from typing import Literal, Optional
 
 import draccus
 import yaml
-from draccus.wrappers.docstring import get_attribute_docstring
 
 from jaxtrain import cmdline
 from jaxtrain import config_checks
@@ -226,13 +228,33 @@ def usage() -> str:
              "Keys (YAML sections; the same names override on the command line):"]
     for section in dataclasses.fields(Config):
         lines.append(f"  {section.name}:")
+        comments = _field_comments(section.type)
         for f in dataclasses.fields(section.type):
             name = cmdline.yaml_name(f)
             default = getattr(section.type(), f.name)
             default = default if not isinstance(default, str) or default.isprintable() else repr(default)
-            comment = get_attribute_docstring(section.type, f.name).comment_inline
-            lines.append(f"    {f'--{section.name}.{name}={default}':<34} {comment}".rstrip())
+            lines.append(f"    {f'--{section.name}.{name}={default}':<34} {comments.get(f.name, '')}".rstrip())
     return "\n".join(lines)
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """Field name -> what its source comment says: the comment after it on its line, else the comment lines above
+    it, which also speak for the uncommented fields right after it (train.loss_scale_init and its growth interval).
+    draccus's reader passes over a comment above, and over any field whose type holds quotes (Literal choices)."""
+    lines = inspect.getsource(cls).splitlines(keepends=True)
+    comment_at = {token.start[0] - 1: token.string.lstrip("#").strip()
+                  for token in tokenize.generate_tokens(iter(lines).__next__) if token.type == tokenize.COMMENT}
+    comments, above, in_block = {}, [], False
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("#"):
+            above, in_block = (above if in_block else []) + [comment_at[i]], True
+            continue
+        in_block, field = False, re.match(r"\s+(\w+)\s*:", line)
+        if field:
+            comments[field.group(1)] = comment_at.get(i) or " ".join(above)
+        if not field or i in comment_at:
+            above = []
+    return comments
 
 
 def from_dict(raw: dict) -> Config:

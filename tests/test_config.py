@@ -227,6 +227,28 @@ def test_help_lists_every_key(capsys):
     assert "--optim.grad_accum_steps=1" in out and "--init.from=None" in out and "--data.batch_size=32" in out
 
 
+def test_help_gives_each_key_the_comment_config_py_writes_for_it(capsys):
+    """A key's comment reaches --help whether it sits after the key or on the lines above it, and whatever the key's
+    type. draccus's reader, used before, passed over comments above and fields typed Literal["..."]: --help said
+    nothing of optim.decay_mask, optim.groups, train.precision, the loss scaling or train.nan_policy."""
+    with pytest.raises(SystemExit):
+        config.load(["--help"])
+    flags = {line.split()[0].split("=")[0]: line for line in capsys.readouterr().out.splitlines()
+             if line.lstrip().startswith("--")}
+    # config.py's comments, copied
+    assert flags["--optim.schedule"].endswith(
+        "cosine | linear | constant | constant_with_warmup | cosine_with_restarts")
+    assert flags["--optim.decay_mask"].endswith(
+        "ndim: decay params with ndim >= 2; names: all but bias/norm/embedding")
+    assert "per-group LR multiplier and weight decay" in flags["--optim.groups"]
+    assert "bf16 | fp16: bf16 or fp16 matmuls" in flags["--train.precision"]
+    for key in ("--train.loss_scale_init", "--train.loss_scale_growth_interval"):  # one comment above the two
+        assert "fp16: dynamic loss scaling as torch's GradScaler" in flags[key]
+    assert flags["--train.nan_policy"].endswith("halt (resume from the last checkpoint) or skip that update")
+    assert flags["--train.eval_every"].endswith("optimizer steps between evaluations; 0: only at the end")
+    assert flags["--optim.b1"].endswith("--optim.b1=0.9")  # no comment: none is made up
+
+
 @pytest.mark.parametrize("name", sorted(os.listdir("configs")))
 def test_shipped_configs_decode(name):
     """Every shipped config has only known keys of the right types (data.path may not exist on this machine)."""
