@@ -181,11 +181,14 @@ def qkv_gemm_blocks(fused_attention: bool, weight_shards: int) -> bool:
 def fused_attention(cfg: ModelConfig, precision: str) -> bool:
     """Whether attention runs as cuDNN's fused flash-attention kernel (model.attention). It never holds the
     (B, nh, T, T) scores, so memory grows with T, not T^2; it takes bf16 only, has no dropout on the
-    probabilities, and exists on NVIDIA GPUs only. auto picks it where it can run."""
-    possible = precision == "bf16" and cfg.dropout == 0.0 and backend() == "gpu"
+    probabilities, takes head sizes that are a multiple of 8 only (jax raises NotImplementedError on others), and
+    exists on NVIDIA GPUs only. auto picks it where it can run."""
+    head_size = cfg.d_model // cfg.n_head
+    possible = precision == "bf16" and cfg.dropout == 0.0 and head_size % 8 == 0 and backend() == "gpu"
     if cfg.attention == "cudnn" and not possible:
-        raise UserError(f"model.attention=cudnn needs train.precision=bf16, model.dropout=0 and a GPU (got "
-                         f"{precision}, dropout {cfg.dropout}, {backend()}); use model.attention=auto")
+        raise UserError(f"model.attention=cudnn needs train.precision=bf16, model.dropout=0, a head size "
+                        f"(model.d_model / model.n_head) that is a multiple of 8 and a GPU (got {precision}, dropout "
+                        f"{cfg.dropout}, head size {head_size}, {backend()}); use model.attention=auto")
     return cfg.attention == "cudnn" or (cfg.attention == "auto" and possible)
 
 

@@ -218,6 +218,27 @@ def test_cudnn_attention_where_it_cannot_run_is_a_user_error(precision, dropout)
         M.fused_attention(cfg, precision)
 
 
+@pytest.mark.parametrize("d_model, n_head", [(48, 4), (96, 8), (80, 8)])  # head sizes 12, 12, 10
+def test_auto_attention_writes_out_a_head_size_cudnn_refuses(d_model, n_head, monkeypatch):
+    """cuDNN's flash attention takes head sizes that are a multiple of 8 only: jax's cudnn path raises
+    NotImplementedError on any other (check_is_flash_attention). model.attention=auto on a GPU under bf16 went to it
+    whatever the head size, so such a config stopped on a GPU with that traceback; now auto writes attention out
+    there, and model.attention=cudnn is refused naming the head size. The GPU is compiling_for's, its cuDNN a stand-in
+    that refuses as jax's does."""
+    def cudnn(q, k, v, **kwargs):
+        if q.shape[-1] % 8:
+            raise NotImplementedError(f"The head dim must be <= 128 and a multiple of 8, but got {q.shape[-1]}.")
+        return q
+    monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn)
+    cfg = ModelConfig(seq_len=16, n_layer=1, n_head=n_head, d_model=d_model)
+    with autocast.compiling_for("gpu"):
+        graphdef, params = M.init_params(cfg, vocab_size=V, precision="bf16", seed=0)
+        assert jax.eval_shape(lambda p, idx: M.apply(graphdef, p, idx), params, _idx()).shape == (3, 16, V)
+        with pytest.raises(UserError, match=f"a multiple of 8 .*head size {d_model // n_head}"):
+            M.fused_attention(dataclasses.replace(cfg, attention="cudnn"), "bf16")
+        assert M.fused_attention(dataclasses.replace(cfg, d_model=8 * n_head), "bf16")  # head size 8: cuDNN's
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")
 def test_cudnn_attention_matches_the_written_out_one():
     cfg = ModelConfig(seq_len=128, n_layer=2, n_head=4, d_model=256)
