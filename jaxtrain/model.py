@@ -161,7 +161,13 @@ class CausalSelfAttention(nnx.Module):
         q, k, v = (row_major(t.transpose(0, 2, 1, 3)) for t in (q_BxTxHxS, k_BxLxHxS, v_BxLxHxS))  # (B, nh, ., hs)
         T, L, head_size = q.shape[2], k.shape[2], q.shape[3]
         k_T = row_major(jnp.swapaxes(k, -1, -2))
-        scores_BxHxTxL = matmul(q, k_T, self.precision) * (1.0 / math.sqrt(head_size))
+        # torchref's `(q @ k^T) * scale` under autocast: the product rounded to the compute dtype, scaled in fp32 and
+        # rounded again (torch's opmath), then upcast for the softmax; under fp32 the roundings are no-ops. The dot
+        # returns fp32 and is rounded after it, as the batched dots' gradients are (autocast._low_matmul_bwd).
+        low = COMPUTE_DTYPES[self.precision]
+        scale = jnp.float32(1.0 / math.sqrt(head_size))
+        scores_BxHxTxL = matmul(q, k_T, self.precision).astype(low).astype(jnp.float32) * scale
+        scores_BxHxTxL = scores_BxHxTxL.astype(low).astype(jnp.float32)
         causal_TxL = jnp.arange(L)[None, :] <= start + jnp.arange(T)[:, None]
         scores_BxHxTxL = jnp.where(causal_TxL, scores_BxHxTxL, -jnp.inf)
         probs_BxHxTxL = jax.nn.softmax(scores_BxHxTxL, axis=-1).astype(q.dtype)

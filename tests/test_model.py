@@ -372,6 +372,39 @@ def test_linear_bf16_is_torchs(bias, platform):
         np.testing.assert_array_equal(d_state["bias"][...], b_t.grad.numpy())
 
 
+@pytest.mark.parametrize("head_size", [16, 32, 64])  # 1/sqrt(32) is not a power of 2: the scaling rounds too
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_written_out_attention_bf16_is_torchs(head_size, platform):
+    """The written-out attention under bf16 against torchref's expression under torch.autocast (copied here): the
+    output and q's, k's and v's gradients, bit for bit. autocast rounds q k^T to bf16 and rounds it again when it
+    scales it, before the fp32 softmax; jaxtrain kept the scores in fp32, and half the outputs differed. The
+    operands make every dot's fp32 sum exact (_multiples); the softmax's fp32 differences (exp, sum order) stay
+    below the bf16 roundings after it on these inputs (measured: none). Traced for a CPU and for a GPU."""
+    import torch
+    B, T, H = 2, 32, 2
+    q, k, v = (_multiples(i, (B, T, H, head_size), 2.0 ** -3, 2) for i in range(3))
+    g = _multiples(3, (B, T, H, head_size), 2.0 ** -4, 4)
+    attention = M.CausalSelfAttention(ModelConfig(seq_len=T, n_layer=1, n_head=H, d_model=H * head_size),
+                                      precision="bf16", rngs=nnx.Rngs(0))
+    with autocast.compiling_for(platform):
+        y, vjp = jax.vjp(jax.jit(lambda q, k, v: attention._written_out(q, k, v, None)),
+                         *(a.astype(jnp.bfloat16) for a in (q, k, v)))
+        grads = vjp(g.astype(jnp.bfloat16))
+
+    def leaf(a):  # (B, H, T, hs), as torchref's attention holds them
+        return torch.from_numpy(np.array(a, np.float32)).to(torch.bfloat16).transpose(1, 2).requires_grad_(True)
+    q_t, k_t, v_t = leaf(q), leaf(k), leaf(v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        att = (q_t @ k_t.transpose(-2, -1)) * (1.0 / math.sqrt(head_size))
+        att = att.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool)), float("-inf"))
+        y_t = (torch.softmax(att.float(), dim=-1) @ v_t).transpose(1, 2)
+    y_t.backward(torch.from_numpy(np.array(g, np.float32)).to(torch.bfloat16))
+    as_np = lambda a: np.asarray(a, np.float32)
+    np.testing.assert_array_equal(as_np(y), y_t.detach().float().numpy())
+    for grad, leaf_t in zip(grads, (q_t, k_t, v_t)):
+        np.testing.assert_array_equal(as_np(grad), leaf_t.grad.transpose(1, 2).float().numpy())
+
+
 def _compiled_dot_operand_types(hlo: str) -> list[tuple[str, str]]:
     """(lhs, rhs) element types of every dot in optimized HLO text, operands looked up by their definitions."""
     defined = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
