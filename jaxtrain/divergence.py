@@ -23,14 +23,15 @@ from jaxtrain.errors import UserError
 class Divergence:
     """`latest_checkpoint`: the step of run.out_dir's newest checkpoint (None: none), looked up on a halt;
     `backend`, "jaxtrain" or "torchref", the format of those checkpoints. A save in flight counts: the lookup
-    waits for it."""
+    waits for it. `skipped`: the updates skipped before this process's first step (the state it starts from), so
+    that a skip at that first step counts too."""
 
-    def __init__(self, cfg: Config, latest_checkpoint: Callable[[], int | None], backend: str):
+    def __init__(self, cfg: Config, latest_checkpoint: Callable[[], int | None], backend: str, skipped: int):
         self.cfg, self.backend = cfg, backend
         self.policy, self.limit = cfg.train.nan_policy, cfg.train.nan_skip_limit
         self.loss_scaled = cfg.train.precision == "fp16"
         self.latest_checkpoint = latest_checkpoint
-        self.skipped, self.in_a_row = None, 0
+        self.skipped, self.in_a_row = skipped, 0
 
     def check(self, line: dict) -> None:
         """`line`: a metrics.jsonl train line (step, loss, grad_norm; skipped under nan_policy=skip)."""
@@ -39,7 +40,7 @@ class Divergence:
             if not (math.isfinite(line["loss"]) and (math.isfinite(line["grad_norm"]) or overflow)):
                 self._halt(line, "training diverged")
             return
-        if self.skipped is not None and line["skipped"] > self.skipped and not overflow:
+        if line["skipped"] > self.skipped and not overflow:
             self.in_a_row += 1
             print(f"step {line['step']}: loss {line['loss']}, grad norm {line['grad_norm']}: update skipped "
                   f"({self.in_a_row} in a row, {line['skipped']} in all)", file=sys.stderr)

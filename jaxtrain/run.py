@@ -300,7 +300,7 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
     """Steps start+1 .. train.steps. Each step's metrics are pulled to the host one step late, so the device
     never waits for logging; checkpoints, evals and the end sync on the step they follow."""
     cfg, eval_batches = trainer.cfg, trainer.eval_batches()
-    divergence = Divergence(cfg, trainer.checkpointer.newest_complete_step, "jaxtrain")
+    divergence = Divergence(cfg, trainer.checkpointer.newest_complete_step, "jaxtrain", int(state.skipped))
     pending, summary = None, {"start_step": start}
     for step in range(start + 1, cfg.train.steps + 1):
         state, metrics = trainer.train_step(state, *trainer.window(step - 1))

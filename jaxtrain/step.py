@@ -37,6 +37,11 @@ class TrainState(NamedTuple):
     def step(self) -> jax.Array:
         return self.opt_state.gradient_step
 
+    @property
+    def skipped(self) -> jax.Array:
+        """Windows whose update was left out (train.nan_policy=skip, fp16's overflows): metrics' `skipped`."""
+        return optim.skipped_updates(self.opt_state)
+
 
 def ce_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sum of fp32 cross-entropy over valid targets (>= 0), and the number of valid targets."""

@@ -277,7 +277,17 @@ def test_accumulation_keeps_every_step_loss(reference_run, tmp_path, cache_dir):
                                                "optim.max_grad_norm")])
 def test_a_halt_names_clipping_only_where_it_is_off(clip, levers):
     cfg = config.load(["--config", "configs/tiny.yaml", f"--optim.max_grad_norm={clip}"])
-    divergence = Divergence(cfg, lambda: 2, "jaxtrain")
+    divergence = Divergence(cfg, lambda: 2, "jaxtrain", 0)
     with pytest.raises(UserError) as e:
         divergence.check({"step": 3, "loss": float("nan"), "grad_norm": float("nan")})
     assert f": {levers}, " in str(e.value) or f": {levers} and" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("skipped_before", [0, 3])
+def test_a_skip_at_the_first_step_of_a_process_counts(skipped_before):
+    """nan_policy=skip counts a skipped update at a run's first step, and at a resumed run's (whose state already
+    skipped some): with nan_skip_limit=1 that one skip halts."""
+    cfg = config.load(["--config", "configs/tiny.yaml", "--train.nan_policy=skip", "--train.nan_skip_limit=1"])
+    divergence = Divergence(cfg, lambda: 2, "jaxtrain", skipped_before)
+    with pytest.raises(UserError, match="1 updates in a row were skipped"):
+        divergence.check({"step": 3, "loss": float("nan"), "grad_norm": float("nan"), "skipped": skipped_before + 1})

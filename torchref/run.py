@@ -100,7 +100,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
     log = MetricsLog(cfg, progress.step if resumed else 0, flops_per_token, metrics.peak_flops(cfg, device_name))
     bar = tqdm(total=cfg.train.steps, initial=progress.step, disable=not cfg.log.progress, unit="step")
     loss = eval_loss = eval_accuracy = None
-    divergence = Divergence(cfg, lambda: checkpoint.latest_step(cfg.run.out_dir), "torchref")
+    divergence = Divergence(cfg, lambda: checkpoint.latest_step(cfg.run.out_dir), "torchref", progress.skipped)
     skip_non_finite = cfg.train.nan_policy == "skip"
     with log, bar:
         for step in range(progress.step, cfg.train.steps):
