@@ -92,13 +92,18 @@ def scalars(line: dict) -> dict:
             if key != "step" and value is not None}
 
 
+def mfu(tokens_per_s: float, flops_per_token: float, flops_per_s_peak: float | None) -> float | None:
+    """Model FLOPs utilisation at `tokens_per_s` valid tokens a second (compute spent on padding is not useful
+    work); None where the device's peak is unknown."""
+    return tokens_per_s * flops_per_token / flops_per_s_peak if flops_per_s_peak else None
+
+
 def train_line(step: int, loss: float, lr: float, grad_norm: float, tokens: int, tokens_per_s: float,
                flops_per_token: float, flops_per_s_peak: float | None) -> dict:
-    """A training line of metrics.jsonl; `tokens` counts the run's valid target tokens so far. MFU counts valid
-    tokens only, compute spent on padding not being useful work; null where the device's peak is unknown."""
-    mfu = tokens_per_s * flops_per_token / flops_per_s_peak if flops_per_s_peak else None
+    """A training line of metrics.jsonl; `tokens` counts the run's valid target tokens so far; mfu null where the
+    device's peak is unknown."""
     return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-            "tokens_per_s": tokens_per_s, "mfu": mfu}
+            "tokens_per_s": tokens_per_s, "mfu": mfu(tokens_per_s, flops_per_token, flops_per_s_peak)}
 
 
 class MetricsLogger:
@@ -159,6 +164,11 @@ class MetricsLogger:
     def mean_tokens_per_s(self) -> float | None:
         """tokens_per_s over all of this run's training steps, for the summary."""
         return self.run_tokens / self.run_seconds if self.run_seconds else None
+
+    def mean_mfu(self) -> float | None:
+        """MFU at mean_tokens_per_s, for the summary."""
+        tokens_per_s = self.mean_tokens_per_s()
+        return mfu(tokens_per_s, self.flops_per_token, self.flops_per_s_peak) if tokens_per_s is not None else None
 
     def eval(self, step: int, eval_loss: float, eval_accuracy: float) -> None:
         self._write({"step": step, "eval_loss": eval_loss, "eval_accuracy": eval_accuracy})

@@ -324,7 +324,7 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
             print(f"saved step {step}; {config_lib.resume_hint(cfg)}", file=sys.stderr)
             summary["stopped"] = True
             break
-    summary["tokens_per_s"] = logger.mean_tokens_per_s()
+    summary["tokens_per_s"], summary["mfu"] = logger.mean_tokens_per_s(), logger.mean_mfu()
     return state, summary
 
 

@@ -38,6 +38,22 @@ def test_tokens_per_s_covers_the_steps_since_the_last_line_and_leaves_out_eval_a
     assert logger.mean_tokens_per_s() == 400 / 5
 
 
+def test_the_summary_mfu_is_over_the_whole_run_not_its_last_line(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    cfg = config.load([f"--run.out_dir={tmp_path}", "--log.tensorboard=false", "--log.progress=false",
+                       "--train.steps=2", "--optim.warmup_steps=1", "--model.vocab_size=256",
+                       "--log.peak_tflops=0.5"])
+    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1e10, n_devices=2, device_kind="cpu",
+                                   is_main=True)
+    for step, at, tokens in [(1, 1.0, 100), (2, 5.0, 300)]:  # the last line: 300 tokens in 4 s
+        clock.now = at
+        line = logger.train(step, 1.0, 1e-3, 1.0, tokens)
+    logger.close()
+    assert line["mfu"] == 0.75  # 75 tokens/s x 1e10 FLOPs a token / (2 devices x 0.5e12 FLOP/s)
+    assert logger.mean_mfu() == 0.8  # the run: 400 tokens in 5 s
+
+
 def test_wandb_start_up_is_not_training_time(tmp_path, monkeypatch):
     """wandb.init may wait ~90 s for a network before it falls back to offline: step 1's tokens_per_s counted it."""
     clock = Clock()

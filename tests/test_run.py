@@ -291,3 +291,13 @@ def test_a_skip_at_the_first_step_of_a_process_counts(skipped_before):
     divergence = Divergence(cfg, lambda: 2, "jaxtrain", skipped_before)
     with pytest.raises(UserError, match="1 updates in a row were skipped"):
         divergence.check({"step": 3, "loss": float("nan"), "grad_norm": float("nan"), "skipped": skipped_before + 1})
+
+
+def test_the_summary_gives_mfu_at_its_own_tokens_per_s(tmp_path, cache_dir):
+    """The summary's tokens_per_s is the run's mean; its mfu is taken at that rate, not the last line's."""
+    out_dir = str(tmp_path / "mfu")
+    summary = run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=3", "--checkpoint.every=1",
+                                               "--log.peak_tflops=1e-3")))
+    last = [line for line in read_metrics(out_dir) if "loss" in line][-1]
+    # mfu is tokens_per_s times one constant (FLOPs per token over the peak); rel: the two divisions' rounding
+    assert summary["mfu"] / summary["tokens_per_s"] == pytest.approx(last["mfu"] / last["tokens_per_s"], rel=1e-12)
