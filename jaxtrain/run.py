@@ -223,10 +223,11 @@ class AgreedStop:
 
 def train(cfg: Config) -> dict:
     """Train to cfg.train.steps; returns the summary of this run. run.dry_run: only say whether it fits."""
-    if cfg.run.dry_run:
-        return dryrun.report(cfg)
     stop = preemption.install()  # `python -m jaxtrain.run` installed it before importing jax
     try:
+        if cfg.run.dry_run:  # no step to finish and save: a signal stops the compile at once, not after it
+            stop.nothing_left_to_save("a dry run trains and saves nothing")
+            return dryrun.report(cfg)
         summary, state, trainer = train_steps(cfg, stop)
         if state is None or summary.get("stopped"):
             return summary

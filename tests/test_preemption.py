@@ -82,6 +82,19 @@ def test_ctrl_c_during_start_up_stops_cleanly(tmp_path, cache_dir, straight, del
     assert_resumes_to(out_dir, cache_dir, straight)
 
 
+def test_ctrl_c_stops_a_dry_run_at_once(tmp_path, cache_dir):
+    """A dry run has no step to save: Ctrl-C stops it then, not after a compile that may take minutes, and not with
+    exit 0, which would read as a config that fits."""
+    cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *small_args(str(tmp_path / "dry"), cache_dir),
+           "--run.dry_run=true"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # in the imports, as test_ctrl_c_during_start_up_stops_cleanly's first case
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate()
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
+    assert "SIGINT: stopping now; a dry run trains and saves nothing" in err and "dry run:" not in out, (out, err)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_second_signal_stops_at_once_and_the_next_start_resumes(tmp_path, cache_dir, straight, signum):
