@@ -38,10 +38,11 @@ PEAK_TFLOPS = {
 
 def flops_per_token(cfg: Config, n_params: int) -> float:
     """Training FLOPs per token, as nanoGPT's estimate_mfu (PaLM appendix B): 6N for the weight matmuls forward
-    and backward, plus 12 * L * d * T for attention scores and values. N excludes the position embedding."""
+    and backward, plus 12 * L * d * T for attention scores and values. N excludes the embeddings that are only
+    looked up: the position embedding, and the token embedding where lm_head has its own weight (untied)."""
     m = cfg.model
-    n_matmul = n_params - m.seq_len * m.d_model
-    return 6 * n_matmul + 12 * m.n_layer * m.d_model * m.seq_len
+    looked_up = m.seq_len * m.d_model + (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+    return 6 * (n_params - looked_up) + 12 * m.n_layer * m.d_model * m.seq_len
 
 
 def peak_flops(cfg: Config, device_name: str) -> float | None:

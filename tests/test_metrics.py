@@ -166,6 +166,25 @@ def test_peak_flops_one_table_for_both_backends(name, tflops):
     assert metrics.peak_flops(config.load(["--log.peak_tflops=2.5"]), name) == 2.5e12
 
 
+def test_flops_per_token_are_the_same_with_the_head_tied_or_not():
+    """Untying lm_head from wte adds a weight that is only looked up (the head's matmul is there either way): the
+    FLOPs, and so MFU, stay nanoGPT's estimate_mfu of the tied model."""
+    import functools
+    import jax
+    from jaxtrain import step
+
+    def model(tied: bool) -> tuple[config.Config, int]:
+        cfg = config.load(["--model.vocab_size=256", "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2",
+                           "--model.seq_len=16", f"--model.tie_embeddings={str(tied).lower()}"])
+        params = jax.eval_shape(functools.partial(step.fresh_state, cfg, 256)).params
+        return cfg, sum(x.size for x in jax.tree.leaves(params))
+
+    (tied, n_tied), (untied, n_untied) = model(True), model(False)
+    assert n_untied == n_tied + 256 * 32  # lm_head's own (V, d) weight
+    nanogpt = 6 * (n_tied - 16 * 32) + 12 * 2 * 32 * 16  # 6 (N - wpe) + 12 L d T
+    assert metrics.flops_per_token(tied, n_tied) == metrics.flops_per_token(untied, n_untied) == nanogpt
+
+
 def test_tensorboard_events_read_back_by_tensorboard_and_never_go_back_in_step(tmp_path, monkeypatch):
     """The event files, read by TensorBoard's own loader and accumulator: each logged field under its tag at its step,
     and a run resumed at step 4 after the first had logged up to 6 shows steps 1..8 once each, 5 and 6 from the

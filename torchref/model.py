@@ -110,8 +110,8 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self) -> int:
-        """Parameter count, shared tensors once (jaxtrain.metrics.flops_per_token leaves the position embedding
-        out: it costs no matmul FLOPs, while wte does as the tied lm_head)."""
+        """Parameter count, shared tensors once (jaxtrain.metrics.flops_per_token leaves out the position embedding,
+        which costs no matmul FLOPs, and wte unless it is the tied lm_head)."""
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx):
