@@ -108,10 +108,12 @@ def train_line(step: int, loss: float, lr: float, grad_norm: float, tokens: int,
 
 
 class MetricsLogger:
-    """Writes metrics for steps start_step+1 .. cfg.train.steps. Only the main process writes."""
+    """Writes metrics for steps start_step+1 .. cfg.train.steps. Only the main process writes. `start_tokens`: the
+    tokens trained before start_step where metrics.jsonl has no line to say (init.from's training state); None:
+    start_step windows of this config's size."""
 
     def __init__(self, cfg: Config, *, start_step: int, flops_per_token: float, n_devices: int,
-                 device_kind: str, is_main: bool):
+                 device_kind: str, is_main: bool, start_tokens: int | None = None):
         self.cfg, self.is_main = cfg, is_main
         # The lines past start_step, left by a run that went on after its last checkpoint, are dropped: the
         # resumed run writes them again.
@@ -121,7 +123,10 @@ class MetricsLogger:
         train_lines = [record for record in map(json.loads, kept) if "loss" in record]
         last = train_lines[-1] if train_lines else None
         tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
-        self.tokens = last["tokens"] if last and last["step"] == start_step else start_step * tokens_per_step
+        if last:  # its tokens and the steps since it, whole windows of this config (a resume: the same run)
+            self.tokens = last["tokens"] + (start_step - last["step"]) * tokens_per_step
+        else:
+            self.tokens = start_step * tokens_per_step if start_tokens is None else start_tokens
         peak = peak_flops(cfg, device_kind)
         self.flops_per_s_peak = peak * n_devices if peak else None
         self.flops_per_token = flops_per_token

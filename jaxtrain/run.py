@@ -139,6 +139,14 @@ class Trainer:
             return data_lib.continued_seed(torch_format.read_trainer_state(cfg.init.from_)["data"]["seed"], cfg)
         return cfg.run.seed
 
+    def tokens_before_start(self) -> int | None:
+        """The tokens that init.from's full training state was trained on, which a new run from it goes on
+        counting (its data.batch_size may have been another); None where metrics.jsonl's lines say, or nothing ran."""
+        source = self.cfg.init.from_
+        if self.resumed is not None or source is None or not checkpoint_kind.holds_training_state(source):
+            return None
+        return torch_format.read_trainer_state(source)["data"].get("tokens")
+
     def compile(self, state) -> None:
         """Compile the train step ahead of the loop, so that step 1's throughput is not the compile time."""
         t0 = time.perf_counter()
@@ -269,7 +277,8 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
             config_lib.save(cfg, cfg.run.out_dir)
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         logger = metrics_lib.MetricsLogger(
-            cfg, start_step=start, flops_per_token=metrics_lib.flops_per_token(cfg, n_params),
+            cfg, start_step=start, start_tokens=trainer.tokens_before_start(),
+            flops_per_token=metrics_lib.flops_per_token(cfg, n_params),
             n_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind, is_main=trainer.is_main)
         state, summary = loop(trainer, state, start, logger, agreed)
         summary["wall_s"] = time.perf_counter() - t0  # start-up and compilation included

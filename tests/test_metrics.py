@@ -126,6 +126,21 @@ def test_a_resumed_run_keeps_the_lines_up_to_its_step_and_drops_a_cut_last_line(
     assert metrics.kept_lines(str(tmp_path / "none.jsonl"), 3) == []
 
 
+def test_a_resumed_run_counts_tokens_on_from_its_last_line(tmp_path):
+    """Resumed at step 5 with lines every 2 steps, the last kept at 4: its tokens (a run begun from init.from's state
+    of another batch size has no multiple of this one) and step 5's window of 4 x 32."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0, "tokens": 1000}\n'
+                                            '{"step": 4, "loss": 1.0, "tokens": 1256}\n')
+    cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=2", "--log.tensorboard=false",
+                       "--log.progress=false", "--train.steps=8", "--optim.warmup_steps=1", "--model.vocab_size=256",
+                       "--data.batch_size=4", "--model.seq_len=32"])
+    logger = metrics.MetricsLogger(cfg, start_step=5, flops_per_token=1.0, n_devices=1, device_kind="cpu",
+                                   is_main=True)
+    line = logger.train(6, 1.0, 1e-3, 1.0, 128)
+    logger.close()
+    assert line["tokens"] == 1256 + 128 + 128
+
+
 # A crash's leftovers: a block of NUL bytes (a file system that had sized the file but not written it), bytes that are
 # not UTF-8, a JSON value that is no record, a record without an int step.
 DAMAGED = [b"\0" * 40 + b"\n", b"\xff\xfe garbage\n", b"[1]\n", b'{"step": "4"}\n']
