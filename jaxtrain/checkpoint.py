@@ -164,13 +164,27 @@ class Checkpointer:
         resumed_cfg = same_run.check(saved_config, self.cfg, where, step, "jaxtrain")
         if self.data_fingerprint is not None:
             data_lib.check_same_data(meta, self.data_fingerprint, resumed_cfg, where)
-        with _reading(where):
-            args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)))
-            state = self.manager.restore(step, args=args)["state"]
+        mesh = jax.tree.leaves(abstract_state)[0].sharding.mesh
+        state = _on_every_process(lambda: self._read_state(step, abstract_state), mesh, CorruptCheckpoint(
+            f"checkpoint {where} cannot be read on another process (its output names the array)"))
         if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
             check_fingerprint(state, meta["fingerprint"], where)
         return meta, state, resumed_cfg
+
+    def _read_state(self, step: int, abstract_state) -> TrainState:
+        """The arrays of `step`, this process's shards of them. Read by orbax's handler, not the manager: the
+        manager's restore ends in a barrier that a process whose read failed never reaches (the others waited in it
+        for good)."""
+        where = self._step_dir(step)
+        args = ocp.args.PyTreeRestore(abstract_state,
+                                      restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+        try:
+            with _reading(where):
+                return ocp.PyTreeCheckpointHandler().restore(epath.Path(where) / "state", args=args)
+        except CorruptCheckpoint as e:
+            if jax.process_index() != 0:  # process 0 names it as it moves the step aside
+                print(f"warning: {e}", file=sys.stderr)
+            raise
 
     def _set_aside(self, failed: list[tuple[int, str]]) -> None:
         """Move each failed step folder out of orbax's namespace, whole (the primary process moves; all wait)."""
@@ -215,6 +229,20 @@ def saved_steps(out_dir: str) -> list[int]:
         options = ocp.CheckpointManagerOptions(read_only=True, create=False)
         with ocp.CheckpointManager(os.fspath(directory), options=options) as manager:
             return sorted(manager.all_steps())
+
+
+def _on_every_process(read, mesh: Mesh, elsewhere: UserError):
+    """read() on every process; where it raises a UserError on any of them, each raises (its own, or `elsewhere`),
+    instead of some going on into a collective that the others never join."""
+    try:
+        result, refusal = read(), None
+    except UserError as e:
+        result, refusal = None, e
+    if jax.process_count() > 1 and bool(mesh_lib.any_process(refusal is not None, mesh)):
+        refusal = refusal or elsewhere
+    if refusal is not None:
+        raise refusal
+    return result
 
 
 @contextlib.contextmanager
