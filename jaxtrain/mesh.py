@@ -35,6 +35,9 @@ def init_distributed() -> None:
         except (KeyError, ValueError):
             raise UserError("JAX_COORDINATOR_ADDRESS is set, so this is one process of several: also set "
                             "JAX_NUM_PROCESSES (how many) and JAX_PROCESS_ID (this one's, 0-based)") from None
+        if not 0 <= i < n:
+            raise UserError(f"JAX_PROCESS_ID={i} with JAX_NUM_PROCESSES={n}: JAX_NUM_PROCESSES counts the processes "
+                            f"(at least 1) and JAX_PROCESS_ID numbers this one from 0, below that count")
         jax.distributed.initialize(num_processes=n, process_id=i)
     elif int(env.get("SLURM_NTASKS") or 1) > 1 or env.get("TPU_WORKER_HOSTNAMES") or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
         jax.distributed.initialize()

@@ -195,3 +195,17 @@ def test_which_launches_join_a_cluster(monkeypatch, env, joins):
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
     mesh.init_distributed()
     assert calls == ([{}] if joins else [])
+
+
+@pytest.mark.parametrize("count, index", [("2", "2"), ("2", "-1"), ("0", "0")])
+def test_a_process_id_outside_the_process_count_is_one_line(monkeypatch, count, index):
+    """JAX_PROCESS_ID counts from 0 (a 1-based id on the last of two processes is 2): refused before joining, not
+    jax's ValueError traceback."""
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", count)
+    monkeypatch.setenv("JAX_PROCESS_ID", index)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    with pytest.raises(UserError, match=rf"^JAX_PROCESS_ID={index} with JAX_NUM_PROCESSES={count}: "):
+        mesh.init_distributed()
+    assert calls == []
