@@ -161,15 +161,23 @@ class Checkpointer:
         with _reading(where):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             saved_config = meta["config"]
-        resumed_cfg = same_run.check(saved_config, self.cfg, where, step, "jaxtrain")
-        if self.data_fingerprint is not None:
-            data_lib.check_same_data(meta, self.data_fingerprint, resumed_cfg, where)
-        mesh = jax.tree.leaves(abstract_state)[0].sharding.mesh
+        mesh = jax.tree.leaves(abstract_state)[0].sharding.mesh  # where one process refuses, all of them do
+        resumed_cfg = _on_every_process(lambda: self._same_run(saved_config, meta, step), mesh, UserError(
+            f"another process refused to resume from {where} (its output says why); this process stops with it"))
         state = _on_every_process(lambda: self._read_state(step, abstract_state), mesh, CorruptCheckpoint(
             f"checkpoint {where} cannot be read on another process (its output names the array)"))
         if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
             check_fingerprint(state, meta["fingerprint"], where)
         return meta, state, resumed_cfg
+
+    def _same_run(self, saved_config: dict, meta: dict, step: int) -> Config:
+        """The config the run goes on with from `step`, whose `meta` was read: a UserError where the config or this
+        process's data differs from the ones that wrote it."""
+        where = self._step_dir(step)
+        resumed_cfg = same_run.check(saved_config, self.cfg, where, step, "jaxtrain")
+        if self.data_fingerprint is not None:
+            data_lib.check_same_data(meta, self.data_fingerprint, resumed_cfg, where)
+        return resumed_cfg
 
     def _read_state(self, step: int, abstract_state) -> TrainState:
         """The arrays of `step`, this process's shards of them. Read by orbax's handler, not the manager: the

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxtrain import config, run
+from jaxtrain import config, prepare, run
 from test_mesh import free_port, losses
 
 STEPS, HALF = 8, 4
@@ -122,3 +122,35 @@ def test_a_checkpoint_one_host_cannot_read_is_set_aside_on_every_host(reference,
     launch(out_dir, cache_dir, STEPS, 2, 2, 4, "--checkpoint.every=2", resumes_at=2)
     assert [name.split("-")[0] for name in os.listdir(os.path.join(out_dir, "checkpoints.corrupt"))] == [str(HALF)]
     np.testing.assert_allclose(losses(out_dir), reference, rtol=LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_one_host_with_other_data_stops_every_host_in_one_line(tmp_path, cache_dir):
+    """Process 1's copy of the data differs from the data that wrote the checkpoint: it refuses to resume, and so
+    does process 0, each in one line, exit 2, with the run folder as it was. Before, process 0 went on to read the
+    arrays and ended in a traceback when process 1 left (JAX's coordination service aborting it)."""
+    out_dir, other_data = str(tmp_path / "run"), str(tmp_path / "other-data")
+    run.train(config.load(SMALL + [f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
+                                   f"--train.steps={HALF}"]))
+    (tmp_path / "other.py").write_text("print('other data')\n" * 2000)
+    prepare.prepare([str(tmp_path / "other.py")], other_data, "bytes")
+    before = sorted(os.listdir(out_dir))
+    args = [sys.executable, "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
+            f"--train.steps={STEPS}", "--mesh.fsdp=4"]
+    env, port = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2"), free_port()
+    procs = [subprocess.Popen(args + ([f"--data.path={other_data}"] if i else []), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=dict(
+        env, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+        for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    errors = [[line for line in out.splitlines() if line.startswith(("error:", "Traceback"))] for out in outputs]
+    assert len(errors[1]) == 1 and errors[1][0].startswith(
+        f"error: the data ({other_data}) differs from the data that wrote {out_dir}/checkpoints/{HALF} "), outputs[1]
+    assert errors[0] == [f"error: another process refused to resume from {out_dir}/checkpoints/{HALF} (its output "
+                         f"says why); this process stops with it"], outputs[0]
+    assert sorted(os.listdir(out_dir)) == before and os.listdir(os.path.join(out_dir, "checkpoints")) == [str(HALF)]
