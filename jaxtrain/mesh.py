@@ -76,7 +76,7 @@ def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:
     data = cfg.mesh.data if cfg.mesh.data != -1 else n_devices // max(fsdp, 1)
     if fsdp <= 0 or data <= 0 or data * fsdp != n_devices:
         raise UserError(f"mesh.data={cfg.mesh.data} x mesh.fsdp={cfg.mesh.fsdp} does not cover the {n_devices} "
-                        f"devices; set mesh.data=-1 and an fsdp that divides {n_devices}")
+                        f"devices; set mesh.data=-1 and an fsdp that divides {n_devices}{_or_dry_run_devices(cfg)}")
     if cfg.micro_batch_size % n_devices:
         batch, k = cfg.data.batch_size, cfg.optim.grad_accum_steps
         fewer = next((j for j in range(k - 1, 0, -1) if batch % (j * n_devices) == 0), None)
@@ -90,6 +90,14 @@ def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:
         raise UserError(f"model.vocab_tiles={tiles} does not divide the {device_tokens} tokens each of the {n_devices} "
                         f"devices holds of a micro-batch; choose a divisor, e.g. {math.gcd(device_tokens, tiles)}")
     return data, fsdp
+
+
+def _or_dry_run_devices(cfg: Config) -> str:
+    """For a dry run on this machine's devices of a mesh meant for more (a pod config): the count to compile for."""
+    if not cfg.run.dry_run or cfg.run.dry_run_devices:
+        return ""
+    count = f"={cfg.mesh.data * cfg.mesh.fsdp}" if cfg.mesh.data != -1 else f"=N, N a multiple of {cfg.mesh.fsdp}"
+    return f"; or dry-run it for the devices it is meant for: --run.dry_run_devices{count}"
 
 
 def fsdp_sharding(mesh: Mesh, tree):

@@ -209,3 +209,20 @@ def test_a_process_id_outside_the_process_count_is_one_line(monkeypatch, count, 
     with pytest.raises(UserError, match=rf"^JAX_PROCESS_ID={index} with JAX_NUM_PROCESSES={count}: "):
         mesh.init_distributed()
     assert calls == []
+
+
+@pytest.mark.parametrize("overrides, devices, fix", [
+    (["--mesh.fsdp=8"], 1, "--run.dry_run_devices=N, N a multiple of 8"),
+    (["--mesh.data=2", "--mesh.fsdp=4"], 4, "--run.dry_run_devices=8"),
+])
+def test_a_dry_run_on_too_few_devices_names_run_dry_run_devices(overrides, devices, fix):
+    """A pod config dry-run without run.dry_run_devices compiles for this machine's devices: the refusal names the
+    count to compile for, beside the config's fix (a smaller fsdp would dry-run another config)."""
+    cfg = config.load([*SMALL, *overrides, "--run.dry_run=true"])
+    with pytest.raises(UserError) as refused:
+        mesh.validate_devices(cfg, devices)
+    assert str(refused.value).endswith(f"an fsdp that divides {devices}; or dry-run it for the devices it is meant "
+                                       f"for: {fix}")
+    with pytest.raises(UserError) as refused:  # a real run has no such way out
+        mesh.validate_devices(config.load([*SMALL, *overrides]), devices)
+    assert str(refused.value).endswith(f"an fsdp that divides {devices}")
