@@ -19,6 +19,8 @@ from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 
 BATCH_AXES = ("data", "fsdp")
+# What JAX reads to join the tasks of a SLURM step (srun sets them; an salloc shell or a batch script alone does not).
+SLURM_STEP_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
 
 
 def init_distributed() -> None:
@@ -39,7 +41,15 @@ def init_distributed() -> None:
             raise UserError(f"JAX_PROCESS_ID={i} with JAX_NUM_PROCESSES={n}: JAX_NUM_PROCESSES counts the processes "
                             f"(at least 1) and JAX_PROCESS_ID numbers this one from 0, below that count")
         jax.distributed.initialize(num_processes=n, process_id=i)
-    elif int(env.get("SLURM_NTASKS") or 1) > 1 or env.get("TPU_WORKER_HOSTNAMES") or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
+    elif int(env.get("SLURM_NTASKS") or 1) > 1:
+        missing = [name for name in SLURM_STEP_VARIABLES if name not in env]
+        if missing:
+            raise UserError(f"SLURM_NTASKS={env['SLURM_NTASKS']}, but this process is not a task of an srun step "
+                            f"({missing[0]} is not set), so it has no other processes to join: start it with srun "
+                            f"(one task per GPU, as launch/gpt-1b.sbatch does), or in an allocation of one task "
+                            f"(salloc --ntasks=1) to drive all the node's GPUs from this one process")
+        jax.distributed.initialize()
+    elif env.get("TPU_WORKER_HOSTNAMES") or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
         jax.distributed.initialize()
 
 

@@ -182,12 +182,13 @@ def test_two_processes_on_localhost(tmp_path, cache_dir, one_device_losses):
     ({}, False),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, False),  # one task (an salloc shell on an 8-GPU node): all its GPUs
     ({"SLURM_JOB_ID": "7"}, False),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16"}, True),  # srun of 16 tasks: one per GPU, JAX's SLURM detection
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "9",
+      "SLURM_LOCALID": "1"}, True),  # srun of 16 tasks: one per GPU, JAX's SLURM detection
     ({"TPU_WORKER_HOSTNAMES": "t0,t1"}, True),
 ])
 def test_which_launches_join_a_cluster(monkeypatch, env, joins):
     for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
-                 "MEGASCALE_COORDINATOR_ADDRESS"):
+                 "MEGASCALE_COORDINATOR_ADDRESS", *mesh.SLURM_STEP_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -195,6 +196,20 @@ def test_which_launches_join_a_cluster(monkeypatch, env, joins):
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
     mesh.init_distributed()
     assert calls == ([{}] if joins else [])
+
+
+def test_one_process_in_an_allocation_of_several_tasks_is_one_line(monkeypatch):
+    """`python -m jaxtrain.run` straight in an salloc shell or batch script of 8 tasks (no srun): SLURM_NTASKS says
+    8 but no step's variables say which task this is. Refused naming srun, not jax's ValueError traceback."""
+    for name in ("JAX_COORDINATOR_ADDRESS", *mesh.SLURM_STEP_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    with pytest.raises(UserError, match=r"^SLURM_NTASKS=8, but this process is not a task of an srun step .*srun"):
+        mesh.init_distributed()
+    assert calls == []
 
 
 @pytest.mark.parametrize("count, index", [("2", "2"), ("2", "-1"), ("0", "0")])
