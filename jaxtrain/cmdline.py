@@ -142,9 +142,10 @@ def _parse_overrides(pairs: list[tuple[str, str]]) -> dict:
 
 def _override_value(key: str, value: str):
     """The value as YAML reads it, except text: unquoted text is kept as typed, since YAML would strip the blanks
-    around it (`--log.sample_prompt="def "` continues "def ", space included) and read a blank value as null (a
-    silent default for data.path). Quoted text is YAML's: `--run.out_dir="'yes'"` is the text yes."""
-    if not value.strip():
+    around it (`--log.sample_prompt="def "` continues "def ", space included) and read a blank value, or one that
+    starts a comment (`--log.sample_prompt="# "`), as null (a silent default for data.path). Quoted text is YAML's:
+    `--run.out_dir="'yes'"` is the text yes."""
+    if not value.strip() or value.lstrip().startswith("#"):
         return value
     try:
         parsed = yaml.safe_load(value)

@@ -32,11 +32,18 @@ def test_yaml_then_overrides(yaml_path):
     ("def ", "def "),  # YAML alone reads "def": the end-of-run sample would continue a different prompt
     ("  x ", "  x "),
     ("a # b", "a # b"),  # YAML alone drops " # b" as a comment
+    ("# b", "# b"),  # YAML alone reads a comment: null, refused as a prompt
     ("'quoted '", "quoted "),  # quoted: YAML's text
     ('"tab\\t"', "tab\t"),  # double quotes: YAML's escapes
 ])
 def test_override_text_is_kept_as_typed(yaml_path, typed, read):
     assert config.load(["--config", yaml_path, f"--log.sample_prompt={typed}"]).log.sample_prompt == read
+
+
+def test_an_override_that_starts_like_a_yaml_comment_is_not_a_silent_default(yaml_path):
+    """YAML reads `#1` as a comment, null: data.path's default, the embedded corpus, trained on without a word."""
+    with pytest.raises(UserError, match="data.path='#1' is not a folder"):
+        config.load(["--config", yaml_path, "--data.path=#1"])
 
 
 def test_derived_defaults(yaml_path):

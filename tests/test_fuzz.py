@@ -219,8 +219,8 @@ def wrong_type(key: str):
     if typing.get_origin(field_type) is dict:  # a mapping of sections: anything else, or entries that are not
         return st.sampled_from(["[1, 2]", "[]", "- x", "3", "text", "true", "null", "{a: 1}", "{a: [1]}", "{a: x}"])
     kinds, options = _kinds(field_type), [CONTAINERS]
-    if type(None) not in typing.get_args(field_type):
-        options.append(st.sampled_from(["null", "~", "#comment"]))
+    if type(None) not in typing.get_args(field_type):  # "#comment" is YAML's null, but a text field's text as typed
+        options.append(st.sampled_from(["null", "~"] + ([] if str in kinds else ["#comment"])))
     if bool in kinds:
         options += [_WORDS, _ints(-5, 5), _floats(-5.0, 5.0)]
     elif int in kinds or float in kinds:  # a word is never a number: "inf", "nan" and "infinity" are not finite
