@@ -40,7 +40,7 @@ def to_torch(step_dir: str, out_dir: str) -> None:
     """A jaxtrain step folder (<out_dir>/checkpoints/<step>) -> a torch-format folder."""
     torch_format.check_new_folder(out_dir)
     checkpoint_kind.check_jaxtrain_step(step_dir, "to-torch")
-    state, cfg, meta = restore_step(step_dir)
+    state, cfg, meta = restore_step(step_dir, _convert_another(step_dir))
     torch_format.export(state, cfg, out_dir, meta.get("data_seed", cfg.run.seed), meta.get("data_fingerprint"))
     print(f"wrote {out_dir} (step {int(state.step)}) from {step_dir}", file=sys.stderr)
 
@@ -51,7 +51,7 @@ def to_hf(src: str, out_dir: str) -> None:
     cfg = None  # a run's config, which names its data and so its tokenizer
     if checkpoint_kind.kind(src) != checkpoint_kind.TORCH:  # a Hugging Face folder too: its weights are laid out
         checkpoint_kind.check_jaxtrain_step(src, "to-hf")     # as Conv1D's, and to-hf would transpose them again
-        state, cfg, _ = restore_step(src)
+        state, cfg, _ = restore_step(src, _convert_another(src))
         tensors = torch_format.model_tensors(state.params)
     else:
         tensors = hf_format.read_tensors(src)
@@ -96,6 +96,15 @@ def from_hf(src: str, out_dir: str) -> None:
                      for key, value in model.items())
     print(f"wrote {out_dir}; fine-tune it with `python -m jaxtrain.run --config CONFIG {flags} "
           f"--init.from={out_dir}`", file=sys.stderr)
+
+
+def _convert_another(step_dir: str) -> str:
+    """What to do when the step folder <run>/checkpoints/<step> is corrupt: convert one of the run's other steps."""
+    checkpoints, name = os.path.split(os.path.normpath(step_dir))
+    in_a_run = os.path.basename(checkpoints) == "checkpoints"
+    steps = checkpoint_lib.saved_steps(os.path.dirname(checkpoints) or ".") if in_a_run else []
+    others = ", ".join(os.path.join(checkpoints, str(step)) for step in steps if str(step) != name)
+    return "convert another step folder of the run" + (f" ({others})" if others else "")
 
 
 def restore_step(step_dir: str, fix: str = "convert another step folder of the run"):

@@ -395,6 +395,21 @@ def test_a_checkpoint_off_its_fingerprint_is_refused_by_the_converters_and_the_s
         sample.load(str(tmp_path / "run"), None, None, None)
 
 
+def test_a_checkpoint_off_its_fingerprint_names_the_runs_other_steps_to_convert(tmp_path, capsys):
+    """README: convert refuses a corrupt step "naming another"; it said only "convert another step folder"."""
+    good = _saved_run(tmp_path)
+    bad = os.path.join(os.path.dirname(good), str(STEPS + 1))
+    shutil.copytree(good, bad)
+    meta_file = os.path.join(bad, "meta", "metadata")
+    meta = json.load(open(meta_file))
+    path = sorted(meta["fingerprint"])[0]
+    meta["fingerprint"][path] = (meta["fingerprint"][path] + 1) % 2**32
+    json.dump(meta, open(meta_file, "w"))
+    for command in ("to-torch", "to-hf"):
+        with pytest.raises(SystemExit):
+            convert.main([command, bad, str(tmp_path / command)])
+        assert f"it is corrupt; convert another step folder of the run ({good})" in capsys.readouterr().err
+
 def test_a_save_that_did_not_finish_is_named_so_and_a_complete_step_offered(tmp_path, capsys):
     """Orbax writes a step into <step>.orbax-checkpoint-tmp(-<time>) and renames it when complete; a run killed
     mid-save leaves that folder (with Orbax's metadata file in it). to-torch called it a renamed step and said to
