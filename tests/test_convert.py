@@ -380,11 +380,7 @@ def test_a_checkpoint_off_its_fingerprint_is_refused_by_the_converters_and_the_s
     the array and what to do instead, and writes nothing."""
     from jaxtrain import sample
     step_dir = _saved_run(tmp_path)
-    meta_file = os.path.join(step_dir, "meta", "metadata")
-    meta = json.load(open(meta_file))
-    path = sorted(meta["fingerprint"])[0]
-    meta["fingerprint"][path] = (meta["fingerprint"][path] + 1) % 2**32
-    json.dump(meta, open(meta_file, "w"))
+    path = _break_fingerprint(step_dir)
     for command in ("to-torch", "to-hf"):
         with pytest.raises(SystemExit) as e:
             convert.main([command, step_dir, str(tmp_path / command)])
@@ -400,15 +396,22 @@ def test_a_checkpoint_off_its_fingerprint_names_the_runs_other_steps_to_convert(
     good = _saved_run(tmp_path)
     bad = os.path.join(os.path.dirname(good), str(STEPS + 1))
     shutil.copytree(good, bad)
-    meta_file = os.path.join(bad, "meta", "metadata")
-    meta = json.load(open(meta_file))
-    path = sorted(meta["fingerprint"])[0]
-    meta["fingerprint"][path] = (meta["fingerprint"][path] + 1) % 2**32
-    json.dump(meta, open(meta_file, "w"))
+    _break_fingerprint(bad)
     for command in ("to-torch", "to-hf"):
         with pytest.raises(SystemExit):
             convert.main([command, bad, str(tmp_path / command)])
         assert f"it is corrupt; convert another step folder of the run ({good})" in capsys.readouterr().err
+
+
+def _break_fingerprint(step_dir: str) -> str:
+    """One checksum in the step's meta off by one (what a flipped bit in its array gives): that array's path."""
+    meta_file = os.path.join(step_dir, "meta", "metadata")
+    meta = json.load(open(meta_file))
+    path = sorted(meta["fingerprint"])[0]
+    meta["fingerprint"][path] = (meta["fingerprint"][path] + 1) % 2**32
+    json.dump(meta, open(meta_file, "w"))
+    return path
+
 
 def test_a_save_that_did_not_finish_is_named_so_and_a_complete_step_offered(tmp_path, capsys):
     """Orbax writes a step into <step>.orbax-checkpoint-tmp(-<time>) and renames it when complete; a run killed

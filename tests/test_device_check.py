@@ -64,8 +64,9 @@ def test_the_kernels_stage_selects_the_norm_tests_but_the_mesh_one():
 
 
 def test_the_model_tests_stages_select_the_bit_for_bit_tests():
-    """The tests that failed on an H100 (test_mlp_uses_exact_gelu, test_linear_bf16_is_torchs' four cases), with
-    and without excess precision, cuDNN's attention against the written-out one, the q, k, v gemms' tests and the
+    """The tests that failed on an H100 (test_mlp_uses_exact_gelu, test_linear_bf16_is_torchs' four cases) and the
+    written-out attention's bit-for-bit test (its two roundings are what excess precision may drop), with and
+    without excess precision, cuDNN's attention against the written-out one, the q, k, v gemms' tests and the
     loss's logsumexp (a GPU reduces it in a tree of its own); nothing else of test_model.py, test_autocast.py and
     test_loss.py, which take minutes there."""
     stages = [s for s in device_check.STAGES if s.name.startswith("model_tests")]
@@ -81,9 +82,11 @@ def test_the_model_tests_stages_select_the_bit_for_bit_tests():
     lse = [f"test_logsumexp_is_float64s_within_its_chains_rounding[{v}-{chain}]"
            for v, chain in ((50304, 850), (4096, 1028), (256, 257), (2053, 2053))]
     lse += ["test_logsumexp_reads_the_logits_once_in_chains_of_at_most_1024", "test_logsumexp_of_minus_infinity"]
-    assert collected == sorted(blocks + torch_bits + lse + ["test_cudnn_attention_matches_the_written_out_one",
-                                                            "test_mlp_uses_exact_gelu",
-                                                            "test_remat_dots_keeps_the_column_blocks"])
+    attention = [f"test_written_out_attention_bf16_is_torchs[{platform}-{head_size}]" for platform in ("cpu", "gpu")
+                 for head_size in (16, 32, 64)]
+    singles = ["test_cudnn_attention_matches_the_written_out_one", "test_mlp_uses_exact_gelu",
+               "test_remat_dots_keeps_the_column_blocks"]
+    assert collected == sorted(blocks + torch_bits + attention + lse + singles)
 
 
 def test_a_stages_env_reaches_its_process_and_its_log_line(tmp_path):
