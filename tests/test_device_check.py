@@ -37,7 +37,7 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
             if tool is bench:
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
-    assert seen == {"step", "step_exact", "profile", "table", "step_merged"}
+    assert seen == {"step", "step_exact", "profile", "table", "step_micro64", "step_merged"}
 
 
 def test_the_ab_stages_differ_in_their_xla_flags_alone(tmp_path):
