@@ -185,7 +185,10 @@ def test_gelu_bf16_is_torchs():
     nontrivial = (x >= -3) & (x <= 6) & (np.abs(x) >= 2.0 ** -8)
     for got, want, scale in ((y, y_torch, 0.5 * np.abs(x)), (dx, dx_torch, 0.5 * np.abs(dy))):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-        assert np.all(np.abs(got - want) <= _ulp(want, jnp.bfloat16) + ERF_ABS * scale)
+        # XLA:CPU flushes subnormals to zero; torch's AVX2 kernels keep them (measured: gelu(2.76e-40) = 1.84e-40),
+        # so a result at or below the smallest normal may be 0 on jaxtrain's side (its fp32 terms subnormal).
+        flushed = np.where(np.abs(want) <= np.finfo(np.float32).tiny, np.finfo(np.float32).tiny, 0.0)
+        assert np.all(np.abs(got - want) <= _ulp(want, jnp.bfloat16) + ERF_ABS * scale + flushed)
         # A midpoint straddle takes a few 2^-24 of the 2^-8 between midpoints: rare, and measured never (all 2,562
         # bit-exact, forward and gradient). An intermediate rounded to bf16 stays near one ulp but is exact on only
         # 73-75% of them, so this catches what the bound alone lets through.
