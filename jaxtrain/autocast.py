@@ -89,6 +89,16 @@ def backend() -> str:
     return _compiling_for or jax.default_backend()
 
 
+def rounding_options(platform: str) -> dict:
+    """XLA compile options under which a compile for `platform` keeps every rounding to bf16 or fp16 that the traced
+    program writes, as torch's autocast does. On a GPU XLA drops a rounding that an fp32 consumer follows under its
+    default `xla_allow_excess_precision=true` (SimplifyFPConversions): `c + bf16(a @ b)` with fp32 `c` equalled the
+    rounded value at 5 of 32,768 elements on an H100; the bit-for-bit tests against torch failed there without this
+    option and passed with it, and GPT-2 124M's step took the same time (benchmarks/NOTES.md, 2026-11-28). XLA:CPU
+    kept them (32,767 of 32,768) and a TPU is unmeasured: {} there."""
+    return {"xla_allow_excess_precision": False} if platform == "gpu" else {}
+
+
 @contextlib.contextmanager
 def compiling_for(platform: str):
     """Trace for `platform` ("gpu", "cpu", "tpu") instead of this process's default backend: an ahead-of-time

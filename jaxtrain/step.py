@@ -167,7 +167,10 @@ def compiler_options(cfg: Config) -> dict:
     """XLA options of the train and eval steps' compiles, each only where it was measured to pay, and never over the
     user's own setting of it in XLA_FLAGS (nor one given at compile time: benchmarks.xla_flags).
 
-    On a GPU with the weights whole on every device (mesh.fsdp=1), XLA's older latency estimator for its
+    On a GPU, for bf16 and fp16, every rounding the program writes kept (autocast.rounding_options: torch's
+    autocast numerics, for no measured time).
+
+    There, with the weights whole on every device (mesh.fsdp=1), XLA's older latency estimator for its
     latency-hiding scheduler. The default analytical ("SoL") estimator moved the weight-gradient gemms of the
     backward pass toward the step's gradient all-reduces, keeping their inputs (the logits' gradient, LayerNorm
     outputs, the MLP's gradients) alive across layers: gpt-1b over 16 H100 data-parallel 39.72 GiB a device with
@@ -178,11 +181,13 @@ def compiler_options(cfg: Config) -> dict:
     There too, where q, k and v are three gemms (model.qkv_gemm_blocks), XLA's dot merger off: it merges them back
     into one and slices its output, the copies those gemms are there to avoid (GPT-2 124M's step on an H100, the
     roofline: 2.0 ms of 91.8; it merged nothing else there)."""
-    if autocast.backend() != "gpu" or cfg.mesh.fsdp > 1:
+    if autocast.backend() != "gpu":
         return {}
-    options = {SOL_ESTIMATOR: False}
-    if model.qkv_gemm_blocks(model.fused_attention(cfg.model, cfg.train.precision), cfg.mesh.fsdp):
-        options[DOT_MERGER] = 0
+    options = {} if cfg.train.precision == "fp32" else autocast.rounding_options("gpu")
+    if cfg.mesh.fsdp == 1:
+        options[SOL_ESTIMATOR] = False
+        if model.qkv_gemm_blocks(model.fused_attention(cfg.model, cfg.train.precision), cfg.mesh.fsdp):
+            options[DOT_MERGER] = 0
     xla_flags = os.environ.get("XLA_FLAGS", "")
     return {name: value for name, value in options.items() if name not in xla_flags}
 

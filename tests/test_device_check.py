@@ -37,14 +37,14 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
             if tool is bench:
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
-    assert seen == {"step", "step_exact", "profile", "table", "step_micro64", "step_merged"}
+    assert seen == {"step", "step_excess", "profile", "table", "step_micro64", "step_merged"}
 
 
 def test_the_ab_stages_differ_in_their_xla_flags_alone(tmp_path):
-    step, exact, merged = (next(s for s in device_check.STAGES if s.name == n)
-                           for n in ("step", "step_exact", "step_merged"))
-    assert step.args == exact.args == merged.args and step.env == ()
-    assert exact.env == (("XLA_FLAGS", "--xla_allow_excess_precision=false"),)
+    step, excess, merged = (next(s for s in device_check.STAGES if s.name == n)
+                            for n in ("step", "step_excess", "step_merged"))
+    assert step.args == excess.args == merged.args and step.env == ()
+    assert excess.env == (("XLA_FLAGS", "--xla_allow_excess_precision=true"),)
     assert merged.env == (("XLA_FLAGS", "--xla_gpu_dot_merger_threshold_mb=1024"),)
 
 
@@ -65,12 +65,11 @@ def test_the_kernels_stage_selects_the_norm_tests_but_the_mesh_one():
 
 def test_the_model_tests_stages_select_the_bit_for_bit_tests():
     """The tests that failed on an H100 (test_mlp_uses_exact_gelu, test_linear_bf16_is_torchs' four cases) and the
-    written-out attention's bit-for-bit test (its two roundings are what excess precision may drop), with and
-    without excess precision, cuDNN's attention against the written-out one, the q, k, v gemms' tests and the
+    written-out attention's bit-for-bit test (its two roundings are what excess precision may drop), cuDNN's attention against the written-out one, the q, k, v gemms' tests and the
     loss's logsumexp (a GPU reduces it in a tree of its own); nothing else of test_model.py, test_autocast.py and
     test_loss.py, which take minutes there."""
     stages = [s for s in device_check.STAGES if s.name.startswith("model_tests")]
-    assert [s.env for s in stages] == [(), device_check.EXACT]
+    assert [s.env for s in stages] == [()]
     args = _after_module(list(stages[0].args), "pytest")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "--collect-only", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
@@ -191,3 +190,14 @@ def test_an_out_folder_that_cannot_be_made_is_refused_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--out", str(tmp_path / "file" / "out")],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "choose another folder" in proc.stderr
+
+
+def test_stages_runs_the_named_stages_in_their_order_and_refuses_an_unknown_one(tmp_path):
+    """--stages step,env: the two, in that order (what a lease's last minutes rerun); a name no stage has is one
+    line naming it and the stages, exit 2, nothing run."""
+    assert [s.name for s in device_check.chosen_stages("step,env")] == ["step", "env"]
+    assert device_check.chosen_stages(None) == device_check.STAGES
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--out", str(tmp_path), "--stages",
+                           "step,stpe"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --stages: no stage stpe; the stages are env,")
+    assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "session.log").exists()

@@ -21,6 +21,9 @@ from jaxtrain.errors import UserError
 V = 97
 SMALL = ModelConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
 apply = jax.jit(M.apply, static_argnums=0)  # op-by-op dispatch would make these tests several times slower
+# A bf16 step compiles keeping every rounding the program writes on this machine's backend (step.compiler_options):
+# the bit-for-bit tests against torch compile so too (on a GPU, without it, XLA dropped some: benchmarks/NOTES.md).
+AS_THE_STEP = autocast.rounding_options(jax.default_backend())
 
 
 def _init(cfg=SMALL, precision="fp32", seed=0):
@@ -338,6 +341,15 @@ def _multiples(key, shape, step, bound):
     return step * jax.random.randint(jax.random.key(key), shape, -int(bound / step), int(bound / step) + 1)
 
 
+def _jitted_vjp(f, g, *args):
+    """(f(*args), the gradients of <f(*args), g> for args), forward and backward in one compile, as the train step
+    compiles them: with its XLA options on this backend (a nested jit may not take compile options)."""
+    def forward_backward(g, *args):
+        y, vjp = jax.vjp(f, *args)
+        return y, vjp(g)
+    return jax.jit(forward_backward, compiler_options=AS_THE_STEP)(g, *args)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_linear_bf16_is_torchs(bias, platform):
@@ -356,8 +368,7 @@ def test_linear_bf16_is_torchs(bias, platform):
         linear.bias[...] = b
     graphdef, state = nnx.split(linear)
     with autocast.compiling_for(platform):
-        y, vjp = jax.vjp(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)), state, x)
-        d_state, dx = vjp(g.astype(jnp.bfloat16))
+        y, (d_state, dx) = _jitted_vjp(lambda s, x: nnx.merge(graphdef, s)(x), g.astype(jnp.bfloat16), state, x)
 
     t = lambda a: torch.from_numpy(np.array(a, np.float32)).requires_grad_(True)
     x_t, w_t, b_t = t(x), t(w.T), t(b) if bias else None
@@ -387,9 +398,8 @@ def test_written_out_attention_bf16_is_torchs(head_size, platform):
     attention = M.CausalSelfAttention(ModelConfig(seq_len=T, n_layer=1, n_head=H, d_model=H * head_size),
                                       precision="bf16", rngs=nnx.Rngs(0))
     with autocast.compiling_for(platform):
-        y, vjp = jax.vjp(jax.jit(lambda q, k, v: attention._written_out(q, k, v, None)),
-                         *(a.astype(jnp.bfloat16) for a in (q, k, v)))
-        grads = vjp(g.astype(jnp.bfloat16))
+        y, grads = _jitted_vjp(lambda q, k, v: attention._written_out(q, k, v, None), g.astype(jnp.bfloat16),
+                               *(a.astype(jnp.bfloat16) for a in (q, k, v)))
 
     def leaf(a):  # (B, H, T, hs), as torchref's attention holds them
         return torch.from_numpy(np.array(a, np.float32)).to(torch.bfloat16).transpose(1, 2).requires_grad_(True)

@@ -181,7 +181,7 @@ def test_the_gpu_step_drops_xlas_sol_latency_estimator_under_data_parallelism_on
     has no cuDNN attention, so XLA's dot merger stays (the next test)."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     cfg = make(1)[0]
-    fsdp = config.load(["--mesh.fsdp=2", "--data.batch_size=8"])
+    fsdp = config.load(["--mesh.fsdp=2", "--data.batch_size=8", "--train.precision=fp32"])
     assert step.compiler_options(cfg) == {}  # this CPU
     with autocast.compiling_for("gpu"):
         assert step.compiler_options(cfg) == {"xla_gpu_enable_analytical_sol_latency_estimator": False}
@@ -199,14 +199,30 @@ def test_the_gpu_step_keeps_xlas_dot_merger_off_the_qkv_gemms_where_attention_is
     bf16 = make(1, "--train.precision=bf16")[0]
     dropout = make(1, "--train.precision=bf16", "--model.dropout=0.1")[0]
     fsdp = config.load(["--mesh.fsdp=2", "--data.batch_size=8", "--train.precision=bf16"])
-    sol = {"xla_gpu_enable_analytical_sol_latency_estimator": False}
+    sol = {"xla_gpu_enable_analytical_sol_latency_estimator": False, "xla_allow_excess_precision": False}
     assert step.compiler_options(bf16) == {}  # this CPU
     with autocast.compiling_for("gpu"):
         assert step.compiler_options(bf16) == {**sol, "xla_gpu_dot_merger_threshold_mb": 0}
         assert step.compiler_options(dropout) == sol  # cuDNN's kernel has no dropout: attention written out
-        assert step.compiler_options(fsdp) == {}
+        assert step.compiler_options(fsdp) == {"xla_allow_excess_precision": False}
         monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_dot_merger_threshold_mb=32")
         assert step.compiler_options(bf16) == sol
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_a_low_precision_gpu_step_keeps_every_rounding_it_writes(precision, monkeypatch):
+    """XLA:GPU's default may drop a bf16 or fp16 rounding that an fp32 consumer follows, where torch's autocast
+    keeps each: a bf16 or fp16 step compiles for a GPU with xla_allow_excess_precision=false, under any mesh; not
+    an fp32 one (nothing to round), not off a GPU (XLA:CPU kept them), and never over the user's XLA_FLAGS."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    cfgs = [config.load([f"--train.precision={precision}", f"--mesh.fsdp={n}", "--data.batch_size=8"]) for n in (1, 2)]
+    kept = precision != "fp32"
+    assert all("xla_allow_excess_precision" not in step.compiler_options(cfg) for cfg in cfgs)  # this CPU
+    with autocast.compiling_for("gpu"):
+        assert [step.compiler_options(cfg).get("xla_allow_excess_precision") for cfg in cfgs] == [
+            False if kept else None] * 2
+        monkeypatch.setenv("XLA_FLAGS", "--xla_allow_excess_precision=true")
+        assert all("xla_allow_excess_precision" not in step.compiler_options(cfg) for cfg in cfgs)
 
 
 def test_the_train_and_eval_steps_both_compile_with_the_steps_compiler_options(monkeypatch):
