@@ -1,8 +1,10 @@
 """Config loading: YAML + dotted overrides, and one clear error per user mistake."""
 
+import dataclasses
 import os
 import subprocess
 import sys
+import typing
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from jaxtrain import config, config_checks, mesh, same_run
+from jaxtrain import cmdline, config, config_checks, mesh, same_run
 from jaxtrain.errors import UserError
 
 
@@ -254,6 +256,22 @@ def test_help_gives_each_key_the_comment_config_py_writes_for_it(capsys):
     assert flags["--train.nan_policy"].endswith("halt (resume from the last checkpoint) or skip that update")
     assert flags["--train.eval_every"].endswith("optimizer steps between evaluations; 0: only at the end")
     assert flags["--optim.b1"].endswith("--optim.b1=0.9")  # no comment: none is made up
+
+
+def test_help_names_every_choice_of_a_key_that_takes_a_few(capsys):
+    """A key typed Literal[...] takes only its choices; --help says which (run.target_device said nothing)."""
+    with pytest.raises(SystemExit):
+        config.load(["--help"])
+    flags = {line.split()[0].split("=")[0]: line for line in capsys.readouterr().out.splitlines()
+             if line.lstrip().startswith("--")}
+    checked = 0
+    for section in dataclasses.fields(config.Config):
+        for f in dataclasses.fields(section.type):
+            literal = [t for t in (f.type, *typing.get_args(f.type)) if typing.get_origin(t) is typing.Literal]
+            for choice in (typing.get_args(literal[0]) if literal else ()):
+                assert str(choice) in flags[f"--{section.name}.{cmdline.yaml_name(f)}"], (f.name, choice)
+                checked += 1
+    assert checked >= 20
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir("configs")))
