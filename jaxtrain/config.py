@@ -42,8 +42,8 @@ class RunConfig:
     fresh: bool = False  # ignore checkpoints already in out_dir and start from step 0 (they are kept)
     dry_run: bool = False  # compile the train step and print its memory per device; train nothing (jaxtrain/dryrun.py)
     dry_run_devices: Optional[int] = None  # devices to compile for (target_device's, or fake CPUs); None: this host's
-    # the dry run compiles for these devices ahead of time, on any host (v4, v5e, v5p, v6e, a100-40gb, a100-80gb, h100,
-    # h200; their jax compiler installed: jaxtrain/target_devices.py); None: this host's devices
+    # the dry run compiles for these devices ahead of time, on any host (v4, v5e, v5p, v6e, a100-40gb, a100-80gb,
+    # h100, h200; their jax compiler installed: jaxtrain/target_devices.py); None: this host's devices
     target_device: Optional[Literal["v4", "v5e", "v5p", "v6e", "a100-40gb", "a100-80gb", "h100", "h200"]] = None
     lock_timeout_s: float = 60.0  # gs:// run folders: a lock not renewed this long belongs to a dead run (runlock.py)
 

@@ -65,9 +65,9 @@ def test_the_kernels_stage_selects_the_norm_tests_but_the_mesh_one():
 
 def test_the_model_tests_stages_select_the_bit_for_bit_tests():
     """The tests that failed on an H100 (test_mlp_uses_exact_gelu, test_linear_bf16_is_torchs' four cases) and the
-    written-out attention's bit-for-bit test (its two roundings are what excess precision may drop), cuDNN's attention against the written-out one, the q, k, v gemms' tests and the
-    loss's logsumexp (a GPU reduces it in a tree of its own); nothing else of test_model.py, test_autocast.py and
-    test_loss.py, which take minutes there."""
+    written-out attention's bit-for-bit test (its two roundings are what excess precision may drop), cuDNN's
+    attention against the written-out one, the q, k, v gemms' tests and the loss's logsumexp (a GPU reduces it in a
+    tree of its own); nothing else of test_model.py, test_autocast.py and test_loss.py, which take minutes there."""
     stages = [s for s in device_check.STAGES if s.name.startswith("model_tests")]
     assert [s.env for s in stages] == [()]
     args = _after_module(list(stages[0].args), "pytest")
