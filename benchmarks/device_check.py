@@ -43,6 +43,25 @@ if shutil.which("nvidia-smi"): print(subprocess.run(["nvidia-smi", "-L"], captur
 import jax; print("devices:", jax.devices())
 import jaxtrain.run, torchref.run, benchmarks.run, benchmarks.profile  # what every stage below imports
 """
+# loss.logsumexp's one read of the logits (a variadic reduction: 2.6x its roofline in the 2026-11-28 profile) against
+# jax.nn.logsumexp's two, on bf16 logits of GPT-2 124M's micro-batch of 16 (rows, vocabulary: argv) cast up in the
+# reduction as in the step: which is faster on the GPU, and at what fraction of its bandwidth.
+LSE_SCRIPT = """
+import sys, time, jax, jax.numpy as jnp
+from jaxtrain import loss
+rows, vocab = (int(a) for a in sys.argv[1:3])
+x = jax.random.normal(jax.random.key(0), (rows, vocab), jnp.float32).astype(jnp.bfloat16)
+for name, f in (("one read (loss.logsumexp)", loss.logsumexp), ("two reads (jax.nn.logsumexp)",
+                lambda x: jax.nn.logsumexp(x, axis=-1))):
+    run = jax.jit(lambda x: f(x.astype(jnp.float32)))
+    run(x).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        out = run(x)
+    out.block_until_ready()
+    ms = (time.perf_counter() - t0) / 20 * 1e3
+    print(f"{name}: {ms:.3f} ms, {x.nbytes / ms / 1e6:.1f} GB/s of one read of the logits")
+"""
 BUDGET_S = 580  # no stage runs past it; the device tool's timeout_s of 600 adds the wheels' install and slack
 WHEELS = ("draccus", "mergedeep", "toml")  # jaxtrain's needs that the device image lacks (KINDS.md's package list)
 
@@ -97,9 +116,8 @@ STAGES = (
     Stage("step_excess", "jaxtrain's row with XLA's excess precision back on (the step compiles without it on a GPU "
           "since 2026-11-28, autocast.rounding_options): what torch's roundings cost (2026-11-28: 272.8 ms without, "
           "275.8 with)", STEP, 50, 100, json=True, env=EXCESS),
-    Stage("step_merged", "the step with XLA's dot merger back on, q, k and v one gemm sliced as before "
-          "Linear.column_blocks: what the three gemms save (the roofline at 853d8b9: 181.42 -> 177.09 ms)", STEP,
-          50, 100, json=True, env=(("XLA_FLAGS", "--xla_gpu_dot_merger_threshold_mb=1024"),)),
+    Stage("lse_ab", "the loss's logsumexp alone, one read against two (NOTES, the profile against the roofline)",
+          ("-c", LSE_SCRIPT, "16384", "50304"), 25, 60),
 )
 
 

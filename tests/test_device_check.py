@@ -3,6 +3,7 @@ rot while no GPU is lent), and the runner keeps to its budget, stops a stage at 
 started, measures the table with XLA's norm when the kernels' tests fail, and writes a summary of every stage."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -37,15 +38,13 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
             if tool is bench:
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
-    assert seen == {"step", "step_excess", "profile", "table", "step_micro64", "step_merged"}
+    assert seen == {"step", "step_excess", "profile", "table", "step_micro64"}
 
 
 def test_the_ab_stages_differ_in_their_xla_flags_alone(tmp_path):
-    step, excess, merged = (next(s for s in device_check.STAGES if s.name == n)
-                            for n in ("step", "step_excess", "step_merged"))
-    assert step.args == excess.args == merged.args and step.env == ()
+    step, excess = (next(s for s in device_check.STAGES if s.name == n) for n in ("step", "step_excess"))
+    assert step.args == excess.args and step.env == ()
     assert excess.env == (("XLA_FLAGS", "--xla_allow_excess_precision=true"),)
-    assert merged.env == (("XLA_FLAGS", "--xla_gpu_dot_merger_threshold_mb=1024"),)
 
 
 def test_the_kernels_stage_selects_the_norm_tests_but_the_mesh_one():
@@ -102,6 +101,20 @@ def test_the_env_stage_runs_and_names_the_versions():
     proc = subprocess.run([sys.executable, *stage.args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "jax 0." in proc.stdout and "devices: [CpuDevice(id=0)]" in proc.stdout
+
+
+def test_the_logsumexp_stage_times_both_reductions():
+    """Run here on a small array (on a CPU both are jax.nn.logsumexp's: loss.logsumexp's one read is the GPU's)."""
+    stage = next(s for s in device_check.STAGES if s.name == "lse_ab")
+    assert stage.args[2:] == ("16384", "50304")  # GPT-2 124M's micro-batch of 16 x 1024 tokens, its vocabulary
+    proc = subprocess.run([sys.executable, *stage.args[:2], "64", "1000"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["one read (loss.logsumexp)", "two reads (jax.nn.logsumexp)"]
+    for line in lines:  # GB/s: 64 x 1000 bf16 logits (128,000 bytes) over the line's milliseconds
+        ms, gb_s = (float(word) for word in re.findall(r"([\d.]+) (?:ms|GB/s)", line))
+        assert line.endswith("GB/s of one read of the logits") and gb_s == pytest.approx(128_000 / ms / 1e6, abs=0.05)
 
 
 def _stage(name, code, expect_s=0, cap_s=30, **kw):
