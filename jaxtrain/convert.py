@@ -40,7 +40,7 @@ def to_torch(step_dir: str, out_dir: str) -> None:
     """A jaxtrain step folder (<out_dir>/checkpoints/<step>) -> a torch-format folder."""
     torch_format.check_new_folder(out_dir)
     checkpoint_kind.check_jaxtrain_step(step_dir, "to-torch")
-    state, cfg, meta = restore_step(step_dir, _convert_another(step_dir))
+    state, cfg, meta = restore_step(step_dir)
     torch_format.export(state, cfg, out_dir, meta.get("data_seed", cfg.run.seed), meta.get("data_fingerprint"))
     print(f"wrote {out_dir} (step {int(state.step)}) from {step_dir}", file=sys.stderr)
 
@@ -51,7 +51,7 @@ def to_hf(src: str, out_dir: str) -> None:
     cfg = None  # a run's config, which names its data and so its tokenizer
     if checkpoint_kind.kind(src) != checkpoint_kind.TORCH:  # a Hugging Face folder too: its weights are laid out
         checkpoint_kind.check_jaxtrain_step(src, "to-hf")     # as Conv1D's, and to-hf would transpose them again
-        state, cfg, _ = restore_step(src, _convert_another(src))
+        state, cfg, _ = restore_step(src)
         tensors = torch_format.model_tensors(state.params)
     else:
         tensors = hf_format.read_tensors(src)
@@ -107,10 +107,11 @@ def _convert_another(step_dir: str) -> str:
     return "convert another step folder of the run" + (f" ({others})" if others else "")
 
 
-def restore_step(step_dir: str, fix: str = "convert another step folder of the run"):
+def restore_step(step_dir: str, fix: str | None = None):
     """(state, config, meta) of a jaxtrain step folder (checkpoint_kind.check_jaxtrain_step), restored on one device
     and checked against its fingerprint, as a resume checks it: one that cannot be read or does not match is
-    refused with `fix`, what the caller's user can do instead."""
+    refused with `fix`, what the caller's user can do instead (by default, convert another of the run's steps,
+    which are listed only then)."""
     root, name = os.path.split(os.path.normpath(os.path.abspath(step_dir)))
     step = int(name)
     with ocp.CheckpointManager(root, item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -125,7 +126,7 @@ def restore_step(step_dir: str, fix: str = "convert another step folder of the r
         try:
             checkpoint_lib.check_fingerprint(state, meta["fingerprint"], step_dir)
         except checkpoint_lib.CorruptCheckpoint as e:
-            raise UserError(f"{e}: it is corrupt; {fix}") from None
+            raise UserError(f"{e}: it is corrupt; {fix or _convert_another(step_dir)}") from None
     return state, cfg, meta
 
 
@@ -173,12 +174,14 @@ def _check_finite(state, src: str) -> None:
 
 
 @contextlib.contextmanager
-def _unreadable(step_dir: str, fix: str):
-    """Orbax's failures (ValueError, FileNotFoundError, tensorstore errors, ...) as one UserError."""
+def _unreadable(step_dir: str, fix: str | None):
+    """Orbax's failures (ValueError, FileNotFoundError, tensorstore errors, ...) as one UserError (restore_step's
+    `fix`)."""
     try:
         yield
     except Exception as e:
-        raise UserError(f"checkpoint {step_dir} cannot be read ({type(e).__name__}: {str(e)[:300]}); {fix}") from None
+        raise UserError(f"checkpoint {step_dir} cannot be read ({type(e).__name__}: {str(e)[:300]}); "
+                        f"{fix or _convert_another(step_dir)}") from None
 
 
 def _for_shapes(cfg: Config) -> Config:
