@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import math
 import os
+import struct
 
 from jaxtrain import cmdline
 from jaxtrain import param_groups
@@ -26,6 +27,7 @@ INT32_MAX = 2**31 - 1
 def validate(cfg) -> None:
     """Check what a wrong value would otherwise turn into a shape error or a silent mistake later."""
     _check_numbers(cfg)
+    _check_float32(cfg)
     _check_text(cfg)
     _check_optional(cfg)
     _check_mesh(cfg)
@@ -119,6 +121,23 @@ def _check_numbers(cfg) -> None:
                             f"the int32 step counters of optax)")
 
 
+def _check_float32(cfg) -> None:
+    """Every float one that float32 holds. jax computes with the config's numbers in float32 (x64 is off), where one
+    beyond its range is inf and a nonzero one below its smallest magnitude is 0, while torchref keeps Python's
+    float64, so the two backends would not run the same config (optim.lr=1e300 was inf in jaxtrain's schedule)."""
+    for key, value in _float_values(cfg):
+        try:
+            in_float32 = struct.unpack("f", struct.pack("f", value))[0]  # rounds as numpy's float32 does
+        except OverflowError:  # older Pythons refuse to pack what rounds to inf, where 3.11 packs inf
+            in_float32 = math.inf
+        if math.isinf(in_float32):
+            raise UserError(f"{key}={value} is beyond float32's range (magnitudes up to 3.4e38), in which jax "
+                            f"computes with it: there it would be inf; give a value float32 holds")
+        if value and not in_float32:
+            raise UserError(f"{key}={value} is below float32's smallest magnitude (2**-149, about 1.4e-45), in "
+                            f"which jax computes with it: there it would be 0; give a value float32 holds")
+
+
 def _check_text(cfg) -> None:
     """Paths not empty (`--run.out_dir=` would write into the current folder) and free of control characters (a
     newline in a path is a paste gone wrong, and would split every message that names it)."""
@@ -177,6 +196,15 @@ def _values(cfg):
     for section in dataclasses.fields(cfg):
         for f in dataclasses.fields(section.type):
             yield f"{section.name}.{cmdline.yaml_name(f)}", getattr(getattr(cfg, section.name), f.name)
+
+
+def _float_values(cfg):
+    """(key, value) for every float of the config, the parameter groups' among them."""
+    yield from ((key, value) for key, value in _values(cfg) if isinstance(value, float))
+    for pattern, group in cfg.optim.groups.items():
+        for name in ("lr_scale", "weight_decay"):
+            if getattr(group, name) is not None:
+                yield f"optim.groups[{pattern!r}].{name}", float(getattr(group, name))
 
 
 def _divisors_near(n: int, k: int) -> str:

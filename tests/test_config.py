@@ -139,8 +139,36 @@ def test_loss_scale_init_is_a_power_of_2_that_fp32_holds(exponent):
     if float(fp32.tiny) <= scale <= float(fp32.max):
         assert config.load([f"--train.loss_scale_init={scale!r}"]).train.loss_scale_init == scale
     else:
-        with pytest.raises(UserError, match=r"^train\.loss_scale_init=.* must be a power of 2"):
+        with pytest.raises(UserError, match=r"^train\.loss_scale_init=.* (must be a power of 2|.* float32's)"):
             config.load([f"--train.loss_scale_init={scale!r}"])
+
+
+# Float keys of each kind: a rate, a bound, an optional one, one jax never sees, a parameter group's.
+FLOAT_FLAGS = ["--optim.lr={}", "--optim.eps={}", "--optim.max_grad_norm={}", "--optim.warmup_init_lr={}",
+               "--log.peak_tflops={}", "--optim.groups={{wte: {{lr_scale: {}}}}}"]
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=300)
+@given(flag=st.sampled_from(FLOAT_FLAGS), value=st.floats(allow_nan=False, allow_infinity=False))
+@example(flag="--optim.lr={}", value=1e300).via("inf in jaxtrain's schedule")
+@example(flag="--optim.lr={}", value=3.4028235677973366e38).via("rounds to float32's largest, not inf")
+@example(flag="--optim.eps={}", value=1e-46).via("0 in float32: m / (sqrt(v) + 0)")
+@example(flag="--optim.eps={}", value=2.0**-149).via("float32's smallest")
+def test_a_float_is_refused_exactly_when_float32_cannot_hold_it(flag, value):
+    """jax computes with the config's floats in float32: one that numpy's float32 makes inf, or a nonzero one it
+    makes 0, is refused naming the key; any other is not refused for that (other checks may refuse it: lr <= 0)."""
+    with np.errstate(over="ignore"):
+        lost = np.isinf(np.float32(value)) or (value != 0 and np.float32(value) == 0)
+    key = flag.split("=")[0].lstrip("-")
+    try:
+        config.load([flag.format(repr(value))])
+        refused = None
+    except UserError as e:
+        refused = str(e)
+    if lost:
+        assert refused is not None and key in refused and "float32" in refused, refused
+    else:
+        assert refused is None or "float32" not in refused, refused
 
 
 def test_missing_config_file():
