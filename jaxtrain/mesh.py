@@ -8,6 +8,8 @@ so no host ever loads another's data.
 
 import math
 import os
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,10 @@ from jaxtrain.errors import UserError
 BATCH_AXES = ("data", "fsdp")
 # What JAX reads to join the tasks of a SLURM step (srun sets them; an salloc shell or a batch script alone does not).
 SLURM_STEP_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+# How long jax.distributed.initialize waits for every process to join (its own default), and how long a join goes
+# on before it is said on stderr.
+JOIN_TIMEOUT_S = 300
+JOIN_QUIET_S = 10.0
 
 
 def init_distributed() -> None:
@@ -40,7 +46,8 @@ def init_distributed() -> None:
         if not 0 <= i < n:
             raise UserError(f"JAX_PROCESS_ID={i} with JAX_NUM_PROCESSES={n}: JAX_NUM_PROCESSES counts the processes "
                             f"(at least 1) and JAX_PROCESS_ID numbers this one from 0, below that count")
-        jax.distributed.initialize(num_processes=n, process_id=i)
+        _join(f"process {i} of {n}, through the coordinator at {env['JAX_COORDINATOR_ADDRESS']}",
+              num_processes=n, process_id=i)
     elif int(env.get("SLURM_NTASKS") or 1) > 1:
         missing = [name for name in SLURM_STEP_VARIABLES if name not in env]
         if missing:
@@ -48,9 +55,26 @@ def init_distributed() -> None:
                             f"({missing[0]} is not set), so it has no other processes to join: start it with srun "
                             f"(one task per GPU, as launch/gpt-1b.sbatch does), or in an allocation of one task "
                             f"(salloc --ntasks=1) to drive all the node's GPUs from this one process")
-        jax.distributed.initialize()
+        _join(f"task {env['SLURM_PROCID']} of {env['SLURM_NTASKS']} of the SLURM step on "
+              f"{env['SLURM_STEP_NODELIST']}")
     elif env.get("TPU_WORKER_HOSTNAMES") or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()
+        _join("a host of the TPU slice")
+
+
+def _join(who: str, **kwargs) -> None:
+    """jax.distributed.initialize, saying so on stderr when it is still waiting after JOIN_QUIET_S (a quick join says
+    nothing): a process that one of the others never joins waits JOIN_TIMEOUT_S and is then aborted from C++
+    (DEADLINE_EXCEEDED and a stack trace, no Python exception to turn into one line), so that line is what names
+    the wait."""
+    waiting = threading.Timer(JOIN_QUIET_S, lambda: print(
+        f"waiting for the run's other processes to join, as {who}; jax waits up to {JOIN_TIMEOUT_S} s for all of "
+        f"them, then aborts this process", file=sys.stderr, flush=True))
+    waiting.daemon = True
+    waiting.start()
+    try:
+        jax.distributed.initialize(initialization_timeout=JOIN_TIMEOUT_S, **kwargs)
+    finally:
+        waiting.cancel()
 
 
 def from_process_0(flag: bool) -> bool:

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -179,23 +180,38 @@ def test_two_processes_on_localhost(tmp_path, cache_dir, one_device_losses):
 
 
 @pytest.mark.parametrize("env, joins", [
-    ({}, False),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, False),  # one task (an salloc shell on an 8-GPU node): all its GPUs
-    ({"SLURM_JOB_ID": "7"}, False),
+    ({}, None),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, None),  # one task (an salloc shell on an 8-GPU node): all its GPUs
+    ({"SLURM_JOB_ID": "7"}, None),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "9",
-      "SLURM_LOCALID": "1"}, True),  # srun of 16 tasks: one per GPU, JAX's SLURM detection
-    ({"TPU_WORKER_HOSTNAMES": "t0,t1"}, True),
+      "SLURM_LOCALID": "1"}, "as task 9 of 16 of the SLURM step on n[1-2];"),  # srun: one per GPU, JAX's detection
+    ({"TPU_WORKER_HOSTNAMES": "t0,t1"}, "as a host of the TPU slice;"),
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"},
+     "as process 3 of 4, through the coordinator at 10.0.0.1:1234;"),
 ])
-def test_which_launches_join_a_cluster(monkeypatch, env, joins):
+@pytest.mark.parametrize("join_s", [0.0, 0.5])
+def test_which_launches_join_a_cluster(monkeypatch, capsys, env, joins, join_s):
+    """Which launches join. A join still waiting after JOIN_QUIET_S (0.1 s here) says so, naming who this process is
+    and the wait: when another process never joins, jax aborts this one from C++ after 300 s with no Python
+    exception, and that line is what gives the abort its context. A quick join says nothing."""
     for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
                  "MEGASCALE_COORDINATOR_ADDRESS", *mesh.SLURM_STEP_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(mesh, "JOIN_QUIET_S", 0.1)
     calls = []
-    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: (calls.append(kwargs), time.sleep(join_s)))
     mesh.init_distributed()
-    assert calls == ([{}] if joins else [])
+    time.sleep(0.2)  # a line said after the join would show by now
+    said = capsys.readouterr().err
+    if joins is None:
+        assert (calls, said) == ([], "")
+        return
+    assert [call.pop("initialization_timeout") for call in calls] == [300]
+    assert calls == [{"num_processes": 4, "process_id": 3} if "JAX_NUM_PROCESSES" in env else {}]
+    assert said == ("" if join_s == 0.0 else f"waiting for the run's other processes to join, {joins} jax waits up "
+                                             f"to 300 s for all of them, then aborts this process\n")
 
 
 def test_one_process_in_an_allocation_of_several_tasks_is_one_line(monkeypatch):
