@@ -8,6 +8,7 @@ on a local disk, are uploaded whole in an object store (GrowingFile).
 """
 
 import os
+import re
 import sys
 import time
 
@@ -37,7 +38,7 @@ def path(out_dir: str, *names: str) -> epath.Path:
 # What a run keeps in run.out_dir: a file or a folder already there under one of these names must be of its kind.
 _RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file", "metrics.jsonl": "file",
                      "wandb.json": "file", "wandb": "folder", "tb": "folder", ".lock": "file",
-                     "checkpoints.corrupt": "folder"}
+                     "checkpoints.corrupt": "folder", ".fresh-in-progress": "file"}
 
 
 # What run.fresh moves aside, each whole, to <name>.before-fresh-<time>: an earlier run's checkpoints (left in place,
@@ -45,23 +46,67 @@ _RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file
 # would overwrite them), TensorBoard events (the new run's first event would hide the old curves) and W&B run (the
 # new run would log to it). One rule for both backends.
 PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "tb", "wandb.json", "wandb")
+# The stamp of a set-aside in progress (set_aside_previous_run).
+SET_ASIDE_JOURNAL = ".fresh-in-progress"
 
 
 def set_aside_previous_run(out_dir: str) -> list[epath.Path]:
     """Move what an earlier run left in `out_dir` (PREVIOUS_RUN) aside under one time stamp, saying so on stderr,
     and return where to. A stamp some name of which is taken (a fresh start in the same second as the last one)
-    gets a count, so that nothing set aside before is overwritten."""
+    gets a count, so that nothing set aside before is overwritten.
+
+    The stamp is written down (SET_ASIDE_JOURNAL) before the first move and deleted after the last: a set-aside cut
+    short (a kill between two names; in an object store, between two objects of one folder) is finished under the
+    same stamp by the next fresh start, so no name is split between two stamps, and no other start goes on from
+    what is left in the meantime (`refuse_unfinished_set_aside`)."""
     found = [path(out_dir, name) for name in PREVIOUS_RUN if path(out_dir, name).exists()]
+    journal = path(out_dir, SET_ASIDE_JOURNAL)
+    suffix = _unfinished_suffix(journal)
+    if suffix is not None:
+        print(f"run.fresh: finishing the set-aside to *{suffix} that an earlier start began", file=sys.stderr)
+    elif found:
+        suffix = _free_suffix(found)
+        write_whole(journal, suffix)
+    targets = [source.with_name(source.name + suffix) for source in found]
+    for source, target in zip(found, targets):
+        move(source, target)
+        print(f"run.fresh: moved the previous run's {source.name} to {target}", file=sys.stderr)
+    if suffix is not None:
+        journal.unlink()
+    return targets
+
+
+def refuse_unfinished_set_aside(out_dir: str) -> None:
+    """A start without run.fresh where a set-aside was cut short would resume, or start over, from what the
+    set-aside had not moved yet: refused with the two ways on, neither of which loses anything."""
+    journal = path(out_dir, SET_ASIDE_JOURNAL)
+    suffix = _unfinished_suffix(journal)
+    if suffix is not None:
+        raise UserError(f"a run.fresh start was stopped while it moved the previous run in {out_dir} aside to "
+                        f"*{suffix} ({journal} says so): add --run.fresh=true to finish moving it and start over, "
+                        f"or, to resume that run, move its *{suffix} files back by hand and delete {journal}")
+
+
+def _unfinished_suffix(journal: epath.Path) -> str | None:
+    """The stamp an unfinished set-aside wrote down, or None; a journal that holds no stamp is refused, as moving
+    each name onto itself plus garbage could lose it."""
+    if not journal.exists():
+        return None
+    suffix = journal.read_text()
+    if not re.fullmatch(r"\.before-fresh-\d{8}-\d{6}(-\d+)?", suffix):
+        raise UserError(f"{journal} should hold the stamp of an unfinished run.fresh set-aside, as "
+                        f"'.before-fresh-20261128-093000', but holds {suffix[:80]!r}; check what the folder holds, "
+                        f"and delete {journal}")
+    return suffix
+
+
+def _free_suffix(found: list[epath.Path]) -> str:
     stamp = suffix = f".before-fresh-{time.strftime('%Y%m%d-%H%M%S')}"
     count = 0
     while any(source.with_name(source.name + suffix).exists() for source in found):
         count += 1
         suffix = f"{stamp}-{count}"
-    targets = [source.with_name(source.name + suffix) for source in found]
-    for source, target in zip(found, targets):
-        move(source, target)
-        print(f"run.fresh: moved the previous run's {source.name} to {target}", file=sys.stderr)
-    return targets
+    return suffix
 
 
 def note_moved_run(config_file: str | None, out_dir: str) -> None:
@@ -163,10 +208,17 @@ def write_whole(file: epath.Path, content: str | bytes) -> None:
 def move(source: epath.Path, target: epath.Path) -> None:
     """Move a file or a folder, whole, to `target` (its parent made where needed). In an object store a folder has
     no existence of its own (etils' rename refuses a target whose parent has no object yet), and a move is a
-    copy and a delete per object (on GCS the server-side moveTo where the bucket offers it): fsspec's mv."""
+    copy and a delete per object (on GCS the server-side moveTo where the bucket offers it): fsspec's mv, given
+    each object's target, as a folder's move cut short leaves part of it at `target` already, where fsspec's
+    recursive mv would put the rest into a subfolder (`cp -r`'s rule)."""
     if is_url(os.fspath(source)):
-        file_system, _ = fsspec.core.url_to_fs(os.fspath(source))
-        file_system.mv(os.fspath(source), os.fspath(target), recursive=True)
+        file_system, source_key = fsspec.core.url_to_fs(os.fspath(source))
+        _, target_key = fsspec.core.url_to_fs(os.fspath(target))
+        if file_system.isdir(source_key):
+            objects = file_system.find(source_key)
+            file_system.mv(objects, [target_key + key[len(source_key):] for key in objects])
+        else:
+            file_system.mv(source_key, target_key)
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     source.rename(target)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from etils import epath
 
+from test_output_paths import check_a_killed_set_aside_is_finished_under_its_stamp
 from test_run import final_params, read_metrics, small_args, without_timing
 from jaxtrain import config, run, runfolder
 
@@ -89,6 +90,17 @@ def test_fresh_sets_the_previous_run_aside_in_a_bucket(gcs, monkeypatch):
     for count, label in (("", "first"), ("-1", "second")):
         assert (folder / f"checkpoints.before-fresh-20261125-010203{count}/4/state/data").read_text() == label
         assert (folder / f"tb.before-fresh-20261125-010203{count}/events").read_text() == label
+
+
+@pytest.mark.slow
+def test_a_set_aside_killed_inside_a_folder_is_finished_under_its_stamp(gcs, monkeypatch):
+    """In a bucket a folder moves an object at a time: killed after two of the checkpoints' four objects, the next
+    fresh start moves the other two into the same checkpoints.before-fresh-<stamp>, not into a folder below it
+    (fsspec's recursive mv onto an existing prefix) nor under a second stamp."""
+    left = check_a_killed_set_aside_is_finished_under_its_stamp(gcs(), monkeypatch)
+    moved = [name for name in left if name.startswith("/checkpoints.before-fresh-20261128-093000/")]
+    still = [name for name in left if name.startswith("/checkpoints/")]
+    assert (len(moved), len(still)) == (2, 2) and "/metrics.jsonl" in left, sorted(left)
 
 
 def test_a_bucket_that_does_not_exist_is_one_line(gcs, cache_dir):

@@ -10,6 +10,7 @@ import sys
 
 import argparse
 
+import fsspec
 import pytest
 from hypothesis import given, strategies as st
 
@@ -62,6 +63,102 @@ def test_fresh_starts_in_one_second_keep_every_previous_run(tmp_path, monkeypatc
     assert (tmp_path / "config.yaml").read_text() == "second"  # the new run writes its own
     assert f"run.fresh: moved the previous run's tb to {tmp_path}/tb.before-fresh-20261125-010203-1" in \
         capsys.readouterr().err
+
+
+# A run.fresh set-aside in a subprocess killed with -9 part way: after the first name (checkpoints) on a local
+# disk, where each name moves in one rename; after the second object of the checkpoints folder in a bucket, where
+# each object moves on its own. The stamp frozen, as the uninterrupted set-aside it is compared with takes it.
+SET_ASIDE_KILLED = """
+import os, signal, sys
+from jaxtrain import runfolder
+runfolder.time.strftime = lambda fmt: "20261128-093000"
+moves = 0
+
+def die_after(count):
+    global moves
+    moves += 1
+    if moves == count:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+if sys.argv[1].startswith("gs://"):
+    import fsspec, gcsfs
+    fsspec.config.conf["nofiles_gather_batch_size"] = 1  # one object at a time, so that the kill falls between two
+    real = gcsfs.GCSFileSystem._mv_file
+
+    async def mv_file(self, *args, **kwargs):
+        await real(self, *args, **kwargs)
+        die_after(2)
+    gcsfs.GCSFileSystem._mv_file = mv_file
+else:
+    real = runfolder.move
+
+    def move(*args):
+        real(*args)
+        die_after(1)
+    runfolder.move = move
+runfolder.set_aside_previous_run(sys.argv[1])
+"""
+
+
+def files_under(folder: str) -> dict[str, bytes]:
+    """Every file under `folder`, a local path or a URL, by its path below it."""
+    file_system, key = fsspec.core.url_to_fs(folder)
+    return {name[len(key):]: file_system.cat_file(name) for name in file_system.find(key)}
+
+
+def check_a_killed_set_aside_is_finished_under_its_stamp(base: str, monkeypatch) -> dict[str, bytes]:
+    """Kill a set-aside part way (SET_ASIDE_KILLED), see a start without run.fresh refused, start fresh a minute
+    later: the folder ends as one uninterrupted set-aside leaves it, every name under the killed start's stamp.
+    Returns what the kill left."""
+    killed, whole = f"{base}/killed", f"{base}/whole"
+    for folder in (killed, whole):
+        for name in ("checkpoints/4/a", "checkpoints/4/b", "checkpoints/8/a", "checkpoints/8/b", "metrics.jsonl",
+                     "tb/events", "config.yaml"):
+            (runfolder.path(folder, name)).parent.mkdir(parents=True, exist_ok=True)
+            runfolder.path(folder, name).write_text(f"{name} of the previous run")
+    proc = subprocess.run([sys.executable, "-c", SET_ASIDE_KILLED, killed], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    left = files_under(killed)
+    assert left["/.fresh-in-progress"] == b".before-fresh-20261128-093000"
+    with pytest.raises(UserError, match=r"^a run.fresh start was stopped while it moved the previous run in .* "
+                                        r"aside to \*.before-fresh-20261128-093000 .*add --run.fresh=true"):
+        runfolder.refuse_unfinished_set_aside(killed)
+    monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261128-093100")
+    runfolder.set_aside_previous_run(killed)
+    monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261128-093000")
+    runfolder.set_aside_previous_run(whole)
+    assert files_under(killed) == files_under(whole)
+    runfolder.refuse_unfinished_set_aside(killed)  # nothing left to finish
+    return left
+
+
+def test_a_set_aside_killed_between_two_names_is_finished_under_its_stamp(tmp_path, monkeypatch):
+    left = check_a_killed_set_aside_is_finished_under_its_stamp(str(tmp_path), monkeypatch)
+    assert "/checkpoints.before-fresh-20261128-093000/4/a" in left and "/metrics.jsonl" in left  # cut in between
+
+
+@pytest.mark.parametrize("tool", ["jaxtrain.run", "torchref.run"])
+def test_a_start_without_fresh_is_refused_where_a_set_aside_was_cut_short(tmp_path, tool):
+    """Neither resumed from the steps the set-aside had not moved, nor started over beside the moved ones."""
+    (tmp_path / "checkpoints.before-fresh-20261128-093000" / "8").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    (tmp_path / ".fresh-in-progress").write_text(".before-fresh-20261128-093000")
+    before = files_under(str(tmp_path))
+    _one_error_line(_cli(tool, "--config", "configs/tiny.yaml", f"--run.out_dir={tmp_path}"),
+                    f"stopped while it moved the previous run in {tmp_path} aside", "--run.fresh=true",
+                    f"delete {tmp_path}/.fresh-in-progress")
+    after = files_under(str(tmp_path))
+    after.pop("/.lock")  # the lock each start takes (runlock.py): released, its file kept
+    assert after == before and sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
+
+
+def test_a_set_aside_journal_without_a_stamp_is_refused(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("a line")
+    (tmp_path / ".fresh-in-progress").write_text("")  # moving metrics.jsonl onto itself plus "" would lose it
+    with pytest.raises(UserError, match=r"should hold the stamp of an unfinished run.fresh set-aside.* holds ''"):
+        runfolder.set_aside_previous_run(str(tmp_path))
+    assert (tmp_path / "metrics.jsonl").read_text() == "a line"
 
 
 def test_a_moved_run_folders_own_config_says_where_the_run_goes_on(tmp_path, capsys):
