@@ -9,8 +9,9 @@ Here, once (the pure-Python packages the device image lacks, as wheels for its P
 
     python -m benchmarks.device_check --wheels .whl
 
-There, as the device tool's command (kind nvidia-h100-x1, the card of the README's table; carry [".whl"];
-timeout_s 600, a command's most: with the machine's start, about 12 of the 15 minutes):
+There, as the device tool's command (kind nvidia-h100-x1, the card of the README's table, where `status` lists it;
+some sessions are lent only nvidia-h200, where the same stages run and the results name that card; carry
+[".whl"]; timeout_s 600, a command's most: with the machine's start, about 12 of the 15 minutes):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. &&
     python3 -m benchmarks.device_check --out $OUT --budget-s 575
