@@ -22,17 +22,18 @@ DECAYING_SCHEDULES = ("cosine", "linear", "cosine_with_restarts")
 
 # optax, MultiSteps and the train state count steps in int32: a larger count would wrap around.
 INT32_MAX = 2**31 - 1
+FLOAT32_SMALLEST_NORMAL = 2.0**-126
 
 
 def validate(cfg) -> None:
     """Check what a wrong value would otherwise turn into a shape error or a silent mistake later."""
     _check_numbers(cfg)
-    _check_float32(cfg)
     _check_text(cfg)
     _check_optional(cfg)
     _check_mesh(cfg)
     _check_ranges(cfg)
     param_groups.validate(cfg.optim.groups)
+    _check_float32(cfg)
     _check_schedule(cfg)
     if cfg.data.batch_size % cfg.optim.grad_accum_steps:
         raise UserError(f"data.batch_size={cfg.data.batch_size} is not divisible by optim.grad_accum_steps="
@@ -122,9 +123,11 @@ def _check_numbers(cfg) -> None:
 
 
 def _check_float32(cfg) -> None:
-    """Every float one that float32 holds. jax computes with the config's numbers in float32 (x64 is off), where one
-    beyond its range is inf and a nonzero one below its smallest magnitude is 0, while torchref keeps Python's
-    float64, so the two backends would not run the same config (optim.lr=1e300 was inf in jaxtrain's schedule)."""
+    """Every float one that float32 holds as a normal number. jax computes with the config's numbers in float32 (x64
+    is off), where one beyond its range is inf, and one below its smallest normal (2**-126) is 0 or a subnormal,
+    which XLA flushes to 0 on CPUs (optim.eps=1e-40 divided by it: inf) and TPUs have none of; torchref keeps
+    Python's float64, so the two backends would not run the same config (optim.lr=1e300 was inf in jaxtrain's
+    schedule). After the checks of ranges, whose messages say more for the keys they know."""
     for key, value in _float_values(cfg):
         try:
             in_float32 = struct.unpack("f", struct.pack("f", value))[0]  # rounds as numpy's float32 does
@@ -133,9 +136,10 @@ def _check_float32(cfg) -> None:
         if math.isinf(in_float32):
             raise UserError(f"{key}={value} is beyond float32's range (magnitudes up to 3.4e38), in which jax "
                             f"computes with it: there it would be inf; give a value float32 holds")
-        if value and not in_float32:
-            raise UserError(f"{key}={value} is below float32's smallest magnitude (2**-149, about 1.4e-45), in "
-                            f"which jax computes with it: there it would be 0; give a value float32 holds")
+        if value and abs(in_float32) < FLOAT32_SMALLEST_NORMAL:
+            raise UserError(f"{key}={value} is below float32's smallest normal magnitude (2**-126, about 1.2e-38), "
+                            f"in which jax computes with it: there it would be 0, or flushed to 0; give 0 or a "
+                            f"value of at least that magnitude")
 
 
 def _check_text(cfg) -> None:

@@ -77,8 +77,7 @@ class Trainer:
         return lock
 
     def _build(self, cfg: Config) -> None:
-        if not cfg.run.fresh:
-            runfolder.refuse_unfinished_set_aside(cfg.run.out_dir)
+        runfolder.refuse_unfinished_set_aside(cfg.run.out_dir, cfg.run.fresh)
         self.data = data_lib.load(cfg.data, cfg.model.seq_len)
         self.sample_tokenizer = self._sample_tokenizer(cfg) if cfg.log.sample_tokens else None
         vocab_size = data_lib.resolve_vocab_size(cfg.model.vocab_size, self.data)

@@ -58,7 +58,8 @@ def set_aside_previous_run(out_dir: str) -> list[epath.Path]:
     The stamp is written down (SET_ASIDE_JOURNAL) before the first move and deleted after the last: a set-aside cut
     short (a kill between two names; in an object store, between two objects of one folder) is finished under the
     same stamp by the next fresh start, so no name is split between two stamps, and no other start goes on from
-    what is left in the meantime (`refuse_unfinished_set_aside`)."""
+    what is left in the meantime (`refuse_unfinished_set_aside`, which also refuses a journal without a stamp before
+    this runs on process 0 alone)."""
     found = [path(out_dir, name) for name in PREVIOUS_RUN if path(out_dir, name).exists()]
     journal = path(out_dir, SET_ASIDE_JOURNAL)
     suffix = _unfinished_suffix(journal)
@@ -76,12 +77,14 @@ def set_aside_previous_run(out_dir: str) -> list[epath.Path]:
     return targets
 
 
-def refuse_unfinished_set_aside(out_dir: str) -> None:
-    """A start without run.fresh where a set-aside was cut short would resume, or start over, from what the
-    set-aside had not moved yet: refused with the two ways on, neither of which loses anything."""
+def refuse_unfinished_set_aside(out_dir: str, fresh: bool) -> None:
+    """Read the set-aside journal, on every process of every start before anything can block on a collective: one
+    that holds no stamp is refused (in a fresh start it would be met by process 0 alone, the others waiting at the
+    set-aside's barrier). A start without run.fresh where a set-aside was cut short would resume, or start over,
+    from what the set-aside had not moved yet: refused with the two ways on, neither of which loses anything."""
     journal = path(out_dir, SET_ASIDE_JOURNAL)
     suffix = _unfinished_suffix(journal)
-    if suffix is not None:
+    if suffix is not None and not fresh:
         raise UserError(f"a run.fresh start was stopped while it moved the previous run in {out_dir} aside to "
                         f"*{suffix} ({journal} says so): add --run.fresh=true to finish moving it and start over, "
                         f"or, to resume that run, move its *{suffix} files back by hand and delete {journal}")
@@ -207,18 +210,21 @@ def write_whole(file: epath.Path, content: str | bytes) -> None:
 
 def move(source: epath.Path, target: epath.Path) -> None:
     """Move a file or a folder, whole, to `target` (its parent made where needed). In an object store a folder has
-    no existence of its own (etils' rename refuses a target whose parent has no object yet), and a move is a
-    copy and a delete per object (on GCS the server-side moveTo where the bucket offers it): fsspec's mv, given
-    each object's target, as a folder's move cut short leaves part of it at `target` already, where fsspec's
-    recursive mv would put the rest into a subfolder (`cp -r`'s rule)."""
+    no existence of its own (etils' rename refuses a target whose parent has no object yet), and a move is a copy
+    and a delete per object (on GCS the server-side moveTo where the bucket offers it, a folder's atomic rename in
+    a hierarchical-namespace bucket): fsspec's mv. A target that exists already is a move cut short (a set-aside
+    finished by the next start): fsspec's recursive mv would put the rest into a subfolder of it (`cp -r`'s rule),
+    so there each object is given its own target."""
     if is_url(os.fspath(source)):
         file_system, source_key = fsspec.core.url_to_fs(os.fspath(source))
         _, target_key = fsspec.core.url_to_fs(os.fspath(target))
-        if file_system.isdir(source_key):
-            objects = file_system.find(source_key)
-            file_system.mv(objects, [target_key + key[len(source_key):] for key in objects])
-        else:
-            file_system.mv(source_key, target_key)
+        if not file_system.exists(target_key):
+            file_system.mv(source_key, target_key, recursive=True)
+            return
+        objects = file_system.find(source_key)
+        file_system.mv(objects, [target_key + key[len(source_key):] for key in objects])
+        if file_system.exists(source_key):  # a hierarchical namespace's folders, now empty
+            file_system.rm(source_key, recursive=True)
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     source.rename(target)

@@ -139,7 +139,7 @@ def test_loss_scale_init_is_a_power_of_2_that_fp32_holds(exponent):
     if float(fp32.tiny) <= scale <= float(fp32.max):
         assert config.load([f"--train.loss_scale_init={scale!r}"]).train.loss_scale_init == scale
     else:
-        with pytest.raises(UserError, match=r"^train\.loss_scale_init=.* (must be a power of 2|.* float32's)"):
+        with pytest.raises(UserError, match=r"^train\.loss_scale_init=.* must be a power of 2"):
             config.load([f"--train.loss_scale_init={scale!r}"])
 
 
@@ -152,13 +152,17 @@ FLOAT_FLAGS = ["--optim.lr={}", "--optim.eps={}", "--optim.max_grad_norm={}", "-
 @given(flag=st.sampled_from(FLOAT_FLAGS), value=st.floats(allow_nan=False, allow_infinity=False))
 @example(flag="--optim.lr={}", value=1e300).via("inf in jaxtrain's schedule")
 @example(flag="--optim.lr={}", value=3.4028235677973366e38).via("rounds to float32's largest, not inf")
-@example(flag="--optim.eps={}", value=1e-46).via("0 in float32: m / (sqrt(v) + 0)")
-@example(flag="--optim.eps={}", value=2.0**-149).via("float32's smallest")
-def test_a_float_is_refused_exactly_when_float32_cannot_hold_it(flag, value):
-    """jax computes with the config's floats in float32: one that numpy's float32 makes inf, or a nonzero one it
-    makes 0, is refused naming the key; any other is not refused for that (other checks may refuse it: lr <= 0)."""
+@example(flag="--optim.eps={}", value=1e-40).via("a subnormal, flushed on CPUs: m / (sqrt(v) + 0)")
+@example(flag="--optim.eps={}", value=1e-46).via("0 in float32")
+@example(flag="--optim.eps={}", value=2.0**-126).via("float32's smallest normal")
+@example(flag="--optim.eps={}", value=2.0**-126 * (1 - 2.0**-30)).via("rounds up to it")
+def test_a_float_is_refused_where_float32_cannot_hold_it(flag, value):
+    """jax computes with the config's floats in float32: one that numpy's float32 makes inf, or a nonzero one it makes
+    0 or subnormal (XLA flushes those to 0 on CPUs), is refused naming the key (by the float32 check, or first by a
+    check of its range: lr=-1e300 must be > 0); any other is not refused for float32's sake."""
     with np.errstate(over="ignore"):
-        lost = np.isinf(np.float32(value)) or (value != 0 and np.float32(value) == 0)
+        in_float32 = np.float32(value)
+    lost = np.isinf(in_float32) or (value != 0 and abs(in_float32) < np.finfo(np.float32).tiny)
     key = flag.split("=")[0].lstrip("-")
     try:
         config.load([flag.format(repr(value))])
@@ -166,9 +170,11 @@ def test_a_float_is_refused_exactly_when_float32_cannot_hold_it(flag, value):
     except UserError as e:
         refused = str(e)
     if lost:
-        assert refused is not None and key in refused and "float32" in refused, refused
+        assert refused is not None and key in refused, refused
     else:
         assert refused is None or "float32" not in refused, refused
+    if flag == "--optim.eps={}" and value > 0:  # a key whose other checks pass any positive value
+        assert (refused is not None and "float32" in refused) == lost, refused
 
 
 def test_missing_config_file():

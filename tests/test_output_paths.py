@@ -14,6 +14,8 @@ import fsspec
 import pytest
 from hypothesis import given, strategies as st
 
+from test_mesh import free_port
+from test_run import small_args
 from jaxtrain import cmdline, config, runfolder
 from jaxtrain.errors import UserError
 
@@ -123,13 +125,14 @@ def check_a_killed_set_aside_is_finished_under_its_stamp(base: str, monkeypatch)
     assert left["/.fresh-in-progress"] == b".before-fresh-20261128-093000"
     with pytest.raises(UserError, match=r"^a run.fresh start was stopped while it moved the previous run in .* "
                                         r"aside to \*.before-fresh-20261128-093000 .*add --run.fresh=true"):
-        runfolder.refuse_unfinished_set_aside(killed)
+        runfolder.refuse_unfinished_set_aside(killed, fresh=False)
+    runfolder.refuse_unfinished_set_aside(killed, fresh=True)  # the start that finishes it goes on
     monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261128-093100")
     runfolder.set_aside_previous_run(killed)
     monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261128-093000")
     runfolder.set_aside_previous_run(whole)
     assert files_under(killed) == files_under(whole)
-    runfolder.refuse_unfinished_set_aside(killed)  # nothing left to finish
+    runfolder.refuse_unfinished_set_aside(killed, fresh=False)  # nothing left to finish
     return left
 
 
@@ -153,10 +156,45 @@ def test_a_start_without_fresh_is_refused_where_a_set_aside_was_cut_short(tmp_pa
     assert after == before and sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
 
 
-def test_a_set_aside_journal_without_a_stamp_is_refused(tmp_path):
+@pytest.mark.parametrize("tool", ["jaxtrain.run", "torchref.run"])
+def test_a_fresh_start_over_a_journal_without_a_stamp_is_refused_before_it_moves_anything(tmp_path, tool):
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    (tmp_path / ".fresh-in-progress").write_text("garbage")
+    _one_error_line(_cli(tool, "--config", "configs/tiny.yaml", f"--run.out_dir={tmp_path}", "--run.fresh=true"),
+                    f"{tmp_path}/.fresh-in-progress should hold the stamp", "holds 'garbage'")
+    assert sorted(os.listdir(tmp_path)) == [".fresh-in-progress", ".lock", "checkpoints"]
+
+
+def test_two_processes_refuse_a_journal_without_a_stamp_each_in_one_line(tmp_path, cache_dir):
+    """A fresh start of two processes: the set-aside runs on process 0 alone, after the compile, while process 1
+    waits at its barrier; had process 0 alone met the journal there, process 1 would wait until the barrier's
+    timeout. Each reads it at the start and refuses."""
+    (tmp_path / ".fresh-in-progress").write_text("garbage")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxtrain.run", *small_args(str(tmp_path), cache_dir),
+                               "--mesh.fsdp=2", "--run.fresh=true"], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                              env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert all(err.strip().splitlines()[-1].startswith(f"error: {tmp_path}/.fresh-in-progress should hold the stamp")
+               for err in errs), errs
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_set_aside_journal_without_a_stamp_is_refused(tmp_path, fresh):
+    """By every process at the start, fresh or not (a fresh start's set-aside runs on process 0 alone, after the
+    compile); moving metrics.jsonl onto itself plus "" would lose it."""
     (tmp_path / "metrics.jsonl").write_text("a line")
-    (tmp_path / ".fresh-in-progress").write_text("")  # moving metrics.jsonl onto itself plus "" would lose it
-    with pytest.raises(UserError, match=r"should hold the stamp of an unfinished run.fresh set-aside.* holds ''"):
+    (tmp_path / ".fresh-in-progress").write_text("")
+    stampless = r"should hold the stamp of an unfinished run.fresh set-aside.* holds ''"
+    with pytest.raises(UserError, match=stampless):
+        runfolder.refuse_unfinished_set_aside(str(tmp_path), fresh)
+    with pytest.raises(UserError, match=stampless):
         runfolder.set_aside_previous_run(str(tmp_path))
     assert (tmp_path / "metrics.jsonl").read_text() == "a line"
 

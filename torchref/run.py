@@ -141,10 +141,10 @@ def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Config,
     resume keeps the run's own init.from: checkpoint.resume) and whether this is a resume, whose metrics.jsonl is
     kept up to the resumed step. run.fresh moves the previous run aside only once init.from has
     loaded, the last check that can refuse the start: a refused fresh start leaves it in place, to resume."""
+    runfolder.refuse_unfinished_set_aside(cfg.run.out_dir, cfg.run.fresh)
     checkpoint.remove_partial(cfg.run.out_dir)
     # A jaxtrain checkpoint is named for what it is: a resume would call it damaged (run.fresh sets it aside below).
     if not cfg.run.fresh:
-        runfolder.refuse_unfinished_set_aside(cfg.run.out_dir)
         checkpoint_kind.check_own_steps(os.path.join(cfg.run.out_dir, "checkpoints"), "torchref")
     if not cfg.run.fresh and (path := checkpoint.latest(cfg.run.out_dir)) is not None:
         progress, cfg = checkpoint.resume(path, cfg, data_fingerprint, model, optimizer)
