@@ -35,10 +35,13 @@ def path(out_dir: str, *names: str) -> epath.Path:
     return base.joinpath(*names)
 
 
+# The stamp of a run.fresh set-aside in progress (set_aside_previous_run).
+SET_ASIDE_JOURNAL = ".fresh-in-progress"
+
 # What a run keeps in run.out_dir: a file or a folder already there under one of these names must be of its kind.
 _RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file", "metrics.jsonl": "file",
                      "wandb.json": "file", "wandb": "folder", "tb": "folder", ".lock": "file",
-                     "checkpoints.corrupt": "folder", ".fresh-in-progress": "file"}
+                     "checkpoints.corrupt": "folder", SET_ASIDE_JOURNAL: "file"}
 
 
 # What run.fresh moves aside, each whole, to <name>.before-fresh-<time>: an earlier run's checkpoints (left in place,
@@ -46,8 +49,6 @@ _RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file
 # would overwrite them), TensorBoard events (the new run's first event would hide the old curves) and W&B run (the
 # new run would log to it). One rule for both backends.
 PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "tb", "wandb.json", "wandb")
-# The stamp of a set-aside in progress (set_aside_previous_run).
-SET_ASIDE_JOURNAL = ".fresh-in-progress"
 
 
 def set_aside_previous_run(out_dir: str) -> list[epath.Path]:

@@ -133,8 +133,8 @@ def _groups(draw, valid: bool = True) -> str:
     broken."""
     patterns = draw(st.lists(st.sampled_from(["wte", "wpe|wte", "ln_", "bias$", r"h\.0\.", "c_(fc|proj)"]),
                              max_size=3, unique=True))
-    entries = {p: {"lr_scale": draw(st.floats(1e-6, 1e6)), "weight_decay": draw(st.none() | st.floats(0.0, 10.0).filter(_normal))}
-               for p in patterns}
+    entries = {p: {"lr_scale": draw(st.floats(1e-6, 1e6)),
+                   "weight_decay": draw(st.none() | st.floats(0.0, 10.0).filter(_normal))} for p in patterns}
     if not valid:
         pattern = draw(st.sampled_from(["(", "[a-", "*", ""]) | st.just("a"))
         entries[pattern] = ({"lr_scale": 1.0} if pattern != "a" else draw(st.sampled_from([

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from test_mesh import free_port
-from test_run import small_args
+from test_run import files_but_the_lock, small_args
 from jaxtrain import cmdline, config, runfolder
 from jaxtrain.errors import UserError
 
@@ -147,13 +147,11 @@ def test_a_start_without_fresh_is_refused_where_a_set_aside_was_cut_short(tmp_pa
     (tmp_path / "checkpoints.before-fresh-20261128-093000" / "8").mkdir(parents=True)
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)
     (tmp_path / ".fresh-in-progress").write_text(".before-fresh-20261128-093000")
-    before = files_under(str(tmp_path))
+    before = files_but_the_lock(tmp_path)
     _one_error_line(_cli(tool, "--config", "configs/tiny.yaml", f"--run.out_dir={tmp_path}"),
                     f"stopped while it moved the previous run in {tmp_path} aside", "--run.fresh=true",
                     f"delete {tmp_path}/.fresh-in-progress")
-    after = files_under(str(tmp_path))
-    after.pop("/.lock")  # the lock each start takes (runlock.py): released, its file kept
-    assert after == before and sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
+    assert files_but_the_lock(tmp_path) == before and sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
 
 
 @pytest.mark.parametrize("tool", ["jaxtrain.run", "torchref.run"])
