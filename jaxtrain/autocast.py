@@ -220,7 +220,7 @@ def gelu(x):
     is the same product as torch's (x * 0.5) * (1 + erf): the factor 0.5 is exact. For x below about -3 the 1 + erf
     cancels, so there the result is only as accurate as the fp32 erf absolutely (|x| times a few 2^-24), as torch's.
 
-    The gradient is written out (`_gelu_bwd`) so that the backward pass keeps only x, which it has anyway, and
+    The gradient is written out (`gelu_grad`) so that the backward pass keeps only x, which it has anyway, and
     recomputes the rest; autodiff of jax.nn.gelu kept an extra bf16 erfc(...) tensor of c_fc's (B, T, 4D) size per
     layer, written in the forward pass and read in the backward. On GPT-2 124M (H100, the compiled step's roofline,
     an estimate: benchmarks/NOTES.md) that is 2.9 ms of a 113 ms step with cuBLAS gemms and 1.1 GiB of peak memory;
@@ -240,11 +240,16 @@ def _gelu_fwd(x):
 
 
 def _gelu_bwd(x, dy):
+    return (gelu_grad(x, dy),)
+
+
+def gelu_grad(x, dy):
     """dx = dy (Phi(x) + x phi(x)) in fp32, rounded once to x's dtype, as torch's gelu_backward computes it
-    (GeluBackwardKernelImpl; bf16 dy and x upcast): phi(x) = exp(-x^2 / 2) / sqrt(2 pi), the normal density."""
+    (GeluBackwardKernelImpl; bf16 dy and x upcast): phi(x) = exp(-x^2 / 2) / sqrt(2 pi), the normal density.
+    gelu's gradient, and the epilogue of gelu_gemm's kernel."""
     x_f32 = x.astype(jnp.float32)
     pdf = jnp.exp(x_f32 * x_f32 * -0.5) * (1 / math.sqrt(2 * math.pi))
-    return ((dy.astype(jnp.float32) * (_normal_cdf(x_f32) + x_f32 * pdf)).astype(x.dtype),)
+    return (dy.astype(jnp.float32) * (_normal_cdf(x_f32) + x_f32 * pdf)).astype(x.dtype)
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)

@@ -24,7 +24,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.sharding import PartitionSpec as P
 
 try:  # deprecated since jax 0.11.0 ("will be removed in a future JAX version"): a jax without it runs XLA's ops
     from jax.experimental.pallas import triton as pl_triton
@@ -112,8 +111,7 @@ def _call(kernel, row_inputs, whole_inputs, row_outputs, partial_outputs: int = 
     in every instance, and `partial_outputs` fp32 (instances, d) outputs, a row per instance; row outputs given as
     (shape, dtype). Under a mesh each device runs it on its own rows (the batch split's), the partial rows of all
     devices concatenated."""
-    axes, shards = mesh.batch_axes(), mesh.batch_shards()
-    n, d = row_inputs[0].shape[0] // shards, whole_inputs[0].shape[0]
+    n, d = row_inputs[0].shape[0] // mesh.batch_shards(), whole_inputs[0].shape[0]
     rows = _rows(n)
     by_rows = lambda shape: pl.BlockSpec((rows,) + tuple(shape[1:]), lambda i: (i,) + (0,) * (len(shape) - 1))
     outputs = [((n,) + tuple(shape[1:]), dtype) for shape, dtype in row_outputs]
@@ -124,9 +122,7 @@ def _call(kernel, row_inputs, whole_inputs, row_outputs, partial_outputs: int = 
         out_specs=tuple([by_rows(s) for s, _ in outputs] + [pl.BlockSpec((1, d), lambda i: (i, 0))] * partial_outputs),
         compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS),
         interpret=autocast.backend() != "gpu")
-    if axes:  # check_vma=False: pallas_call's outputs carry no varying-axes type for shard_map to check
-        call = jax.shard_map(call, in_specs=(P(axes),) * len(row_inputs) + (P(),) * len(whole_inputs),
-                             out_specs=(P(axes),) * (len(outputs) + partial_outputs), check_vma=False)
+    call = mesh.on_each_devices_rows(call, len(row_inputs), len(whole_inputs), len(outputs) + partial_outputs)
     return call(*row_inputs, *whole_inputs)
 
 
