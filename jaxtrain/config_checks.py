@@ -23,6 +23,8 @@ DECAYING_SCHEDULES = ("cosine", "linear", "cosine_with_restarts")
 # optax, MultiSteps and the train state count steps in int32: a larger count would wrap around.
 INT32_MAX = 2**31 - 1
 FLOAT32_SMALLEST_NORMAL = 2.0**-126
+# gelu_gemm's kernel tiles its gemm in multiples of this many rows, columns and k (its epilogue's tiles)
+GELU_GEMM_TILE = 64
 
 
 def validate(cfg) -> None:
@@ -40,6 +42,7 @@ def validate(cfg) -> None:
                         f"{cfg.optim.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a "
                         f"multiple")
     _check_vocab_tiles(cfg)
+    _check_gelu_grad(cfg)
     _check_places(cfg)
 
 
@@ -164,6 +167,19 @@ def _check_vocab_tiles(cfg) -> None:
     if tokens % tiles:
         raise UserError(f"model.vocab_tiles={tiles} does not divide the {tokens} tokens of a micro-batch (data.batch_"
                         f"size / optim.grad_accum_steps x model.seq_len); choose a divisor, e.g. {math.gcd(tokens, tiles)}")
+
+
+def _check_gelu_grad(cfg) -> None:
+    """model.gelu_grad=pallas's kernel multiplies bf16 or fp16 operands (wgmma) in tiles of GELU_GEMM_TILE along
+    d_model; each device's rows of a micro-batch are checked where the devices are known (gelu_gemm)."""
+    if cfg.model.gelu_grad != "pallas":
+        return
+    if cfg.train.precision == "fp32":
+        raise UserError("model.gelu_grad=pallas is a bf16 or fp16 kernel; under train.precision=fp32 use "
+                        "model.gelu_grad=xla")
+    if cfg.model.d_model % GELU_GEMM_TILE:
+        raise UserError(f"model.gelu_grad=pallas needs model.d_model to be a multiple of {GELU_GEMM_TILE} (its "
+                        f"kernel's tiles), got {cfg.model.d_model}; use model.gelu_grad=xla")
 
 
 def _check_optional(cfg) -> None:

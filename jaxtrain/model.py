@@ -11,7 +11,8 @@ activations and the logits are bf16; the residual stream, LayerNorm and softmax 
 logits. "fp16" is the same with fp16 (the train step adds the loss scaling fp16's range needs: step.py). Precision
 "fp32" runs every dot at Precision.HIGHEST. On a GPU under bf16,
 attention runs as cuDNN's fused kernel (model.attention), and on a GPU each residual add and the LayerNorm after it
-as one hand-written kernel each way (model.norm, fused_norm.py).
+as one hand-written kernel each way (model.norm, fused_norm.py); model.gelu_grad=pallas computes the MLP's
+backward from c_proj to c_fc in one hand-written Hopper kernel (gelu_gemm.py).
 
 Decoding (`extend`) runs the same blocks on new tokens only, with the keys and values of the earlier positions kept
 in a `KVCache` per layer: the attention takes the cache as an optional argument, and the math is the training
@@ -30,6 +31,7 @@ from jaxtrain.autocast import COMPUTE_DTYPES, backend, column_blocks, gelu, line
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import LN_EPS, residual_norm, triton_available
+from jaxtrain.gelu_gemm import gelu_linear
 from jaxtrain.mesh import batch_sharded, weight_shards
 
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
@@ -74,6 +76,10 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         return linear(x, self.kernel[...], self._bias(), self.precision)
+
+    def of_gelu(self, pre):
+        """self(gelu(pre)), its backward from the output's gradient to pre's in one kernel (gelu_gemm)."""
+        return gelu_linear(pre, self.kernel[...], self._bias(), self.precision)
 
     def column_blocks(self, x, parts: int) -> tuple:
         """The output's `parts` column blocks, each its own gemm (autocast.column_blocks): self(x) split, without
@@ -203,10 +209,12 @@ class MLP(nnx.Module):
         d = cfg.d_model
         self.c_fc = Linear(d, 4 * d, bias=cfg.bias, std=INIT_STD, precision=precision, rngs=rngs)
         self.c_proj = Linear(4 * d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
-        self.dropout = cfg.dropout
+        self.dropout, self.gelu_kernel = cfg.dropout, cfg.gelu_grad == "pallas"
 
     def __call__(self, x_BxTxD, key):
-        return _dropout(self.c_proj(gelu(self.c_fc(x_BxTxD))), self.dropout, key)
+        pre_BxTx4D = self.c_fc(x_BxTxD)
+        y_BxTxD = self.c_proj.of_gelu(pre_BxTx4D) if self.gelu_kernel else self.c_proj(gelu(pre_BxTx4D))
+        return _dropout(y_BxTxD, self.dropout, key)
 
 
 class Block(nnx.Module):

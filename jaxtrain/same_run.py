@@ -16,12 +16,12 @@ from jaxtrain.errors import UserError
 # Sections and keys that shape the trajectory: resuming with any of them changed is refused. train.steps is not
 # one of them (a finished run may be extended), but the decay length it defaults to is. Where the data lies
 # (data.path, data.cache_dir) is not either: its content is compared instead (data.check_same_data). How the model
-# computes (attention kernel, norm kernels, rematerialisation, vocabulary tiling: the same math, rounded alike or in
-# another order) is not: it may change on resume, to fit another device, and checkpoints written before these keys
-# existed still resume.
+# computes (attention kernel, norm and GELU-gradient kernels, rematerialisation, vocabulary tiling: the same math,
+# rounded alike or in another order) is not: it may change on resume, to fit another device, and checkpoints written
+# before these keys existed still resume.
 TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "train.loss_scale", "run.seed",
                    "decay length")
-HOW_NOT_WHAT = ("model.attention", "model.norm", "model.remat", "model.vocab_tiles")
+HOW_NOT_WHAT = ("model.attention", "model.norm", "model.gelu_grad", "model.remat", "model.vocab_tiles")
 
 # Keys compared only where they act: the decay length (train.steps or optim.decay_steps, compared as the effective
 # value) and min_lr where the schedule decays, its cycles where it restarts, the warmup's start where there is one,

@@ -1,0 +1,136 @@
+"""jaxtrain.gelu_gemm: c_proj's dx gemm with GELU's backward in its epilogue, run here through Mosaic GPU's
+interpreter (no GPU), on a GPU as it compiles; against GELU's gradient written out in float64, the model with
+model.gelu_grad=pallas against model.gelu_grad=xla, and where the kernel is refused."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain import autocast, config, gelu_gemm, model
+from jaxtrain.errors import UserError
+
+# Off a GPU the kernel runs in Mosaic GPU's interpreter, which jax 0.9's cannot run it in (the floors' jax)
+runs_here = pytest.mark.skipif(jax.default_backend() != "gpu" and not gelu_gemm.interpreter_available(),
+                               reason="no GPU, and this jax's Mosaic GPU interpreter cannot run the kernel")
+
+
+def _bf16_ulp(values):
+    """bf16's spacing at each value (float64 array): 2^(exponent - 7)."""
+    return 2.0 ** (np.floor(np.log2(np.abs(values) + 1e-30)) - 7)
+
+
+def _float64_gelu_grad(pre, dh):
+    """dh (Phi(x) + x phi(x)) at x = pre, in float64: torch's gelu_backward's formula."""
+    x = np.asarray(pre, np.float64)
+    phi = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    return np.asarray(dh, np.float64) * (cdf + x * phi)
+
+
+@runs_here
+@pytest.mark.parametrize("m,k,n,tiles", [(128, 128, 256, gelu_gemm.Tiles(m=64, n=64, k=64, stages=2)),
+                                         (128, 128, 512, gelu_gemm.Tiles())])
+def test_the_kernel_is_gelus_gradient_of_the_product_rounded_once(m, k, n, tiles):
+    """Small-integer operands, so that the fp32 product is exact in any sum order: the kernel's result is the
+    product rounded once to bf16, times gelu'(pre) in float64, rounded to bf16 (half a spacing), give or take the
+    fp32 formula's own error: below x = -3 its Phi(x) + x phi(x) cancels, so that error is absolute, a few fp32
+    roundings of terms near 1 + |x| (2^-22 (1 + |x|) |dh|: 4 of them; autocast.gelu's docstring). The product left
+    unrounded would be up to half a spacing of dh further. Several output tiles along m and n, two k steps; with the
+    default tiles, two epilogue tiles each way, which alternate their shared-memory slots."""
+    rng = np.random.default_rng(0)
+    g = rng.integers(-4, 5, (m, k)).astype(ml_dtypes.bfloat16)
+    w_t = rng.integers(-4, 5, (k, n)).astype(ml_dtypes.bfloat16)
+    pre = rng.uniform(-6, 6, (m, n)).astype(ml_dtypes.bfloat16)  # erf's tails and its middle
+    dh = (g.astype(np.float64) @ w_t.astype(np.float64)).astype(ml_dtypes.bfloat16)  # exact, then rounded once
+    want = _float64_gelu_grad(pre, dh)
+    got = np.asarray(jax.jit(gelu_gemm.gelu_grad_matmul, static_argnums=3)(g, w_t, pre, tiles), np.float64)
+    bound = _bf16_ulp(want) / 2 + 2.0**-22 * (1 + np.abs(pre.astype(np.float64))) * np.abs(dh.astype(np.float64))
+    assert np.all(np.abs(got - want) <= bound), np.argwhere(np.abs(got - want) > bound)[:5]
+
+
+@pytest.mark.parametrize("m,k,n,want", [
+    (16384, 768, 3072, gelu_gemm.Tiles()),  # GPT-2 124M's c_proj, a micro-batch of 16 x 1024 on one GPU
+    (128, 128, 512, gelu_gemm.Tiles()),
+    (192, 64, 384, gelu_gemm.Tiles(m=64, n=64)),  # 192 rows are not 128s; 384 columns not 256s
+    (96, 64, 256, None), (128, 96, 256, None), (128, 64, 192, None)])
+def test_the_tiles_shrink_to_what_divides_the_gemm(m, k, n, want):
+    assert gelu_gemm.tiles_for(m, k, n) == want
+
+
+def _loss_and_grads(gelu_grad: str, precision: str, mesh=None):
+    cfg = config.load(["--config", "configs/tiny.yaml", "--model.n_layer=2", f"--model.gelu_grad={gelu_grad}",
+                       f"--train.precision={precision}"]).model
+    graphdef, params = model.init_params(cfg, vocab_size=64, precision=precision, seed=0)
+    idx = jax.random.randint(jax.random.key(0), (2, 64), 0, 64)
+
+    def loss(params):
+        logits = model.apply(graphdef, params, idx).astype(jnp.float32)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+    step = jax.jit(jax.value_and_grad(loss), compiler_options=autocast.rounding_options(jax.default_backend()))
+    if mesh is None:
+        return step(params)
+    with jax.set_mesh(mesh):
+        return step(params)
+
+
+def _assert_same_model(got, want):
+    """The forward pass is the same code either way: on this CPU the same loss bit for bit; on a GPU XLA may fuse
+    its reductions otherwise around another backward (the norm kernels' bf16 loss bound, tests/test_fused_norm.py).
+    The gradients differ where the kernel's fp32 sum order for c_proj's dx flips its rounding to the compute dtype
+    (d_model 128: two k steps): measured on this CPU, the largest relative difference of a gradient 5.8e-5 (bf16)
+    and 2.9e-4 (fp16), margin 10x; on a GPU, against cuBLAS's order, not yet measured."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    assert abs(float(loss - ref_loss)) <= (0.0 if jax.default_backend() == "cpu" else 1e-5) * abs(float(ref_loss))
+    for (path, g), (_, r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
+        assert float(jnp.linalg.norm(g[...] - r[...]) / jnp.linalg.norm(r[...])) <= 3e-3, path
+
+
+@runs_here
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_model_with_the_kernel_is_the_model_without(precision):
+    _assert_same_model(_loss_and_grads("pallas", precision), _loss_and_grads("xla", precision))
+
+
+@runs_here
+def test_the_kernel_runs_inside_a_one_device_mesh():
+    """Under a mesh the kernel runs on each device's rows (shard_map); on one device that is all of them."""
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
+    _assert_same_model(_loss_and_grads("pallas", "bf16", one), _loss_and_grads("xla", "bf16"))
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["--train.precision=fp32"], "under train.precision=fp32 use model.gelu_grad=xla"),
+    (["--model.d_model=96", "--model.n_head=4"],
+     r"model.d_model to be a multiple of 64 \(its kernel's tiles\), got 96")])
+def test_a_config_the_kernel_cannot_run_is_refused(overrides, named):
+    with pytest.raises(UserError, match=named):
+        config.load(["--config", "configs/tiny.yaml", "--model.gelu_grad=pallas", *overrides])
+
+
+def _kernel_grad(rows: int):
+    pre = jnp.ones((rows, 256), jnp.bfloat16)
+    w = jnp.ones((256, 64), jnp.float32)
+    return jax.grad(lambda p: gelu_gemm.gelu_linear(p, w, None, "bf16").astype(jnp.float32).sum())(pre)
+
+
+def test_rows_the_kernel_cannot_tile_are_refused_when_traced():
+    with pytest.raises(UserError, match=r"tokens of a micro-batch .* here 96\) to be a multiple of 64"):
+        _kernel_grad(96)
+
+
+def test_a_tpu_is_refused():
+    with autocast.compiling_for("tpu"), pytest.raises(UserError, match="a kernel for Hopper GPUs"):
+        _kernel_grad(128)
+
+
+def test_several_devices_off_a_gpu_are_refused():
+    """Under shard_map over several CPU devices the interpreter's simulated threads wait on each other forever."""
+    two = jax.sharding.AbstractMesh((2, 1), ("data", "fsdp"))
+    with autocast.compiling_for("cpu"), jax.sharding.use_abstract_mesh(two), pytest.raises(
+            UserError, match="on one device only, not on this mesh"):
+        jax.eval_shape(lambda: _kernel_grad(128))
