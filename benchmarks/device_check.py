@@ -91,7 +91,8 @@ MODEL_TESTS = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                "column_blocks or logsumexp")
 STEP = ("-m", "benchmarks.run", *GPT2, *AB, "--data.batch_size=128", "--optim.grad_accum_steps=4",
         "--model.norm={norm}")
-STEP_MICRO64 = tuple(a.replace("batch_size=128", "batch_size=256") for a in STEP)
+GELU_TESTS = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=short",
+              "tests/test_gelu_gemm.py")
 
 STAGES = (
     Stage("env", "versions, the GPU, and whether jaxtrain imports on the image's jax", ("-c", ENV_SCRIPT), 15, 60,
@@ -99,26 +100,30 @@ STAGES = (
     Stage("kernels", "the norm kernels as Triton compiles them, against float64 formulas and XLA's autodiff "
           "(NOTES stage 0)", ("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
                               "tests/test_fused_norm.py", "-k", "not mesh"), 40, 120),
-    Stage("step", "jaxtrain's row of the table alone, the A/B's baseline on the same machine", STEP, 50, 100,
+    Stage("step", "jaxtrain's row of the table alone, the A/B's baseline on the same machine", STEP, 45, 100,
           json=True),
-    Stage("table", "the README's table: jaxtrain bf16 against torchref eager and torch.compile, MFU of 989 TFLOP/s "
-          "(NOTES stage 4)", ("-m", "benchmarks.run", *GPT2, *TABLE, "--model.norm={norm}", "--rows",
-                              "jax-bf16,torch-bf16,compile-bf16,matmul-jax-bf16,matmul-torch-bf16"), 170, 300,
-          json=True),
-    Stage("step_micro64", "the step at micro-batch 64 (batch 256 in 4): the table's micro-batch of 32 makes every "
-          "gemm half as tall (2026-11-27 with XLA's norm: +2.7%, 37.6 GB)", STEP_MICRO64, 55, 100, json=True),
-    Stage("profile", "where the step's time goes with the GPU's default norm (153.4 ms of GPU time with XLA's, "
-          "2026-11-27)", ("-m", "benchmarks.profile", "--config", "configs/gpt2-124m.yaml", "--synthetic",
-                          "--data.batch_size=64", "--optim.grad_accum_steps=4", "--model.norm={norm}"), 70, 120),
+    Stage("gelu_tests", "the GELU-gradient gemm kernel (model.gelu_grad=pallas, gelu_gemm.py: never run on a GPU) "
+          "as Mosaic GPU compiles it, against float64 and the model without it", GELU_TESTS, 40, 120),
+    Stage("gelu_ab", "that kernel alone at GPT-2's shapes, five tile settings, against XLA's gemm and GELU backward "
+          "(5.79 ms of the 139.5 ms profile) and the gemm alone", ("-m", "benchmarks.gelu_gemm"), 40, 90),
+    Stage("step_gelu", "jaxtrain's row with the kernel (against `step`: the roofline says -4.8%)",
+          STEP + ("--model.gelu_grad=pallas",), 45, 100, json=True),
     Stage("model_tests", "test_model's bit-for-bit tests against torch on the GPU, compiled as the step compiles "
           "(six failed under XLA's default excess precision on 2026-11-28, all passed without it), cuDNN's "
           "attention against the written-out one, and the q, k, v gemms (Linear.column_blocks) against the one gemm "
           "split, the loss's one-pass logsumexp against float64", MODEL_TESTS, 40, 90),
-    Stage("step_excess", "jaxtrain's row with XLA's excess precision back on (the step compiles without it on a GPU "
-          "since 2026-11-28, autocast.rounding_options): what torch's roundings cost (2026-11-28: 272.8 ms without, "
-          "275.8 with)", STEP, 50, 100, json=True, env=EXCESS),
     Stage("lse_ab", "the loss's logsumexp alone, one read against two (NOTES, the profile against the roofline)",
           ("-c", LSE_SCRIPT, "16384", "50304"), 25, 60),
+    Stage("table", "the README's table: jaxtrain bf16 against torchref eager and torch.compile, MFU of 989 TFLOP/s "
+          "(NOTES stage 4)", ("-m", "benchmarks.run", *GPT2, *TABLE, "--model.norm={norm}", "--rows",
+                              "jax-bf16,torch-bf16,compile-bf16,matmul-jax-bf16,matmul-torch-bf16"), 170, 300,
+          json=True),
+    Stage("profile", "where the step's time goes with the GPU's default norm (153.4 ms of GPU time with XLA's, "
+          "2026-11-27)", ("-m", "benchmarks.profile", "--config", "configs/gpt2-124m.yaml", "--synthetic",
+                          "--data.batch_size=64", "--optim.grad_accum_steps=4", "--model.norm={norm}"), 50, 120),
+    Stage("step_excess", "jaxtrain's row with XLA's excess precision back on (the step compiles without it on a GPU "
+          "since 2026-11-28, autocast.rounding_options): what torch's roundings cost (2026-11-28: 272.8 ms without, "
+          "275.8 with)", STEP, 40, 100, json=True, env=EXCESS),
 )
 
 

@@ -38,7 +38,27 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
             if tool is bench:
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
-    assert seen == {"step", "step_excess", "profile", "table", "step_micro64"}
+    assert seen == {"step", "step_excess", "step_gelu", "profile", "table"}
+
+
+def test_the_gelu_stages_run_the_kernels_tests_its_benchmark_and_the_step_with_it(tmp_path):
+    """gelu_tests collects every test of tests/test_gelu_gemm.py; gelu_ab runs (here on a few rows, through the
+    interpreter) and prints a row per setting; step_gelu is `step` with the kernel on."""
+    by_name = {s.name: s for s in device_check.STAGES}
+    args = _after_module(list(by_name["gelu_tests"].args), "pytest")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "--collect-only", "-q", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "tests/test_gelu_gemm.py: 16" in proc.stdout, proc.stdout[-2000:]
+    assert by_name["gelu_ab"].args == ("-m", "benchmarks.gelu_gemm")
+    small = ["--rows", "128", "--d", "64", "--tiles", "64x64x2x8,128x64x2x8", "--iters", "1"]
+    proc = subprocess.run([sys.executable, *by_name["gelu_ab"].args, *small], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| kernel ")]
+    assert [r.split(" | ")[0] for r in rows] == ["| kernel 64x64, 2 stages, snake 8",
+                                                 "| kernel 128x64, 2 stages, snake 8"]
+    assert all(float(r.split(" | ")[3]) > 99 for r in rows)  # elements equal to XLA's: sum orders alone differ
+    assert by_name["step_gelu"].args == by_name["step"].args + ("--model.gelu_grad=pallas",)
 
 
 def test_the_ab_stages_differ_in_their_xla_flags_alone(tmp_path):

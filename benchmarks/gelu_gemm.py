@@ -1,0 +1,110 @@
+"""c_proj's dx gemm with GELU's backward in its epilogue (jaxtrain/gelu_gemm.py) alone, against XLA's two kernels for
+the same math, on GPT-2 124M's shapes: each one's time, and the gemm alone as what the epilogue may add to.
+
+    python -m benchmarks.gelu_gemm [--rows 16384] [--d 768] [--tiles 128x128x4x8,128x64x4x8] [--iters 50]
+
+A tile setting is the kernel's m x n (one consumer warpgroup's output tile; the CTA's is m x 2n), pipeline stages
+and planar-snake width (gelu_gemm.Tiles). Inputs as in the step: the output's gradient g (rows, d) and w^T (d, 4d)
+in bf16, pre (rows, 4d) in bf16 spread as GPT-2's c_fc outputs are. Each kernel's result is compared with XLA's
+(elements equal, and the largest difference in bf16 roundings of XLA's value), so a setting that is fast and wrong
+shows. The forward pass does not change: only this part of the backward. Off a GPU the kernel runs in Mosaic GPU's
+interpreter: very slow, for a few rows only.
+"""
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.norm_kernels import timed
+from jaxtrain import autocast, gelu_gemm
+from jaxtrain.cmdline import positive_int
+from jaxtrain.errors import UserError, exit_on_user_error
+
+LOW = jnp.bfloat16
+
+
+def xla_gelu_grad(g, w_t, pre):
+    """model.MLP's backward as XLA writes it: the dx gemm rounded to bf16, then GELU's backward, two kernels."""
+    return autocast.gelu_grad(pre, gemm_alone(g, w_t, pre))
+
+
+def gemm_alone(g, w_t, pre):
+    """The dx gemm, its fp32 sums rounded once to bf16 (on a GPU by the gemm: autocast.rounded_matmul)."""
+    return autocast.rounded_matmul(g, w_t, "bf16")
+
+
+def parse_tiles(text: str) -> list[gelu_gemm.Tiles]:
+    """'128x128x4x8,128x64x3x8' -> Tiles (m, n, stages, snake), each a multiple of 64 where a tile is."""
+    try:
+        tiles = [gelu_gemm.Tiles(m=m, n=n, stages=s, snake=w) for m, n, s, w in
+                 (map(int, t.split("x")) for t in text.split(","))]
+    except ValueError:
+        tiles = []
+    if not tiles or any(t.m % 64 or t.n % 64 or t.stages < 1 or t.snake < 1 for t in tiles):
+        raise UserError(f"--tiles {text!r}: give m x n x stages x snake, m and n multiples of 64, comma-separated, "
+                        f"e.g. --tiles 128x128x4x8")
+    return tiles
+
+
+def inputs(rows: int, d: int):
+    keys = jax.random.split(jax.random.key(0), 3)
+    return (jax.random.normal(keys[0], (rows, d), jnp.float32).astype(LOW),
+            (0.02 * jax.random.normal(keys[1], (d, 4 * d), jnp.float32)).astype(LOW),
+            jax.random.normal(keys[2], (rows, 4 * d), jnp.float32).astype(LOW))
+
+
+def agreement(got, want) -> str:
+    """'elements equal %, largest difference in bf16 roundings of want'."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    ulps = np.abs(got - want) / 2.0 ** (np.floor(np.log2(np.abs(want) + 1e-30)) - 7)
+    return f"{100 * np.mean(got == want):.3f} | {ulps.max():.1f}"
+
+
+def table(rows: int, d: int, settings: list[gelu_gemm.Tiles], iters: int) -> str:
+    args = inputs(rows, d)
+    options = autocast.rounding_options(jax.default_backend())  # as the step compiles
+    flops = 2 * rows * d * 4 * d
+    want = jax.jit(xla_gelu_grad, compiler_options=options)(*args)
+    lines = [f"{jax.devices()[0].device_kind}, jax {jax.__version__}; g ({rows}, {d}) @ w^T ({d}, {4 * d}), then "
+             f"GELU's backward with pre ({rows}, {4 * d}), bf16; best of 3 runs of {iters} calls", "",
+             "| what | us | TFLOP/s of the gemm | elements equal to XLA's % | most bf16 roundings apart |",
+             "|---|---|---|---|---|"]
+    rate = lambda s: f"{s * 1e6:,.0f} | {flops / s / 1e12:,.0f}"
+    lines.append(f"| the gemm alone (XLA) | {rate(timed(jax.jit(gemm_alone, compiler_options=options), args, iters))}"
+                 f" | - | - |")
+    xla = jax.jit(xla_gelu_grad, compiler_options=options)
+    lines.append(f"| XLA: the gemm, then GELU's backward | {rate(timed(xla, args, iters))} | 100.000 | 0.0 |")
+    for tiles in settings:
+        kernel = jax.jit(lambda g, w_t, pre, tiles=tiles: gelu_gemm.gelu_grad_matmul(g, w_t, pre, tiles))
+        try:
+            seconds, got = timed(kernel, args, iters), kernel(*args)
+        except Exception as e:  # a setting Mosaic GPU refuses (shared memory, registers): say so, try the next
+            lines.append(f"| kernel {tiles} | refused: {str(e).splitlines()[0][:120]} | | | |")
+            continue
+        lines.append(f"| kernel {tiles.m}x{tiles.n}, {tiles.stages} stages, snake {tiles.snake} | {rate(seconds)} | "
+                     f"{agreement(got, want)} |")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gelu_gemm", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=positive_int, default=16384,
+                    help="tokens of a micro-batch on one GPU (16 x 1024: the profile's batch 64 in 4)")
+    ap.add_argument("--d", type=positive_int, default=768, help="the model's width (c_proj's output)")
+    ap.add_argument("--tiles", default="128x128x4x8,128x128x3x8,128x128x4x4,128x128x4x16,128x64x4x8",
+                    help="kernel settings m x n x stages x snake, comma-separated (the first is Tiles()' default)")
+    ap.add_argument("--iters", type=positive_int, default=50)
+    return ap
+
+
+def main(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    print(table(args.rows, args.d, parse_tiles(args.tiles), args.iters))
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(sys.argv[1:])
