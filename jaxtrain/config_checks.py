@@ -170,16 +170,23 @@ def _check_vocab_tiles(cfg) -> None:
 
 
 def _check_gelu_grad(cfg) -> None:
-    """model.gelu_grad=pallas's kernel multiplies bf16 or fp16 operands (wgmma) in tiles of GELU_GEMM_TILE along
-    d_model; each device's rows of a micro-batch are checked where the devices are known (gelu_gemm)."""
+    """model.gelu_grad=pallas's kernel is written for Hopper GPUs (a dry run compiling for another one would say it
+    fits) and multiplies bf16 or fp16 operands (wgmma) in tiles of GELU_GEMM_TILE along d_model and the tokens; each
+    device's tokens of a micro-batch are checked where the devices are known (gelu_gemm)."""
     if cfg.model.gelu_grad != "pallas":
         return
     if cfg.train.precision == "fp32":
         raise UserError("model.gelu_grad=pallas is a bf16 or fp16 kernel; under train.precision=fp32 use "
                         "model.gelu_grad=xla")
-    if cfg.model.d_model % GELU_GEMM_TILE:
-        raise UserError(f"model.gelu_grad=pallas needs model.d_model to be a multiple of {GELU_GEMM_TILE} (its "
-                        f"kernel's tiles), got {cfg.model.d_model}; use model.gelu_grad=xla")
+    if cfg.run.target_device not in (None, "h100", "h200"):
+        raise UserError(f"model.gelu_grad=pallas is a kernel for Hopper GPUs (h100, h200), not "
+                        f"run.target_device={cfg.run.target_device}; use model.gelu_grad=xla")
+    for key, size in {"model.d_model": cfg.model.d_model,
+                      "a micro-batch's tokens (data.batch_size / optim.grad_accum_steps x model.seq_len)":
+                          cfg.micro_batch_size * cfg.model.seq_len}.items():
+        if size % GELU_GEMM_TILE:
+            raise UserError(f"model.gelu_grad=pallas needs {key} to be a multiple of {GELU_GEMM_TILE} (its kernel's "
+                            f"tiles), got {size}; use model.gelu_grad=xla")
 
 
 def _check_optional(cfg) -> None:

@@ -65,6 +65,8 @@ def tiles_for(m: int, k: int, n: int, base: Tiles = Tiles()) -> Tiles | None:
 
 
 def _kernel(g_gmem, w_gmem, pre_gmem, out_gmem, t: Tiles):
+    """jax's hopper_matmul_mgpu.kernel with this file's epilogue, lowered in Mosaic GPU's Lane semantics, not its
+    Warpgroup one as jax's: the Warpgroup lowering of jax 0.10.2 has no layout rule for erf (GELU's gradient)."""
     m, k = g_gmem.shape
     n = w_gmem.shape[1]
     low = g_gmem.dtype
@@ -135,6 +137,9 @@ def _epilogue_tile(dh, pre_gmem, out_gmem, i: int, j: int, smem, arrived):
 def gelu_grad_matmul(g, w_t, pre, tiles: Tiles = Tiles()):
     """autocast.gelu_grad(pre, g @ w_t): (m, k) @ (k, n) in the compute dtype, accumulated in fp32 and rounded once,
     then GELU's backward with pre (m, n); one kernel, each device on its own rows under a mesh."""
+    if not g.dtype == w_t.dtype == pre.dtype:
+        raise TypeError(f"gelu_grad_matmul takes g, w_t and pre in one compute dtype, got {g.dtype}, {w_t.dtype}, "
+                        f"{pre.dtype}")
     _check_device()
     rows = g.shape[0] // mesh.batch_shards()
     fitted = tiles_for(rows, w_t.shape[0], w_t.shape[1], tiles)
@@ -147,7 +152,7 @@ def gelu_grad_matmul(g, w_t, pre, tiles: Tiles = Tiles()):
     on_gpu = autocast.backend() == "gpu"
     call = plgpu.kernel(functools.partial(_kernel, t=fitted), **{OUT_TYPE: out},
                         grid=(min(_sm_count(), output_tiles) if on_gpu else 1,), grid_names=("sm",), num_threads=3,
-                        thread_name="wg", compiler_params=plgpu.CompilerParams(),
+                        thread_name="wg", compiler_params=plgpu.CompilerParams(),  # Lane: see _kernel
                         interpret=None if on_gpu else _interpreter())
     on_rows = mesh.on_each_devices_rows(lambda g, pre, w_t: (call(g, w_t, pre),), 2, 1, 1)
     return on_rows(g, pre, w_t)[0]
@@ -155,15 +160,20 @@ def gelu_grad_matmul(g, w_t, pre, tiles: Tiles = Tiles()):
 
 def _check_device() -> None:
     """The kernel runs on Hopper GPUs, or in the interpreter on one CPU device (under shard_map over several, the
-    interpreter's simulated threads wait on each other forever); not on a TPU or another GPU."""
-    if autocast.backend() == "tpu" or (jax.default_backend() == "gpu" and
-                                       jax.devices()[0].compute_capability != HOPPER):
+    interpreter's simulated threads wait on each other forever); not on a TPU or another GPU. An ahead-of-time
+    compile names its GPU in the config (config_checks: run.target_device)."""
+    if autocast.backend() == "tpu" or (autocast.backend() == "gpu" and not on_hopper_or_off_gpu()):
         kind = "TPU" if autocast.backend() == "tpu" else jax.devices()[0].device_kind
         raise UserError(f"model.gelu_grad=pallas is a kernel for Hopper GPUs (compute capability {HOPPER}: H100, "
                         f"H200), not this {kind}; use model.gelu_grad=xla")
     if autocast.backend() == "cpu" and mesh.batch_shards() > 1:
         raise UserError(f"model.gelu_grad=pallas runs off a GPU in Mosaic GPU's interpreter, on one device only, "
                         f"not on this mesh of {mesh.batch_shards()}; use model.gelu_grad=xla here")
+
+
+def on_hopper_or_off_gpu() -> bool:
+    """Whether this process's devices are Hopper GPUs, or no GPU (an ahead-of-time compile, the interpreter)."""
+    return jax.default_backend() != "gpu" or jax.devices()[0].compute_capability == HOPPER
 
 
 def _sm_count() -> int:
@@ -203,6 +213,8 @@ def _gelu_linear_bwd(precision, saved, g):
     pre, w, linear_vjp = saved
     _, g_w, g_b = linear_vjp(g)  # its gradient of gelu(pre) goes unused: XLA drops that gemm
     rows = lambda t: t.reshape(-1, t.shape[-1])  # the batch split stays on the rows
+    # w^T as an array of its own (an XLA transpose of the bf16 weight): the kernel could read w transposed in shared
+    # memory (plgpu.transpose_ref), but Mosaic GPU's interpreter, where the tests run it, ignores that transpose
     g_pre = gelu_grad_matmul(rows(g.astype(pre.dtype)), w.astype(pre.dtype).T, rows(pre))
     return g_pre.reshape(pre.shape), g_w, g_b
 

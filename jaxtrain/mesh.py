@@ -208,7 +208,7 @@ def weight_shards() -> int:
 def on_each_devices_rows(call, row_inputs: int, whole_inputs: int, outputs: int):
     """`call` (a hand-written kernel: its row inputs first, then whole ones) run by each device on its own rows of
     the batch split (batch_axes), every whole input whole on each; the row outputs of all devices concatenated.
-    As it is outside a mesh. check_vma=False: a pallas_call's outputs carry no varying-axes type to check."""
+    Outside a mesh, `call` itself. check_vma=False: a pallas_call's outputs carry no varying-axes type to check."""
     axes = batch_axes()
     if not axes:
         return call

@@ -14,9 +14,11 @@ from flax import nnx
 from jaxtrain import autocast, config, gelu_gemm, model
 from jaxtrain.errors import UserError
 
-# Off a GPU the kernel runs in Mosaic GPU's interpreter, which jax 0.9's cannot run it in (the floors' jax)
-runs_here = pytest.mark.skipif(jax.default_backend() != "gpu" and not gelu_gemm.interpreter_available(),
-                               reason="no GPU, and this jax's Mosaic GPU interpreter cannot run the kernel")
+# The kernel runs on a Hopper GPU, or off a GPU in Mosaic GPU's interpreter, which jax 0.9's cannot run it in (the
+# floors' jax)
+runs_here = pytest.mark.skipif(not gelu_gemm.on_hopper_or_off_gpu() or (
+    jax.default_backend() != "gpu" and not gelu_gemm.interpreter_available()),
+    reason="no Hopper GPU, and no Mosaic GPU interpreter in this jax that runs the kernel")
 
 
 def _bf16_ulp(values):
@@ -32,16 +34,25 @@ def _float64_gelu_grad(pre, dh):
     return np.asarray(dh, np.float64) * (cdf + x * phi)
 
 
+ON_GPU_ONLY = pytest.mark.skipif(jax.default_backend() != "gpu", reason="no GPU: the interpreter runs one program "
+                                 "(a GPU's 132 SMs each loop over several tiles), slowly: minutes at this size")
+
+
 @runs_here
 @pytest.mark.parametrize("m,k,n,tiles", [(128, 128, 256, gelu_gemm.Tiles(m=64, n=64, k=64, stages=2)),
-                                         (128, 128, 512, gelu_gemm.Tiles())])
+                                         (128, 128, 512, gelu_gemm.Tiles()),
+                                         (128, 256, 256, gelu_gemm.Tiles(m=64, n=64, k=64, stages=2)),
+                                         pytest.param(4096, 512, 4096, gelu_gemm.Tiles(), marks=ON_GPU_ONLY)])
 def test_the_kernel_is_gelus_gradient_of_the_product_rounded_once(m, k, n, tiles):
     """Small-integer operands, so that the fp32 product is exact in any sum order: the kernel's result is the
     product rounded once to bf16, times gelu'(pre) in float64, rounded to bf16 (half a spacing), give or take the
     fp32 formula's own error: below x = -3 its Phi(x) + x phi(x) cancels, so that error is absolute, a few fp32
     roundings of terms near 1 + |x| (2^-22 (1 + |x|) |dh|: 4 of them; autocast.gelu's docstring). The product left
     unrounded would be up to half a spacing of dh further. Several output tiles along m and n, two k steps; with the
-    default tiles, two epilogue tiles each way, which alternate their shared-memory slots."""
+    default tiles, two epilogue tiles each way, which alternate their shared-memory slots; four k steps through a
+    pipeline of two stages (its buffers reused); on a GPU, 512 output tiles over its SMs (each loops over several,
+    reusing its slots and barriers) and 8 k steps through 4 stages. Mosaic GPU's interpreter runs each TMA copy at
+    once, so only the GPU's run can show a missing wait."""
     rng = np.random.default_rng(0)
     g = rng.integers(-4, 5, (m, k)).astype(ml_dtypes.bfloat16)
     w_t = rng.integers(-4, 5, (k, n)).astype(ml_dtypes.bfloat16)
@@ -62,9 +73,9 @@ def test_the_tiles_shrink_to_what_divides_the_gemm(m, k, n, want):
     assert gelu_gemm.tiles_for(m, k, n) == want
 
 
-def _loss_and_grads(gelu_grad: str, precision: str, mesh=None):
+def _loss_and_grads(gelu_grad: str, precision: str, mesh=None, remat: str = "none"):
     cfg = config.load(["--config", "configs/tiny.yaml", "--model.n_layer=2", f"--model.gelu_grad={gelu_grad}",
-                       f"--train.precision={precision}"]).model
+                       f"--train.precision={precision}", f"--model.remat={remat}"]).model
     graphdef, params = model.init_params(cfg, vocab_size=64, precision=precision, seed=0)
     idx = jax.random.randint(jax.random.key(0), (2, 64), 0, 64)
 
@@ -91,9 +102,10 @@ def _assert_same_model(got, want):
 
 
 @runs_here
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_the_model_with_the_kernel_is_the_model_without(precision):
-    _assert_same_model(_loss_and_grads("pallas", precision), _loss_and_grads("xla", precision))
+@pytest.mark.parametrize("precision,remat", [("bf16", "none"), ("fp16", "none"), ("bf16", "full"), ("bf16", "dots")])
+def test_the_model_with_the_kernel_is_the_model_without(precision, remat):
+    """Under rematerialisation too: the custom_vjp's residuals (pre, and linear's own VJP) recomputed or kept."""
+    _assert_same_model(_loss_and_grads("pallas", precision, remat=remat), _loss_and_grads("xla", precision))
 
 
 @runs_here
@@ -106,7 +118,9 @@ def test_the_kernel_runs_inside_a_one_device_mesh():
 @pytest.mark.parametrize("overrides,named", [
     (["--train.precision=fp32"], "under train.precision=fp32 use model.gelu_grad=xla"),
     (["--model.d_model=96", "--model.n_head=4"],
-     r"model.d_model to be a multiple of 64 \(its kernel's tiles\), got 96")])
+     r"model.d_model to be a multiple of 64 \(its kernel's tiles\), got 96"),
+    (["--data.batch_size=1", "--model.seq_len=100"], r"a micro-batch's tokens .* to be a multiple of 64 .*got 100"),
+    (["--run.target_device=a100-80gb"], "a kernel for Hopper GPUs \\(h100, h200\\), not run.target_device=a100")])
 def test_a_config_the_kernel_cannot_run_is_refused(overrides, named):
     with pytest.raises(UserError, match=named):
         config.load(["--config", "configs/tiny.yaml", "--model.gelu_grad=pallas", *overrides])
@@ -118,7 +132,9 @@ def _kernel_grad(rows: int):
     return jax.grad(lambda p: gelu_gemm.gelu_linear(p, w, None, "bf16").astype(jnp.float32).sum())(pre)
 
 
+@runs_here
 def test_rows_the_kernel_cannot_tile_are_refused_when_traced():
+    """Each device's tokens (the config checks the micro-batch's: a mesh splits it)."""
     with pytest.raises(UserError, match=r"tokens of a micro-batch .* here 96\) to be a multiple of 64"):
         _kernel_grad(96)
 
