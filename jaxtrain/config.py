@@ -195,14 +195,17 @@ class Config:
 
     @property
     def warmup_init_lr(self) -> float:
-        if self.optim.warmup_init_lr is not None:
-            return self.optim.warmup_init_lr
-        return self.optim.lr / (self.optim.warmup_steps + 1)
+        return warmup_init_lr(self.optim.warmup_init_lr, self.optim.lr, self.optim.warmup_steps)
 
 
 def decay_steps(given: int | None, train_steps: int) -> int:
     """optim.decay_steps in effect: as given, else train.steps."""
     return given if given is not None else train_steps
+
+
+def warmup_init_lr(given: float | None, lr: float, warmup_steps: int) -> float:
+    """optim.warmup_init_lr in effect: as given, else lr / (warmup_steps + 1), nanoGPT's first step."""
+    return given if given is not None else lr / (warmup_steps + 1)
 
 
 def load(argv: list[str]) -> Config:

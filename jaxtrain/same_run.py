@@ -50,6 +50,7 @@ def check(saved: dict, cfg: Config, where: str, step: int, backend: str) -> Conf
     and later checkpoints record (a stray one recorded would make a later --run.fresh=true start from it)."""
     started_from = saved.get("init", {}).get("from")
     saved, current = _trajectory({**_flat(Config()), **_flatten(saved)}), _trajectory(_flat(cfg))
+    _warmup_start_given_on_one_side(saved, current)
     if saved != current:
         raise UserError(f"the config differs from the one that wrote {where} ({_changes(saved, current, cfg)}); "
                         f"{_ways_on(saved, current, cfg, step, backend)}")
@@ -58,6 +59,16 @@ def check(saved: dict, cfg: Config, where: str, step: int, backend: str) -> Conf
         print(f"warning: init.from={cfg.init.from_!r} is not read: the run resumes from {where} (init.from starts a "
               f"run; this one started {began}, which its config.yaml keeps)", file=sys.stderr)
     return dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, from_=started_from))
+
+
+def _warmup_start_given_on_one_side(saved: dict, current: dict) -> None:
+    """Where one side leaves optim.warmup_init_lr null and the other gives it, the null as the value it stands for
+    (lr / (warmup_steps + 1)): a resume that writes out the default is the same run. Both null stay null, so that a
+    change of lr alone is named as that. Not in _trajectory: the config hash keeps hashing what the config says."""
+    key = "optim.warmup_init_lr"
+    if key in saved and key in current and (saved[key] is None) != (current[key] is None):
+        for side in (saved, current):
+            side[key] = config.warmup_init_lr(side[key], side["optim.lr"], side["optim.warmup_steps"])
 
 
 def _changes(saved: dict, current: dict, cfg: Config) -> str:

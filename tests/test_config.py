@@ -390,6 +390,10 @@ def test_a_run_whose_decay_followed_train_steps_extends_with_that_decay_length(y
     (["--optim.schedule=cosine"], ["--optim.schedule=cosine", "--optim.cycles=3"], True),
     (["--optim.schedule=cosine_with_restarts"], ["--optim.schedule=cosine_with_restarts", "--optim.cycles=3"], False),
     (["--optim.warmup_steps=1"], ["--optim.warmup_steps=1", "--optim.warmup_init_lr=0.0004"], False),
+    # the warmup's start given as the value its default stands for, lr / (warmup_steps + 1), either way round
+    (["--optim.lr=3e-3"], ["--optim.lr=3e-3", "--optim.warmup_init_lr=0.001"], True),
+    (["--optim.lr=3e-3", "--optim.warmup_init_lr=0.001"], ["--optim.lr=3e-3"], True),
+    (["--optim.lr=3e-3"], ["--optim.lr=3e-3", "--optim.warmup_init_lr=0.0011"], False),
     # loss scaling acts under fp16 only
     (["--train.precision=bf16"], ["--train.precision=bf16", "--train.loss_scale_init=1024"], True),
     (["--train.precision=fp16"], ["--train.precision=fp16", "--train.loss_scale_init=1024"], False),
