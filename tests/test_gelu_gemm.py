@@ -13,17 +13,13 @@ from flax import nnx
 
 from jaxtrain import autocast, config, gelu_gemm, model
 from jaxtrain.errors import UserError
+from test_fused_norm import _ulp_bf16
 
 # The kernel runs on a Hopper GPU, or off a GPU in Mosaic GPU's interpreter, which jax 0.9's cannot run it in (the
 # floors' jax)
 runs_here = pytest.mark.skipif(not gelu_gemm.on_hopper_or_off_gpu() or (
     jax.default_backend() != "gpu" and not gelu_gemm.interpreter_available()),
     reason="no Hopper GPU, and no Mosaic GPU interpreter in this jax that runs the kernel")
-
-
-def _bf16_ulp(values):
-    """bf16's spacing at each value (float64 array): 2^(exponent - 7)."""
-    return 2.0 ** (np.floor(np.log2(np.abs(values) + 1e-30)) - 7)
 
 
 def _float64_gelu_grad(pre, dh):
@@ -60,7 +56,7 @@ def test_the_kernel_is_gelus_gradient_of_the_product_rounded_once(m, k, n, tiles
     dh = (g.astype(np.float64) @ w_t.astype(np.float64)).astype(ml_dtypes.bfloat16)  # exact, then rounded once
     want = _float64_gelu_grad(pre, dh)
     got = np.asarray(jax.jit(gelu_gemm.gelu_grad_matmul, static_argnums=3)(g, w_t, pre, tiles), np.float64)
-    bound = _bf16_ulp(want) / 2 + 2.0**-22 * (1 + np.abs(pre.astype(np.float64))) * np.abs(dh.astype(np.float64))
+    bound = _ulp_bf16(want) / 2 + 2.0**-22 * (1 + np.abs(pre.astype(np.float64))) * np.abs(dh.astype(np.float64))
     assert np.all(np.abs(got - want) <= bound), np.argwhere(np.abs(got - want) > bound)[:5]
 
 
