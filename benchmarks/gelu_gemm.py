@@ -4,7 +4,7 @@ the same math, on GPT-2 124M's shapes: each one's time, and the gemm alone as wh
     python -m benchmarks.gelu_gemm [--rows 16384] [--d 768] [--tiles 128x128x4x8,128x64x4x8] [--iters 50]
 
 A tile setting is the kernel's m x n (one consumer warpgroup's output tile; the CTA's is m x 2n), pipeline stages
-and planar-snake width (gelu_gemm.Tiles). Inputs as in the step: the output's gradient g (rows, d) and w^T (d, 4d)
+and planar-snake width (hopper_gemm.Tiles). Inputs as in the step: the output's gradient g (rows, d) and w^T (d, 4d)
 in bf16, pre (rows, 4d) in bf16 spread as GPT-2's c_fc outputs are. Each kernel's result is compared with XLA's
 (elements equal, and elements further than a rounding: SPACINGS_APART), so a setting that is fast and wrong
 shows, and fails the command (exit 1) as a setting Mosaic GPU refuses does. The forward pass does not change: only
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.norm_kernels import timed
-from jaxtrain import autocast, gelu_gemm
+from jaxtrain import autocast, gelu_gemm, hopper_gemm
 from jaxtrain.cmdline import positive_int
 from jaxtrain.errors import UserError, exit_on_user_error
 
@@ -49,10 +49,10 @@ def gemm_alone(g, w_t, pre):
     return autocast.rounded_matmul(g, w_t, "bf16")
 
 
-def parse_tiles(text: str) -> list[gelu_gemm.Tiles]:
+def parse_tiles(text: str) -> list[hopper_gemm.Tiles]:
     """'128x128x4x8,128x64x3x8' -> Tiles (m, n, stages, snake), each a multiple of 64 where a tile is."""
     try:
-        tiles = [gelu_gemm.Tiles(m=m, n=n, stages=s, snake=w) for m, n, s, w in
+        tiles = [hopper_gemm.Tiles(m=m, n=n, stages=s, snake=w) for m, n, s, w in
                  (map(int, t.split("x")) for t in text.split(","))]
     except ValueError:
         tiles = []
@@ -69,7 +69,7 @@ def inputs(rows: int, d: int):
             jax.random.normal(keys[2], (rows, 4 * d), jnp.float32).astype(LOW))
 
 
-def table(rows: int, d: int, settings: list[gelu_gemm.Tiles], iters: int) -> str:
+def table(rows: int, d: int, settings: list[hopper_gemm.Tiles], iters: int) -> str:
     args = inputs(rows, d)
     options = autocast.rounding_options(jax.default_backend())  # as the step compiles
     flops = 2 * rows * d * 4 * d
@@ -84,44 +84,64 @@ def table(rows: int, d: int, settings: list[gelu_gemm.Tiles], iters: int) -> str
                  f" | - | - |")
     xla = jax.jit(xla_gelu_grad, compiler_options=options)
     lines.append(f"| XLA: the gemm, then GELU's backward | {rate(timed(xla, args, iters))} | 100.000 | 0 |")
-    failed = []
+    rows, failed = kernel_rows(
+        settings, lambda tiles: lambda g, w_t, pre: gelu_gemm.gelu_grad_matmul(g, w_t, pre, tiles), args, iters, rate,
+        lambda got: (f"{100 * float(jnp.mean(got == want)):.3f} | {beyond_rounding(got, want, args[2], dh)}",
+                     beyond_rounding(got, want, args[2], dh) > 0))
+    return "\n".join(lines + rows), failed
+
+
+def kernel_rows(settings, kernel_for, args, iters: int, rate, check) -> tuple[list[str], list[str]]:
+    """A table row per tile setting: the jitted kernel_for(tiles)'s time (`rate`) and check(its result) -> (the
+    row's other cells, whether it is wrong); a setting Mosaic GPU refuses (shared memory, registers) is a row saying
+    so. The rows, and the names of the settings refused or wrong. Also benchmarks.head_lse's."""
+    lines, failed = [], []
     for tiles in settings:
         name = f"kernel {tiles.m}x{tiles.n}, {tiles.stages} stages, snake {tiles.snake}"
-        kernel = jax.jit(lambda g, w_t, pre, tiles=tiles: gelu_gemm.gelu_grad_matmul(g, w_t, pre, tiles))
+        kernel = jax.jit(kernel_for(tiles))
         try:
             seconds, got = timed(kernel, args, iters), kernel(*args)
         except UserError:
             raise
-        except Exception as e:  # a setting Mosaic GPU refuses (shared memory, registers): say so, try the next
-            lines.append(f"| {name} | refused: {str(e).splitlines()[0][:120]} | | | |")
+        except Exception as e:
+            lines.append(f"| {name} | refused: {str(e).splitlines()[0][:120]} |")
             failed.append(name)
             continue
-        beyond = beyond_rounding(got, want, args[2], dh)
-        lines.append(f"| {name} | {rate(seconds)} | {100 * float(jnp.mean(got == want)):.3f} | {beyond} |")
-        if beyond:
+        cells, wrong = check(got)
+        lines.append(f"| {name} | {rate(seconds)} | {cells} |")
+        if wrong:
             failed.append(name)
-    return "\n".join(lines), failed
+    return lines, failed
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gelu_gemm", description=__doc__.splitlines()[0])
+def kernel_parser(prog: str, doc: str, d_help: str, tiles: str, iters: int) -> argparse.ArgumentParser:
+    """The flags both kernels' benchmarks take: one GPU's rows, the model's width, tile settings, calls timed."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     ap.add_argument("--rows", type=positive_int, default=16384,
                     help="tokens of a micro-batch on one GPU (16 x 1024: the profile's batch 64 in 4)")
-    ap.add_argument("--d", type=positive_int, default=768, help="the model's width (c_proj's output)")
-    ap.add_argument("--tiles", default="128x128x4x8,128x128x3x8,128x128x4x4,128x128x4x16,128x64x4x8",
-                    help="kernel settings m x n x stages x snake, comma-separated (the first is Tiles()' default)")
-    ap.add_argument("--iters", type=positive_int, default=50)
+    ap.add_argument("--d", type=positive_int, default=768, help=d_help)
+    ap.add_argument("--tiles", default=tiles,
+                    help="kernel settings m x n x stages x snake, comma-separated (the first is the kernel's default)")
+    ap.add_argument("--iters", type=positive_int, default=iters)
     return ap
 
 
-def main(argv: list[str]) -> None:
-    args = parser().parse_args(argv)
-    text, failed = table(args.rows, args.d, parse_tiles(args.tiles), args.iters)
+def report(text: str, failed: list[str]) -> None:
+    """The table; exit 1 naming the settings refused or wrong."""
     print(text)
     if failed:
         print(f"failed: {'; '.join(failed)} (refused, or further from XLA's result than a rounding)", file=sys.stderr)
         sys.exit(1)
 
+
+def parser() -> argparse.ArgumentParser:
+    return kernel_parser("python -m benchmarks.gelu_gemm", __doc__, "the model's width (c_proj's output)",
+                         "128x128x4x8,128x128x3x8,128x128x4x4,128x128x4x16,128x64x4x8", 50)
+
+
+def main(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    report(*table(args.rows, args.d, parse_tiles(args.tiles), args.iters))
 
 if __name__ == "__main__":
     with exit_on_user_error():

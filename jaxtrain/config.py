@@ -70,6 +70,11 @@ class ModelConfig:
     # d_model a multiple of 64; off a GPU through Mosaic GPU's interpreter: slow), not yet measured on a GPU, so not
     # the default
     gelu_grad: Literal["xla", "pallas"] = "xla"
+    # the loss's logsumexp over the logits: xla: a pass of its own that reads them back (loss.logsumexp); pallas: in
+    # the head gemm's epilogue, one hand-written Hopper kernel (head_lse.py; bf16 or fp16, d_model a multiple of 64,
+    # the vocabulary of 128, model.vocab_tiles=1; off a GPU through Mosaic GPU's interpreter: slow), not yet measured
+    # on a GPU, so not the default
+    head_lse: Literal["xla", "pallas"] = "xla"
     # recompute each block's activations in the backward pass instead of keeping them: full keeps only each block's
     # input; dots keeps the outputs of its weight matmuls too (less memory than none, less recompute than full)
     remat: Literal["none", "full", "dots"] = "none"

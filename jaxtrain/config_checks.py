@@ -23,8 +23,8 @@ DECAYING_SCHEDULES = ("cosine", "linear", "cosine_with_restarts")
 # optax, MultiSteps and the train state count steps in int32: a larger count would wrap around.
 INT32_MAX = 2**31 - 1
 FLOAT32_SMALLEST_NORMAL = 2.0**-126
-# gelu_gemm's kernel tiles its gemm in multiples of this many rows, columns and k (its epilogue's tiles)
-GELU_GEMM_TILE = 64
+# hopper_gemm's kernels tile their gemm in multiples of this many rows, columns and k (their epilogue's tiles)
+HOPPER_GEMM_TILE = 64
 
 
 def validate(cfg) -> None:
@@ -42,7 +42,7 @@ def validate(cfg) -> None:
                         f"{cfg.optim.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a "
                         f"multiple")
     _check_vocab_tiles(cfg)
-    _check_gelu_grad(cfg)
+    _check_hopper_kernels(cfg)
     _check_places(cfg)
 
 
@@ -169,24 +169,32 @@ def _check_vocab_tiles(cfg) -> None:
                         f"size / optim.grad_accum_steps x model.seq_len); choose a divisor, e.g. {math.gcd(tokens, tiles)}")
 
 
-def _check_gelu_grad(cfg) -> None:
-    """model.gelu_grad=pallas's kernel is written for Hopper GPUs (a dry run compiling for another one would say it
-    fits) and multiplies bf16 or fp16 operands (wgmma) in tiles of GELU_GEMM_TILE along d_model and the tokens; each
-    device's tokens of a micro-batch are checked where the devices are known (gelu_gemm)."""
-    if cfg.model.gelu_grad != "pallas":
-        return
-    if cfg.train.precision == "fp32":
-        raise UserError("model.gelu_grad=pallas is a bf16 or fp16 kernel; under train.precision=fp32 use "
-                        "model.gelu_grad=xla")
-    if cfg.run.target_device not in (None, "h100", "h200"):
-        raise UserError(f"model.gelu_grad=pallas is a kernel for Hopper GPUs (h100, h200), not "
-                        f"run.target_device={cfg.run.target_device}; use model.gelu_grad=xla")
-    for key, size in {"model.d_model": cfg.model.d_model,
-                      "a micro-batch's tokens (data.batch_size / optim.grad_accum_steps x model.seq_len)":
-                          cfg.micro_batch_size * cfg.model.seq_len}.items():
-        if size % GELU_GEMM_TILE:
-            raise UserError(f"model.gelu_grad=pallas needs {key} to be a multiple of {GELU_GEMM_TILE} (its kernel's "
-                            f"tiles), got {size}; use model.gelu_grad=xla")
+def _check_hopper_kernels(cfg) -> None:
+    """model.gelu_grad=pallas's and model.head_lse=pallas's kernels are written for Hopper GPUs (a dry run compiling
+    for another one would say it fits) and multiply bf16 or fp16 operands (wgmma) in tiles of HOPPER_GEMM_TILE rows,
+    columns and k: d_model and the tokens, and the head's n, the vocabulary, in two tiles' columns (hopper_gemm).
+    Each device's tokens of a micro-batch are checked where the devices are known (the kernels), and a vocabulary
+    taken from the data where it is (head_lse)."""
+    for key in [k for k, value in {"model.gelu_grad": cfg.model.gelu_grad,
+                                   "model.head_lse": cfg.model.head_lse}.items() if value == "pallas"]:
+        if cfg.train.precision == "fp32":
+            raise UserError(f"{key}=pallas is a bf16 or fp16 kernel; under train.precision=fp32 use {key}=xla")
+        if cfg.run.target_device not in (None, "h100", "h200"):
+            raise UserError(f"{key}=pallas is a kernel for Hopper GPUs (h100, h200), not "
+                            f"run.target_device={cfg.run.target_device}; use {key}=xla")
+        sizes = {"model.d_model": (cfg.model.d_model, HOPPER_GEMM_TILE),
+                 "a micro-batch's tokens (data.batch_size / optim.grad_accum_steps x model.seq_len)":
+                     (cfg.micro_batch_size * cfg.model.seq_len, HOPPER_GEMM_TILE)}
+        if key == "model.head_lse" and cfg.model.vocab_size is not None:
+            sizes["model.vocab_size"] = (cfg.model.vocab_size, 2 * HOPPER_GEMM_TILE)
+        for name, (size, tile) in sizes.items():
+            if size % tile:
+                raise UserError(f"{key}=pallas needs {name} to be a multiple of {tile} (its kernel's tiles), got "
+                                f"{size}; use {key}=xla")
+    if cfg.model.head_lse == "pallas" and cfg.model.vocab_tiles > 1:
+        raise UserError(f"model.head_lse=pallas computes the whole logits, which model.vocab_tiles="
+                        f"{cfg.model.vocab_tiles} never forms; use one of the two (model.vocab_tiles=1 or "
+                        f"model.head_lse=xla)")
 
 
 def _check_optional(cfg) -> None:

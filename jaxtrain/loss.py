@@ -38,11 +38,16 @@ def _token_ce_fwd(logits_BxTxV, labels_BxT):
 
 
 def _token_ce_bwd(residuals, g_BxT):
-    logits_BxTxV, labels_BxT, lse_BxT = residuals
+    return token_ce_grad(*residuals, g_BxT), None
+
+
+def token_ce_grad(logits_BxTxV, labels_BxT, lse_BxT, g_BxT):
+    """The logits' gradient of token_ce given each token's logsumexp of them: (softmax - one_hot) x g in fp32,
+    rounded once to the logits' dtype (also head_lse.py's, whose logsumexp a kernel computes)."""
     probs = jnp.exp(logits_BxTxV.astype(jnp.float32) - lse_BxT[..., None])
     vocab_axis = logits_BxTxV.ndim - 1  # 1 for a tile's (tokens, V)
     one_hot = jax.lax.broadcasted_iota(labels_BxT.dtype, logits_BxTxV.shape, vocab_axis) == labels_BxT[..., None]
-    return ((probs - one_hot) * g_BxT[..., None]).astype(logits_BxTxV.dtype), None
+    return ((probs - one_hot) * g_BxT[..., None]).astype(logits_BxTxV.dtype)
 
 
 token_ce.defvjp(_token_ce_fwd, _token_ce_bwd)
@@ -135,7 +140,7 @@ def _tiled_ce_sum_bwd(precision, tiles, residuals, g):
         x_MxD, labels_M, valid_M, lse_M = tile_inputs
         x_low = x_MxD.astype(low)
         logits_MxV = model.head_logits(x_low, w_low, precision)
-        dlogits_MxV, _ = _token_ce_bwd((logits_MxV, labels_M, lse_M), jnp.where(valid_M, g, 0.0))
+        dlogits_MxV = token_ce_grad(logits_MxV, labels_M, lse_M, jnp.where(valid_M, g, 0.0))
         dx_SxLxD, dw_tile = weight_grads(_by_shard(x_low, shards), w_low, _by_shard(dlogits_MxV, shards))
         return dw_SxDxV + dw_tile, dx_SxLxD.reshape(x_MxD.shape).astype(low)
 

@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from jaxtrain import autocast
+from jaxtrain import head_lse
 from jaxtrain import loss
 from jaxtrain import model
 from jaxtrain import optim
@@ -45,21 +46,30 @@ class TrainState(NamedTuple):
 
 def ce_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sum of fp32 cross-entropy over valid targets (>= 0), and the number of valid targets."""
+    return _sum_over_valid(lambda labels_BxT: loss.token_ce(logits_BxTxV, labels_BxT), targets_BxT)
+
+
+def _sum_over_valid(token_ce, targets_BxT):
+    """token_ce(labels) summed over the valid targets (>= 0; a padding target asks label 0 and counts nothing)."""
     valid_BxT = targets_BxT >= 0
-    ce_BxT = loss.token_ce(logits_BxTxV, jnp.where(valid_BxT, targets_BxT, 0))
+    ce_BxT = token_ce(jnp.where(valid_BxT, targets_BxT, 0))
     return jnp.sum(jnp.where(valid_BxT, ce_BxT, 0.0)), jnp.sum(valid_BxT)
 
 
 def model_ce_sum(graphdef: nnx.GraphDef, params: nnx.State, inputs_BxT, targets_BxT, *,
-                 dropout_key: jax.Array | None = None, vocab_tiles: int = 1) -> jax.Array:
-    """Sum of CE over the valid targets of the model's predictions: from its logits, or with `vocab_tiles` > 1
-    from its final hidden states and head weight, a tile of tokens at a time, never forming the logits
-    (loss.tiled_ce_sum, model.vocab_tiles)."""
-    if vocab_tiles == 1:
+                 dropout_key: jax.Array | None = None, vocab_tiles: int = 1, lse_in_head: bool = False) -> jax.Array:
+    """Sum of CE over the valid targets of the model's predictions: from its logits, or from its final hidden states
+    and head weight, with `vocab_tiles` > 1 a tile of tokens at a time, never forming the logits
+    (loss.tiled_ce_sum, model.vocab_tiles), with `lse_in_head` the logsumexp in the head gemm's epilogue
+    (head_lse.head_token_ce, model.head_lse=pallas)."""
+    if vocab_tiles == 1 and not lse_in_head:
         return ce_sum(model.apply(graphdef, params, inputs_BxT, dropout_key=dropout_key), targets_BxT)[0]
     gpt = nnx.merge(graphdef, params)
-    return loss.tiled_ce_sum(gpt.hidden(inputs_BxT, dropout_key=dropout_key), gpt.head_weight(), targets_BxT,
-                             gpt.precision, vocab_tiles)
+    x_BxTxD = gpt.hidden(inputs_BxT, dropout_key=dropout_key)
+    if vocab_tiles > 1:
+        return loss.tiled_ce_sum(x_BxTxD, gpt.head_weight(), targets_BxT, gpt.precision, vocab_tiles)
+    return _sum_over_valid(lambda labels_BxT: head_lse.head_token_ce(x_BxTxD, gpt.head_weight(), labels_BxT,
+                                                                     gpt.precision), targets_BxT)[0]
 
 
 def correct_sum(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
@@ -90,7 +100,8 @@ def all_finite(tree) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     seed: int, dropout: bool, skip_non_finite: bool = False,
-                    loss_scale_growth_interval: int | None = None, vocab_tiles: int = 1) -> Callable:
+                    loss_scale_growth_interval: int | None = None, vocab_tiles: int = 1,
+                    lse_in_head: bool = False) -> Callable:
     """train_step(state, inputs_KxBxT, targets_KxBxT) -> (state, metrics), metrics as device scalars.
 
     The loss and the gradient norm are checked on device: with `skip_non_finite` (train.nan_policy=skip) a window
@@ -101,12 +112,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     loss is multiplied by the loss scale before the backward pass and its gradient divided by it after (exact: the
     scale is a power of 2, so this is GradScaler's unscale_ of the summed window), a window with a non-finite
     gradient is skipped as nan_policy=skip skips one, and the scale moves as GradScaler.update moves it.
-    `vocab_tiles`: model.vocab_tiles (model_ce_sum)."""
+    `vocab_tiles`, `lse_in_head`: model.vocab_tiles, model.head_lse=pallas (model_ce_sum)."""
     base_key = jax.random.key(seed)
     fp16 = loss_scale_growth_interval is not None
 
     def micro_loss(params, inputs_BxT, targets_BxT, n_window, dropout_key, scale):
-        ce = model_ce_sum(graphdef, params, inputs_BxT, targets_BxT, dropout_key=dropout_key, vocab_tiles=vocab_tiles)
+        ce = model_ce_sum(graphdef, params, inputs_BxT, targets_BxT, dropout_key=dropout_key, vocab_tiles=vocab_tiles,
+                          lse_in_head=lse_in_head)
         return (ce / n_window) * scale if fp16 else ce / n_window, ce
 
     def train_step(state: TrainState, inputs_KxBxT, targets_KxBxT):
@@ -155,7 +167,7 @@ def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
     train_step = make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), seed, cfg.model.dropout > 0,
                                  skip_non_finite=cfg.train.nan_policy == "skip",
                                  loss_scale_growth_interval=cfg.train.loss_scale_growth_interval if fp16 else None,
-                                 vocab_tiles=cfg.model.vocab_tiles)
+                                 vocab_tiles=cfg.model.vocab_tiles, lse_in_head=cfg.model.head_lse == "pallas")
     return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options(cfg))
 
 

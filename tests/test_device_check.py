@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from benchmarks import device_check, profile, run as bench
-from jaxtrain import gelu_gemm
+from jaxtrain import hopper_gemm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +27,7 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
     is refused there), the rows through benchmarks.run's check; the norm as the runner substitutes it."""
     monkeypatch.chdir(REPO)
     seen = set()
-    for stage in device_check.STAGES:
+    for stage in device_check.STAGES + device_check.ON_REQUEST:
         args = device_check.stage_args(stage, norm, str(tmp_path))
         for module, tool in (("benchmarks.run", bench), ("benchmarks.profile", profile)):
             rest = _after_module(args, module)
@@ -40,35 +40,45 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
             if tool is bench:
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
-    assert seen == {"step", "step_excess", "step_gelu", "profile", "table"}
+    assert seen == {"step", "step_kernels", "step_gelu", "step_head", "profile", "table", "step_excess"}
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu" and not gelu_gemm.interpreter_available(),
-                    reason="no GPU, and no Mosaic GPU interpreter in this jax that runs the kernel")
-def test_the_gelu_stages_run_the_kernels_tests_its_benchmark_and_the_step_with_it(tmp_path):
-    """gelu_tests collects every test of tests/test_gelu_gemm.py; gelu_ab runs (here on a few rows, through the
-    interpreter) and prints a row per setting; step_gelu is `step` with the kernel on."""
+@pytest.mark.skipif(jax.default_backend() != "gpu" and not hopper_gemm.interpreter_available(),
+                    reason="no GPU, and no Mosaic GPU interpreter in this jax that runs the kernels")
+@pytest.mark.parametrize("kernel,test_file,module,option,small", [
+    ("gelu", "tests/test_gelu_gemm.py", "benchmarks.gelu_gemm", "--model.gelu_grad=pallas",
+     ["--rows", "128", "--d", "64", "--tiles", "64x64x2x8,128x64x2x8"]),
+    ("head", "tests/test_head_lse.py", "benchmarks.head_lse", "--model.head_lse=pallas",
+     ["--rows", "128", "--d", "64", "--vocab", "768", "--tiles", "64x64x2x8,128x192x2x8"])])
+def test_a_gemm_kernels_stages_run_its_tests_its_benchmark_and_the_step_with_it(kernel, test_file, module, option,
+                                                                                small, tmp_path):
+    """<kernel>_tests collects every test of its file; <kernel>_ab runs (here on a few rows, through the
+    interpreter) and prints a row per setting, each as right as XLA's result; step_<kernel> is `step` with the
+    kernel on, step_kernels `step` with both."""
     by_name = {s.name: s for s in device_check.STAGES}
-    args = _after_module(list(by_name["gelu_tests"].args), "pytest")
+    args = _after_module(list(by_name[f"{kernel}_tests"].args), "pytest")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "--collect-only", "-q", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
-    assert args[-1] == "tests/test_gelu_gemm.py" and "-k" not in args  # the whole file
-    assert proc.returncode == 0 and proc.stdout.startswith("tests/test_gelu_gemm.py: "), proc.stdout[-2000:]
-    assert by_name["gelu_ab"].args == ("-m", "benchmarks.gelu_gemm")
-    small = ["--rows", "128", "--d", "64", "--tiles", "64x64x2x8,128x64x2x8", "--iters", "1"]
-    proc = subprocess.run([sys.executable, *by_name["gelu_ab"].args, *small], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    assert args[-1] == test_file and "-k" not in args  # the whole file
+    assert proc.returncode == 0 and proc.stdout.startswith(f"{test_file}: "), proc.stdout[-2000:]
+    assert by_name[f"{kernel}_ab"].args == ("-m", module)
+    proc = subprocess.run([sys.executable, *by_name[f"{kernel}_ab"].args, *small, "--iters", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| kernel ")]
-    assert [r.split(" | ")[0] for r in rows] == ["| kernel 64x64, 2 stages, snake 8",
-                                                 "| kernel 128x64, 2 stages, snake 8"]
-    assert all(float(r.split(" | ")[3]) > 99 for r in rows)  # elements equal to XLA's: sum orders alone differ
-    assert all(r.endswith(" | 0 |") for r in rows)  # and none further than a rounding
-    assert by_name["step_gelu"].args == by_name["step"].args + ("--model.gelu_grad=pallas",)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("| kernel ")]
+    rows = [line.split(" | ") for line in lines]
+    tiles = small[-1].split(",")
+    assert [r[0] for r in rows] == [f"| kernel {t.split('x')[0]}x{t.split('x')[1]}, 2 stages, snake 8" for t in tiles]
+    assert all(float(r[3]) > 99 for r in rows)  # elements equal to XLA's: sum orders alone differ
+    assert all(r[4].rstrip(" |") == "0" and line.endswith(" 0 |") for r, line in zip(rows, lines))  # none further
+    assert by_name[f"step_{kernel}"].args == by_name["step"].args + (option,)
+    assert by_name["step_kernels"].args == by_name["step"].args + ("--model.gelu_grad=pallas",
+                                                                   "--model.head_lse=pallas")
 
 
 def test_the_ab_stages_differ_in_their_xla_flags_alone(tmp_path):
-    step, excess = (next(s for s in device_check.STAGES if s.name == n) for n in ("step", "step_excess"))
+    step, excess = (next(s for s in device_check.STAGES + device_check.ON_REQUEST if s.name == n)
+                    for n in ("step", "step_excess"))
     assert step.args == excess.args and step.env == ()
     assert excess.env == (("XLA_FLAGS", "--xla_allow_excess_precision=true"),)
 
@@ -220,7 +230,9 @@ def test_the_summary_holds_each_stages_own_output_and_the_json_path(tmp_path):
 def test_list_names_every_stage_within_the_tool_call():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--list"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
-    assert [line.split()[0] for line in proc.stdout.splitlines()] == [s.name for s in device_check.STAGES]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == [
+        s.name for s in device_check.STAGES + device_check.ON_REQUEST]
+    assert all("--stages only" in line for line in proc.stdout.splitlines()[len(device_check.STAGES):])
     assert sum(s.expect_s for s in device_check.STAGES) <= device_check.BUDGET_S  # the default budget runs them all
 
 

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import autocast, config, gelu_gemm, model
+from jaxtrain import autocast, config, gelu_gemm, hopper_gemm, model
 from jaxtrain.errors import UserError
 from test_fused_norm import _ulp_bf16
 
 # The kernel runs on a Hopper GPU, or off a GPU in Mosaic GPU's interpreter, which jax 0.9's cannot run it in (the
 # floors' jax)
-runs_here = pytest.mark.skipif(not gelu_gemm.on_hopper_or_off_gpu() or (
-    jax.default_backend() != "gpu" and not gelu_gemm.interpreter_available()),
+runs_here = pytest.mark.skipif(not hopper_gemm.on_hopper_or_off_gpu() or (
+    jax.default_backend() != "gpu" and not hopper_gemm.interpreter_available()),
     reason="no Hopper GPU, and no Mosaic GPU interpreter in this jax that runs the kernel")
 
 
@@ -35,10 +35,10 @@ ON_GPU_ONLY = pytest.mark.skipif(jax.default_backend() != "gpu", reason="no GPU:
 
 
 @runs_here
-@pytest.mark.parametrize("m,k,n,tiles", [(128, 128, 256, gelu_gemm.Tiles(m=64, n=64, k=64, stages=2)),
-                                         (128, 128, 512, gelu_gemm.Tiles()),
-                                         (128, 256, 256, gelu_gemm.Tiles(m=64, n=64, k=64, stages=2)),
-                                         pytest.param(4096, 512, 4096, gelu_gemm.Tiles(), marks=ON_GPU_ONLY)])
+@pytest.mark.parametrize("m,k,n,tiles", [(128, 128, 256, hopper_gemm.Tiles(m=64, n=64, k=64, stages=2)),
+                                         (128, 128, 512, hopper_gemm.Tiles()),
+                                         (128, 256, 256, hopper_gemm.Tiles(m=64, n=64, k=64, stages=2)),
+                                         pytest.param(4096, 512, 4096, hopper_gemm.Tiles(), marks=ON_GPU_ONLY)])
 def test_the_kernel_is_gelus_gradient_of_the_product_rounded_once(m, k, n, tiles):
     """Small-integer operands, so that the fp32 product is exact in any sum order: the kernel's result is the
     product rounded once to bf16, times gelu'(pre) in float64, rounded to bf16 (half a spacing), give or take the
@@ -61,12 +61,12 @@ def test_the_kernel_is_gelus_gradient_of_the_product_rounded_once(m, k, n, tiles
 
 
 @pytest.mark.parametrize("m,k,n,want", [
-    (16384, 768, 3072, gelu_gemm.Tiles()),  # GPT-2 124M's c_proj, a micro-batch of 16 x 1024 on one GPU
-    (128, 128, 512, gelu_gemm.Tiles()),
-    (192, 64, 384, gelu_gemm.Tiles(m=64, n=64)),  # 192 rows are not 128s; 384 columns not 256s
+    (16384, 768, 3072, hopper_gemm.Tiles()),  # GPT-2 124M's c_proj, a micro-batch of 16 x 1024 on one GPU
+    (128, 128, 512, hopper_gemm.Tiles()),
+    (192, 64, 384, hopper_gemm.Tiles(m=64, n=64)),  # 192 rows are not 128s; 384 columns not 256s
     (96, 64, 256, None), (128, 96, 256, None), (128, 64, 192, None)])
 def test_the_tiles_shrink_to_what_divides_the_gemm(m, k, n, want):
-    assert gelu_gemm.tiles_for(m, k, n) == want
+    assert hopper_gemm.tiles_for(m, k, n) == want
 
 
 def _loss_and_grads(gelu_grad: str, precision: str, mesh=None, remat: str = "none"):
@@ -78,11 +78,16 @@ def _loss_and_grads(gelu_grad: str, precision: str, mesh=None, remat: str = "non
     def loss(params):
         logits = model.apply(graphdef, params, idx).astype(jnp.float32)
         return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
-    step = jax.jit(jax.value_and_grad(loss), compiler_options=autocast.rounding_options(jax.default_backend()))
+    return value_and_grad_as_the_step(loss, params, mesh)
+
+
+def value_and_grad_as_the_step(loss, params, mesh=None):
+    """loss's value and gradient at params, jitted with the step's compiler options, inside `mesh` where given."""
+    grad = jax.jit(jax.value_and_grad(loss), compiler_options=autocast.rounding_options(jax.default_backend()))
     if mesh is None:
-        return step(params)
+        return grad(params)
     with jax.set_mesh(mesh):
-        return step(params)
+        return grad(params)
 
 
 def _assert_same_model(got, want):

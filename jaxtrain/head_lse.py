@@ -1,0 +1,116 @@
+"""The head gemm with the loss's logsumexp in its epilogue: one hand-written Hopper kernel (Pallas, Mosaic GPU),
+where model.head_lse=pallas picks it.
+
+    ce_BxT = head_token_ce(x_BxTxD, w_DxV, labels_BxT, precision)   # loss.token_ce(model.head_logits(x, w), labels)
+
+Why: XLA writes the logits (B x T x V in the compute dtype, GPT-2 124M's 16 x 1024 tokens: 1.65 GB a micro-batch)
+in a cuBLAS gemm, then reads them all back for the loss's logsumexp (loss.logsumexp: one pass, a variadic
+reduction), a kernel of its own that on 2026-11-28's H100 profile took 5.11 ms of a 139.5 ms step, 2.6x its
+roofline (benchmarks/NOTES.md). Here each consumer warpgroup's accumulator, once rounded to the logits it writes,
+is reduced on its way out to each row's (max, sum of exp(logit - max)) over its n columns; the logsumexp is those
+pairs combined, a read of V / n pairs a token instead of V logits. The backward pass is the one token_ce has
+(loss.token_ce_grad: softmax - one_hot from the logits and the logsumexp, then the head's two gradient gemms),
+unchanged. An estimate, not measured on a GPU yet, which is why it is not the default: benchmarks/device_check.py's
+stages measure it.
+
+Numerics: the logits are autocast's (the fp32 accumulator rounded once, as cuBLAS rounds the head's output); the
+logsumexp is of those rounded logits in fp32, summed in another order than loss.logsumexp's (within fp32 roundings
+of it: tests/test_head_lse.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxtrain import autocast, hopper_gemm, loss, mesh, model
+from jaxtrain.errors import UserError
+from jaxtrain.hopper_gemm import EPILOGUE_TILE, Tiles, tiles_for
+
+OPTION = "model.head_lse=pallas"
+SLOTS = 2  # shared-memory tiles a consumer warpgroup's epilogue alternates between
+# GPT-2's padded vocabulary, 50,304 = 131 x 384 columns (not 256s: 393 x 128): two warpgroups of 128 x 192. Two
+# stages of (128 x 64 + 64 x 384) bf16, the logits' two slots a warpgroup and the pairs: 162 KiB; with three, 233,520
+# bytes, over an H100's 232,448 (Mosaic GPU's check, compiling ahead of time for an H100 through jax's CUDA plugin)
+HEAD_TILES = Tiles(m=128, n=192, stages=2)
+
+
+def _epilogue(acc_ref, at: hopper_gemm.OutputTile, ins, outs, scratch):
+    """The accumulator rounded to the logits, written out a tile at a time through shared memory; each row's max
+    and sum of exp(logit - max) over the warpgroup's columns written to the pairs' column block."""
+    logits_gmem, pairs_gmem = outs
+    logits = acc_ref[...].astype(logits_gmem.dtype)  # rounded once, as cuBLAS rounds the head's output
+    logits_f32 = logits.astype(jnp.float32)
+    row_max = logits_f32.max(axis=1)
+    row_sum = jnp.exp(logits_f32 - lax.broadcast_in_dim(row_max, logits_f32.shape, [0])).sum(axis=1)
+    for tile, part, slot in hopper_gemm.epilogue_tiles(logits.shape):
+        smem = scratch["smem"].at[at.wg, slot]
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        smem[...] = part(logits)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, logits_gmem.at[at.rows, at.cols].at[tile])
+    pairs = scratch["pairs"].at[at.wg]
+    pairs.at[0][...] = row_max
+    pairs.at[1][...] = row_sum
+    plgpu.commit_smem()
+    for i in range(2):
+        plgpu.copy_smem_to_gmem(pairs.at[i], pairs_gmem.at[i, at.column_block, at.rows])
+
+
+def combine_pairs(pairs_2xCxN):
+    """Each row's logsumexp from its column blocks' (max, sum of exp(x - max)) pairs: the largest max, plus the log
+    of the sums each rescaled to it."""
+    block_max, block_sum = pairs_2xCxN[0], pairs_2xCxN[1]
+    row_max = jnp.max(block_max, axis=0)
+    return row_max + jnp.log(jnp.sum(block_sum * jnp.exp(block_max - row_max), axis=0))
+
+
+def logits_and_lse(x_NxD, w_DxV, tiles: Tiles = HEAD_TILES):
+    """(x @ w rounded once to the compute dtype, the fp32 logsumexp of each of its rows): one kernel and a small
+    combine, each device on its own rows under a mesh. x and w in one compute dtype, bf16 or fp16."""
+    if x_NxD.dtype != w_DxV.dtype:
+        raise TypeError(f"logits_and_lse takes x and w in one compute dtype, got {x_NxD.dtype} and {w_DxV.dtype}")
+    hopper_gemm.check_device(OPTION)
+    (rows, d), vocab = (x_NxD.shape[0] // mesh.batch_shards(), x_NxD.shape[1]), w_DxV.shape[1]
+    fitted = tiles_for(rows, d, vocab, tiles)
+    if fitted is None:
+        raise UserError(f"{OPTION} needs each device's tokens of a micro-batch (here {rows}) and model.d_model "
+                        f"(here {d}) to be multiples of {EPILOGUE_TILE} and the vocabulary (here {vocab}) of "
+                        f"{2 * EPILOGUE_TILE}; pad the vocabulary (model.vocab_size) or use model.head_lse=xla")
+    scratch = {"smem": hopper_gemm.epilogue_smem(x_NxD.dtype, SLOTS),
+               "pairs": plgpu.SMEM((2, 2, fitted.m), jnp.float32)}
+    out_types = (jax.ShapeDtypeStruct((rows, vocab), x_NxD.dtype),
+                 jax.ShapeDtypeStruct((2, vocab // fitted.n, rows), jnp.float32))
+    call = hopper_gemm.gemm_with_epilogue(OPTION, _epilogue, scratch, out_types, fitted, 0)
+
+    def on_rows(x, w):
+        logits, pairs = call(x, w)
+        return logits, combine_pairs(pairs)
+    return mesh.on_each_devices_rows(on_rows, 1, 1, 2)(x_NxD, w_DxV)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def head_token_ce(x_BxTxD, w_DxV, labels_BxT, precision: str):
+    """loss.token_ce(model.head_logits(x, w, precision), labels): per-token fp32 cross-entropy from the final
+    hidden states, with the logsumexp in the head gemm's epilogue (logits_and_lse). Under bf16 or fp16."""
+    return _head_token_ce_fwd(x_BxTxD, w_DxV, labels_BxT, precision)[0]
+
+
+def _head_token_ce_fwd(x_BxTxD, w_DxV, labels_BxT, precision):
+    low = autocast.COMPUTE_DTYPES[precision]
+    _, head_vjp = jax.vjp(lambda x, w: model.head_logits(x, w, precision), x_BxTxD, w_DxV)  # its logits unused
+    logits_NxV, lse_N = logits_and_lse(x_BxTxD.reshape(-1, x_BxTxD.shape[-1]).astype(low), w_DxV.astype(low))
+    logits_BxTxV, lse_BxT = logits_NxV.reshape(*labels_BxT.shape, -1), lse_N.reshape(labels_BxT.shape)
+    picked_BxT = jnp.take_along_axis(logits_BxTxV, labels_BxT[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    return lse_BxT - picked_BxT, (logits_BxTxV, labels_BxT, lse_BxT, head_vjp)
+
+
+def _head_token_ce_bwd(precision, saved, g_BxT):
+    logits_BxTxV, labels_BxT, lse_BxT, head_vjp = saved
+    g_x, g_w = head_vjp(loss.token_ce_grad(logits_BxTxV, labels_BxT, lse_BxT, g_BxT))
+    return g_x, g_w, None
+
+
+head_token_ce.defvjp(_head_token_ce_fwd, _head_token_ce_bwd)

@@ -1,0 +1,193 @@
+"""A Hopper gemm whose epilogue is the caller's: jax's Hopper matmul (Pallas, Mosaic GPU) for the kernels that fold
+a memory-bound pass into a gemm, which XLA does not write from this program (benchmarks/NOTES.md).
+
+    call = gemm_with_epilogue(option, epilogue, scratch, out_types, tiles, extra_inputs)   # call(a, b, *extra)
+
+The kernel is jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu's: persistent over the SMs, a TMA producer
+warpgroup feeding two wgmma consumer warpgroups side by side along n, each with an m x n fp32 accumulator; what
+each consumer does with its accumulator once the k loop is done is `epilogue`'s (gelu_gemm.py: GELU's backward;
+head_lse.py: the logits and their logsumexp's partial sums). Off a GPU it runs in Mosaic GPU's interpreter (slow:
+for checking). The users: model.gelu_grad=pallas and model.head_lse=pallas.
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import inspect
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxtrain import autocast, mesh
+from jaxtrain.config_checks import HOPPER_GEMM_TILE as EPILOGUE_TILE  # a tile's rows, columns and k are multiples
+from jaxtrain.errors import UserError
+
+HOPPER = "9.0"  # wgmma and TMA: the compute capability the kernels are written for
+# plgpu.kernel's name for the output's shape and dtype: out_shape until jax 0.10, which deprecated it for out_type
+OUT_TYPE = "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
+SMS_UNKNOWN = 132  # an H100 SXM's and an H200's SMs: the persistent grid when compiling ahead of time
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """A consumer warpgroup's output tile (m x n; the two side by side make the CTA's m x 2n), the k step, the
+    pipeline's depth and the width of the planar snake the persistent loop walks the output tiles in. The default
+    is jax's example's shape; 4 stages of (128 x 64 + 64 x 256) bf16 and gelu_gemm's epilogue buffers fill 224 KiB
+    of an H100's 227 KiB of shared memory."""
+    m: int = 128
+    n: int = 128
+    k: int = 64
+    stages: int = 4
+    snake: int = 8
+
+
+def tiles_for(m: int, k: int, n: int, base: Tiles = Tiles()) -> Tiles | None:
+    """`base` shrunk to (m, k) @ (k, n) where it does not divide it (a small model, a test); None where no tiling
+    of EPILOGUE_TILE multiples does."""
+    if m % EPILOGUE_TILE or k % EPILOGUE_TILE or n % (2 * EPILOGUE_TILE):
+        return None
+    return dataclasses.replace(base, m=base.m if m % base.m == 0 else EPILOGUE_TILE,
+                               n=base.n if n % (2 * base.n) == 0 else EPILOGUE_TILE,
+                               k=base.k if k % base.k == 0 else EPILOGUE_TILE)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputTile:
+    """Where a consumer warpgroup's accumulator lies in the (m, n) result: its rows and columns (pl.ds), and
+    `wg`, the warpgroup (0 or 1), which indexes the per-warpgroup scratch; column_block is the accumulator's
+    column index in units of n (2 per CTA tile)."""
+    rows: object
+    cols: object
+    wg: jax.Array
+    column_block: jax.Array
+
+
+def _kernel(a_gmem, b_gmem, *refs, t: Tiles, epilogue: Callable, scratch: dict, extra_inputs: int):
+    """jax's hopper_matmul_mgpu.kernel with the caller's epilogue, lowered in Mosaic GPU's Lane semantics, not its
+    Warpgroup one as jax's: the Warpgroup lowering of jax 0.10.2 has no layout rule for erf (GELU's gradient).
+    `epilogue(acc_ref, OutputTile, inputs, outputs, scratch)` runs in each consumer warpgroup after its k loop;
+    every shared-memory store it started before has been read by then."""
+    ins, outs = refs[:extra_inputs], refs[extra_inputs:]
+    m, k = a_gmem.shape
+    n = b_gmem.shape[1]
+    low = a_gmem.dtype
+    swizzle = plgpu.find_swizzle(t.k * low.itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // low.itemsize)), plgpu.SwizzleTransform(swizzle))
+    cta_n = 2 * t.n  # the two consumer warpgroups side by side
+    m_tiles, n_tiles = m // t.m, n // cta_n
+
+    def pipeline(mma, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma, grid=(k // t.k,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=t.stages, compute_context=context,
+            in_specs=[plgpu.BlockSpec((t.m, t.k), lambda i: (0, i), transforms=transforms),
+                      plgpu.BlockSpec((t.k, cta_n), lambda i: (i, 0), transforms=transforms)])
+
+    nothing = lambda *_, **__: None  # the allocations do not depend on the bodies
+
+    @functools.partial(pl.run_scoped, allocations=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
+                       scratch=scratch, collective_axes="wg")
+    def _scope(allocations, scratch):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        def _output_tile(info):
+            mi, ni = plgpu.planar_snake(info.index[0], (m_tiles, n_tiles), 1, t.snake)
+            at = OutputTile(rows=pl.ds(mi * t.m, t.m), cols=pl.ds(ni * cta_n + wg * t.n, t.n), wg=wg,
+                            column_block=ni * 2 + wg)
+
+            def context(run_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.m, t.n), jnp.float32))
+                def _epilogue(acc_ref):
+                    run_pipeline(acc_ref)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    epilogue(acc_ref, at, ins, outs, scratch)
+
+            def mma(_, a_smem, b_smem, acc_ref):
+                plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * t.n, t.n)])
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            pipeline(mma, context)(a_gmem.at[at.rows, :], b_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
+                                   allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def epilogue_smem(low, slots: int = 2) -> plgpu.SMEM:
+    """Each consumer warpgroup's `slots` shared-memory tiles of EPILOGUE_TILE x EPILOGUE_TILE in the compute dtype,
+    swizzled for TMA: where an epilogue's output tiles pass on their way to global memory."""
+    swizzle = plgpu.find_swizzle(EPILOGUE_TILE * jnp.dtype(low).itemsize * 8)
+    return plgpu.SMEM((2, slots, EPILOGUE_TILE, EPILOGUE_TILE), low, transforms=(
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(low).itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+
+def epilogue_tiles(acc_shape: tuple[int, int]):
+    """An (m, n) accumulator's EPILOGUE_TILE x EPILOGUE_TILE tiles in order: (tile's slices, its part of an array
+    of the accumulator's shape, its shared-memory slot), the slots alternating 0, 1."""
+    per_row, size = acc_shape[1] // EPILOGUE_TILE, EPILOGUE_TILE
+    for i in range(acc_shape[0] // size):
+        for j in range(per_row):
+            rows, cols = slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size)
+            yield ((pl.ds(rows.start, size), pl.ds(cols.start, size)),
+                   lambda value, rows=rows, cols=cols: value[rows, cols], (i * per_row + j) % 2)
+
+
+def gemm_with_epilogue(option: str, epilogue: Callable, scratch: dict, out_types, t: Tiles, extra_inputs: int):
+    """(a, b, *extra) -> out_types: (m, k) @ (k, n) in the compute dtype through `epilogue`, on one device's rows.
+    Persistent: a grid of the GPU's SMs (at most one per output tile); the interpreter runs one program. `option`:
+    the config's key=value that picks the kernel, for messages."""
+    def call(a, b, *extra):
+        output_tiles = (a.shape[0] // t.m) * (b.shape[1] // (2 * t.n))
+        on_gpu = autocast.backend() == "gpu"
+        kernel = functools.partial(_kernel, t=t, epilogue=epilogue, scratch=scratch, extra_inputs=extra_inputs)
+        return plgpu.kernel(kernel, **{OUT_TYPE: out_types}, grid=(min(_sm_count(), output_tiles) if on_gpu else 1,),
+                            grid_names=("sm",), num_threads=3, thread_name="wg",
+                            compiler_params=plgpu.CompilerParams(),  # Lane: see _kernel
+                            interpret=None if on_gpu else _interpreter(option))(a, b, *extra)
+    return call
+
+
+def check_device(option: str) -> None:
+    """The kernels run on Hopper GPUs, or in the interpreter on one CPU device (under shard_map over several, the
+    interpreter's simulated threads wait on each other forever); not on a TPU or another GPU. An ahead-of-time
+    compile names its GPU in the config (config_checks: run.target_device). `option`: the config's key=value."""
+    key = option.split("=")[0]
+    if autocast.backend() == "tpu" or (autocast.backend() == "gpu" and not on_hopper_or_off_gpu()):
+        kind = "TPU" if autocast.backend() == "tpu" else jax.devices()[0].device_kind
+        raise UserError(f"{option} is a kernel for Hopper GPUs (compute capability {HOPPER}: H100, H200), not this "
+                        f"{kind}; use {key}=xla")
+    if autocast.backend() == "cpu" and mesh.batch_shards() > 1:
+        raise UserError(f"{option} runs off a GPU in Mosaic GPU's interpreter, on one device only, not on this mesh "
+                        f"of {mesh.batch_shards()}; use {key}=xla here")
+
+
+def on_hopper_or_off_gpu() -> bool:
+    """Whether this process's devices are Hopper GPUs, or no GPU (an ahead-of-time compile, the interpreter)."""
+    return jax.default_backend() != "gpu" or jax.devices()[0].compute_capability == HOPPER
+
+
+def _sm_count() -> int:
+    """The persistent grid: the local GPU's SMs; an H100's where compiling ahead of time. The interpreter runs one
+    program, which loops over every output tile."""
+    return jax.devices()[0].core_count if jax.default_backend() == "gpu" else SMS_UNKNOWN
+
+
+def interpreter_available() -> bool:
+    """Whether this jax's Mosaic GPU interpreter runs the kernels off a GPU: jax 0.10's does; jax 0.9's interpreted
+    no barrier in allocated memory nor a grid of more than one program. Its parameters are not in jax's public API;
+    0.10 moved them here."""
+    return importlib.util.find_spec("jax._src.pallas.mosaic_gpu.interpret.params") is not None
+
+
+def _interpreter(option: str):
+    if not interpreter_available():
+        key = option.split("=")[0]
+        raise UserError(f"{option} off a GPU runs in Mosaic GPU's interpreter, which jax {jax.__version__}'s cannot "
+                        f"run it in (jax 0.10's can); use {key}=xla here")
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
