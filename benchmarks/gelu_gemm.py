@@ -84,11 +84,16 @@ def table(rows: int, d: int, settings: list[hopper_gemm.Tiles], iters: int) -> s
                  f" | - | - |")
     xla = jax.jit(xla_gelu_grad, compiler_options=options)
     lines.append(f"| XLA: the gemm, then GELU's backward | {rate(timed(xla, args, iters))} | 100.000 | 0 |")
-    rows, failed = kernel_rows(
+    kernel_lines, failed = kernel_rows(
         settings, lambda tiles: lambda g, w_t, pre: gelu_gemm.gelu_grad_matmul(g, w_t, pre, tiles), args, iters, rate,
-        lambda got: (f"{100 * float(jnp.mean(got == want)):.3f} | {beyond_rounding(got, want, args[2], dh)}",
-                     beyond_rounding(got, want, args[2], dh) > 0))
-    return "\n".join(lines + rows), failed
+        lambda got: check(got, want, args[2], dh))
+    return "\n".join(lines + kernel_lines), failed
+
+
+def check(got, want, pre, dh) -> tuple[str, bool]:
+    """A kernel's row's cells (elements equal to XLA's %, beyond a rounding of it) and whether it is wrong."""
+    beyond = beyond_rounding(got, want, pre, dh)
+    return f"{100 * float(jnp.mean(got == want)):.3f} | {beyond}", beyond > 0
 
 
 def kernel_rows(settings, kernel_for, args, iters: int, rate, check) -> tuple[list[str], list[str]]:
@@ -121,7 +126,7 @@ def kernel_parser(prog: str, doc: str, d_help: str, tiles: str, iters: int) -> a
                     help="tokens of a micro-batch on one GPU (16 x 1024: the profile's batch 64 in 4)")
     ap.add_argument("--d", type=positive_int, default=768, help=d_help)
     ap.add_argument("--tiles", default=tiles,
-                    help="kernel settings m x n x stages x snake, comma-separated (the first is the kernel's default)")
+                    help="kernel settings m x n x stages x snake, comma-separated (the first: the kernel's default)")
     ap.add_argument("--iters", type=positive_int, default=iters)
     return ap
 

@@ -1,15 +1,15 @@
 """The head gemm with the loss's logsumexp in its epilogue (jaxtrain/head_lse.py) alone, against XLA's kernels for
 the same math, on GPT-2 124M's shapes: each one's time, and the head gemm alone as what the epilogue may add to.
 
-    python -m benchmarks.head_lse [--rows 16384] [--d 768] [--vocab 50304] [--tiles 128x192x3x8,...] [--iters 20]
+    python -m benchmarks.head_lse [--rows 16384] [--d 768] [--vocab 50304] [--tiles 128x192x2x8,...] [--iters 20]
 
 A tile setting is the kernel's m x n (one consumer warpgroup's output tile; the CTA's is m x 2n), pipeline stages
 and planar-snake width (hopper_gemm.Tiles). Inputs as in the step: the final hidden states x (rows, d) and the head
-weight (d, vocab) in bf16, scaled so that the logits spread as a trained GPT-2's (std ~3). Each kernel's logits are compared
-with XLA's (equal, and further than a rounding), its logsumexp with loss.logsumexp of its own logits (the largest
-difference, and rows further than fp32's bound), so a setting that is fast and wrong shows, and fails the command
-(exit 1) as a setting Mosaic GPU refuses does. Off a GPU the kernel runs in Mosaic GPU's interpreter: very slow, for
-a few rows only.
+weight (d, vocab) in bf16, scaled so that the logits spread as a trained GPT-2's (std ~3). Each kernel's logits
+are compared with XLA's (equal, and further than a rounding), its logsumexp with loss.logsumexp of its own logits
+(the largest difference, and rows further than fp32's bound), so a setting that is fast and wrong shows, and fails
+the command (exit 1) as a setting Mosaic GPU refuses does. Off a GPU the kernel runs in Mosaic GPU's interpreter:
+very slow, for a few rows only.
 """
 
 import argparse
@@ -80,9 +80,9 @@ def table(rows: int, d: int, vocab: int, settings, iters: int) -> tuple[str, lis
     gemm = timed(jax.jit(head_alone, compiler_options=options), args, iters)
     lines.append(f"| the head gemm alone (XLA) | {rate(gemm)} | - | - | - |")
     lines.append(f"| XLA: the gemm, then loss.logsumexp | {rate(timed(xla, args, iters))} | 100.000 | 0 | 0, 0 |")
-    rows, failed = kernel_rows(settings, lambda tiles: lambda x, w: head_lse.logits_and_lse(x, w, tiles), args,
-                               iters, rate, lambda got: check(got, want[0], scale, d))
-    return "\n".join(lines + rows), failed
+    kernel_lines, failed = kernel_rows(settings, lambda tiles: lambda x, w: head_lse.logits_and_lse(x, w, tiles),
+                                       args, iters, rate, lambda got: check(got, want[0], scale, d))
+    return "\n".join(lines + kernel_lines), failed
 
 
 def check(got, want_logits, abs_product, d: int) -> tuple[str, bool]:

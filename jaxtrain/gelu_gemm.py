@@ -30,22 +30,21 @@ from jaxtrain.errors import UserError
 from jaxtrain.hopper_gemm import EPILOGUE_TILE, Tiles, tiles_for
 
 OPTION = "model.gelu_grad=pallas"
-SLOTS = 2  # shared-memory tiles a consumer warpgroup's epilogue alternates between
 
 
 def _epilogue(acc_ref, at: hopper_gemm.OutputTile, ins, outs, scratch):
     """Each EPILOGUE_TILE x EPILOGUE_TILE tile of the warpgroup's output: pre's tile in by TMA, gelu_grad(pre, dh)
-    out through the same shared-memory slot (waiting first until that slot's previous store has been read)."""
+    out through the same shared-memory slot (once that slot's previous store has read it)."""
     (pre_gmem,), (out_gmem,) = ins, outs
     dh = acc_ref[...].astype(pre_gmem.dtype)  # the gemm's result, rounded once as cuBLAS rounds it
-    for tile, part, slot in hopper_gemm.epilogue_tiles(dh.shape):
-        smem, arrived = scratch["smem"].at[at.wg, slot], scratch["pre_arrived"].at[at.wg * SLOTS + slot]
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        plgpu.copy_gmem_to_smem(pre_gmem.at[at.rows, at.cols].at[tile], smem, arrived)
+    for tile in hopper_gemm.epilogue_tiles(at.tiles):
+        smem = scratch["smem"].at[at.wg, tile.slot]
+        arrived = scratch["pre_arrived"].at[at.wg * hopper_gemm.slots_for(at.tiles) + tile.slot]
+        hopper_gemm.free_slot(at.tiles)
+        plgpu.copy_gmem_to_smem(pre_gmem.at[at.rows, at.cols].at[tile.index], smem, arrived)
         plgpu.barrier_wait(arrived)
-        smem[...] = autocast.gelu_grad(smem[...], part(dh))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, out_gmem.at[at.rows, at.cols].at[tile])
+        smem[...] = autocast.gelu_grad(smem[...], tile.part(dh))
+        hopper_gemm.store(smem, out_gmem.at[at.rows, at.cols].at[tile.index])
 
 
 def gelu_grad_matmul(g, w_t, pre, tiles: Tiles = Tiles()):
@@ -61,8 +60,8 @@ def gelu_grad_matmul(g, w_t, pre, tiles: Tiles = Tiles()):
         raise UserError(f"{OPTION} needs each device's tokens of a micro-batch (data.batch_size / "
                         f"optim.grad_accum_steps x model.seq_len / devices: here {rows}) to be a multiple of "
                         f"{EPILOGUE_TILE}; change data.batch_size or model.seq_len, or use model.gelu_grad=xla")
-    scratch = {"smem": hopper_gemm.epilogue_smem(g.dtype, SLOTS),
-               "pre_arrived": plgpu.Barrier(num_barriers=2 * SLOTS)}
+    scratch = {"smem": hopper_gemm.epilogue_smem(g.dtype, fitted),
+               "pre_arrived": plgpu.Barrier(num_barriers=2 * hopper_gemm.slots_for(fitted))}
     call = hopper_gemm.gemm_with_epilogue(OPTION, _epilogue, scratch,
                                           jax.ShapeDtypeStruct((rows, w_t.shape[1]), g.dtype), fitted, 1)
     on_rows = mesh.on_each_devices_rows(lambda g, pre, w_t: (call(g, w_t, pre),), 2, 1, 1)

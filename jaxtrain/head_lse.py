@@ -30,7 +30,6 @@ from jaxtrain.errors import UserError
 from jaxtrain.hopper_gemm import EPILOGUE_TILE, Tiles, tiles_for
 
 OPTION = "model.head_lse=pallas"
-SLOTS = 2  # shared-memory tiles a consumer warpgroup's epilogue alternates between
 # GPT-2's padded vocabulary, 50,304 = 131 x 384 columns (not 256s: 393 x 128): two warpgroups of 128 x 192. Two
 # stages of (128 x 64 + 64 x 384) bf16, the logits' two slots a warpgroup and the pairs: 162 KiB; with three, 233,520
 # bytes, over an H100's 232,448 (Mosaic GPU's check, compiling ahead of time for an H100 through jax's CUDA plugin)
@@ -39,21 +38,26 @@ HEAD_TILES = Tiles(m=128, n=192, stages=2)
 
 def _epilogue(acc_ref, at: hopper_gemm.OutputTile, ins, outs, scratch):
     """The accumulator rounded to the logits, written out a tile at a time through shared memory; each row's max
-    and sum of exp(logit - max) over the warpgroup's columns written to the pairs' column block."""
+    and sum of exp(logit - max) over the warpgroup's columns, a tile at a time (the online softmax's rescaling), to
+    the pairs' column block. A tile's fp32 copy at a time: at 128 x 192 the fp32 accumulator takes 192 of a
+    thread's 232 registers and its bf16 copy 96; an fp32 copy of all of it beside the bf16 one would spill."""
     logits_gmem, pairs_gmem = outs
     logits = acc_ref[...].astype(logits_gmem.dtype)  # rounded once, as cuBLAS rounds the head's output
-    logits_f32 = logits.astype(jnp.float32)
-    row_max = logits_f32.max(axis=1)
-    row_sum = jnp.exp(logits_f32 - lax.broadcast_in_dim(row_max, logits_f32.shape, [0])).sum(axis=1)
-    for tile, part, slot in hopper_gemm.epilogue_tiles(logits.shape):
-        smem = scratch["smem"].at[at.wg, slot]
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        smem[...] = part(logits)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, logits_gmem.at[at.rows, at.cols].at[tile])
-    pairs = scratch["pairs"].at[at.wg]
-    pairs.at[0][...] = row_max
-    pairs.at[1][...] = row_sum
+    pairs = scratch["pairs"].at[at.wg]  # free: hopper_gemm waits for every store before an epilogue
+    row_max = row_sum = None  # of the tiles of the current row of tiles so far
+    for tile in hopper_gemm.epilogue_tiles(at.tiles):
+        smem = scratch["smem"].at[at.wg, tile.slot]
+        hopper_gemm.free_slot(at.tiles)
+        smem[...] = tile.part(logits)
+        hopper_gemm.store(smem, logits_gmem.at[at.rows, at.cols].at[tile.index])
+        x = tile.part(logits).astype(jnp.float32)
+        new_max = x.max(axis=1) if tile.first else jnp.maximum(row_max, x.max(axis=1))
+        tile_sum = jnp.exp(x - lax.broadcast_in_dim(new_max, x.shape, [0])).sum(axis=1)
+        row_sum = tile_sum if tile.first else row_sum * jnp.exp(row_max - new_max) + tile_sum
+        row_max = new_max
+        if tile.last:
+            pairs.at[0, tile.index[0]][...] = row_max
+            pairs.at[1, tile.index[0]][...] = row_sum
     plgpu.commit_smem()
     for i in range(2):
         plgpu.copy_smem_to_gmem(pairs.at[i], pairs_gmem.at[i, at.column_block, at.rows])
@@ -79,7 +83,7 @@ def logits_and_lse(x_NxD, w_DxV, tiles: Tiles = HEAD_TILES):
         raise UserError(f"{OPTION} needs each device's tokens of a micro-batch (here {rows}) and model.d_model "
                         f"(here {d}) to be multiples of {EPILOGUE_TILE} and the vocabulary (here {vocab}) of "
                         f"{2 * EPILOGUE_TILE}; pad the vocabulary (model.vocab_size) or use model.head_lse=xla")
-    scratch = {"smem": hopper_gemm.epilogue_smem(x_NxD.dtype, SLOTS),
+    scratch = {"smem": hopper_gemm.epilogue_smem(x_NxD.dtype, fitted),
                "pairs": plgpu.SMEM((2, 2, fitted.m), jnp.float32)}
     out_types = (jax.ShapeDtypeStruct((rows, vocab), x_NxD.dtype),
                  jax.ShapeDtypeStruct((2, vocab // fitted.n, rows), jnp.float32))

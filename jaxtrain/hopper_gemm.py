@@ -30,14 +30,18 @@ HOPPER = "9.0"  # wgmma and TMA: the compute capability the kernels are written 
 # plgpu.kernel's name for the output's shape and dtype: out_shape until jax 0.10, which deprecated it for out_type
 OUT_TYPE = "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
 SMS_UNKNOWN = 132  # an H100 SXM's and an H200's SMs: the persistent grid when compiling ahead of time
+# The name scope of every kernel here, in its custom call's op_name: how benchmarks.roofline knows a Mosaic GPU
+# custom call for a gemm of its first two operands (m, k) @ (k, n), and counts its 2 m k n FLOPs
+SCOPE = "hopper_gemm"
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """A consumer warpgroup's output tile (m x n; the two side by side make the CTA's m x 2n), the k step, the
     pipeline's depth and the width of the planar snake the persistent loop walks the output tiles in. The default
-    is jax's example's shape; 4 stages of (128 x 64 + 64 x 256) bf16 and gelu_gemm's epilogue buffers fill 224 KiB
-    of an H100's 227 KiB of shared memory."""
+    is jax's example's shape: 4 stages of (128 x 64 + 64 x 256) bf16 and the epilogue's slots fill 224 KiB of an
+    H100's 227 KiB of shared memory; its fp32 accumulator takes 128 of a consumer thread's 232 registers (m n / 128;
+    head_lse's 128 x 192, 192)."""
     m: int = 128
     n: int = 128
     k: int = 64
@@ -50,27 +54,28 @@ def tiles_for(m: int, k: int, n: int, base: Tiles = Tiles()) -> Tiles | None:
     of EPILOGUE_TILE multiples does."""
     if m % EPILOGUE_TILE or k % EPILOGUE_TILE or n % (2 * EPILOGUE_TILE):
         return None
-    return dataclasses.replace(base, m=base.m if m % base.m == 0 else EPILOGUE_TILE,
-                               n=base.n if n % (2 * base.n) == 0 else EPILOGUE_TILE,
+    n_tile = next(c for c in (base.n, 2 * EPILOGUE_TILE, EPILOGUE_TILE) if n % (2 * c) == 0)
+    return dataclasses.replace(base, m=base.m if m % base.m == 0 else EPILOGUE_TILE, n=n_tile,
                                k=base.k if k % base.k == 0 else EPILOGUE_TILE)
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputTile:
-    """Where a consumer warpgroup's accumulator lies in the (m, n) result: its rows and columns (pl.ds), and
-    `wg`, the warpgroup (0 or 1), which indexes the per-warpgroup scratch; column_block is the accumulator's
-    column index in units of n (2 per CTA tile)."""
-    rows: object
-    cols: object
+    """Where a consumer warpgroup's accumulator lies in the (m, n) result: its rows and columns, and `wg`, the
+    warpgroup (0 or 1), which indexes the per-warpgroup scratch; column_block is the accumulator's column index in
+    units of n (2 per CTA tile); tiles, the kernel's."""
+    rows: pl.Slice
+    cols: pl.Slice
     wg: jax.Array
     column_block: jax.Array
+    tiles: Tiles
 
 
 def _kernel(a_gmem, b_gmem, *refs, t: Tiles, epilogue: Callable, scratch: dict, extra_inputs: int):
     """jax's hopper_matmul_mgpu.kernel with the caller's epilogue, lowered in Mosaic GPU's Lane semantics, not its
     Warpgroup one as jax's: the Warpgroup lowering of jax 0.10.2 has no layout rule for erf (GELU's gradient).
-    `epilogue(acc_ref, OutputTile, inputs, outputs, scratch)` runs in each consumer warpgroup after its k loop;
-    every shared-memory store it started before has been read by then."""
+    `epilogue(acc_ref, OutputTile, inputs, outputs, scratch_refs)` runs in each consumer warpgroup after its k loop;
+    every shared-memory store it started before has been read by then (its scratch is free again)."""
     ins, outs = refs[:extra_inputs], refs[extra_inputs:]
     m, k = a_gmem.shape
     n = b_gmem.shape[1]
@@ -90,22 +95,22 @@ def _kernel(a_gmem, b_gmem, *refs, t: Tiles, epilogue: Callable, scratch: dict, 
     nothing = lambda *_, **__: None  # the allocations do not depend on the bodies
 
     @functools.partial(pl.run_scoped, allocations=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
-                       scratch=scratch, collective_axes="wg")
-    def _scope(allocations, scratch):
+                       scratch_refs=scratch, collective_axes="wg")
+    def _scope(allocations, scratch_refs):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
         def _output_tile(info):
             mi, ni = plgpu.planar_snake(info.index[0], (m_tiles, n_tiles), 1, t.snake)
             at = OutputTile(rows=pl.ds(mi * t.m, t.m), cols=pl.ds(ni * cta_n + wg * t.n, t.n), wg=wg,
-                            column_block=ni * 2 + wg)
+                            column_block=ni * 2 + wg, tiles=t)
 
             def context(run_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.m, t.n), jnp.float32))
                 def _epilogue(acc_ref):
                     run_pipeline(acc_ref)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    epilogue(acc_ref, at, ins, outs, scratch)
+                    epilogue(acc_ref, at, ins, outs, scratch_refs)
 
             def mma(_, a_smem, b_smem, acc_ref):
                 plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * t.n, t.n)])
@@ -118,23 +123,56 @@ def _kernel(a_gmem, b_gmem, *refs, t: Tiles, epilogue: Callable, scratch: dict, 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def epilogue_smem(low, slots: int = 2) -> plgpu.SMEM:
-    """Each consumer warpgroup's `slots` shared-memory tiles of EPILOGUE_TILE x EPILOGUE_TILE in the compute dtype,
-    swizzled for TMA: where an epilogue's output tiles pass on their way to global memory."""
+def slots_for(t: Tiles) -> int:
+    """The shared-memory tiles a consumer warpgroup's epilogue alternates between: two, or one where its
+    accumulator is a single EPILOGUE_TILE x EPILOGUE_TILE tile (as jax's example)."""
+    return min(2, (t.m // EPILOGUE_TILE) * (t.n // EPILOGUE_TILE))
+
+
+def epilogue_smem(low, t: Tiles) -> plgpu.SMEM:
+    """Each consumer warpgroup's slots of EPILOGUE_TILE x EPILOGUE_TILE in the compute dtype, swizzled for TMA:
+    where an epilogue's output tiles pass on their way to global memory."""
     swizzle = plgpu.find_swizzle(EPILOGUE_TILE * jnp.dtype(low).itemsize * 8)
-    return plgpu.SMEM((2, slots, EPILOGUE_TILE, EPILOGUE_TILE), low, transforms=(
+    return plgpu.SMEM((2, slots_for(t), EPILOGUE_TILE, EPILOGUE_TILE), low, transforms=(
         plgpu.TilingTransform((8, swizzle // jnp.dtype(low).itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
-def epilogue_tiles(acc_shape: tuple[int, int]):
-    """An (m, n) accumulator's EPILOGUE_TILE x EPILOGUE_TILE tiles in order: (tile's slices, its part of an array
-    of the accumulator's shape, its shared-memory slot), the slots alternating 0, 1."""
-    per_row, size = acc_shape[1] // EPILOGUE_TILE, EPILOGUE_TILE
-    for i in range(acc_shape[0] // size):
-        for j in range(per_row):
-            rows, cols = slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size)
-            yield ((pl.ds(rows.start, size), pl.ds(cols.start, size)),
-                   lambda value, rows=rows, cols=cols: value[rows, cols], (i * per_row + j) % 2)
+@dataclasses.dataclass(frozen=True)
+class EpilogueTile:
+    """One EPILOGUE_TILE x EPILOGUE_TILE tile of a warpgroup's accumulator: where it lies (index: two pl.ds), its
+    shared-memory slot, and its place in its row of tiles (first, last)."""
+    rows: slice
+    cols: slice
+    slot: int
+    first: bool
+    last: bool
+
+    @property
+    def index(self):
+        return pl.ds(self.rows.start, EPILOGUE_TILE), pl.ds(self.cols.start, EPILOGUE_TILE)
+
+    def part(self, value):
+        """This tile of `value`, an array of the accumulator's shape (a register array: a slice, no copy)."""
+        return value[self.rows, self.cols]
+
+
+def epilogue_tiles(t: Tiles) -> list[EpilogueTile]:
+    """A warpgroup's accumulator in EPILOGUE_TILE x EPILOGUE_TILE tiles, row by row, the slots alternating."""
+    per_row, size = t.n // EPILOGUE_TILE, EPILOGUE_TILE
+    return [EpilogueTile(slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size),
+                         (i * per_row + j) % slots_for(t), j == 0, j == per_row - 1)
+            for i in range(t.m // size) for j in range(per_row)]
+
+
+def free_slot(t: Tiles) -> None:
+    """Wait until the store that last used the next tile's slot has read it (the one after it may run on)."""
+    plgpu.wait_smem_to_gmem(slots_for(t) - 1, wait_read_only=True)
+
+
+def store(smem, gmem) -> None:
+    """A shared-memory tile the warpgroup wrote, out to global memory by TMA (its own bulk group)."""
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, gmem)
 
 
 def gemm_with_epilogue(option: str, epilogue: Callable, scratch: dict, out_types, t: Tiles, extra_inputs: int):
@@ -145,10 +183,11 @@ def gemm_with_epilogue(option: str, epilogue: Callable, scratch: dict, out_types
         output_tiles = (a.shape[0] // t.m) * (b.shape[1] // (2 * t.n))
         on_gpu = autocast.backend() == "gpu"
         kernel = functools.partial(_kernel, t=t, epilogue=epilogue, scratch=scratch, extra_inputs=extra_inputs)
-        return plgpu.kernel(kernel, **{OUT_TYPE: out_types}, grid=(min(_sm_count(), output_tiles) if on_gpu else 1,),
-                            grid_names=("sm",), num_threads=3, thread_name="wg",
-                            compiler_params=plgpu.CompilerParams(),  # Lane: see _kernel
-                            interpret=None if on_gpu else _interpreter(option))(a, b, *extra)
+        with jax.named_scope(SCOPE):
+            return plgpu.kernel(kernel, **{OUT_TYPE: out_types},
+                                grid=(min(_sm_count(), output_tiles) if on_gpu else 1,), grid_names=("sm",),
+                                num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(),  # Lane
+                                interpret=None if on_gpu else _interpreter(option))(a, b, *extra)
     return call
 
 

@@ -13,13 +13,8 @@ from flax import nnx
 
 from jaxtrain import autocast, config, gelu_gemm, hopper_gemm, model
 from jaxtrain.errors import UserError
+from hopper_testing import ON_GPU_ONLY, runs_here, value_and_grad_as_the_step
 from test_fused_norm import _ulp_bf16
-
-# The kernel runs on a Hopper GPU, or off a GPU in Mosaic GPU's interpreter, which jax 0.9's cannot run it in (the
-# floors' jax)
-runs_here = pytest.mark.skipif(not hopper_gemm.on_hopper_or_off_gpu() or (
-    jax.default_backend() != "gpu" and not hopper_gemm.interpreter_available()),
-    reason="no Hopper GPU, and no Mosaic GPU interpreter in this jax that runs the kernel")
 
 
 def _float64_gelu_grad(pre, dh):
@@ -28,10 +23,6 @@ def _float64_gelu_grad(pre, dh):
     phi = np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
     cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
     return np.asarray(dh, np.float64) * (cdf + x * phi)
-
-
-ON_GPU_ONLY = pytest.mark.skipif(jax.default_backend() != "gpu", reason="no GPU: the interpreter runs one program "
-                                 "(a GPU's 132 SMs each loop over several tiles), slowly: minutes at this size")
 
 
 @runs_here
@@ -79,15 +70,6 @@ def _loss_and_grads(gelu_grad: str, precision: str, mesh=None, remat: str = "non
         logits = model.apply(graphdef, params, idx).astype(jnp.float32)
         return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
     return value_and_grad_as_the_step(loss, params, mesh)
-
-
-def value_and_grad_as_the_step(loss, params, mesh=None):
-    """loss's value and gradient at params, jitted with the step's compiler options, inside `mesh` where given."""
-    grad = jax.jit(jax.value_and_grad(loss), compiler_options=autocast.rounding_options(jax.default_backend()))
-    if mesh is None:
-        return grad(params)
-    with jax.set_mesh(mesh):
-        return grad(params)
 
 
 def _assert_same_model(got, want):

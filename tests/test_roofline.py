@@ -91,6 +91,19 @@ def test_attention_flops(kernels):
     assert kernels["dot_product_attention_fwd.0"]["category"] == "attention"
 
 
+def test_a_hopper_gemm_kernel_counts_its_gemm_flops():
+    """jaxtrain's Mosaic GPU gemms (hopper_gemm's name scope in the custom call's op_name): 2 m k n from the first
+    two operands, (m, k) and (k, n), whatever the epilogue reads or writes besides; another Mosaic GPU call none."""
+    param = lambda name, shape: roofline.Inst(name, shape, "parameter", [], "", False, None)
+    comp = {"a": param("a", "bf16[256,64]"), "b": param("b", "bf16[64,512]"), "pre": param("pre", "bf16[256,512]")}
+    attrs = 'custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/transpose(jvp())/hopper_gemm/mpmd_map"}'
+    call = roofline.Inst("cc", "bf16[256,512]", "custom-call", ["a", "b", "pre"], attrs, False, None)
+    moved, flops = roofline.kernel_cost({"main": comp}, "main", call)
+    assert flops == 2 * 256 * 64 * 512 and moved == (256 * 64 + 64 * 512 + 2 * 256 * 512) * 2
+    other = call._replace(attrs=attrs.replace("/hopper_gemm/", "/norm/"))
+    assert roofline.kernel_cost({"main": comp}, "main", other)[1] == 0
+
+
 def test_category_sums(kernels):
     """The matmul row: 15 cuBLAS calls per micro-batch (5 weight gemms forward: c_attn, c_proj, c_fc, mlp.c_proj,
     the tied head; 2 each backward) x 2 micro-batches; their FLOPs 3x the forward's."""
