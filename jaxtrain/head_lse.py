@@ -107,8 +107,7 @@ def _head_token_ce_fwd(x_BxTxD, w_DxV, labels_BxT, precision):
     _, head_vjp = jax.vjp(lambda x, w: model.head_logits(x, w, precision), x_BxTxD, w_DxV)  # its logits unused
     logits_NxV, lse_N = logits_and_lse(x_BxTxD.reshape(-1, x_BxTxD.shape[-1]).astype(low), w_DxV.astype(low))
     logits_BxTxV, lse_BxT = logits_NxV.reshape(*labels_BxT.shape, -1), lse_N.reshape(labels_BxT.shape)
-    picked_BxT = jnp.take_along_axis(logits_BxTxV, labels_BxT[..., None], axis=-1)[..., 0].astype(jnp.float32)
-    return lse_BxT - picked_BxT, (logits_BxTxV, labels_BxT, lse_BxT, head_vjp)
+    return loss.ce_given_lse(logits_BxTxV, labels_BxT, lse_BxT), (logits_BxTxV, labels_BxT, lse_BxT, head_vjp)
 
 
 def _head_token_ce_bwd(precision, saved, g_BxT):

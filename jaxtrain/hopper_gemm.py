@@ -79,9 +79,7 @@ def _kernel(a_gmem, b_gmem, *refs, t: Tiles, epilogue: Callable, scratch: dict, 
     ins, outs = refs[:extra_inputs], refs[extra_inputs:]
     m, k = a_gmem.shape
     n = b_gmem.shape[1]
-    low = a_gmem.dtype
-    swizzle = plgpu.find_swizzle(t.k * low.itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // low.itemsize)), plgpu.SwizzleTransform(swizzle))
+    transforms = _tma_transforms(t.k, a_gmem.dtype)
     cta_n = 2 * t.n  # the two consumer warpgroups side by side
     m_tiles, n_tiles = m // t.m, n // cta_n
 
@@ -132,9 +130,16 @@ def slots_for(t: Tiles) -> int:
 def epilogue_smem(low, t: Tiles) -> plgpu.SMEM:
     """Each consumer warpgroup's slots of EPILOGUE_TILE x EPILOGUE_TILE in the compute dtype, swizzled for TMA:
     where an epilogue's output tiles pass on their way to global memory."""
-    swizzle = plgpu.find_swizzle(EPILOGUE_TILE * jnp.dtype(low).itemsize * 8)
-    return plgpu.SMEM((2, slots_for(t), EPILOGUE_TILE, EPILOGUE_TILE), low, transforms=(
-        plgpu.TilingTransform((8, swizzle // jnp.dtype(low).itemsize)), plgpu.SwizzleTransform(swizzle)))
+    return plgpu.SMEM((2, slots_for(t), EPILOGUE_TILE, EPILOGUE_TILE), low,
+                      transforms=_tma_transforms(EPILOGUE_TILE, low))
+
+
+def _tma_transforms(cols: int, dtype):
+    """Shared memory laid out for TMA and wgmma, as jax's example lays it: rows of `cols` elements swizzled by the
+    widest swizzle that divides them, in tiles of 8 rows."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,10 +31,14 @@ def token_ce(logits_BxTxV: jax.Array, labels_BxT: jax.Array) -> jax.Array:
 
 
 def _token_ce_fwd(logits_BxTxV, labels_BxT):
-    logits_f32 = logits_BxTxV.astype(jnp.float32)
-    lse_BxT = logsumexp(logits_f32)
-    picked_BxT = jnp.take_along_axis(logits_f32, labels_BxT[..., None], axis=-1)[..., 0]
-    return lse_BxT - picked_BxT, (logits_BxTxV, labels_BxT, lse_BxT)
+    lse_BxT = logsumexp(logits_BxTxV.astype(jnp.float32))
+    return ce_given_lse(logits_BxTxV, labels_BxT, lse_BxT), (logits_BxTxV, labels_BxT, lse_BxT)
+
+
+def ce_given_lse(logits_BxTxV, labels_BxT, lse_BxT):
+    """token_ce given each token's logsumexp of the logits: it less the label's logit, in fp32 (also head_lse.py's,
+    whose logsumexp a kernel computes)."""
+    return lse_BxT - jnp.take_along_axis(logits_BxTxV, labels_BxT[..., None], axis=-1)[..., 0].astype(jnp.float32)
 
 
 def _token_ce_bwd(residuals, g_BxT):

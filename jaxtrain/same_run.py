@@ -16,7 +16,7 @@ from jaxtrain.errors import UserError
 # Sections and keys that shape the trajectory: resuming with any of them changed is refused. train.steps is not
 # one of them (a finished run may be extended), but the decay length it defaults to is. Where the data lies
 # (data.path, data.cache_dir) is not either: its content is compared instead (data.check_same_data). How the model
-# computes (attention kernel, norm and GELU-gradient kernels, rematerialisation, vocabulary tiling: the same math,
+# computes (attention kernel, the norm and gemm kernels, rematerialisation, vocabulary tiling: the same math,
 # rounded alike or in another order) is not: it may change on resume, to fit another device, and checkpoints written
 # before these keys existed still resume.
 TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "train.loss_scale", "run.seed",
