@@ -24,11 +24,11 @@ from jaxtrain.cmdline import CONFIG_FLAGS_HELP, output_file, positive_int
 from jaxtrain.errors import UserError, exit_on_user_error
 
 MODEL = ('bytes = operand + result sizes (a fusion parameter read only through slice, dynamic-slice or gather, '
-         'directly or through converts, counts those results; an in-place dynamic-update-slice counts its update, not '
-         "its buffer; cuBLAS/cuDNN workspaces excluded); flops = 2*M*N*K per dot, cuBLAS call or jaxtrain's Mosaic "
-         "GPU gemm (hopper_gemm), cuDNN attention 4*B*H*T*L*D/2 (causal) forward and 2.5x that backward, elementwise "
-         "flops ignored; a while body's kernels count its known_trip_count times (once if XLA does not know it), a "
-         "conditional its costliest branch")
+         'directly or through converts, counts those results; an in-place dynamic-update-slice counts its update and '
+         "what else reads its buffer, not the whole buffer; cuBLAS/cuDNN workspaces excluded); flops = 2*M*N*K per "
+         "dot, cuBLAS call or jaxtrain's Mosaic GPU gemm (hopper_gemm), cuDNN attention 4*B*H*T*L*D/2 (causal) "
+         "forward and 2.5x that backward, elementwise flops ignored; a while body's kernels count its "
+         "known_trip_count times (once if XLA does not know it), a conditional its costliest branch")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
@@ -103,8 +103,11 @@ def fusion_bytes(comps, inst: Inst) -> int:
             written += nbytes(body[out.operands[1]].shape)
         else:
             written += nbytes(out.shape)
+    for name in in_place:  # updated where it lies: what the fusion reads of it is what its other users read
+        users[name] = [user for user in users[name] if not (user.op == "dynamic-update-slice"
+                                                             and user.operands[0] == name)]
     read = 0
-    for param in (i for i in body.values() if i.op == "parameter" and i.name not in in_place):
+    for param in (i for i in body.values() if i.op == "parameter" and (i.name not in in_place or users[i.name])):
         full, dtype = nbytes(param.shape), shapes(param.shape)[0][0]
         elements = sliced_elements(users, param.name)
         read += full if elements is None else min(full, elements * DTYPE_BYTES[dtype])

@@ -10,8 +10,8 @@ roofline (benchmarks/NOTES.md). Here each consumer warpgroup's accumulator, once
 is reduced on its way out to each row's (max, sum of exp(logit - max)) over its n columns; the logsumexp is those
 pairs combined, a read of V / n pairs a token instead of V logits. The backward pass is the one token_ce has
 (loss.token_ce_grad: softmax - one_hot from the logits and the logsumexp, then the head's two gradient gemms),
-unchanged. An estimate, not measured on a GPU yet, which is why it is not the default: benchmarks/device_check.py's
-stages measure it.
+written over the logits (_ce_grad_over_logits). An estimate, not measured on a GPU yet, which is why it is not
+the default: benchmarks/device_check.py's stages measure it.
 
 Numerics: the logits are autocast's (the fp32 accumulator rounded once, as cuBLAS rounds the head's output); the
 logsumexp is of those rounded logits in fp32, summed in another order than loss.logsumexp's (within fp32 roundings
@@ -106,14 +106,31 @@ def _head_token_ce_fwd(x_BxTxD, w_DxV, labels_BxT, precision):
     low = autocast.COMPUTE_DTYPES[precision]
     _, head_vjp = jax.vjp(lambda x, w: model.head_logits(x, w, precision), x_BxTxD, w_DxV)  # its logits unused
     logits_NxV, lse_N = logits_and_lse(x_BxTxD.reshape(-1, x_BxTxD.shape[-1]).astype(low), w_DxV.astype(low))
-    logits_BxTxV, lse_BxT = logits_NxV.reshape(*labels_BxT.shape, -1), lse_N.reshape(labels_BxT.shape)
-    return loss.ce_given_lse(logits_BxTxV, labels_BxT, lse_BxT), (logits_BxTxV, labels_BxT, lse_BxT, head_vjp)
+    labels_N = labels_BxT.reshape(-1)
+    ce_N = loss.ce_given_lse(logits_NxV, labels_N, lse_N)
+    return ce_N.reshape(labels_BxT.shape), (logits_NxV, labels_N, lse_N, head_vjp)
 
 
 def _head_token_ce_bwd(precision, saved, g_BxT):
-    logits_BxTxV, labels_BxT, lse_BxT, head_vjp = saved
-    g_x, g_w = head_vjp(loss.token_ce_grad(logits_BxTxV, labels_BxT, lse_BxT, g_BxT))
+    logits_NxV, labels_N, lse_N, head_vjp = saved
+    grad_NxV = _ce_grad_over_logits(logits_NxV, labels_N, lse_N, g_BxT.reshape(-1))
+    g_x, g_w = head_vjp(grad_NxV.reshape(*g_BxT.shape, -1))
     return g_x, g_w, None
+
+
+def _ce_grad_over_logits(logits_NxV, labels_N, lse_N, g_N):
+    """loss.token_ce_grad written over the logits, which die there, each device on its rows: each half of them an
+    update of the logits in place (a dynamic_update_slice, which XLA runs in the buffer it updates). Written whole,
+    the gradient took a buffer of its own (+0.77 GiB at GPT-2's 8192 tokens a micro-batch, the dry run's step
+    temporaries): XLA gives an elementwise pass its operand's buffer only where the pass uses the instruction that
+    defined it, and the logits are one output of the kernel's two. In the kernel's (N, V) shape: a reshape between
+    the two made XLA copy the logits for the update."""
+    def on_rows(logits, labels, lse, g):
+        cut = logits.shape[0] // 2
+        for part in (slice(0, cut), slice(cut, None)):
+            logits = logits.at[part].set(loss.token_ce_grad(logits[part], labels[part], lse[part], g[part]))
+        return (logits,)
+    return mesh.on_each_devices_rows(on_rows, 4, 0, 1)(logits_NxV, labels_N, lse_N, g_N)[0]
 
 
 head_token_ce.defvjp(_head_token_ce_fwd, _head_token_ce_bwd)

@@ -138,6 +138,24 @@ def test_gpu_target_compiles_for_that_gpu(devices):
     assert proc.stderr.strip().splitlines()[-1].startswith("fits:") and "XLA:CPU" not in proc.stderr
 
 
+@pytest.mark.skipif(not target_devices.compiler_installed("h100"), reason="needs jax's CUDA plugin (no GPU)")
+def test_the_head_kernel_holds_the_logits_once():
+    """model.head_lse=pallas compiled for an H100: the loss's gradient is written over the kernel's logits, as over
+    XLA's gemm's, so the step's temporaries grow by the kernel's small extras (its pairs, 4 MiB here; wte's fp32
+    transpose, 8 MiB), not by a second buffer of the micro-batch's logits (32 x 128 tokens x 16,384 in bf16:
+    128 MiB)."""
+    run = lambda lse: subprocess.run(
+        [sys.executable, "-m", "jaxtrain.run", "--config", "configs/tiny.yaml", "--model.vocab_size=16384",
+         "--run.dry_run=true", "--run.target_device=h100", "--run.dry_run_devices=1", f"--model.head_lse={lse}"],
+        capture_output=True, text=True, timeout=600)
+    temporaries = {}
+    for lse in ("xla", "pallas"):
+        proc = run(lse)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        temporaries[lse] = table_value(proc.stdout, "step temporaries") * GIB
+    assert temporaries["pallas"] - temporaries["xla"] < 32 * 128 * 16384 * 2 / 4
+
+
 @pytest.mark.skipif(not target_devices.compiler_installed("v5e"), reason="needs libtpu (no TPU)")
 @pytest.mark.parametrize("target,kind", [("v5e", "TPU v5 lite"), ("v5p", "TPU v5")])
 def test_tpu_target_compiles_for_that_slice(target, kind):

@@ -83,6 +83,38 @@ def test_a_gather_through_a_convert_reads_only_what_it_gathers():
     assert pick_and_reduce["bytes"] == 100 * 50 * 2 + 10 * 2 * 4 + 10 * 4
 
 
+HALF = """HloModule m
+
+%fused_half (p0: bf16[8,6], p1: f32[8]) -> bf16[8,6] {
+  %p0 = bf16[8,6]{1,0} parameter(0)
+  %s = bf16[4,6]{1,0} slice(%p0), slice={[4:8], [0:6]}
+  %c = f32[4,6]{1,0} convert(%s)
+  %p1 = f32[8]{0} parameter(1)
+  %t = f32[4]{0} slice(%p1), slice={[4:8]}
+  %tb = f32[4,6]{1,0} broadcast(%t), dimensions={0}
+  %d = f32[4,6]{1,0} subtract(%c, %tb)
+  %b = bf16[4,6]{1,0} convert(%d)
+  %i = s32[] constant(4)
+  %z = s32[] constant(0)
+  ROOT %u = bf16[8,6]{1,0} dynamic-update-slice(%p0, %b, %i, %z)
+}
+
+ENTRY %main (a: bf16[8,6], l: f32[8]) -> bf16[8,6] {
+  %a = bf16[8,6]{1,0} parameter(0)
+  %l = f32[8]{0} parameter(1)
+  ROOT %f = bf16[8,6]{1,0} fusion(%a, %l), kind=kLoop, calls=%fused_half
+}
+"""
+
+
+def test_an_update_in_place_reads_the_part_of_its_buffer_it_reads():
+    """head_lse's gradient over the logits: the second half of a bf16[8,6] buffer, read through a slice, rewritten
+    in place from itself and 4 of 8 f32 values: 24 elements read (48 bytes), 4 x 4 bytes, 48 bytes written; not
+    the whole buffer read, nor none of it."""
+    (half,) = roofline.roofline(HALF, PEAK, BANDWIDTH)
+    assert half["bytes"] == 4 * 6 * 2 + 4 * 4 + 4 * 6 * 2
+
+
 def test_attention_flops(kernels):
     """cuDNN's causal attention: 4*B*H*T*L*D/2 forward (B 2 sequences, 2 heads of 32, T = L = 32), 2.5x backward."""
     forward = 4 * 2 * HEADS * T * T * (D // HEADS) / 2
