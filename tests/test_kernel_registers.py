@@ -1,0 +1,57 @@
+"""benchmarks/kernel_registers.py: ptxas's report of the Hopper gemm kernels, compiled ahead of time without a GPU;
+its parser on a report as ptxas writes it, and, where jax's CUDA plugin is installed, the kernels' default tile
+settings free of spills against a setting whose accumulator cannot fit (256 fp32 registers a thread of 232)."""
+
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from benchmarks import kernel_registers
+from jaxtrain import target_devices
+
+# ptxas's report of c_proj's dx kernel at 128 x 256 tiles (jax 0.10.2's CUDA plugin), lines as it wrote them
+SPILLING = ("ptxas info    : (C7519) warpgroup.arrive is injected in around line 863 by compiler to allow use of "
+            "registers in GMMA in function 'anonymous_mosaic_gpu_kernel'\n"
+            "ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+            "insufficient register resources for the wgmma pipeline in the function 'anonymous_mosaic_gpu_kernel'\n"
+            "ptxas info    : 0 bytes gmem\n"
+            "ptxas info    : Compiling entry function 'anonymous_mosaic_gpu_kernel' for 'sm_90a'\n"
+            "ptxas info    : Function properties for anonymous_mosaic_gpu_kernel\n"
+            "    720 bytes stack frame, 1232 bytes spill stores, 1232 bytes spill loads\n"
+            "ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem\n"
+            "ptxas info    : Compile time = 336.366 ms\n")
+
+needs_plugin = pytest.mark.skipif(not target_devices.compiler_installed("h100"),
+                                  reason="needs jax's CUDA plugin (no GPU)")
+
+
+def test_the_report_is_read_as_ptxas_writes_it():
+    assert kernel_registers.ptxas_figures(SPILLING) == {"stack": 720, "spill_stores": 1232, "spill_loads": 1232,
+                                                        "notes": ["C7511", "C7519"]}
+    assert kernel_registers.ptxas_figures("compiled, but ptxas said nothing") is None
+
+
+def run(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.kernel_registers", *flags], capture_output=True,
+                          text=True, timeout=900)
+
+
+@needs_plugin
+def test_the_default_tiles_do_not_spill_and_an_oversized_accumulator_does():
+    proc = run("--gelu-tiles=128x128x4x8,128x256x2x8", "--head-tiles=128x192x2x8")
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[3].strip()
+            for line in proc.stdout.splitlines() if line.startswith(("| gelu", "| head"))}
+    assert rows[("gelu", "128x128x4x8")] == "0 / 0" and rows[("head", "128x192x2x8")] == "0 / 0"
+    stores, loads = map(int, rows[("gelu", "128x256x2x8")].split(" / "))
+    assert stores > 0 and loads > 0
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        "failed: gelu 128x256x2x8 (spills, refused, or no ptxas report)")
+
+
+def test_without_the_cuda_plugin_exits_2_naming_the_fix():
+    if target_devices.compiler_installed("h100"):
+        pytest.skip("jax's CUDA plugin is installed here: the error path needs an environment without it")
+    proc = run("--head-tiles=")
+    assert proc.returncode == 2 and f'pip install "jax[cuda12]=={jax.__version__}"' in proc.stderr
