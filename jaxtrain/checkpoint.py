@@ -1,8 +1,8 @@
 """Orbax checkpoints in <out_dir>/checkpoints/<step>/, verified on resume, with fallback past a bad one.
 
 Each step folder holds `state` (params and the whole optax state, MultiSteps counters included, saved sharded
-by orbax) and `meta` (JSON: the step, the resolved config, the eval loss if one ran at that step, and a fingerprint
-of every array). Saves are asynchronous: training continues while the arrays are written, and orbax only renames a
+by orbax) and `meta` (JSON: the step, the resolved config, the eval loss if one ran at that step, the tokens trained
+on so far, and a fingerprint of every array). Saves are asynchronous: training continues while the arrays are written, and orbax only renames a
 step folder into place once it is complete, so a crash during a save never leaves a half-written checkpoint where
 resume would find it (its `<step>.orbax-checkpoint-tmp` folder is removed at the next start; in a gs:// run
 folder, which has no rename, orbax writes in place and a step counts once its commit_success.txt is written).
@@ -56,6 +56,7 @@ class Resumed(NamedTuple):
     step: int
     state: TrainState
     data_seed: int  # orders the batches: run.seed, or the data seed of a full state the run started from
+    tokens: int | None  # valid target tokens trained on up to the step; None in checkpoints of before the count
 
 
 @dataclasses.dataclass
@@ -106,10 +107,12 @@ class Checkpointer:
         self.wait()
         return self.latest_step()
 
-    def save(self, state, data_seed: int, eval_loss: float | None = None) -> None:
+    def save(self, state, data_seed: int, eval_loss: float | None = None, tokens: int | None = None) -> None:
         """Start saving `state` at its optimizer step (returns once its fingerprint is computed and the arrays are
         copied off the device, before the write completes). `data_seed` orders the batches (run.seed, or the data
-        seed of a full state the run started from: data.continued_seed); `eval_loss`: the eval at this step.
+        seed of a full state the run started from: data.continued_seed); `eval_loss`: the eval at this step;
+        `tokens`: the valid target tokens trained on up to it (metrics.jsonl's count), which a resumed run goes on
+        from (None where unknown).
         A state holding inf or NaN is refused (a UserError) before anything is written: finite metrics can still
         follow an update that overflowed the params (a huge LR times a finite gradient)."""
         step = int(state.step)
@@ -121,7 +124,8 @@ class Checkpointer:
         if eval_loss is not None and (self.best is None or eval_loss < self.best["eval_loss"]):
             self._set_best({"step": step, "eval_loss": eval_loss})
         meta = {"step": step, "data_seed": data_seed, "data_fingerprint": self.data_fingerprint,
-                "eval_loss": eval_loss, "best": self.best, "fingerprint": sums, "config": self.saved_config}
+                "eval_loss": eval_loss, "best": self.best, "fingerprint": sums, "config": self.saved_config,
+                "tokens": tokens}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -138,7 +142,7 @@ class Checkpointer:
             self._set_aside(failed)
             self._go_on_with(resumed_cfg)
             self._set_best(meta.get("best"))
-            return Resumed(step, state, meta.get("data_seed", meta["config"]["run"]["seed"]))
+            return Resumed(step, state, meta.get("data_seed", meta["config"]["run"]["seed"]), meta.get("tokens"))
         if failed:
             raise UserError(f"none of the {len(failed)} checkpoints in {self.directory} can be resumed (newest: "
                             f"{failed[0][1]}); start over with --run.fresh=true, which moves them aside")

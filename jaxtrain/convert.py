@@ -151,7 +151,7 @@ def from_torch(src: str, out_dir: str) -> None:
         config_lib.save(cfg, out_dir)
         checkpointer = checkpoint_lib.Checkpointer(cfg, trainer_state.get("data_fingerprint"))
         try:
-            checkpointer.save(state, cfg.run.seed)
+            checkpointer.save(state, cfg.run.seed, tokens=trainer_state["data"].get("tokens"))
             checkpointer.wait()
         finally:
             checkpointer.close()  # the save's writes end here, before a failure removes what they wrote

@@ -109,8 +109,8 @@ def train_line(step: int, loss: float, lr: float, grad_norm: float, tokens: int,
 
 class MetricsLogger:
     """Writes metrics for steps start_step+1 .. cfg.train.steps. Only the main process writes. `start_tokens`: the
-    tokens trained before start_step where metrics.jsonl has no line to say (init.from's training state); None:
-    start_step windows of this config's size."""
+    tokens trained up to start_step (the resumed checkpoint's count, init.from's training state's); None: from
+    metrics.jsonl's last line kept, or start_step windows of this config's size where there is none."""
 
     def __init__(self, cfg: Config, *, start_step: int, flops_per_token: float, n_devices: int,
                  device_kind: str, is_main: bool, start_tokens: int | None = None):
@@ -123,10 +123,12 @@ class MetricsLogger:
         train_lines = [record for record in map(json.loads, kept) if "loss" in record]
         last = train_lines[-1] if train_lines else None
         tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
-        if last:  # its tokens and the steps since it, whole windows of this config (a resume: the same run)
+        if start_tokens is not None:
+            self.tokens = start_tokens
+        elif last:  # its tokens and the steps since it, whole windows of this config (a resume: the same run)
             self.tokens = last["tokens"] + (start_step - last["step"]) * tokens_per_step
         else:
-            self.tokens = start_step * tokens_per_step if start_tokens is None else start_tokens
+            self.tokens = start_step * tokens_per_step
         peak = peak_flops(cfg, device_kind)
         self.flops_per_s_peak = peak * n_devices if peak else None
         self.flops_per_token = flops_per_token

@@ -141,10 +141,13 @@ class Trainer:
         return cfg.run.seed
 
     def tokens_before_start(self) -> int | None:
-        """The tokens that init.from's full training state was trained on, which a new run from it goes on
-        counting (its data.batch_size may have been another); None where metrics.jsonl's lines say, or nothing ran."""
+        """The tokens trained on before the first step this run takes, which it goes on counting: the resumed
+        checkpoint's count, or that of init.from's full training state (its data.batch_size may have been another);
+        None where neither says (a checkpoint of before the count: metrics.jsonl's lines do) or nothing ran."""
+        if self.resumed is not None:
+            return self.resumed.tokens
         source = self.cfg.init.from_
-        if self.resumed is not None or source is None or not checkpoint_kind.holds_training_state(source):
+        if source is None or not checkpoint_kind.holds_training_state(source):
             return None
         return torch_format.read_trainer_state(source)["data"].get("tokens")
 
@@ -327,7 +330,8 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
             logger.eval(step, summary["eval_loss"], summary["eval_accuracy"])
         if save:  # refuses a state holding inf or NaN
             logger.sync()  # metrics.jsonl reaches this step before its checkpoint can exist
-            trainer.checkpointer.save(state, trainer.data_seed, summary["eval_loss"] if evaluate else None)
+            trainer.checkpointer.save(state, trainer.data_seed, summary["eval_loss"] if evaluate else None,
+                                      logger.tokens)
         if save or evaluate:
             logger.exclude_time()
         if stopping:  # said once the step is committed: an operator or a preemption script acts on this line

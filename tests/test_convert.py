@@ -274,6 +274,7 @@ def test_convert_cli_round_trip(tmp_path, capsys):
     resumed = restorer.resume(target)
     restorer.close()
     assert resumed.step == STEPS and resumed.data_seed == 7
+    assert resumed.tokens == STEPS * cfg.data.batch_size * cfg.model.seq_len  # to-torch's count, carried back
     assert json.load(open(tmp_path / "back" / "checkpoints" / str(STEPS) / "meta" / "metadata"))["data_fingerprint"] \
         == "f" * 64
     assert_same_state(resumed.state, state, target)
@@ -446,8 +447,8 @@ def test_from_torch_refuses_inf_or_nan_and_leaves_no_half_written_folder(tmp_pat
 
     save = checkpoint.Checkpointer.save
 
-    def full_disk(self, *args):  # the step's files written, then the disk full
-        save(self, *args)
+    def full_disk(self, *args, **kwargs):  # the step's files written, then the disk full
+        save(self, *args, **kwargs)
         self.wait()
         assert os.listdir(os.path.join(self.cfg.run.out_dir, "checkpoints"))
         raise OSError(28, "No space left on device")

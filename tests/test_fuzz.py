@@ -527,7 +527,7 @@ def jax_run(tokens, tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("jax_run"))
     trainer = run.Trainer(config.load(run_args(tokens, out)))
     config.save(trainer.cfg, out)
-    trainer.checkpointer.save(trainer.initial_state(), trainer.data_seed, trainer.data.fingerprint)
+    trainer.checkpointer.save(trainer.initial_state(), trainer.data_seed)
     trainer.checkpointer.wait()
     trainer.checkpointer.close()
     return out

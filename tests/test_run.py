@@ -312,3 +312,19 @@ def test_a_new_run_from_a_training_state_counts_on_from_its_tokens(tmp_path, cac
     run.train(config.load(small_args(new, cache_dir, "--data.batch_size=16", f"--init.from={tmp_path / 'dst'}")))
     assert [line["tokens"] for line in read_metrics(new) if "loss" in line] == [4 * 8 * 32 + s * 16 * 32
                                                                                for s in (1, 2, 3, 4)]
+
+
+def test_a_resumed_run_counts_on_from_its_checkpoints_tokens(tmp_path, cache_dir):
+    """A new run from init.from's state of 4 steps of 8 x 32 tokens, at data.batch_size=16, saved at step 6; its
+    metrics.jsonl lost (as when a stop comes before a run's first line, log.every beyond the save): resumed, it
+    counts on from the checkpoint's 4 x 8 x 32 + 2 x 16 x 32 tokens, not from 6 of its own windows."""
+    first, new = str(tmp_path / "first"), str(tmp_path / "new")
+    run.train(config.load(small_args(first, cache_dir, "--train.steps=4")))
+    convert.main(["to-torch", f"{first}/checkpoints/4", str(tmp_path / "dst")])
+    from_state = small_args(new, cache_dir, "--data.batch_size=16", f"--init.from={tmp_path / 'dst'}",
+                            "--optim.decay_steps=8")  # the schedule of train.steps=8 in the run stopped at 6
+    run.train(config.load(from_state + ["--train.steps=6"]))
+    os.remove(os.path.join(new, "metrics.jsonl"))
+    run.train(config.load(from_state))
+    assert [line["tokens"] for line in read_metrics(new) if "loss" in line] == [4 * 8 * 32 + s * 16 * 32
+                                                                               for s in (3, 4)]
