@@ -2,10 +2,11 @@
 
 Each step folder holds `state` (params and the whole optax state, MultiSteps counters included, saved sharded
 by orbax) and `meta` (JSON: the step, the resolved config, the eval loss if one ran at that step, the tokens trained
-on so far, and a fingerprint of every array). Saves are asynchronous: training continues while the arrays are written, and orbax only renames a
-step folder into place once it is complete, so a crash during a save never leaves a half-written checkpoint where
-resume would find it (its `<step>.orbax-checkpoint-tmp` folder is removed at the next start; in a gs:// run
-folder, which has no rename, orbax writes in place and a step counts once its commit_success.txt is written).
+on so far, and a fingerprint of every array). Saves are asynchronous: training continues while the arrays are
+written, and orbax only renames a step folder into place once it is complete, so a crash during a save never leaves
+a half-written checkpoint where resume would find it (its `<step>.orbax-checkpoint-tmp` folder is removed at the
+next start; in a gs:// run folder, which has no rename, orbax writes in place and a step counts once its
+commit_success.txt is written).
 Restore places every array directly on its target sharding (MaxText-style), so a pod never gathers a full copy
 on one host.
 
