@@ -92,7 +92,8 @@ MODEL_TESTS = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
 STEP = ("-m", "benchmarks.run", *GPT2, *AB, "--data.batch_size=128", "--optim.grad_accum_steps=4",
         "--model.norm={norm}")
 KERNEL_TESTS = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=short")
-BOTH_KERNELS = ("--model.gelu_grad=pallas", "--model.head_lse=pallas")
+KERNEL_OPTIONS = {"gelu": "--model.gelu_grad=pallas", "head": "--model.head_lse=pallas",
+                  "qkv": "--model.qkv_grad=pallas"}  # the three Hopper gemm kernels, each a stage's name
 
 STAGES = (
     Stage("env", "versions, the GPU, and whether jaxtrain imports on the image's jax", ("-c", ENV_SCRIPT), 15, 60,
@@ -108,29 +109,31 @@ STAGES = (
     Stage("head_tests", "the head gemm with the logsumexp in its epilogue (model.head_lse=pallas, head_lse.py: never "
           "run on a GPU) as Mosaic GPU compiles it, against float64 and the loss without it",
           KERNEL_TESTS + ("tests/test_head_lse.py",), 35, 120),
-    Stage("step_kernels", "jaxtrain's row with both gemm kernels (against `step`: the roofline says -6.9%)",
-          STEP + BOTH_KERNELS, 45, 100, json=True),
-    Stage("step_gelu", "jaxtrain's row with the GELU-gradient kernel alone (the roofline: -4.8%)",
-          STEP + ("--model.gelu_grad=pallas",), 45, 100, json=True),
-    Stage("step_head", "jaxtrain's row with the head's kernel alone (the roofline: -2.1%; the profile's logsumexp "
-          "pass, 5.11 ms of 139.5, gone)", STEP + ("--model.head_lse=pallas",), 45, 100, json=True),
+    Stage("qkv_tests", "c_attn's dx over q's, k's and v's gradients (model.qkv_grad=pallas, qkv_grad.py: never run "
+          "on a GPU) as Mosaic GPU compiles it, against float64 and the model without it",
+          KERNEL_TESTS + ("tests/test_qkv_grad.py",), 30, 120),
+    Stage("step_kernels", "jaxtrain's row with the three gemm kernels (against `step`: the roofline says -7.7%)",
+          STEP + tuple(KERNEL_OPTIONS.values()), 45, 100, json=True),
     Stage("gelu_ab", "the GELU kernel alone at GPT-2's shapes, five tile settings, against XLA's gemm and GELU "
           "backward (5.79 ms of the 139.5 ms profile) and the gemm alone", ("-m", "benchmarks.gelu_gemm"), 40, 90),
     Stage("head_ab", "the head's kernel alone at GPT-2's shapes, five tile settings, against XLA's gemm and "
           "logsumexp and the gemm alone", ("-m", "benchmarks.head_lse"), 40, 90),
+    Stage("qkv_ab", "c_attn's dx kernel alone at GPT-2's shapes, five tile settings, against XLA's concatenation "
+          "and gemm (the concatenation: 4.21 ms of the profile) and the gemm alone", ("-m", "benchmarks.qkv_grad"),
+          40, 90),
     Stage("model_tests", "test_model's bit-for-bit tests against torch on the GPU, compiled as the step compiles "
           "(six failed under XLA's default excess precision on 2026-11-28, all passed without it), cuDNN's "
           "attention against the written-out one, and the q, k, v gemms (Linear.column_blocks) against the one gemm "
           "split, the loss's one-pass logsumexp against float64", MODEL_TESTS, 40, 90),
-    Stage("lse_ab", "the loss's logsumexp alone, one read against two (NOTES, the profile against the roofline)",
-          ("-c", LSE_SCRIPT, "16384", "50304"), 25, 60),
-    Stage("profile", "where the step's time goes with both gemm kernels (139.5 ms of GPU time without them, "
+    Stage("profile", "where the step's time goes with the three gemm kernels (139.5 ms of GPU time without them, "
           "2026-11-28)", ("-m", "benchmarks.profile", "--config", "configs/gpt2-124m.yaml", "--synthetic",
                           "--data.batch_size=64", "--optim.grad_accum_steps=4", "--model.norm={norm}",
-                          *BOTH_KERNELS), 50, 120),
+                          *KERNEL_OPTIONS.values()), 50, 120),
 )
 # Run only where --stages names them (they do not fit the default budget beside the stages above): the README's
-# table, whose command and config are what the step's default is; and the cost of torch's roundings, answered twice.
+# table, whose command and config are what the step's default is; the cost of torch's roundings, answered twice;
+# each kernel's step alone (where step_kernels and the kernels' A/Bs leave it open which one helps); the loss's
+# logsumexp alone (a lead the head's kernel may make moot).
 ON_REQUEST = (
     Stage("table", "the README's table: jaxtrain bf16 against torchref eager and torch.compile, MFU of 989 TFLOP/s "
           "(NOTES stage 4)", ("-m", "benchmarks.run", *GPT2, *TABLE, "--model.norm={norm}", "--rows",
@@ -139,6 +142,14 @@ ON_REQUEST = (
     Stage("step_excess", "jaxtrain's row with XLA's excess precision back on (the step compiles without it on a GPU "
           "since 2026-11-28, autocast.rounding_options): what torch's roundings cost (2026-11-28: 272.8 ms without, "
           "275.8 with)", STEP, 40, 100, json=True, env=EXCESS),
+    Stage("step_gelu", "jaxtrain's row with the GELU-gradient kernel alone (the roofline: -4.8%)",
+          STEP + (KERNEL_OPTIONS["gelu"],), 45, 100, json=True),
+    Stage("step_head", "jaxtrain's row with the head's kernel alone (the roofline: -2.1%; the profile's logsumexp "
+          "pass, 5.11 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["head"],), 45, 100, json=True),
+    Stage("step_qkv", "jaxtrain's row with c_attn's dx kernel alone (the roofline: -0.8%; the profile's "
+          "concatenation, 4.21 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["qkv"],), 45, 100, json=True),
+    Stage("lse_ab", "the loss's logsumexp alone, one read against two (NOTES, the profile against the roofline)",
+          ("-c", LSE_SCRIPT, "16384", "50304"), 25, 60),
 )
 
 

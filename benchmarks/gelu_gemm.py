@@ -50,15 +50,16 @@ def gemm_alone(g, w_t, pre):
 
 
 def parse_tiles(text: str) -> list[hopper_gemm.Tiles]:
-    """'128x128x4x8,128x64x3x8' -> Tiles (m, n, stages, snake), each a multiple of 64 where a tile is."""
+    """'128x128x4x8,128x128x2x8x32' -> Tiles (m, n, stages, snake[, k]: 64 where not given), m and n multiples of
+    64 where a tile is."""
     try:
-        tiles = [hopper_gemm.Tiles(m=m, n=n, stages=s, snake=w) for m, n, s, w in
+        tiles = [hopper_gemm.Tiles(m=m, n=n, stages=s, snake=w, k=k[0] if k else 64) for m, n, s, w, *k in
                  (map(int, t.split("x")) for t in text.split(","))]
-    except ValueError:
+    except (ValueError, TypeError):
         tiles = []
-    if not tiles or any(t.m % 64 or t.n % 64 or t.stages < 1 or t.snake < 1 for t in tiles):
-        raise UserError(f"--tiles {text!r}: give m x n x stages x snake, m and n multiples of 64, comma-separated, "
-                        f"e.g. --tiles 128x128x4x8")
+    if not tiles or any(t.m % 64 or t.n % 64 or t.k % 32 or t.stages < 1 or t.snake < 1 for t in tiles):
+        raise UserError(f"--tiles {text!r}: give m x n x stages x snake [x k], m and n multiples of 64, k of 32, "
+                        f"comma-separated, e.g. --tiles 128x128x4x8")
     return tiles
 
 
@@ -102,7 +103,8 @@ def kernel_rows(settings, kernel_for, args, iters: int, rate, check) -> tuple[li
     so. The rows, and the names of the settings refused or wrong. Also benchmarks.head_lse's."""
     lines, failed = [], []
     for tiles in settings:
-        name = f"kernel {tiles.m}x{tiles.n}, {tiles.stages} stages, snake {tiles.snake}"
+        k = "" if tiles.k == 64 else f", k {tiles.k}"
+        name = f"kernel {tiles.m}x{tiles.n}{k}, {tiles.stages} stages, snake {tiles.snake}"
         kernel = jax.jit(kernel_for(tiles))
         try:
             seconds, got = timed(kernel, args, iters), kernel(*args)

@@ -1,9 +1,10 @@
-"""What ptxas makes of the hand-written Hopper gemm kernels, without a GPU: each kernel (model.gelu_grad=pallas's
-and model.head_lse=pallas's) at GPT-2 124M's shapes and at each tile setting its benchmark times, compiled ahead of
-time for an H100 through jax's CUDA plugin, which runs ptxas; Mosaic GPU prints ptxas's report where
-MOSAIC_GPU_DUMP_PTXAS is set. One table: spill stores and loads, stack frame, ptxas's notes.
+"""What ptxas makes of the hand-written Hopper gemm kernels, without a GPU: each kernel (model.gelu_grad=pallas's,
+model.head_lse=pallas's and model.qkv_grad=pallas's) at GPT-2 124M's shapes and at each tile setting its benchmark
+times, compiled ahead of time for an H100 through jax's CUDA plugin, which runs ptxas; Mosaic GPU prints ptxas's
+report where MOSAIC_GPU_DUMP_PTXAS is set. One table: spill stores and loads, stack frame, ptxas's notes.
 
     python -m benchmarks.kernel_registers [--rows 16384] [--d 768] [--vocab 50304] [--gelu-tiles T] [--head-tiles T]
+                                          [--qkv-tiles T]
 
 Why: a consumer warpgroup holds its m x n fp32 accumulator in registers (m n / 128 a thread: 128 at 128 x 128,
 192 at head_lse's 128 x 192) beside the epilogue's copies, of the 232 a thread that the pipeline's setmaxnreg gives
@@ -22,14 +23,15 @@ import re
 import subprocess
 import sys
 
-from benchmarks import gelu_gemm as gelu_bench, head_lse as head_bench
+from benchmarks import gelu_gemm as gelu_bench, head_lse as head_bench, qkv_grad as qkv_bench
 from benchmarks.gelu_gemm import parse_tiles
 from benchmarks.roofline import require_compiler
 from jaxtrain.cmdline import positive_int
 from jaxtrain.errors import exit_on_user_error
 
 TARGET = "h100"
-DEFAULT_TILES = {"gelu": gelu_bench.parser().get_default("tiles"), "head": head_bench.parser().get_default("tiles")}
+DEFAULT_TILES = {name: bench.parser().get_default("tiles")
+                 for name, bench in (("gelu", gelu_bench), ("head", head_bench), ("qkv", qkv_bench))}
 SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 NOTE = re.compile(r"ptxas info\s*: \((C\d+)\)")
 
@@ -48,15 +50,18 @@ def compile_one(kernel: str, tiles_text: str, rows: int, d: int, vocab: int) -> 
     require_compiler(TARGET)
     import jax
     import jax.numpy as jnp
-    from jaxtrain import autocast, gelu_gemm, head_lse, target_devices
+    from jaxtrain import autocast, gelu_gemm, head_lse, qkv_grad, target_devices
     (tiles,) = parse_tiles(tiles_text)
     sharding = jax.sharding.SingleDeviceSharding(target_devices.devices(TARGET, 1)[0])
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
     if kernel == "gelu":
         call, args = lambda g, w_t, pre: gelu_gemm.gelu_grad_matmul(g, w_t, pre, tiles), (
             bf16(rows, d), bf16(d, 4 * d), bf16(rows, 4 * d))
-    else:
+    elif kernel == "head":
         call, args = lambda x, w: head_lse.logits_and_lse(x, w, tiles), (bf16(rows, d), bf16(d, vocab))
+    else:
+        call, args = lambda *a: qkv_grad.summed_matmul(list(a[:3]), list(a[3:]), tiles), (
+            *[bf16(rows, d)] * 3, *[bf16(d, d)] * 3)
     with autocast.compiling_for("gpu"):
         jax.jit(call).lower(*args).compile()
 
@@ -79,7 +84,8 @@ def row(kernel: str, tiles_text: str, rows: int, d: int, vocab: int) -> tuple[st
 def table(rows: int, d: int, vocab: int, settings: dict[str, str]) -> tuple[str, list[str]]:
     lines = [f"ptxas (sm_90a) on jaxtrain's Hopper gemm kernels, compiled ahead of time for an {TARGET}: c_proj's dx "
              f"gemm with GELU's backward (gelu: ({rows}, {d}) @ ({d}, {4 * d})), the head with the logsumexp "
-             f"(head: ({rows}, {d}) @ ({d}, {vocab})); tiles m x n x stages x snake", "",
+             f"(head: ({rows}, {d}) @ ({d}, {vocab})), c_attn's dx (qkv: three ({rows}, {d}) @ ({d}, {d}) summed); "
+             f"tiles m x n x stages x snake [x k]", "",
              "| kernel | tiles | spill stores / loads, bytes | stack frame, bytes | ptxas notes |",
              "|---|---|---|---|---|"]
     failed = []

@@ -26,8 +26,8 @@ from jaxtrain.errors import UserError, exit_on_user_error
 MODEL = ('bytes = operand + result sizes (a fusion parameter read only through slice, dynamic-slice or gather, '
          'directly or through converts, counts those results; an in-place dynamic-update-slice counts its update and '
          "what else reads its buffer, not the whole buffer; cuBLAS/cuDNN workspaces excluded); flops = 2*M*N*K per "
-         "dot, cuBLAS call or jaxtrain's Mosaic GPU gemm (hopper_gemm), cuDNN attention 4*B*H*T*L*D/2 (causal) "
-         "forward and 2.5x that backward, elementwise flops ignored; a while body's kernels count its "
+         "dot, cuBLAS call or pair of jaxtrain's Mosaic GPU gemms (hopper_gemm), cuDNN attention 4*B*H*T*L*D/2 "
+         "(causal) forward and 2.5x that backward, elementwise flops ignored; a while body's kernels count its "
          "known_trip_count times (once if XLA does not know it), a conditional its costliest branch")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -146,9 +146,11 @@ def kernel_cost(comps, comp: str, inst: Inst) -> tuple[int, float]:
         contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)[1]
         k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting))
         return moved, 2 * math.prod(shapes(inst.shape)[0][1]) * k
-    if "mosaic_gpu" in target and f"/{hopper_gemm_scope()}/" in inst.attrs:  # operands (m, k) and (k, n) first
-        (m, k), n = shapes(operands[0])[0][1], shapes(operands[1])[0][1][1]
-        return moved, 2 * m * k * n
+    gemm = re.search(rf"/{hopper_gemm_scope()}(?:_pairs(\d+))?/", inst.attrs) if "mosaic_gpu" in target else None
+    if gemm:  # operands (m, k) and (k, n) first; of p pairs, p of each
+        pairs = int(gemm[1] or 1)
+        (m, k), n = shapes(operands[0])[0][1], shapes(operands[pairs])[0][1][1]
+        return moved, 2 * m * k * n * pairs
     if "fmha" in target:  # operands (B, T, H, D) queries and (B, L, H, D) keys; causal: half the T x L scores
         (b, t, h, d), length = shapes(operands[0])[0][1], shapes(operands[1])[0][1][1]
         return moved, 4 * b * h * t * length * d / 2 * (2.5 if "Backward" in target else 1)

@@ -75,6 +75,11 @@ class ModelConfig:
     # the vocabulary of 128, model.vocab_tiles=1; off a GPU through Mosaic GPU's interpreter: slow), not yet measured
     # on a GPU, so not the default
     head_lse: Literal["xla", "pallas"] = "xla"
+    # c_attn's input gradient from q's, k's and v's: xla: one gemm on the three concatenated (a copy of them); pallas:
+    # one hand-written Hopper kernel that reads them where they lie (qkv_grad.py; bf16 or fp16, d_model a multiple of
+    # 128, mesh.fsdp=1; q, k and v then come from three gemms everywhere, as under cuDNN's attention; off a GPU
+    # through Mosaic GPU's interpreter: slow), not yet measured on a GPU, so not the default
+    qkv_grad: Literal["xla", "pallas"] = "xla"
     # recompute each block's activations in the backward pass instead of keeping them: full keeps only each block's
     # input; dots keeps the outputs of its weight matmuls too (less memory than none, less recompute than full)
     remat: Literal["none", "full", "dots"] = "none"

@@ -170,13 +170,15 @@ def _check_vocab_tiles(cfg) -> None:
 
 
 def _check_hopper_kernels(cfg) -> None:
-    """model.gelu_grad=pallas's and model.head_lse=pallas's kernels are written for Hopper GPUs (a dry run compiling
-    for another one would say it fits) and multiply bf16 or fp16 operands (wgmma) in tiles of HOPPER_GEMM_TILE rows,
-    columns and k: d_model and the tokens, and the head's n, the vocabulary, in two tiles' columns (hopper_gemm).
-    Each device's tokens of a micro-batch are checked where the devices are known (the kernels), and a vocabulary
-    taken from the data where it is (head_lse)."""
-    for key in [k for k, value in {"model.gelu_grad": cfg.model.gelu_grad,
-                                   "model.head_lse": cfg.model.head_lse}.items() if value == "pallas"]:
+    """model.gelu_grad=pallas's, model.head_lse=pallas's and model.qkv_grad=pallas's kernels are written for Hopper
+    GPUs (a dry run compiling for another one would say it fits) and multiply bf16 or fp16 operands (wgmma) in tiles
+    of HOPPER_GEMM_TILE rows, columns and k: d_model and the tokens, and the head's n, the vocabulary, in two tiles'
+    columns (hopper_gemm), and so d_model where it is qkv_grad's n. Each device's tokens of a micro-batch are checked
+    where the devices are known (the kernels), and a vocabulary taken from the data where it is (head_lse).
+    qkv_grad's weight blocks are columns of c_attn's weight, whole on each device only where fsdp does not split
+    it."""
+    for key in [k for k, value in {"model.gelu_grad": cfg.model.gelu_grad, "model.head_lse": cfg.model.head_lse,
+                                   "model.qkv_grad": cfg.model.qkv_grad}.items() if value == "pallas"]:
         if cfg.train.precision == "fp32":
             raise UserError(f"{key}=pallas is a bf16 or fp16 kernel; under train.precision=fp32 use {key}=xla")
         if cfg.run.target_device not in (None, "h100", "h200"):
@@ -187,10 +189,15 @@ def _check_hopper_kernels(cfg) -> None:
                      (cfg.micro_batch_size * cfg.model.seq_len, HOPPER_GEMM_TILE)}
         if key == "model.head_lse" and cfg.model.vocab_size is not None:
             sizes["model.vocab_size"] = (cfg.model.vocab_size, 2 * HOPPER_GEMM_TILE)
+        if key == "model.qkv_grad":  # d_model is its gemm's n
+            sizes["model.d_model"] = (cfg.model.d_model, 2 * HOPPER_GEMM_TILE)
         for name, (size, tile) in sizes.items():
             if size % tile:
                 raise UserError(f"{key}=pallas needs {name} to be a multiple of {tile} (its kernel's tiles), got "
                                 f"{size}; use {key}=xla")
+    if cfg.model.qkv_grad == "pallas" and cfg.mesh.fsdp > 1:
+        raise UserError(f"model.qkv_grad=pallas reads c_attn's weight whole on each device, which mesh.fsdp="
+                        f"{cfg.mesh.fsdp} splits; use model.qkv_grad=xla, or mesh.fsdp=1")
     if cfg.model.head_lse == "pallas" and cfg.model.vocab_tiles > 1:
         raise UserError(f"model.head_lse=pallas computes the whole logits, which model.vocab_tiles="
                         f"{cfg.model.vocab_tiles} never forms; use one of the two (model.vocab_tiles=1 or "

@@ -46,10 +46,7 @@ def _epilogue(acc_ref, at: hopper_gemm.OutputTile, ins, outs, scratch):
     pairs = scratch["pairs"].at[at.wg]  # free: hopper_gemm waits for every store before an epilogue
     row_max = row_sum = None  # of the tiles of the current row of tiles so far
     for tile in hopper_gemm.epilogue_tiles(at.tiles):
-        smem = scratch["smem"].at[at.wg, tile.slot]
-        hopper_gemm.free_slot(at.tiles)
-        smem[...] = tile.part(logits)
-        hopper_gemm.store(smem, logits_gmem.at[at.rows, at.cols].at[tile.index])
+        hopper_gemm.store_tile(logits, tile, at, scratch["smem"].at[at.wg, tile.slot], logits_gmem)
         x = tile.part(logits).astype(jnp.float32)
         new_max = x.max(axis=1) if tile.first else jnp.maximum(row_max, x.max(axis=1))
         tile_sum = jnp.exp(x - lax.broadcast_in_dim(new_max, x.shape, [0])).sum(axis=1)

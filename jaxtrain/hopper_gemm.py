@@ -6,8 +6,9 @@ a memory-bound pass into a gemm, which XLA does not write from this program (ben
 The kernel is jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu's: persistent over the SMs, a TMA producer
 warpgroup feeding two wgmma consumer warpgroups side by side along n, each with an m x n fp32 accumulator; what
 each consumer does with its accumulator once the k loop is done is `epilogue`'s (gelu_gemm.py: GELU's backward;
-head_lse.py: the logits and their logsumexp's partial sums). Off a GPU it runs in Mosaic GPU's interpreter (slow:
-for checking). The users: model.gelu_grad=pallas and model.head_lse=pallas.
+head_lse.py: the logits and their logsumexp's partial sums; qkv_grad.py: the sum of three products, rounded). Off a
+GPU it runs in Mosaic GPU's interpreter (slow: for checking). The users: model.gelu_grad=pallas, model.head_lse=pallas
+and model.qkv_grad=pallas.
 """
 
 import dataclasses
@@ -31,7 +32,8 @@ HOPPER = "9.0"  # wgmma and TMA: the compute capability the kernels are written 
 OUT_TYPE = "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
 SMS_UNKNOWN = 132  # an H100 SXM's and an H200's SMs: the persistent grid when compiling ahead of time
 # The name scope of every kernel here, in its custom call's op_name: how benchmarks.roofline knows a Mosaic GPU
-# custom call for a gemm of its first two operands (m, k) @ (k, n), and counts its 2 m k n FLOPs
+# custom call for a gemm of its first two operands (m, k) @ (k, n), and counts its 2 m k n FLOPs; a kernel of p
+# pairs (gemm_with_epilogue) is scoped hopper_gemm_pairs<p>, its operands a_1 .. a_p, b_1 .. b_p: 2 m k n p
 SCOPE = "hopper_gemm"
 
 
@@ -71,15 +73,18 @@ class OutputTile:
     tiles: Tiles
 
 
-def _kernel(a_gmem, b_gmem, *refs, t: Tiles, epilogue: Callable, scratch: dict, extra_inputs: int):
+def _kernel(*refs, t: Tiles, epilogue: Callable, scratch: dict, extra_inputs: int, pairs: int):
     """jax's hopper_matmul_mgpu.kernel with the caller's epilogue, lowered in Mosaic GPU's Lane semantics, not its
     Warpgroup one as jax's: the Warpgroup lowering of jax 0.10.2 has no layout rule for erf (GELU's gradient).
     `epilogue(acc_ref, OutputTile, inputs, outputs, scratch_refs)` runs in each consumer warpgroup after its k loop;
-    every shared-memory store it started before has been read by then (its scratch is free again)."""
-    ins, outs = refs[:extra_inputs], refs[extra_inputs:]
-    m, k = a_gmem.shape
-    n = b_gmem.shape[1]
-    transforms = _tma_transforms(t.k, a_gmem.dtype)
+    every shared-memory store it started before has been read by then (its scratch is free again). With `pairs`
+    > 1 the product is a sum of pairs' products, sum_i a_i @ b_i: each k step brings a tile of every pair and its
+    wgmmas add into the one accumulator."""
+    a_gmems, b_gmems = refs[:pairs], refs[pairs:2 * pairs]
+    ins, outs = refs[2 * pairs:2 * pairs + extra_inputs], refs[2 * pairs + extra_inputs:]
+    m, k = a_gmems[0].shape
+    n = b_gmems[0].shape[1]
+    transforms = _tma_transforms(t.k, a_gmems[0].dtype)
     cta_n = 2 * t.n  # the two consumer warpgroups side by side
     m_tiles, n_tiles = m // t.m, n // cta_n
 
@@ -87,12 +92,12 @@ def _kernel(a_gmem, b_gmem, *refs, t: Tiles, epilogue: Callable, scratch: dict, 
         return plgpu.emit_pipeline_warp_specialized(
             mma, grid=(k // t.k,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=t.stages, compute_context=context,
-            in_specs=[plgpu.BlockSpec((t.m, t.k), lambda i: (0, i), transforms=transforms),
-                      plgpu.BlockSpec((t.k, cta_n), lambda i: (i, 0), transforms=transforms)])
+            in_specs=[plgpu.BlockSpec((t.m, t.k), lambda i: (0, i), transforms=transforms)] * pairs
+            + [plgpu.BlockSpec((t.k, cta_n), lambda i: (i, 0), transforms=transforms)] * pairs)
 
     nothing = lambda *_, **__: None  # the allocations do not depend on the bodies
 
-    @functools.partial(pl.run_scoped, allocations=pipeline(nothing, nothing).get_allocations(a_gmem, b_gmem),
+    @functools.partial(pl.run_scoped, allocations=pipeline(nothing, nothing).get_allocations(*a_gmems, *b_gmems),
                        scratch_refs=scratch, collective_axes="wg")
     def _scope(allocations, scratch_refs):
         wg = lax.axis_index("wg")
@@ -110,13 +115,15 @@ def _kernel(a_gmem, b_gmem, *refs, t: Tiles, epilogue: Callable, scratch: dict, 
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     epilogue(acc_ref, at, ins, outs, scratch_refs)
 
-            def mma(_, a_smem, b_smem, acc_ref):
-                plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * t.n, t.n)])
+            def mma(_, *smem_and_acc):
+                *smem, acc_ref = smem_and_acc
+                for a_smem, b_smem in zip(smem[:pairs], smem[pairs:]):
+                    plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * t.n, t.n)])
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            pipeline(mma, context)(a_gmem.at[at.rows, :], b_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
-                                   allocations=allocations)
+            pipeline(mma, context)(*[a.at[at.rows, :] for a in a_gmems],
+                                   *[b.at[:, pl.ds(ni * cta_n, cta_n)] for b in b_gmems], allocations=allocations)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -180,19 +187,31 @@ def store(smem, gmem) -> None:
     plgpu.copy_smem_to_gmem(smem, gmem)
 
 
-def gemm_with_epilogue(option: str, epilogue: Callable, scratch: dict, out_types, t: Tiles, extra_inputs: int):
-    """(a, b, *extra) -> out_types: (m, k) @ (k, n) in the compute dtype through `epilogue`, on one device's rows.
-    Persistent: a grid of the GPU's SMs (at most one per output tile); the interpreter runs one program. `option`:
-    the config's key=value that picks the kernel, for messages."""
-    def call(a, b, *extra):
+def store_tile(value, tile: EpilogueTile, at: OutputTile, smem, out_gmem) -> None:
+    """`tile` of `value` (an array of the accumulator's shape) to its place in `out_gmem`, through its shared-memory
+    slot `smem` once the store that last used that slot has read it."""
+    free_slot(at.tiles)
+    smem[...] = tile.part(value)
+    store(smem, out_gmem.at[at.rows, at.cols].at[tile.index])
+
+
+def gemm_with_epilogue(option: str, epilogue: Callable, scratch: dict, out_types, t: Tiles, extra_inputs: int,
+                       pairs: int = 1):
+    """(a, b, *extra) -> out_types: (m, k) @ (k, n) in the compute dtype through `epilogue`, on one device's rows;
+    with `pairs` > 1, (a_1 .. a_p, b_1 .. b_p, *extra) and sum_i a_i @ b_i, each (m, k) @ (k, n). Persistent: a
+    grid of the GPU's SMs (at most one per output tile); the interpreter runs one program. `option`: the config's
+    key=value that picks the kernel, for messages."""
+    def call(*operands):
+        a, b = operands[0], operands[pairs]
         output_tiles = (a.shape[0] // t.m) * (b.shape[1] // (2 * t.n))
         on_gpu = autocast.backend() == "gpu"
-        kernel = functools.partial(_kernel, t=t, epilogue=epilogue, scratch=scratch, extra_inputs=extra_inputs)
-        with jax.named_scope(SCOPE):
+        kernel = functools.partial(_kernel, t=t, epilogue=epilogue, scratch=scratch, extra_inputs=extra_inputs,
+                                   pairs=pairs)
+        with jax.named_scope(SCOPE if pairs == 1 else f"{SCOPE}_pairs{pairs}"):
             return plgpu.kernel(kernel, **{OUT_TYPE: out_types},
                                 grid=(min(_sm_count(), output_tiles) if on_gpu else 1,), grid_names=("sm",),
                                 num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(),  # Lane
-                                interpret=None if on_gpu else _interpreter(option))(a, b, *extra)
+                                interpret=None if on_gpu else _interpreter(option))(*operands)
     return call
 
 

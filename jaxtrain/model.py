@@ -12,7 +12,8 @@ logits. "fp16" is the same with fp16 (the train step adds the loss scaling fp16'
 "fp32" runs every dot at Precision.HIGHEST. On a GPU under bf16,
 attention runs as cuDNN's fused kernel (model.attention), and on a GPU each residual add and the LayerNorm after it
 as one hand-written kernel each way (model.norm, fused_norm.py); model.gelu_grad=pallas computes the MLP's
-backward from c_proj to c_fc in one hand-written Hopper kernel (gelu_gemm.py).
+backward from c_proj to c_fc in one hand-written Hopper kernel (gelu_gemm.py), model.qkv_grad=pallas c_attn's input
+gradient from q's, k's and v's in another (qkv_grad.py).
 
 Decoding (`extend`) runs the same blocks on new tokens only, with the keys and values of the earlier positions kept
 in a `KVCache` per layer: the attention takes the cache as an optional argument, and the math is the training
@@ -31,6 +32,7 @@ from jaxtrain.autocast import COMPUTE_DTYPES, backend, column_blocks, gelu, line
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import LN_EPS, residual_norm, triton_available
+from jaxtrain import qkv_grad
 from jaxtrain.gelu_gemm import gelu_linear
 from jaxtrain.mesh import batch_sharded, weight_shards
 
@@ -81,11 +83,13 @@ class Linear(nnx.Module):
         """self(gelu(pre)), its backward from the output's gradient to pre's in one kernel (gelu_gemm)."""
         return gelu_linear(pre, self.kernel[...], self._bias(), self.precision)
 
-    def column_blocks(self, x, parts: int) -> tuple:
+    def column_blocks(self, x, parts: int, kernel_dx: bool = False) -> tuple:
         """The output's `parts` column blocks, each its own gemm (autocast.column_blocks): self(x) split, without
-        the copies a split makes. Named GEMM_BLOCKS: remat's dots policy keeps them, as it keeps self(x) (its
-        dots are inside a custom_vjp, where the policy does not look)."""
-        blocks = column_blocks(x, self.kernel[...], self._bias(), self.precision, parts)
+        the copies a split makes; with `kernel_dx`, x's gradient from the blocks' gradients in one kernel
+        (qkv_grad.py). Named GEMM_BLOCKS: remat's dots policy keeps them, as it keeps self(x) (its dots are inside
+        a custom_vjp, where the policy does not look)."""
+        blocks = (qkv_grad.column_blocks if kernel_dx else column_blocks)(
+            x, self.kernel[...], self._bias(), self.precision, parts)
         return tuple(checkpoint_name(block, GEMM_BLOCKS) for block in blocks)
 
     def _bias(self):
@@ -139,15 +143,15 @@ class CausalSelfAttention(nnx.Module):
         self.c_attn = Linear(d, 3 * d, bias=cfg.bias, std=INIT_STD, precision=precision, rngs=rngs)
         self.c_proj = Linear(d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
         self.n_head, self.dropout, self.precision = cfg.n_head, cfg.dropout, precision
-        self.fused = fused_attention(cfg, precision)
+        self.fused, self.qkv_kernel = fused_attention(cfg, precision), cfg.qkv_grad == "pallas"
 
     def __call__(self, x_BxTxD, key, cache: KVCache | None = None):
         """(y, cache): with a cache (decoding), x continues the positions it holds, and comes back with x's keys and
         values added; without one, x starts at position 0 and the cache stays None."""
         B, T, D = x_BxTxD.shape[:2] + self.c_proj.kernel.shape[1:]  # x may carry the bias row's column (fused_norm)
         probs_key, resid_key = _split(key, 2)
-        if qkv_gemm_blocks(self.fused, weight_shards()):
-            qkv = self.c_attn.column_blocks(x_BxTxD, 3)
+        if qkv_gemm_blocks(self.fused, weight_shards()) or self.qkv_kernel:
+            qkv = self.c_attn.column_blocks(x_BxTxD, 3, self.qkv_kernel)
         else:  # a split fuses into the attention's ops, or is local where fsdp splits the weight across devices
             qkv = jnp.split(self.c_attn(x_BxTxD), 3, -1)
         q, k, v = (t.reshape(B, T, self.n_head, D // self.n_head) for t in qkv)

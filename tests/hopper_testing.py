@@ -1,10 +1,15 @@
-"""What tests/test_gelu_gemm.py and tests/test_head_lse.py share: when a hopper_gemm kernel runs here, and the
-2-layer model's loss and gradients compiled as the train step compiles them."""
+"""What tests/test_gelu_gemm.py, tests/test_head_lse.py and tests/test_qkv_grad.py share: when a hopper_gemm kernel
+runs here, and the 2-layer model's loss and gradients compiled as the train step compiles them, with a kernel or
+without."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
-from jaxtrain import autocast, hopper_gemm
+from jaxtrain import autocast, config, hopper_gemm, model
+from jaxtrain.errors import UserError
 
 # The kernels run on a Hopper GPU, or off a GPU in Mosaic GPU's interpreter, which jax 0.9's cannot run them in (the
 # floors' jax)
@@ -23,3 +28,53 @@ def value_and_grad_as_the_step(loss, params, mesh=None):
         return grad(params)
     with jax.set_mesh(mesh):
         return grad(params)
+
+
+def model_loss_and_grads(option: str, precision: str, mesh=None, remat: str = "none"):
+    """The tiny config's 2-layer model under `option` (e.g. --model.qkv_grad=pallas): the mean log-probability of
+    token 0 over 2 x 64 random tokens, and its gradients, as the step compiles them."""
+    cfg = config.load(["--config", "configs/tiny.yaml", "--model.n_layer=2", option,
+                       f"--train.precision={precision}", f"--model.remat={remat}"]).model
+    graphdef, params = model.init_params(cfg, vocab_size=64, precision=precision, seed=0)
+    idx = jax.random.randint(jax.random.key(0), (2, 64), 0, 64)
+
+    def loss(params):
+        logits = model.apply(graphdef, params, idx).astype(jnp.float32)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+    return value_and_grad_as_the_step(loss, params, mesh)
+
+
+def assert_same_model(got, want, grad_rtol: float) -> None:
+    """The same loss (bit for bit on this CPU; on a GPU XLA may fuse its reductions otherwise around another
+    backward: the norm kernels' bf16 loss bound, tests/test_fused_norm.py), and each gradient within `grad_rtol`
+    relative (the caller's measured bound)."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    assert abs(float(loss - ref_loss)) <= (0.0 if jax.default_backend() == "cpu" else 1e-5) * abs(float(ref_loss))
+    for (path, g), (_, r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
+        assert float(jnp.linalg.norm(g[...] - r[...]) / jnp.linalg.norm(r[...])) <= grad_rtol, path
+
+
+def one_device_mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
+
+
+# (precision, remat, inside a one-device mesh): both compute dtypes; the custom_vjp's residuals recomputed (full) or
+# kept (dots); the kernel under shard_map, on each device's rows (on one device, all of them)
+MODEL_CASES = [("bf16", "none", False), ("fp16", "none", False), ("bf16", "full", False), ("bf16", "dots", False),
+               ("bf16", "none", True)]
+
+
+def assert_kernel_keeps_the_model(key: str, precision: str, remat: str, in_mesh: bool, grad_rtol: float) -> None:
+    """The model with `key`=pallas (e.g. model.qkv_grad) against `key`=xla: assert_same_model."""
+    mesh = one_device_mesh() if in_mesh else None
+    assert_same_model(model_loss_and_grads(f"--{key}=pallas", precision, mesh, remat),
+                      model_loss_and_grads(f"--{key}=xla", precision), grad_rtol)
+
+
+def assert_refused_on_two_cpu_devices(kernel_call) -> None:
+    """Under shard_map over several CPU devices the interpreter's simulated threads wait on each other forever:
+    `kernel_call` (a kernel's gradient, traced) is refused with one line instead."""
+    two = jax.sharding.AbstractMesh((2, 1), ("data", "fsdp"))
+    with autocast.compiling_for("cpu"), jax.sharding.use_abstract_mesh(two), pytest.raises(
+            UserError, match="on one device only, not on this mesh"):
+        jax.eval_shape(kernel_call)

@@ -40,7 +40,7 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
             if tool is bench:
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
-    assert seen == {"step", "step_kernels", "step_gelu", "step_head", "profile", "table", "step_excess"}
+    assert seen == {"step", "step_kernels", "step_gelu", "step_head", "step_qkv", "profile", "table", "step_excess"}
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu" and not hopper_gemm.interpreter_available(),
@@ -49,13 +49,15 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
     ("gelu", "tests/test_gelu_gemm.py", "benchmarks.gelu_gemm", "--model.gelu_grad=pallas",
      ["--rows", "128", "--d", "64", "--tiles", "64x64x2x8,128x64x2x8"]),
     ("head", "tests/test_head_lse.py", "benchmarks.head_lse", "--model.head_lse=pallas",
-     ["--rows", "128", "--d", "64", "--vocab", "768", "--tiles", "64x64x2x8,128x192x2x8"])])
+     ["--rows", "128", "--d", "64", "--vocab", "768", "--tiles", "64x64x2x8,128x192x2x8"]),
+    ("qkv", "tests/test_qkv_grad.py", "benchmarks.qkv_grad", "--model.qkv_grad=pallas",
+     ["--rows", "128", "--d", "128", "--tiles", "64x64x2x8x32,128x64x2x8"])])
 def test_a_gemm_kernels_stages_run_its_tests_its_benchmark_and_the_step_with_it(kernel, test_file, module, option,
                                                                                 small, tmp_path):
     """<kernel>_tests collects every test of its file; <kernel>_ab runs (here on a few rows, through the
-    interpreter) and prints a row per setting, each as right as XLA's result; step_<kernel> is `step` with the
-    kernel on, step_kernels `step` with both."""
-    by_name = {s.name: s for s in device_check.STAGES}
+    interpreter) and prints a row per setting, each as right as XLA's result; step_<kernel> (on request) is `step`
+    with the kernel on, step_kernels `step` with all three."""
+    by_name = {s.name: s for s in device_check.STAGES + device_check.ON_REQUEST}
     args = _after_module(list(by_name[f"{kernel}_tests"].args), "pytest")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "--collect-only", "-q", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
@@ -68,12 +70,15 @@ def test_a_gemm_kernels_stages_run_its_tests_its_benchmark_and_the_step_with_it(
     lines = [line for line in proc.stdout.splitlines() if line.startswith("| kernel ")]
     rows = [line.split(" | ") for line in lines]
     tiles = small[-1].split(",")
-    assert [r[0] for r in rows] == [f"| kernel {t.split('x')[0]}x{t.split('x')[1]}, 2 stages, snake 8" for t in tiles]
+    names = [(t.split("x")[:2], t.split("x")[4:]) for t in tiles]  # m x n, and k where given
+    assert [r[0] for r in rows] == [f"| kernel {m}x{n}{f', k {k[0]}' if k else ''}, 2 stages, snake 8"
+                                    for (m, n), k in names]
     assert all(float(r[3]) > 99 for r in rows)  # elements equal to XLA's: sum orders alone differ
     assert all(r[4].rstrip(" |") == "0" and line.endswith(" 0 |") for r, line in zip(rows, lines))  # none further
     assert by_name[f"step_{kernel}"].args == by_name["step"].args + (option,)
-    assert by_name["step_kernels"].args == by_name["step"].args + ("--model.gelu_grad=pallas",
-                                                                   "--model.head_lse=pallas")
+    assert by_name["step_kernels"].args == by_name["step"].args + (
+        "--model.gelu_grad=pallas", "--model.head_lse=pallas", "--model.qkv_grad=pallas")
+    assert by_name[f"{kernel}_tests"] in device_check.STAGES and by_name[f"{kernel}_ab"] in device_check.STAGES
 
 
 def test_the_ab_stages_differ_in_their_xla_flags_alone(tmp_path):
@@ -141,7 +146,7 @@ def test_the_env_stage_runs_and_names_the_versions():
 
 def test_the_logsumexp_stage_times_both_reductions():
     """Run here on a small array (on a CPU both are jax.nn.logsumexp's: loss.logsumexp's one read is the GPU's)."""
-    stage = next(s for s in device_check.STAGES if s.name == "lse_ab")
+    stage = next(s for s in device_check.ON_REQUEST if s.name == "lse_ab")
     assert stage.args[2:] == ("16384", "50304")  # GPT-2 124M's micro-batch of 16 x 1024 tokens, its vocabulary
     proc = subprocess.run([sys.executable, *stage.args[:2], "64", "1000"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)

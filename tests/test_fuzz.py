@@ -150,6 +150,7 @@ VALID = {
     "model.d_model": st.integers(1, 2**20).map(lambda k: str(128 * k)), "model.dropout": _UNIT,
     "model.bias": _BOOL, "model.tie_embeddings": _BOOL, "model.attention": st.sampled_from(["auto", "xla"]),
     "model.norm": st.sampled_from(["auto", "xla"]), "model.gelu_grad": st.just("xla"),
+    "model.qkv_grad": st.just("xla"),
     "model.remat": st.sampled_from(["none", "full", "dots"]), "model.vocab_tiles": st.just("1"),
     "run.dry_run_devices": _NULL | _ints(1, 4096),
     "run.target_device": _NULL | st.sampled_from(["v4", "v5e", "v5p", "v6e", "a100-40gb", "a100-80gb", "h100", "h200"]),

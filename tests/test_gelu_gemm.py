@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxtrain import autocast, config, gelu_gemm, hopper_gemm, model
+from jaxtrain import autocast, config, gelu_gemm, hopper_gemm
 from jaxtrain.errors import UserError
-from hopper_testing import ON_GPU_ONLY, runs_here, value_and_grad_as_the_step
+from hopper_testing import (MODEL_CASES, ON_GPU_ONLY, assert_kernel_keeps_the_model,
+                            assert_refused_on_two_cpu_devices, runs_here)
 from test_fused_norm import _ulp_bf16
 
 
@@ -60,42 +60,17 @@ def test_the_tiles_shrink_to_what_divides_the_gemm(m, k, n, want):
     assert hopper_gemm.tiles_for(m, k, n) == want
 
 
-def _loss_and_grads(gelu_grad: str, precision: str, mesh=None, remat: str = "none"):
-    cfg = config.load(["--config", "configs/tiny.yaml", "--model.n_layer=2", f"--model.gelu_grad={gelu_grad}",
-                       f"--train.precision={precision}", f"--model.remat={remat}"]).model
-    graphdef, params = model.init_params(cfg, vocab_size=64, precision=precision, seed=0)
-    idx = jax.random.randint(jax.random.key(0), (2, 64), 0, 64)
-
-    def loss(params):
-        logits = model.apply(graphdef, params, idx).astype(jnp.float32)
-        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
-    return value_and_grad_as_the_step(loss, params, mesh)
-
-
-def _assert_same_model(got, want):
-    """The forward pass is the same code either way: on this CPU the same loss bit for bit; on a GPU XLA may fuse
-    its reductions otherwise around another backward (the norm kernels' bf16 loss bound, tests/test_fused_norm.py).
-    The gradients differ where the kernel's fp32 sum order for c_proj's dx flips its rounding to the compute dtype
-    (d_model 128: two k steps): measured on this CPU, the largest relative difference of a gradient 5.8e-5 (bf16)
-    and 2.9e-4 (fp16), margin 10x; on a GPU, against cuBLAS's order, not yet measured."""
-    (loss, grads), (ref_loss, ref_grads) = got, want
-    assert abs(float(loss - ref_loss)) <= (0.0 if jax.default_backend() == "cpu" else 1e-5) * abs(float(ref_loss))
-    for (path, g), (_, r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
-        assert float(jnp.linalg.norm(g[...] - r[...]) / jnp.linalg.norm(r[...])) <= 3e-3, path
+# The forward pass is the same code either way. The gradients differ where the kernel's fp32 sum order for c_proj's
+# dx flips its rounding to the compute dtype (d_model 128: two k steps): measured on this CPU, the largest relative
+# difference of a gradient 5.8e-5 (bf16) and 2.9e-4 (fp16), margin 10x; on a GPU, against cuBLAS's order, not yet
+# measured.
+GRAD_RTOL = 3e-3
 
 
 @runs_here
-@pytest.mark.parametrize("precision,remat", [("bf16", "none"), ("fp16", "none"), ("bf16", "full"), ("bf16", "dots")])
-def test_the_model_with_the_kernel_is_the_model_without(precision, remat):
-    """Under rematerialisation too: the custom_vjp's residuals (pre, and linear's own VJP) recomputed or kept."""
-    _assert_same_model(_loss_and_grads("pallas", precision, remat=remat), _loss_and_grads("xla", precision))
-
-
-@runs_here
-def test_the_kernel_runs_inside_a_one_device_mesh():
-    """Under a mesh the kernel runs on each device's rows (shard_map); on one device that is all of them."""
-    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
-    _assert_same_model(_loss_and_grads("pallas", "bf16", one), _loss_and_grads("xla", "bf16"))
+@pytest.mark.parametrize("precision,remat,in_mesh", MODEL_CASES)
+def test_the_model_with_the_kernel_is_the_model_without(precision, remat, in_mesh):
+    assert_kernel_keeps_the_model("model.gelu_grad", precision, remat, in_mesh, GRAD_RTOL)
 
 
 @pytest.mark.parametrize("overrides,named", [
@@ -128,8 +103,4 @@ def test_a_tpu_is_refused():
 
 
 def test_several_devices_off_a_gpu_are_refused():
-    """Under shard_map over several CPU devices the interpreter's simulated threads wait on each other forever."""
-    two = jax.sharding.AbstractMesh((2, 1), ("data", "fsdp"))
-    with autocast.compiling_for("cpu"), jax.sharding.use_abstract_mesh(two), pytest.raises(
-            UserError, match="on one device only, not on this mesh"):
-        jax.eval_shape(lambda: _kernel_grad(128))
+    assert_refused_on_two_cpu_devices(lambda: _kernel_grad(128))

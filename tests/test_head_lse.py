@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxtrain import autocast, config, head_lse, hopper_gemm, model, step
 from jaxtrain.errors import UserError
-from hopper_testing import ON_GPU_ONLY, runs_here, value_and_grad_as_the_step
+from hopper_testing import ON_GPU_ONLY, one_device_mesh, runs_here, value_and_grad_as_the_step
 
 
 def _float64_lse(logits):
@@ -111,8 +111,7 @@ def test_the_loss_with_the_kernel_is_the_loss_without(precision):
 
 @runs_here
 def test_the_kernel_runs_inside_a_one_device_mesh():
-    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
-    _assert_same_loss(_loss_and_grads("pallas", "bf16", one), _loss_and_grads("xla", "bf16"), "bf16")
+    _assert_same_loss(_loss_and_grads("pallas", "bf16", one_device_mesh()), _loss_and_grads("xla", "bf16"), "bf16")
 
 
 @pytest.mark.parametrize("overrides,named", [

@@ -1,6 +1,6 @@
 """benchmarks/kernel_registers.py: ptxas's report of the Hopper gemm kernels, compiled ahead of time without a GPU;
-its parser on a report as ptxas writes it, and, where jax's CUDA plugin is installed, the kernels' default tile
-settings free of spills against a setting whose accumulator cannot fit (256 fp32 registers a thread of 232)."""
+its parser on a report as ptxas writes it, and, where jax's CUDA plugin is installed, the three kernels' default
+tile settings free of spills against a setting whose accumulator cannot fit (256 fp32 registers a thread of 232)."""
 
 import subprocess
 import sys
@@ -40,10 +40,11 @@ def run(*flags: str) -> subprocess.CompletedProcess:
 
 @needs_plugin
 def test_the_default_tiles_do_not_spill_and_an_oversized_accumulator_does():
-    proc = run("--gelu-tiles=128x128x4x8,128x256x2x8", "--head-tiles=128x192x2x8")
+    proc = run("--gelu-tiles=128x128x4x8,128x256x2x8", "--head-tiles=128x192x2x8", "--qkv-tiles=128x128x2x8x32")
     rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[3].strip()
-            for line in proc.stdout.splitlines() if line.startswith(("| gelu", "| head"))}
-    assert rows[("gelu", "128x128x4x8")] == "0 / 0" and rows[("head", "128x192x2x8")] == "0 / 0"
+            for line in proc.stdout.splitlines() if line.startswith(("| gelu", "| head", "| qkv"))}
+    defaults = [("gelu", "128x128x4x8"), ("head", "128x192x2x8"), ("qkv", "128x128x2x8x32")]
+    assert [rows[setting] for setting in defaults] == ["0 / 0"] * 3
     stores, loads = map(int, rows[("gelu", "128x256x2x8")].split(" / "))
     assert stores > 0 and loads > 0
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (

@@ -80,8 +80,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """GPT-2. `cfg.vocab_size` must be resolved (an int) before construction; see data.resolve_vocab_size. The keys
-    that say how jaxtrain computes, not what (attention, norm, gelu_grad, head_lse, remat, vocab_tiles), are not
-    read here."""
+    that say how jaxtrain computes, not what (attention, norm, gelu_grad, head_lse, qkv_grad, remat, vocab_tiles),
+    are not read here."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
