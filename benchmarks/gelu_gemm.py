@@ -53,9 +53,11 @@ def parse_tiles(text: str) -> list[hopper_gemm.Tiles]:
     """'128x128x4x8,128x128x2x8x32' -> Tiles (m, n, stages, snake[, k]: 64 where not given), m and n multiples of
     64 where a tile is."""
     try:
-        tiles = [hopper_gemm.Tiles(m=m, n=n, stages=s, snake=w, k=k[0] if k else 64) for m, n, s, w, *k in
-                 (map(int, t.split("x")) for t in text.split(","))]
-    except (ValueError, TypeError):
+        fields = [[int(f) for f in t.split("x")] for t in text.split(",")]
+        tiles = [hopper_gemm.Tiles(m=m, n=n, stages=s, snake=w, k=k[0] if k else 64) for m, n, s, w, *k in fields
+                 if len(k) <= 1]
+        tiles = tiles if len(tiles) == len(fields) else []
+    except ValueError:
         tiles = []
     if not tiles or any(t.m % 64 or t.n % 64 or t.k % 32 or t.stages < 1 or t.snake < 1 for t in tiles):
         raise UserError(f"--tiles {text!r}: give m x n x stages x snake [x k], m and n multiples of 64, k of 32, "

@@ -150,7 +150,7 @@ class CausalSelfAttention(nnx.Module):
         values added; without one, x starts at position 0 and the cache stays None."""
         B, T, D = x_BxTxD.shape[:2] + self.c_proj.kernel.shape[1:]  # x may carry the bias row's column (fused_norm)
         probs_key, resid_key = _split(key, 2)
-        if qkv_gemm_blocks(self.fused, weight_shards()) or self.qkv_kernel:
+        if qkv_gemm_blocks(self.fused, weight_shards(), self.qkv_kernel):
             qkv = self.c_attn.column_blocks(x_BxTxD, 3, self.qkv_kernel)
         else:  # a split fuses into the attention's ops, or is local where fsdp splits the weight across devices
             qkv = jnp.split(self.c_attn(x_BxTxD), 3, -1)
@@ -186,12 +186,13 @@ class CausalSelfAttention(nnx.Module):
         return y_BxHxTxS.transpose(0, 2, 1, 3)
 
 
-def qkv_gemm_blocks(fused_attention: bool, weight_shards: int) -> bool:
+def qkv_gemm_blocks(fused_attention: bool, weight_shards: int, qkv_kernel: bool = False) -> bool:
     """Whether c_attn writes q, k and v as three gemms (Linear.column_blocks): where attention is cuDNN's, which
-    takes them as three arrays (one gemm's output sliced into them is a copy), and each weight is whole on every
-    device (split across devices, the column slices would be resharded). The model asks it of the mesh it is traced
-    under, the step's compile options (step.compiler_options) of the config's."""
-    return fused_attention and weight_shards == 1
+    takes them as three arrays (one gemm's output sliced into them is a copy), or model.qkv_grad=pallas's kernel is
+    their backward (`qkv_kernel`), and each weight is whole on every device (split across devices, the column slices
+    would be resharded). The model asks it of the mesh it is traced under, the step's compile options
+    (step.compiler_options) of the config's."""
+    return (fused_attention or qkv_kernel) and weight_shards == 1
 
 
 def fused_attention(cfg: ModelConfig, precision: str) -> bool:

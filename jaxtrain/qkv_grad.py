@@ -13,7 +13,8 @@ gemm's bytes stay. The weight and bias gradients are each block's own (XLA's gem
 measured on a GPU yet, which is why it is not the default: benchmarks/device_check.py's stages measure it.
 
 Numerics: dx is the three products' fp32 sum rounded once to the compute dtype, its k order interleaved by blocks
-(one gemm's order is its kernel's own either way); each weight gradient is the whole linear's column block.
+(one gemm's order is its kernel's own either way); each weight gradient is the whole linear's column block by the
+same rule (a gemm over the rows), its fp32 order the kernel's for that width.
 """
 
 import functools

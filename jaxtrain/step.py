@@ -192,13 +192,15 @@ def compiler_options(cfg: Config) -> dict:
 
     There too, where q, k and v are three gemms (model.qkv_gemm_blocks), XLA's dot merger off: it merges them back
     into one and slices its output, the copies those gemms are there to avoid (GPT-2 124M's step on an H100, the
-    roofline: 2.0 ms of 91.8; it merged nothing else there)."""
+    roofline: 2.0 ms of 91.8; it merged nothing else there), and under model.qkv_grad=pallas the three weight
+    gradients' gemms, which share x, back into one on the gradients side by side, the copy the kernel avoids."""
     if autocast.backend() != "gpu":
         return {}
     options = {} if cfg.train.precision == "fp32" else autocast.rounding_options("gpu")
     if cfg.mesh.fsdp == 1:
         options[SOL_ESTIMATOR] = False
-        if model.qkv_gemm_blocks(model.fused_attention(cfg.model, cfg.train.precision), cfg.mesh.fsdp):
+        if model.qkv_gemm_blocks(model.fused_attention(cfg.model, cfg.train.precision), cfg.mesh.fsdp,
+                                 cfg.model.qkv_grad == "pallas"):
             options[DOT_MERGER] = 0
     xla_flags = os.environ.get("XLA_FLAGS", "")
     return {name: value for name, value in options.items() if name not in xla_flags}

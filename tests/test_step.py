@@ -204,6 +204,10 @@ def test_the_gpu_step_keeps_xlas_dot_merger_off_the_qkv_gemms_where_attention_is
     with autocast.compiling_for("gpu"):
         assert step.compiler_options(bf16) == {**sol, "xla_gpu_dot_merger_threshold_mb": 0}
         assert step.compiler_options(dropout) == sol  # cuDNN's kernel has no dropout: attention written out
+        # ...unless model.qkv_grad=pallas's kernel is the backward of three gemms there
+        qkv = config.load(["--train.precision=bf16", "--model.dropout=0.1", "--model.qkv_grad=pallas",
+                           "--model.d_model=128"])
+        assert step.compiler_options(qkv) == {**sol, "xla_gpu_dot_merger_threshold_mb": 0}
         assert step.compiler_options(fsdp) == {"xla_allow_excess_precision": False}
         monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_dot_merger_threshold_mb=32")
         assert step.compiler_options(bf16) == sol
