@@ -85,3 +85,16 @@ def test_a_tpu_is_refused():
 
 def test_several_devices_off_a_gpu_are_refused():
     assert_refused_on_two_cpu_devices(lambda: _kernel_grad(128))
+
+
+def test_on_a_gpu_the_gradient_of_fused_norms_padded_output_keeps_its_shape():
+    """On a GPU under bf16 the bias rides in the gemm as a row of weights, and fused_norm's output (c_attn's x)
+    carries its ones column (autocast.BIAS_ROW_PAD more columns): x's gradient must have that shape and dtype, the
+    kernel's d columns and zeros (fused_norm's backward reads the first d). Traced for a GPU here (no kernel runs);
+    the values are the interpreter's tests' above, where no bias row applies."""
+    x = jax.ShapeDtypeStruct((128, 128 + autocast.BIAS_ROW_PAD), jnp.bfloat16)
+    w, b = jax.ShapeDtypeStruct((128, 3 * 128), jnp.float32), jax.ShapeDtypeStruct((3 * 128,), jnp.float32)
+    loss = lambda x, w, b: sum(t.astype(jnp.float32).sum() for t in qkv_grad.column_blocks(x, w, b, "bf16", 3))
+    with autocast.compiling_for("gpu"):
+        assert autocast.bias_row_applies("bf16")
+        assert jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), x, w, b) == (x, w, b)
