@@ -47,10 +47,17 @@ def beyond_rounding(got, want_logits, abs_product, d: int) -> tuple[int, int, fl
     logits, lse = got
     want_lse = np.asarray(jax.jit(lambda v: loss.logsumexp(v.astype(jnp.float32)))(logits), np.float64)
     logits, lse, want_logits = (np.asarray(t, np.float64) for t in (logits, lse, want_logits))
-    spacing = 2.0 ** (np.floor(np.log2(np.abs(want_logits) + 1e-30)) - 7)
-    far_logits = int(np.sum(np.abs(logits - want_logits) > spacing + 2 * d * 2.0**-24 * np.asarray(abs_product)))
+    far_logits = products_beyond_rounding(logits, want_logits, abs_product, d)
     bound = (logits.shape[1] + 4 + 2 * np.abs(want_lse)) * 2.0**-24
     return far_logits, int(np.sum(np.abs(lse - want_lse) > bound)), float(np.max(np.abs(lse - want_lse)))
+
+
+def products_beyond_rounding(got, want, abs_product, k: int) -> int:
+    """How many elements of `got` lie further from `want` than two fp32 sums of k products in different orders
+    may (2 k 2^-24 of |x| @ |w|), each then rounded to bf16 (a spacing more). Also benchmarks.qkv_grad's."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    spacing = 2.0 ** (np.floor(np.log2(np.abs(want) + 1e-30)) - 7)
+    return int(np.sum(np.abs(got - want) > spacing + 2 * k * 2.0**-24 * np.asarray(abs_product)))
 
 
 def abs_product(x, w):

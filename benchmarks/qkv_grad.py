@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.gelu_gemm import kernel_parser, kernel_rows, parse_tiles, report
-from benchmarks.head_lse import abs_product
+from benchmarks.head_lse import abs_product, products_beyond_rounding
 from benchmarks.norm_kernels import timed
 from jaxtrain import autocast, qkv_grad
 from jaxtrain.errors import exit_on_user_error
@@ -43,13 +43,10 @@ def inputs(rows: int, d: int):
 
 
 def check(got, want, scale, d: int) -> tuple[str, bool]:
-    """A kernel's row's cells (elements equal to XLA's %, beyond a rounding of it) and whether it is wrong: two
-    fp32 sums of 3d products in different orders lie within 2 (3d) 2^-24 of their |g| @ |w| (`scale`), each then
-    rounded to bf16 (a spacing more)."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    spacing = 2.0 ** (np.floor(np.log2(np.abs(want) + 1e-30)) - 7)
-    beyond = int(np.sum(np.abs(got - want) > spacing + 2 * 3 * d * 2.0**-24 * np.asarray(scale)))
-    return f"{100 * float(np.mean(got == want)):.3f} | {beyond}", beyond > 0
+    """A kernel's row's cells (elements equal to XLA's %, beyond a rounding of it: sums of 3d products, `scale`
+    their |g| @ |w|) and whether it is wrong."""
+    beyond = products_beyond_rounding(got, want, scale, 3 * d)
+    return f"{100 * float(np.mean(np.asarray(got) == np.asarray(want))):.3f} | {beyond}", beyond > 0
 
 
 def table(rows: int, d: int, settings, iters: int) -> tuple[str, list[str]]:
