@@ -210,9 +210,16 @@ def gemm_with_epilogue(option: str, epilogue: Callable, scratch: dict, out_types
         with jax.named_scope(SCOPE if pairs == 1 else f"{SCOPE}_pairs{pairs}"):
             return plgpu.kernel(kernel, **{OUT_TYPE: out_types},
                                 grid=(min(_sm_count(), output_tiles) if on_gpu else 1,), grid_names=("sm",),
-                                num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(),  # Lane
+                                num_threads=3, thread_name="wg", compiler_params=_lane_semantics(),
                                 interpret=None if on_gpu else _interpreter(option))(*operands)
     return call
+
+
+def _lane_semantics():
+    """Mosaic GPU's Lane lowering, named: jax 0.11 made Warpgroup the default ("[Mosaic GPU] Turn WG on by
+    default"), whose lowering in jax 0.10.2, where these kernels were written and checked, has no layout rule for
+    erf (gelu_gemm's epilogue); a GPU lent runs jax 0.11.2."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
 def check_device(option: str) -> None:

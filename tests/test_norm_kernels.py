@@ -2,31 +2,17 @@
 it rates is the one the kernels were traced with, forward and backward (jax's caches do not know the settings)."""
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks import norm_kernels
 from jaxtrain import fused_norm
+from jaxpr_walk import equations
 
 
 def _pallas_calls(fn, *args):
-    jaxpr = jax.make_jaxpr(fn)(*args)
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.append(eqn)
-            for value in eqn.params.values():  # a scan's or a custom_vjp's body, a cond's branches
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-    walk(jaxpr.jaxpr)
-    return found
+    return [eqn for eqn in equations(fn, *args) if eqn.primitive.name == "pallas_call"]
 
 
 def _row_bytes(eqn, n):
