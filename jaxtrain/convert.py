@@ -28,6 +28,7 @@ from jaxtrain import checkpoint_kind
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import hf_format
+from jaxtrain import mesh as mesh_lib
 from jaxtrain import prepare
 from jaxtrain import runfolder
 from jaxtrain import step as step_lib
@@ -192,7 +193,7 @@ def _for_shapes(cfg: Config) -> Config:
 
 
 def _one_device_mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"), axis_types=mesh_lib.AUTO_AXES)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -90,6 +90,12 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+# The mesh's axes are Auto: XLA propagates shardings from the inputs (jax.make_mesh, and since jax 0.12 an
+# AbstractMesh, default to Explicit axes, which would make every gather in the model name its output sharding and
+# every with_sharding_constraint an assert)
+AUTO_AXES = (AxisType.Auto, AxisType.Auto)
+
+
 def make_mesh(cfg: Config, devices=None) -> Mesh:
     """The (data, fsdp) mesh over `devices`: jax.devices() unless given (a dry run's compile-only devices).
 
@@ -99,9 +105,7 @@ def make_mesh(cfg: Config, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     data, fsdp = validate_devices(cfg, len(devices))
     grid = mesh_utils.create_device_mesh((data, fsdp), devices, allow_split_physical_axes=True)
-    # Auto axes: XLA propagates shardings from the inputs (jax.make_mesh defaults to Explicit axes, which would
-    # make every gather in the model name its output sharding).
-    return Mesh(grid, ("data", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    return Mesh(grid, ("data", "fsdp"), axis_types=AUTO_AXES)
 
 
 def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:

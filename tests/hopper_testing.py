@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import autocast, config, hopper_gemm, model
+from jaxtrain import autocast, config, hopper_gemm, mesh as mesh_lib, model
 from jaxtrain.errors import UserError
 
 # The kernels run on a Hopper GPU, or off a GPU in Mosaic GPU's interpreter, which jax 0.9's cannot run them in (the
@@ -74,7 +74,7 @@ def assert_kernel_keeps_the_model(key: str, precision: str, remat: str, in_mesh:
 def assert_refused_on_two_cpu_devices(kernel_call) -> None:
     """Under shard_map over several CPU devices the interpreter's simulated threads wait on each other forever:
     `kernel_call` (a kernel's gradient, traced) is refused with one line instead."""
-    two = jax.sharding.AbstractMesh((2, 1), ("data", "fsdp"))
+    two = jax.sharding.AbstractMesh((2, 1), ("data", "fsdp"), axis_types=mesh_lib.AUTO_AXES)
     with autocast.compiling_for("cpu"), jax.sharding.use_abstract_mesh(two), pytest.raises(
             UserError, match="on one device only, not on this mesh"):
         jax.eval_shape(kernel_call)

@@ -11,6 +11,7 @@ import pytest
 
 import compiled_hlo
 from jaxtrain import autocast
+from jaxtrain.mesh import AUTO_AXES
 
 
 def _rel_err(a, b):
@@ -89,7 +90,7 @@ def test_the_bias_rides_in_the_gemm_on_a_gpu_whose_weights_are_whole(platform, f
     x, w, b = (jnp.asarray(np.random.default_rng(i).integers(-8, 9, shape) / 8, jnp.float32)
                for i, shape in enumerate([(2, 5, 16), (16, 8), (8,)]))
     f = jax.jit(lambda x, w, b: autocast.biased_matmul(x, w, b, "bf16"))
-    mesh = jax.sharding.AbstractMesh((4 // fsdp, fsdp), ("data", "fsdp")) if fsdp else None
+    mesh = jax.sharding.AbstractMesh((4 // fsdp, fsdp), ("data", "fsdp"), axis_types=AUTO_AXES) if fsdp else None
     with autocast.compiling_for(platform), jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
         assert ("concatenate" in str(jax.make_jaxpr(f.__wrapped__)(x, w, b))) == row
         if fsdp is None:

@@ -17,6 +17,7 @@ import compiled_hlo
 from jaxtrain import autocast, model as M
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
+from jaxtrain.mesh import AUTO_AXES
 
 V = 97
 SMALL = ModelConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
@@ -444,9 +445,10 @@ def test_qkv_are_three_gemms_where_attention_is_cudnns_and_the_weights_whole(att
     traces cuDNN's attention only where cuDNN is installed, so a stand-in of its shape takes its place)."""
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **kwargs: q + k + v)
     cfg = dataclasses.replace(SMALL, attention=attention)
-    mesh = jax.sharding.AbstractMesh((4 // fsdp, fsdp), ("data", "fsdp")) if fsdp else None
+    mesh = jax.sharding.AbstractMesh((4 // fsdp, fsdp), ("data", "fsdp"), axis_types=AUTO_AXES) if fsdp else None
     with autocast.compiling_for("gpu"):
         graphdef, params = _init(cfg, precision="bf16")
+        idx = _idx(B=4)  # outside the abstract mesh: jax 0.12 refuses to run anything concrete inside one
         with jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
-            jaxpr = str(jax.make_jaxpr(lambda p, idx: M.apply(graphdef, p, idx))(params, _idx(B=4)))
+            jaxpr = str(jax.make_jaxpr(lambda p, idx: M.apply(graphdef, p, idx))(params, idx))
     assert jaxpr.count(f"name={M.GEMM_BLOCKS}") == (3 * SMALL.n_layer if blocks else 0)

@@ -104,9 +104,12 @@ def test_greedy_continuation_is_the_full_forward_argmax(loaded, precision, monke
     assert len(LONG_PROMPT) + N_NEW > loaded.model_cfg.seq_len  # the cropped steps are covered too
     graphdef, got, logits = _generate_seeing_logits(loaded, precision, monkeypatch, temperature=0.0)
     want, gaps = greedy_reference(graphdef, loaded.params, LONG_PROMPT, N_NEW, loaded.model_cfg.seq_len)
-    assert min(gaps) > 2 * LOGIT_ATOL[precision], gaps  # no near-tie that rounding alone could flip
-    assert got == want
+    # Token for token the reference's, up to its first near-tie, which rounding alone could flip (none under jax
+    # 0.10.2 here; under jax 0.12.0.1 the bf16 model's first token, a gap of 2 ulps: from there the texts may part)
+    agree = len(LONG_PROMPT) + next((i for i, gap in enumerate(gaps) if gap <= 2 * LOGIT_ATOL[precision]), N_NEW)
+    assert got[:agree] == want[:agree]
     for i, step_logits in enumerate(logits):  # each token's whole distribution, not only its argmax
+        assert got[len(LONG_PROMPT) + i] == np.argmax(step_logits), f"token {i}"  # greedy: the largest it saw
         np.testing.assert_allclose(step_logits, full_forward_logits(
             graphdef, loaded.params, got[:len(LONG_PROMPT) + i], loaded.model_cfg.seq_len),
             rtol=0, atol=LOGIT_ATOL[precision], err_msg=f"token {i}")
