@@ -34,10 +34,12 @@ import time
 GPT2 = ("--config", "configs/gpt2-124m.yaml", "--synthetic", "--one-at-a-time", "--only", "throughput")
 TABLE = ("--rounds", "3", "--steps", "6", "--data.batch_size=128", "--optim.grad_accum_steps=4")
 AB = ("--rounds", "2", "--steps", "6", "--rows", "jax-bf16")
+# nvJitLink: jax >= 0.12's Mosaic GPU compiles through it where installed, and ptxas then ignores the kernels'
+# setmaxnreg (benchmarks/NOTES.md, "The three kernels on the jax a GPU runs")
 ENV_SCRIPT = """
 import importlib.metadata as m, shutil, subprocess
 for p in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint", "draccus",
-          "torch", "triton"):
+          "torch", "triton", "nvidia-nvjitlink-cu12", "nvidia-nvjitlink-cu13", "nvidia-nvjitlink"):
     try: print(p, m.version(p))
     except m.PackageNotFoundError: print(p, "not installed")
 if shutil.which("nvidia-smi"): print(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout)
