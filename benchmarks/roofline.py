@@ -76,12 +76,16 @@ def fused_ops(comps, name: str) -> collections.Counter:
 
 
 def dot_flops(comps, name: str) -> int:
+    """FLOPs of the dots in computation `name` and in those it calls, and of its custom calls (jax 0.11's XLA fuses a
+    Mosaic GPU kernel with the slices of its operands: the kernel reads them where they lie)."""
     total = 0
     for inst in comps.get(name, {}).values():
         if inst.op == "dot":
             lhs = shapes(comps[name][inst.operands[0]].shape)[0][1]
             contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)[1]
             total += 2 * math.prod(shapes(inst.shape)[0][1]) * math.prod(lhs[int(d)] for d in contracting.split(","))
+        elif inst.op == "custom-call":
+            total += call_flops(inst, [comps[name][o].shape for o in inst.operands if o in comps[name]])
         total += dot_flops(comps, inst.calls) if inst.calls else 0
     return total
 
@@ -140,21 +144,26 @@ def kernel_cost(comps, comp: str, inst: Inst) -> tuple[int, float]:
         return fusion_bytes(comps, inst), dot_flops(comps, inst.calls)
     operands = [comps[comp][o].shape for o in inst.operands if o in comps[comp]]
     moved = sum(nbytes(s) for s in operands) + nbytes(inst.shape, skip_workspace=inst.op == "custom-call")
+    return moved, call_flops(inst, operands)
+
+
+def call_flops(inst: Inst, operands: list[str]) -> float:
+    """FLOPs of a custom call (MODEL) whose operands have the shapes `operands`; 0 for any other instruction."""
     target = (re.search(r'custom_call_target="([^"]*)"', inst.attrs) or ["", ""])[1]
     if "__cublas" in target:
         lhs = shapes(operands[0])[0][1]
         contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)[1]
         k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting))
-        return moved, 2 * math.prod(shapes(inst.shape)[0][1]) * k
+        return 2 * math.prod(shapes(inst.shape)[0][1]) * k
     gemm = re.search(rf"/{hopper_gemm_scope()}(?:_pairs(\d+))?/", inst.attrs) if "mosaic_gpu" in target else None
     if gemm:  # operands (m, k) and (k, n) first; of p pairs, p of each
         pairs = int(gemm[1] or 1)
         (m, k), n = shapes(operands[0])[0][1], shapes(operands[pairs])[0][1][1]
-        return moved, 2 * m * k * n * pairs
+        return 2 * m * k * n * pairs
     if "fmha" in target:  # operands (B, T, H, D) queries and (B, L, H, D) keys; causal: half the T x L scores
         (b, t, h, d), length = shapes(operands[0])[0][1], shapes(operands[1])[0][1][1]
-        return moved, 4 * b * h * t * length * d / 2 * (2.5 if "Backward" in target else 1)
-    return moved, 0
+        return 4 * b * h * t * length * d / 2 * (2.5 if "Backward" in target else 1)
+    return 0
 
 
 def hopper_gemm_scope() -> str:

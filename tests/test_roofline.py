@@ -142,6 +142,40 @@ def test_a_hopper_gemm_kernel_counts_its_gemm_flops():
     assert roofline.kernel_cost({"main": pairs}, "main", three)[1] == 3 * 2 * 256 * 64 * 512
 
 
+# jax 0.11.2's XLA wraps qkv_grad's kernel with the slices of its weight operand (a "dynamic-slice-fusion": the
+# kernel reads the three w_i^T blocks where they lie), as in GPT-2 124M's step compiled for an H100 with that jax
+SLICED_KERNEL = """HloModule m
+
+%dynamic-slice-fusion (p0: bf16[192,64], p1: bf16[256,64], p2: bf16[256,64], p3: bf16[256,64]) -> bf16[256,64] {
+  %p1 = bf16[256,64]{1,0} parameter(1)
+  %p2 = bf16[256,64]{1,0} parameter(2)
+  %p3 = bf16[256,64]{1,0} parameter(3)
+  %p0 = bf16[192,64]{1,0} parameter(0)
+  %s0 = bf16[64,64]{1,0} slice(%p0), slice={[0:64], [0:64]}
+  %s1 = bf16[64,64]{1,0} slice(%p0), slice={[64:128], [0:64]}
+  %s2 = bf16[64,64]{1,0} slice(%p0), slice={[128:192], [0:64]}
+  ROOT %k = bf16[256,64]{1,0} custom-call(%p1, %p2, %p3, %s0, %s1, %s2), custom_call_target="mosaic_gpu_v2", \
+metadata={op_name="jit(train_step)/transpose(jvp())/hopper_gemm_pairs3/anonymous/mpmd_map"}
+}
+
+ENTRY %main (w: bf16[192,64], g1: bf16[256,64], g2: bf16[256,64], g3: bf16[256,64]) -> bf16[256,64] {
+  %w = bf16[192,64]{1,0} parameter(0)
+  %g1 = bf16[256,64]{1,0} parameter(1)
+  %g2 = bf16[256,64]{1,0} parameter(2)
+  %g3 = bf16[256,64]{1,0} parameter(3)
+  ROOT %f = bf16[256,64]{1,0} fusion(%w, %g1, %g2, %g3), kind=kCustom, calls=%dynamic-slice-fusion
+}
+"""
+
+
+def test_a_kernel_fused_with_its_operands_slices_counts_its_gemm_flops():
+    """The kernel inside the fusion: three pairs' 2 m k n (m 256, k 64, n 64), and the bytes of what it reads and
+    writes (three (256, 64) gradients, the (192, 64) weight through its slices, the (256, 64) result)."""
+    (kernel,) = roofline.roofline(SLICED_KERNEL, PEAK, BANDWIDTH)
+    assert kernel["flops"] == 3 * 2 * 256 * 64 * 64
+    assert kernel["bytes"] == (3 * 256 * 64 + 192 * 64 + 256 * 64) * 2
+
+
 def test_category_sums(kernels):
     """The matmul row: 15 cuBLAS calls per micro-batch (5 weight gemms forward: c_attn, c_proj, c_fc, mlp.c_proj,
     the tied head; 2 each backward) x 2 micro-batches; their FLOPs 3x the forward's."""
