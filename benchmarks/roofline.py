@@ -75,9 +75,15 @@ def fused_ops(comps, name: str) -> collections.Counter:
     return sum((fused_ops(comps, i.calls) for i in comps.get(name, {}).values() if i.calls), ops)
 
 
-def dot_flops(comps, name: str) -> int:
+def operand_shapes(comps, comp: str, inst: Inst) -> list[str]:
+    """The shapes of an instruction's operands in computation `comp`."""
+    return [comps[comp][o].shape for o in inst.operands if o in comps[comp]]
+
+
+def fused_flops(comps, name: str) -> float:
     """FLOPs of the dots in computation `name` and in those it calls, and of its custom calls (jax 0.11's XLA fuses a
-    Mosaic GPU kernel with the slices of its operands: the kernel reads them where they lie)."""
+    Mosaic GPU kernel with the slices of its operands: the kernel reads them where they lie; the bytes are the
+    fusion's)."""
     total = 0
     for inst in comps.get(name, {}).values():
         if inst.op == "dot":
@@ -85,8 +91,8 @@ def dot_flops(comps, name: str) -> int:
             contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)[1]
             total += 2 * math.prod(shapes(inst.shape)[0][1]) * math.prod(lhs[int(d)] for d in contracting.split(","))
         elif inst.op == "custom-call":
-            total += call_flops(inst, [comps[name][o].shape for o in inst.operands if o in comps[name]])
-        total += dot_flops(comps, inst.calls) if inst.calls else 0
+            total += call_flops(inst, operand_shapes(comps, name, inst))
+        total += fused_flops(comps, inst.calls) if inst.calls else 0
     return total
 
 
@@ -141,14 +147,14 @@ def sliced_elements(users, name: str) -> int | None:
 def kernel_cost(comps, comp: str, inst: Inst) -> tuple[int, float]:
     """(bytes, flops) of one kernel (MODEL)."""
     if inst.op == "fusion":
-        return fusion_bytes(comps, inst), dot_flops(comps, inst.calls)
-    operands = [comps[comp][o].shape for o in inst.operands if o in comps[comp]]
+        return fusion_bytes(comps, inst), fused_flops(comps, inst.calls)
+    operands = operand_shapes(comps, comp, inst)
     moved = sum(nbytes(s) for s in operands) + nbytes(inst.shape, skip_workspace=inst.op == "custom-call")
     return moved, call_flops(inst, operands)
 
 
 def call_flops(inst: Inst, operands: list[str]) -> float:
-    """FLOPs of a custom call (MODEL) whose operands have the shapes `operands`; 0 for any other instruction."""
+    """FLOPs of a custom call (MODEL), given its operands' shapes; 0 for any other instruction."""
     target = (re.search(r'custom_call_target="([^"]*)"', inst.attrs) or ["", ""])[1]
     if "__cublas" in target:
         lhs = shapes(operands[0])[0][1]

@@ -19,9 +19,7 @@ import shutil
 import sys
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import checkpoint_kind
@@ -120,7 +118,7 @@ def restore_step(step_dir: str, fix: str | None = None):
         with _unreadable(step_dir, fix):
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         cfg = config_lib.from_dict(meta["config"])  # jaxtrain.run writes the resolved model.vocab_size into it
-        target = checkpoint_lib.abstract_state(_for_shapes(cfg), cfg.model.vocab_size, _one_device_mesh())
+        target = checkpoint_lib.abstract_state(_for_shapes(cfg), cfg.model.vocab_size, mesh_lib.one_device_mesh())
         with _unreadable(step_dir, fix):
             state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
     if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
@@ -190,10 +188,6 @@ def _for_shapes(cfg: Config) -> Config:
     param, and cuDNN's (model.attention=cudnn, which a GPU run may have trained with) refuses a machine without a
     GPU, where conversions run. The config written out stays the run's."""
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
-
-
-def _one_device_mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"), axis_types=mesh_lib.AUTO_AXES)
 
 
 def _parser() -> argparse.ArgumentParser:

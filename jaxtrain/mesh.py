@@ -90,10 +90,15 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-# The mesh's axes are Auto: XLA propagates shardings from the inputs (jax.make_mesh, and since jax 0.12 an
+# The mesh's axes are Auto: XLA propagates shardings from the inputs (jax.make_mesh, and since jax 0.11.1 an
 # AbstractMesh, default to Explicit axes, which would make every gather in the model name its output sharding and
 # every with_sharding_constraint an assert)
 AUTO_AXES = (AxisType.Auto, AxisType.Auto)
+
+
+def one_device_mesh() -> Mesh:
+    """The (data, fsdp) mesh of this process's first device alone: a conversion's, a kernel test's."""
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"), axis_types=AUTO_AXES)
 
 
 def make_mesh(cfg: Config, devices=None) -> Mesh:

@@ -4,7 +4,6 @@ without."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -54,10 +53,6 @@ def assert_same_model(got, want, grad_rtol: float) -> None:
         assert float(jnp.linalg.norm(g[...] - r[...]) / jnp.linalg.norm(r[...])) <= grad_rtol, path
 
 
-def one_device_mesh():
-    return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
-
-
 # (precision, remat, inside a one-device mesh): both compute dtypes; the custom_vjp's residuals recomputed (full) or
 # kept (dots); the kernel under shard_map, on each device's rows (on one device, all of them)
 MODEL_CASES = [("bf16", "none", False), ("fp16", "none", False), ("bf16", "full", False), ("bf16", "dots", False),
@@ -66,7 +61,7 @@ MODEL_CASES = [("bf16", "none", False), ("fp16", "none", False), ("bf16", "full"
 
 def assert_kernel_keeps_the_model(key: str, precision: str, remat: str, in_mesh: bool, grad_rtol: float) -> None:
     """The model with `key`=pallas (e.g. model.qkv_grad) against `key`=xla: assert_same_model."""
-    mesh = one_device_mesh() if in_mesh else None
+    mesh = mesh_lib.one_device_mesh() if in_mesh else None
     assert_same_model(model_loss_and_grads(f"--{key}=pallas", precision, mesh, remat),
                       model_loss_and_grads(f"--{key}=xla", precision), grad_rtol)
 

@@ -11,7 +11,8 @@ from flax import nnx
 
 from jaxtrain import autocast, config, head_lse, hopper_gemm, model, step
 from jaxtrain.errors import UserError
-from hopper_testing import ON_GPU_ONLY, one_device_mesh, runs_here, value_and_grad_as_the_step
+from jaxtrain.mesh import one_device_mesh
+from hopper_testing import ON_GPU_ONLY, runs_here, value_and_grad_as_the_step
 
 
 def _float64_lse(logits):

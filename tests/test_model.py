@@ -448,7 +448,7 @@ def test_qkv_are_three_gemms_where_attention_is_cudnns_and_the_weights_whole(att
     mesh = jax.sharding.AbstractMesh((4 // fsdp, fsdp), ("data", "fsdp"), axis_types=AUTO_AXES) if fsdp else None
     with autocast.compiling_for("gpu"):
         graphdef, params = _init(cfg, precision="bf16")
-        idx = _idx(B=4)  # outside the abstract mesh: jax 0.12 refuses to run anything concrete inside one
+        idx = _idx(B=4)  # outside the abstract mesh: jax 0.12.0.1 refuses to run anything concrete in one
         with jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
             jaxpr = str(jax.make_jaxpr(lambda p, idx: M.apply(graphdef, p, idx))(params, idx))
     assert jaxpr.count(f"name={M.GEMM_BLOCKS}") == (3 * SMALL.n_layer if blocks else 0)

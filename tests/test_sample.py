@@ -20,7 +20,7 @@ from test_run import small_args
 from jaxtrain import convert, data, model, prepare, sample
 from jaxtrain.errors import UserError
 
-STEPS = 40  # enough that the logits are far from uniform: top-2 gaps well above the rounding bounds below
+STEPS = 40  # enough that the logits are far from uniform: top-2 gaps mostly well above the rounding bounds below
 PROMPT = "def "
 
 
@@ -108,6 +108,7 @@ def test_greedy_continuation_is_the_full_forward_argmax(loaded, precision, monke
     # 0.10.2 here; under jax 0.12.0.1 the bf16 model's first token, a gap of 2 ulps: from there the texts may part)
     agree = len(LONG_PROMPT) + next((i for i, gap in enumerate(gaps) if gap <= 2 * LOGIT_ATOL[precision]), N_NEW)
     assert got[:agree] == want[:agree]
+    assert precision != "fp32" or agree == len(want)  # fp32's bound is 20x its measured error: no near-tie to meet
     for i, step_logits in enumerate(logits):  # each token's whole distribution, not only its argmax
         assert got[len(LONG_PROMPT) + i] == np.argmax(step_logits), f"token {i}"  # greedy: the largest it saw
         np.testing.assert_allclose(step_logits, full_forward_logits(
