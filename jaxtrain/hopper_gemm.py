@@ -217,8 +217,8 @@ def gemm_with_epilogue(option: str, epilogue: Callable, scratch: dict, out_types
 
 def _lane_semantics():
     """Mosaic GPU's Lane lowering, named: jax 0.11 made Warpgroup the default ("[Mosaic GPU] Turn WG on by
-    default"), whose lowering in jax 0.10.2, where these kernels were written and checked, has no layout rule for
-    erf (gelu_gemm's epilogue); a GPU lent runs jax 0.11.2."""
+    default"), whose lowering has no layout rule for erf (gelu_gemm's epilogue) in jax 0.10.2 to 0.12.0.1; a GPU
+    lent runs jax 0.11.2."""
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
