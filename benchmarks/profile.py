@@ -20,8 +20,11 @@ import tempfile
 from jaxtrain.cmdline import CONFIG_FLAGS_HELP, positive_int
 from jaxtrain.errors import exit_on_user_error
 
-# Op and kernel names -> what they are; the first pattern that matches wins.
+# Op and kernel names -> what they are; the first pattern that matches wins. jaxtrain's own kernels are named for it:
+# fused_norm's residual-add-and-LayerNorm kernels, hopper_gemm's gemms (kernel_name: "gemm_" and the option's key).
+NORM_KERNEL = re.compile(r"_norm_(forward|backward)_kernel")
 CATEGORIES = [
+    ("norm kernels", NORM_KERNEL),
     ("attention", re.compile(r"cudnn.*(fmha|flash|attn)|fmha|flash|dot_product_attention|custom-call.*cudnn", re.I)),
     ("matmul", re.compile(r"gemm|cublas|matmul|dot|sm90_xmma|nvjet|cutlass", re.I)),
     ("copy/transpose", re.compile(r"copy|transpose|bitcast", re.I)),
@@ -45,9 +48,10 @@ COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 
 def hlo_categories(hlo: str) -> dict[str, str]:
     """Instruction name -> category for each instruction of an optimized HLO module's text; a fusion by the ops of
-    the computation it calls: any dot (or a cuBLAS call) -> matmul, a cuDNN attention call -> attention, a
-    cross-device op -> collective, any reduce -> reduction, only data movement (copies, transposes, converts,
-    slices) -> copy/transpose, else elementwise."""
+    the computation it calls: any dot (or a cuBLAS call, or one of jaxtrain's gemms: kernel_op) -> matmul, a cuDNN
+    attention call -> attention, one of jaxtrain's norm kernels -> norm kernels, a cross-device op -> collective,
+    any reduce -> reduction, only data movement (copies, transposes, converts, slices) -> copy/transpose, else
+    elementwise."""
     ops_in, current = collections.defaultdict(set), None
     instructions = []
     for line in hlo.splitlines():
@@ -56,18 +60,40 @@ def hlo_categories(hlo: str) -> dict[str, str]:
             continue
         match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?[\]\)}] ([a-z\-]+)\(", line)
         if match and current:
-            ops_in[current].add(match[2])
-            instructions.append((match[1], match[2], re.search(r"calls=%?([\w.\-]+)", line), line))
+            opcode = kernel_op(line) if match[2] == "custom-call" else match[2]
+            ops_in[current].add(opcode)
+            instructions.append((match[1], opcode, re.search(r"calls=%?([\w.\-]+)", line), line))
     by_name = {}
     for name, opcode, calls, line in instructions:
         ops = ops_in[calls[1]] if calls else {opcode}
         by_name[name] = ("attention" if "fmha" in line else
-                         "matmul" if ops & {"dot", "convolution"} or "__cublas" in line else
+                         "matmul" if ops & {"dot", "convolution", "hopper-gemm"} or "__cublas" in line else
+                         "norm kernels" if "norm-kernel" in ops else
                          "collective" if ops & COLLECTIVES else
                          "other" if ops & CONTROL else
                          "reduction" if ops & {"reduce", "reduce-window"} else
                          "copy/transpose" if ops <= DATA_MOVEMENT else "elementwise")
     return by_name
+
+
+def kernel_op(line: str) -> str:
+    """A custom call's line -> "hopper-gemm" for one of jaxtrain's gemms (hopper_gemm), "norm-kernel" for one of
+    its norm kernels (fused_norm), else "custom-call"."""
+    return ("hopper-gemm" if hopper_gemm(line) else
+            "norm-kernel" if NORM_KERNEL.search(line) else "custom-call")
+
+
+def hopper_gemm_scope() -> str:
+    from jaxtrain.hopper_gemm import SCOPE  # here, not at the top: this module starts without jax
+    return SCOPE
+
+
+def hopper_gemm(line: str) -> re.Match | None:
+    """An HLO instruction's line -> the match of hopper_gemm's scope in its op_name (group 1: the pairs of a kernel
+    of several, None for one) where it is a Mosaic GPU custom call in that scope (one of jaxtrain's gemms)."""
+    if 'custom_call_target="mosaic_gpu' not in line:
+        return None
+    return re.search(rf'op_name="[^"]*/{hopper_gemm_scope()}(?:_pairs(\d+))?/', line)
 
 
 def trace_steps(cfg, synthetic: bool, steps: int, folder: str) -> tuple[str, str]:

@@ -18,7 +18,7 @@ import math
 import re
 import sys
 
-from benchmarks.profile import hlo_categories
+from benchmarks.profile import hlo_categories, hopper_gemm
 from jaxtrain import target_devices
 from jaxtrain.cmdline import CONFIG_FLAGS_HELP, output_file, positive_int
 from jaxtrain.errors import UserError, exit_on_user_error
@@ -161,7 +161,7 @@ def call_flops(inst: Inst, operands: list[str]) -> float:
         contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)[1]
         k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting))
         return 2 * math.prod(shapes(inst.shape)[0][1]) * k
-    gemm = re.search(rf"/{hopper_gemm_scope()}(?:_pairs(\d+))?/", inst.attrs) if "mosaic_gpu" in target else None
+    gemm = hopper_gemm(inst.attrs)
     if gemm:  # operands (m, k) and (k, n) first; of p pairs, p of each
         pairs = int(gemm[1] or 1)
         (m, k), n = shapes(operands[0])[0][1], shapes(operands[pairs])[0][1][1]
@@ -170,11 +170,6 @@ def call_flops(inst: Inst, operands: list[str]) -> float:
         (b, t, h, d), length = shapes(operands[0])[0][1], shapes(operands[1])[0][1][1]
         return 4 * b * h * t * length * d / 2 * (2.5 if "Backward" in target else 1)
     return 0
-
-
-def hopper_gemm_scope() -> str:
-    from jaxtrain.hopper_gemm import SCOPE  # here, not at the top: this module starts without jax
-    return SCOPE
 
 
 def trips(inst: Inst) -> int:

@@ -61,7 +61,7 @@ def _rows(n: int) -> int:
     return next(r for r in (MAX_ROWS >> i for i in range(MAX_ROWS.bit_length())) if n % r == 0)
 
 
-def _forward_kernel(*refs, d: int, has_delta: bool, has_bias: bool, pad: bool):
+def _norm_forward_kernel(*refs, d: int, has_delta: bool, has_bias: bool, pad: bool):
     refs = list(refs)
     x_ref, delta_ref = refs.pop(0), refs.pop(0) if has_delta else None
     w_ref, b_ref = refs.pop(0), refs.pop(0) if has_bias else None
@@ -85,7 +85,7 @@ def _forward_kernel(*refs, d: int, has_delta: bool, has_bias: bool, pad: bool):
     rstd_ref[...] = rstd[:, 0]
 
 
-def _backward_kernel(*refs, d: int, has_delta: bool):
+def _norm_backward_kernel(*refs, d: int, has_delta: bool):
     gh_ref, gsum_ref, x_ref, mean_ref, rstd_ref, w_ref, gx_ref, *refs = refs
     gdelta_ref = refs.pop(0) if has_delta else None
     gw_ref, gb_ref = refs
@@ -131,7 +131,8 @@ def _forward(x, delta, w, b, low, pad):
     present = lambda *ts: [t for t in ts if t is not None]
     row_outputs = ([((n, d), jnp.float32)] if delta is not None else []) + [
         ((n, d + (autocast.BIAS_ROW_PAD if pad else 0)), low), ((n,), jnp.float32), ((n,), jnp.float32)]
-    kernel = functools.partial(_forward_kernel, d=d, has_delta=delta is not None, has_bias=b is not None, pad=pad)
+    kernel = functools.partial(_norm_forward_kernel, d=d, has_delta=delta is not None, has_bias=b is not None,
+                               pad=pad)
     out = _call(kernel, present(x, delta), present(w, b), row_outputs)
     x_sum, (h, mean, rstd) = (x, out) if delta is None else (out[0], out[1:])
     empty_like = lambda t: None if t is None else jnp.zeros((0,), t.dtype)  # what the backward must know of them
@@ -148,7 +149,7 @@ def _backward(low, pad, saved, grads):
     g_sum, g_h = grads
     n, d = x_sum.shape
     row_outputs = [((n, d), jnp.float32)] + ([((n, d), delta_like.dtype)] if delta_like is not None else [])
-    kernel = functools.partial(_backward_kernel, d=d, has_delta=delta_like is not None)
+    kernel = functools.partial(_norm_backward_kernel, d=d, has_delta=delta_like is not None)
     g_x, *g_delta, g_w, g_b = _call(kernel, [g_h, g_sum, x_sum, mean, rstd], [w], row_outputs, partial_outputs=2)
     return g_x, g_delta[0] if g_delta else None, g_w.sum(0), None if b_like is None else g_b.sum(0)
 

@@ -211,8 +211,15 @@ def gemm_with_epilogue(option: str, epilogue: Callable, scratch: dict, out_types
             return plgpu.kernel(kernel, **{OUT_TYPE: out_types},
                                 grid=(min(_sm_count(), output_tiles) if on_gpu else 1,), grid_names=("sm",),
                                 num_threads=3, thread_name="wg", compiler_params=_lane_semantics(),
+                                kernel_name=kernel_name(option),
                                 interpret=None if on_gpu else _interpreter(option))(*operands)
     return call
+
+
+def kernel_name(option: str) -> str:
+    """The kernel's name in a GPU profile and in ptxas's report, from the option that picks it: "gemm_gelu_grad"
+    for model.gelu_grad=pallas (Mosaic GPU names a kernel without one "anonymous")."""
+    return "gemm_" + option.split("=")[0].split(".")[-1]
 
 
 def _lane_semantics():

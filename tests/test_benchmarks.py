@@ -59,7 +59,8 @@ def test_one_short_run(tmp_path):
 def test_profile_puts_each_hlo_op_in_its_category():
     """A hand-written optimized module: a YNNPACK fusion holding a dot (and an add) is a matmul, one holding only an
     add is elementwise; a transpose-and-convert fusion is data movement; a fusion with a reduce is a reduction; the
-    loop, a cuDNN attention call, a cuBLAS gemm and an all-reduce are what they are."""
+    loop, a cuDNN attention call, a cuBLAS gemm and an all-reduce are what they are; jaxtrain's own kernels by their
+    names."""
     from benchmarks.profile import hlo_categories
     hlo = """HloModule m
 
@@ -87,6 +88,14 @@ def test_profile_puts_each_hlo_op_in_its_category():
   ROOT %reduce.1 = f32[2]{0} reduce(%param_0.3, %param_1.3), dimensions={0}, to_apply=%region
 }
 
+%sliced_gemm (p0: bf16[8,4], p1: bf16[8,2]) -> bf16[8,2] {
+  %p0 = bf16[8,4]{1,0} parameter(0)
+  %p1 = bf16[8,2]{1,0} parameter(1)
+  %s0 = bf16[4,2]{1,0} slice(%p1), slice={[0:4], [0:2]}
+  ROOT %k = bf16[8,2]{1,0} custom-call(%p0, %s0), custom_call_target="mosaic_gpu_v2", \
+metadata={op_name="jit(train_step)/transpose(jvp())/hopper_gemm_pairs3/gemm_qkv_grad/mpmd_map"}
+}
+
 ENTRY %main (a: bf16[8,4], b: bf16[4,2]) -> f32[2] {
   %a = bf16[8,4]{1,0} parameter(0)
   %b = bf16[4,2]{1,0} parameter(1)
@@ -97,6 +106,13 @@ ENTRY %main (a: bf16[8,4], b: bf16[4,2]) -> f32[2] {
   %custom-call.7 = (bf16[8,2]{1,0}, u8[0]{0}) custom-call(%a, %b), custom_call_target="__cudnn$fmhaSoftmax"
   %custom-call.8 = (f32[8,2]{1,0}, s8[64]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"
   %all-reduce.1 = f32[8,2]{1,0} all-reduce(%ynn_fusion.4), replica_groups={}, to_apply=%region
+  %pallas_call.0 = (bf16[8,2]{1,0}, f32[8]{0}) custom-call(%a, %b), custom_call_target="__gpu$xla.gpu.triton", \
+metadata={op_name="jit(train_step)/jvp()/pallas_call"}, backend_config={grid_x = 1 : i32, name = "_norm_forward_kernel"}
+  %mpmd_map.3 = bf16[8,2]{1,0} custom-call(%a, %b), custom_call_target="mosaic_gpu_v2", \
+metadata={op_name="jit(train_step)/transpose(jvp())/hopper_gemm/gemm_gelu_grad/mpmd_map"}
+  %mpmd_map.5 = bf16[8,2]{1,0} custom-call(%a, %b), custom_call_target="mosaic_gpu_v2", \
+metadata={op_name="jit(train_step)/jvp()/another/mpmd_map"}
+  %dynamic-slice-fusion.2 = bf16[8,2]{1,0} fusion(%a, %b), kind=kCustom, calls=%sliced_gemm
   ROOT %reduce_fusion = f32[2]{0} fusion(%ynn_fusion.4, %c), kind=kLoop, calls=%fused_sum
 }
 """
@@ -106,6 +122,27 @@ ENTRY %main (a: bf16[8,4], b: bf16[4,2]) -> f32[2] {
         "ynn_fusion.3": "matmul", "ynn_fusion.4": "elementwise", "transpose_copy_fusion": "copy/transpose",
         "while.2": "other", "custom-call.7": "attention", "reduce_fusion": "reduction",
         "custom-call.8": "matmul", "all-reduce.1": "collective"}
+    # jaxtrain's kernels: fused_norm's (a Triton custom call named for it), hopper_gemm's (a Mosaic GPU call in its
+    # name scope, also inside a fusion with its operand's slices); another Mosaic GPU call is none of them
+    assert {name: categories[name] for name in ("pallas_call.0", "mpmd_map.3", "dynamic-slice-fusion.2",
+                                                "mpmd_map.5")} == {
+        "pallas_call.0": "norm kernels", "mpmd_map.3": "matmul", "dynamic-slice-fusion.2": "matmul",
+        "mpmd_map.5": "other"}
+
+
+def test_profile_puts_each_gpu_kernel_name_in_its_category():
+    """Kernel names from the H100 profiles (benchmarks/results/h100-2026-11-28.md), and jaxtrain's own kernels' as a
+    GPU names them: Triton names a kernel for its function (fused_norm's "_forward_kernel__1" on 2026-11-28, now
+    named for the norm), Mosaic GPU for kernel_name with "_mosaic_gpu_kernel" (ptxas's report)."""
+    from benchmarks.profile import category
+    from jaxtrain import fused_norm, hopper_gemm
+    names = {"nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN": "matmul",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1": "attention",
+             "loop_convert_fusion_12": "loop/elementwise fusion", "input_reduce_fusion_3": "reduction",
+             f"{fused_norm._norm_forward_kernel.__name__}__1": "norm kernels",
+             fused_norm._norm_backward_kernel.__name__: "norm kernels",
+             f"{hopper_gemm.kernel_name('model.head_lse=pallas')}_mosaic_gpu_kernel": "matmul"}
+    assert {name: category(name) for name in names} == names
 
 
 @pytest.mark.parametrize("tool,own_flag", [("run", "--rounds"), ("profile", "--steps"), ("roofline", "--top"),

@@ -1,5 +1,5 @@
 """jaxtrain.hopper_gemm, what its three kernels share beyond their numerics (each kernel's own tests): the lowering
-they ask of Mosaic GPU whatever jax's default is."""
+they ask of Mosaic GPU whatever jax's default is, and names a GPU profile puts with the gemms."""
 
 import functools
 
@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from benchmarks import profile
 from jaxtrain import gelu_gemm, head_lse, hopper_gemm, qkv_grad
 from hopper_testing import runs_here
 from jaxpr_walk import equations
@@ -32,3 +33,15 @@ def test_each_kernel_lowers_in_lane_semantics_under_jax_011s_default(kernel, mon
     params = [eqn.params["compiler_params"] for eqn in equations(KERNELS[kernel])
               if isinstance(eqn.params.get("compiler_params"), compiler_params)]
     assert [p.lowering_semantics for p in params] == [plgpu.LoweringSemantics.Lane]
+
+
+@runs_here
+@pytest.mark.parametrize("kernel,name", [("gelu_gemm", "gemm_gelu_grad"), ("head_lse", "gemm_head_lse"),
+                                         ("qkv_grad", "gemm_qkv_grad")])
+def test_each_kernel_is_named_as_a_gemm(kernel, name):
+    """Mosaic GPU names a kernel without a name "anonymous" (its CUDA function anonymous_mosaic_gpu_kernel, which a
+    GPU profile put in no category): each kernel is named for its option, and benchmarks.profile's rule for kernel
+    names puts the function's name, as ptxas reports it for jax 0.10.2's CUDA plugin, among the matmuls."""
+    names = [eqn.params["name"] for eqn in equations(KERNELS[kernel]) if "compiler_params" in eqn.params]
+    assert names == [name]
+    assert profile.category(f"{name}_mosaic_gpu_kernel") == "matmul"
