@@ -95,7 +95,7 @@ STEP = ("-m", "benchmarks.run", *GPT2, *AB, "--data.batch_size=128", "--optim.gr
         "--model.norm={norm}")
 KERNEL_TESTS = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=short")
 KERNEL_OPTIONS = {"gelu": "--model.gelu_grad=pallas", "head": "--model.head_lse=pallas",
-                  "qkv": "--model.qkv_grad=pallas"}  # the three Hopper gemm kernels, each a stage's name
+                  "qkv": "--model.qkv_grad=pallas", "fc": "--model.gelu_fwd=pallas"}  # the four Hopper gemm kernels
 
 STAGES = (
     Stage("env", "versions, the GPU, and whether jaxtrain imports on the image's jax", ("-c", ENV_SCRIPT), 15, 60,
@@ -105,16 +105,16 @@ STAGES = (
                               "tests/test_fused_norm.py", "-k", "not mesh"), 40, 120),
     Stage("step", "jaxtrain's row of the table alone, the A/B's baseline on the same machine", STEP, 45, 100,
           json=True),
-    Stage("gelu_tests", "the GELU-gradient gemm kernel (model.gelu_grad=pallas, gelu_gemm.py: never run on a GPU) "
-          "as Mosaic GPU compiles it, against float64 and the model without it",
-          KERNEL_TESTS + ("tests/test_gelu_gemm.py",), 40, 120),
+    Stage("gelu_tests", "the MLP's two GELU gemm kernels, c_fc's with GELU and c_proj's dx with its gradient "
+          "(model.gelu_fwd=pallas, model.gelu_grad=pallas, gelu_gemm.py: never run on a GPU) as Mosaic GPU compiles "
+          "them, against float64 and the model without them", KERNEL_TESTS + ("tests/test_gelu_gemm.py",), 55, 150),
     Stage("head_tests", "the head gemm with the logsumexp in its epilogue (model.head_lse=pallas, head_lse.py: never "
           "run on a GPU) as Mosaic GPU compiles it, against float64 and the loss without it",
           KERNEL_TESTS + ("tests/test_head_lse.py",), 35, 120),
     Stage("qkv_tests", "c_attn's dx over q's, k's and v's gradients (model.qkv_grad=pallas, qkv_grad.py: never run "
           "on a GPU) as Mosaic GPU compiles it, against float64 and the model without it",
           KERNEL_TESTS + ("tests/test_qkv_grad.py",), 30, 120),
-    Stage("step_kernels", "jaxtrain's row with the three gemm kernels (against `step`: the roofline says -7.7%)",
+    Stage("step_kernels", "jaxtrain's row with the four gemm kernels (against `step`: the roofline says -9.8%)",
           STEP + tuple(KERNEL_OPTIONS.values()), 45, 100, json=True),
     Stage("gelu_ab", "the GELU kernel alone at GPT-2's shapes, five tile settings, against XLA's gemm and GELU "
           "backward (5.79 ms of the 139.5 ms profile) and the gemm alone", ("-m", "benchmarks.gelu_gemm"), 40, 90),
@@ -123,11 +123,13 @@ STAGES = (
     Stage("qkv_ab", "c_attn's dx kernel alone at GPT-2's shapes, five tile settings, against XLA's concatenation "
           "and gemm (the concatenation: 4.21 ms of the profile) and the gemm alone", ("-m", "benchmarks.qkv_grad"),
           40, 90),
+    Stage("fc_ab", "c_fc's kernel with the bias and GELU alone at GPT-2's shapes, five tile settings, against XLA's "
+          "gemm and GELU (the roofline's 2.89 ms) and the gemm alone", ("-m", "benchmarks.gelu_fwd"), 40, 90),
     Stage("model_tests", "test_model's bit-for-bit tests against torch on the GPU, compiled as the step compiles "
           "(six failed under XLA's default excess precision on 2026-11-28, all passed without it), cuDNN's "
           "attention against the written-out one, and the q, k, v gemms (Linear.column_blocks) against the one gemm "
           "split, the loss's one-pass logsumexp against float64", MODEL_TESTS, 40, 90),
-    Stage("profile", "where the step's time goes with the three gemm kernels (139.5 ms of GPU time without them, "
+    Stage("profile", "where the step's time goes with the four gemm kernels (139.5 ms of GPU time without them, "
           "2026-11-28)", ("-m", "benchmarks.profile", "--config", "configs/gpt2-124m.yaml", "--synthetic",
                           "--data.batch_size=64", "--optim.grad_accum_steps=4", "--model.norm={norm}",
                           *KERNEL_OPTIONS.values()), 50, 120),
@@ -150,6 +152,8 @@ ON_REQUEST = (
           "pass, 5.11 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["head"],), 45, 100, json=True),
     Stage("step_qkv", "jaxtrain's row with c_attn's dx kernel alone (the roofline: -0.8%; the profile's "
           "concatenation, 4.21 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["qkv"],), 45, 100, json=True),
+    Stage("step_fc", "jaxtrain's row with c_fc's kernel alone (the roofline: -1.9%; beside the other three -2.3%; "
+          "GELU's pass, 2.89 ms by the roofline, gone)", STEP + (KERNEL_OPTIONS["fc"],), 45, 100, json=True),
     Stage("lse_ab", "the loss's logsumexp alone, one read against two (NOTES, the profile against the roofline)",
           ("-c", LSE_SCRIPT, "16384", "50304"), 25, 60),
 )

@@ -87,10 +87,9 @@ def table(rows: int, d: int, settings: list[hopper_gemm.Tiles], iters: int) -> s
                  f" | - | - |")
     xla = jax.jit(xla_gelu_grad, compiler_options=options)
     lines.append(f"| XLA: the gemm, then GELU's backward | {rate(timed(xla, args, iters))} | 100.000 | 0 |")
-    kernel_lines, failed = kernel_rows(
-        settings, lambda tiles: lambda g, w_t, pre: gelu_gemm.gelu_grad_matmul(g, w_t, pre, tiles), args, iters, rate,
-        lambda got: check(got, want, args[2], dh))
-    return "\n".join(lines + kernel_lines), failed
+    return kernel_table(
+        lines, settings, lambda tiles: lambda g, w_t, pre: gelu_gemm.gelu_grad_matmul(g, w_t, pre, tiles), args,
+        iters, rate, lambda got: check(got, want, args[2], dh))
 
 
 def check(got, want, pre, dh) -> tuple[str, bool]:
@@ -99,11 +98,12 @@ def check(got, want, pre, dh) -> tuple[str, bool]:
     return f"{100 * float(jnp.mean(got == want)):.3f} | {beyond}", beyond > 0
 
 
-def kernel_rows(settings, kernel_for, args, iters: int, rate, check) -> tuple[list[str], list[str]]:
-    """A table row per tile setting: the jitted kernel_for(tiles)'s time (`rate`) and check(its result) -> (the
-    row's other cells, whether it is wrong); a setting Mosaic GPU refuses (shared memory, registers) is a row saying
-    so. The rows, and the names of the settings refused or wrong. Also benchmarks.head_lse's."""
-    lines, failed = [], []
+def kernel_table(lines: list[str], settings, kernel_for, args, iters: int, rate, check) -> tuple[str, list[str]]:
+    """`lines` (the table's head and XLA's rows), then a row per tile setting: the jitted kernel_for(tiles)'s time
+    (`rate`) and check(its result) -> (the row's other cells, whether it is wrong); a setting Mosaic GPU refuses
+    (shared memory, registers) is a row saying so. The table, and the names of the settings refused or wrong. Also
+    the other kernels' benchmarks'."""
+    lines, failed = list(lines), []
     for tiles in settings:
         k = "" if tiles.k == 64 else f", k {tiles.k}"
         name = f"kernel {tiles.m}x{tiles.n}{k}, {tiles.stages} stages, snake {tiles.snake}"
@@ -120,7 +120,7 @@ def kernel_rows(settings, kernel_for, args, iters: int, rate, check) -> tuple[li
         lines.append(f"| {name} | {rate(seconds)} | {cells} |")
         if wrong:
             failed.append(name)
-    return lines, failed
+    return "\n".join(lines), failed
 
 
 def kernel_parser(prog: str, doc: str, d_help: str, tiles: str, iters: int) -> argparse.ArgumentParser:
@@ -148,9 +148,16 @@ def parser() -> argparse.ArgumentParser:
                          "128x128x4x8,128x128x3x8,128x128x4x4,128x128x4x16,128x64x4x8", 50)
 
 
-def main(argv: list[str]) -> None:
-    args = parser().parse_args(argv)
-    report(*table(args.rows, args.d, parse_tiles(args.tiles), args.iters))
+def kernel_main(parser, table):
+    """The main of a kernel's benchmark that takes --rows, --d, --tiles and --iters: its table, exit 1 naming the
+    settings refused or wrong. Also benchmarks.qkv_grad's and benchmarks.gelu_fwd's."""
+    def main(argv: list[str]) -> None:
+        args = parser().parse_args(argv)
+        report(*table(args.rows, args.d, parse_tiles(args.tiles), args.iters))
+    return main
+
+
+main = kernel_main(parser, table)
 
 if __name__ == "__main__":
     with exit_on_user_error():

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.gelu_gemm import kernel_parser, kernel_rows, parse_tiles, report
+from benchmarks.gelu_gemm import kernel_parser, kernel_table, parse_tiles, report
 from benchmarks.norm_kernels import timed
 from jaxtrain import autocast, head_lse, loss
 from jaxtrain.cmdline import positive_int
@@ -87,9 +87,8 @@ def table(rows: int, d: int, vocab: int, settings, iters: int) -> tuple[str, lis
     gemm = timed(jax.jit(head_alone, compiler_options=options), args, iters)
     lines.append(f"| the head gemm alone (XLA) | {rate(gemm)} | - | - | - |")
     lines.append(f"| XLA: the gemm, then loss.logsumexp | {rate(timed(xla, args, iters))} | 100.000 | 0 | 0, 0 |")
-    kernel_lines, failed = kernel_rows(settings, lambda tiles: lambda x, w: head_lse.logits_and_lse(x, w, tiles),
-                                       args, iters, rate, lambda got: check(got, want[0], scale, d))
-    return "\n".join(lines + kernel_lines), failed
+    return kernel_table(lines, settings, lambda tiles: lambda x, w: head_lse.logits_and_lse(x, w, tiles), args,
+                        iters, rate, lambda got: check(got, want[0], scale, d))
 
 
 def check(got, want_logits, abs_product, d: int) -> tuple[str, bool]:

@@ -1,10 +1,11 @@
 """What ptxas makes of the hand-written Hopper gemm kernels, without a GPU: each kernel (model.gelu_grad=pallas's,
-model.head_lse=pallas's and model.qkv_grad=pallas's) at GPT-2 124M's shapes and at each tile setting its benchmark
-times, compiled ahead of time for an H100 through jax's CUDA plugin, which runs ptxas; Mosaic GPU prints ptxas's
-report where MOSAIC_GPU_DUMP_PTXAS is set. One table: spill stores and loads, stack frame, ptxas's notes.
+model.head_lse=pallas's, model.qkv_grad=pallas's and model.gelu_fwd=pallas's) at GPT-2 124M's shapes and at each
+tile setting its benchmark times, compiled ahead of time for an H100 through jax's CUDA plugin, which runs ptxas;
+Mosaic GPU prints ptxas's report where MOSAIC_GPU_DUMP_PTXAS is set. One table: spill stores and loads, stack frame,
+ptxas's notes.
 
     python -m benchmarks.kernel_registers [--rows 16384] [--d 768] [--vocab 50304] [--gelu-tiles T] [--head-tiles T]
-                                          [--qkv-tiles T]
+                                          [--qkv-tiles T] [--fc-tiles T]
 
 Why: a consumer warpgroup holds its m x n fp32 accumulator in registers (m n / 128 a thread: 128 at 128 x 128,
 192 at head_lse's 128 x 192) beside the epilogue's copies, of the 232 a thread that the pipeline's setmaxnreg gives
@@ -27,15 +28,16 @@ import re
 import subprocess
 import sys
 
-from benchmarks import gelu_gemm as gelu_bench, head_lse as head_bench, qkv_grad as qkv_bench
+from benchmarks import gelu_fwd as fc_bench, gelu_gemm as gelu_bench, head_lse as head_bench, qkv_grad as qkv_bench
 from benchmarks.gelu_gemm import parse_tiles
 from benchmarks.roofline import require_compiler
 from jaxtrain.cmdline import positive_int
+from jaxtrain.config_checks import HOPPER_GEMM_TILE
 from jaxtrain.errors import exit_on_user_error
 
 TARGET = "h100"
 DEFAULT_TILES = {name: bench.parser().get_default("tiles")
-                 for name, bench in (("gelu", gelu_bench), ("head", head_bench), ("qkv", qkv_bench))}
+                 for name, bench in (("gelu", gelu_bench), ("head", head_bench), ("qkv", qkv_bench), ("fc", fc_bench))}
 SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 NOTE = re.compile(r"ptxas info\s*: \((C\d+)\)")
 # ptxas's "Potential Performance Loss" notes of a setting: wgmma serialized for extern calls or for want of registers
@@ -68,9 +70,12 @@ def compile_one(kernel: str, tiles_text: str, rows: int, d: int, vocab: int) -> 
             bf16(rows, d), bf16(d, 4 * d), bf16(rows, 4 * d))
     elif kernel == "head":
         call, args = lambda x, w: head_lse.logits_and_lse(x, w, tiles), (bf16(rows, d), bf16(d, vocab))
-    else:
+    elif kernel == "qkv":
         call, args = lambda *a: qkv_grad.summed_matmul(list(a[:3]), list(a[3:]), tiles), (
             *[bf16(rows, d)] * 3, *[bf16(d, d)] * 3)
+    else:  # as the step calls it: c_fc's input with a tile of ones columns, the bias, c_proj's ones columns
+        call, args = lambda x, w, b: gelu_gemm.linear_gelu_matmul(x, w, b, HOPPER_GEMM_TILE, tiles), (
+            bf16(rows, d + HOPPER_GEMM_TILE), bf16(d, 4 * d), bf16(4 * d))
     with autocast.compiling_for("gpu"):
         jax.jit(call).lower(*args).compile()
 
@@ -100,8 +105,9 @@ def table(rows: int, d: int, vocab: int, settings: dict[str, str]) -> tuple[str,
     report, and the compile itself where it ignored setmaxnreg."""
     lines = [f"ptxas (sm_90a) on jaxtrain's Hopper gemm kernels, compiled ahead of time for an {TARGET}: c_proj's dx "
              f"gemm with GELU's backward (gelu: ({rows}, {d}) @ ({d}, {4 * d})), the head with the logsumexp "
-             f"(head: ({rows}, {d}) @ ({d}, {vocab})), c_attn's dx (qkv: three ({rows}, {d}) @ ({d}, {d}) summed); "
-             f"tiles m x n x stages x snake [x k]", "",
+             f"(head: ({rows}, {d}) @ ({d}, {vocab})), c_attn's dx (qkv: three ({rows}, {d}) @ ({d}, {d}) summed), "
+             f"c_fc with the bias and GELU (fc: ({rows}, {d}) @ ({d}, {4 * d})); tiles m x n x stages x snake [x k]",
+             "",
              "| kernel | tiles | spill stores / loads, bytes | stack frame, bytes | ptxas notes |",
              "|---|---|---|---|---|"]
     failed, ignored = [], False

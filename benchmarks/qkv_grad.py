@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.gelu_gemm import kernel_parser, kernel_rows, parse_tiles, report
+from benchmarks.gelu_gemm import kernel_main, kernel_parser, kernel_table
 from benchmarks.head_lse import abs_product, products_beyond_rounding
 from benchmarks.norm_kernels import timed
 from jaxtrain import autocast, qkv_grad
@@ -65,10 +65,9 @@ def table(rows: int, d: int, settings, iters: int) -> tuple[str, list[str]]:
     alone = timed(jax.jit(gemm_alone, compiler_options=options), side_by_side, iters)
     lines.append(f"| the gemm alone, its input already side by side (XLA) | {rate(alone)} | - | - |")
     lines.append(f"| XLA: the concatenation, then the gemm | {rate(timed(xla, args, iters))} | 100.000 | 0 |")
-    kernel_lines, failed = kernel_rows(
-        settings, lambda tiles: lambda *a: qkv_grad.summed_matmul(list(a[:3]), list(a[3:]), tiles), args, iters,
-        rate, lambda got: check(got, want, scale, d))
-    return "\n".join(lines + kernel_lines), failed
+    return kernel_table(lines, settings,
+                        lambda tiles: lambda *a: qkv_grad.summed_matmul(list(a[:3]), list(a[3:]), tiles), args,
+                        iters, rate, lambda got: check(got, want, scale, d))
 
 
 def parser():
@@ -76,9 +75,7 @@ def parser():
                          "128x128x2x8x32,128x128x2x4x32,128x128x2x16x32,128x64x2x8,64x128x2x8x32", 50)
 
 
-def main(argv: list[str]) -> None:
-    args = parser().parse_args(argv)
-    report(*table(args.rows, args.d, parse_tiles(args.tiles), args.iters))
+main = kernel_main(parser, table)
 
 
 if __name__ == "__main__":

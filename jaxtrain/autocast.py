@@ -165,8 +165,8 @@ def biased_matmul(x, w, b, precision: str):
     low = COMPUTE_DTYPES[precision]
     if not bias_row_applies(precision):
         return (matmul(x, w, precision) + b.astype(low)).astype(low)
-    row = jnp.zeros((BIAS_ROW_PAD, w.shape[1]), w.dtype).at[0].set(b)
-    x = x if x.shape[-1] == w.shape[0] + BIAS_ROW_PAD else with_ones_column(x, low)  # fused_norm pads its output
+    x = x if x.shape[-1] > w.shape[0] else with_ones_column(x, low)  # fused_norm and gelu_gemm pad their outputs
+    row = jnp.zeros((x.shape[-1] - w.shape[0], w.shape[1]), w.dtype).at[0].set(b)
     return rounded_matmul(x, jnp.concatenate([w, row], 0), precision)
 
 
@@ -205,9 +205,10 @@ def bias_row_applies(precision: str) -> bool:
     return precision != "fp32" and backend() == "gpu" and mesh.weight_shards() == 1
 
 
-def with_ones_column(x, low):
-    """x in the compute dtype with BIAS_ROW_PAD more columns: a 1, then zeros (the bias row's partner)."""
-    column = jnp.zeros(x.shape[:-1] + (BIAS_ROW_PAD,), low).at[..., 0].set(1)
+def with_ones_column(x, low, width: int = BIAS_ROW_PAD):
+    """x in the compute dtype with `width` more columns: a 1, then zeros (the bias row's partner). biased_matmul
+    takes any width its input comes with: gelu_gemm's forward kernel writes 64 (TMA's tile; fused_norm's, 8)."""
+    column = jnp.zeros(x.shape[:-1] + (width,), low).at[..., 0].set(1)
     return jnp.concatenate([x.astype(low), column], -1)
 
 
@@ -226,6 +227,12 @@ def gelu(x):
     an estimate: benchmarks/NOTES.md) that is 2.9 ms of a 113 ms step with cuBLAS gemms and 1.1 GiB of peak memory;
     with Triton gemms XLA stops fusing c_fc's bias-gradient sum into the backward kernel, which now recomputes erf,
     and the sum re-reads dx: no time saved there."""
+    return gelu_value(x)
+
+
+def gelu_value(x):
+    """gelu's value, as a plain function: also the epilogue of gelu_gemm's forward kernel (Mosaic GPU lowers no
+    custom_vjp inside a kernel)."""
     x_f32 = x.astype(jnp.float32)
     return (x_f32 * _normal_cdf(x_f32)).astype(x.dtype)
 

@@ -65,6 +65,10 @@ class ModelConfig:
     # the residual adds and LayerNorms of each block: auto: one hand-written kernel each way on a GPU (Pallas), XLA's
     # ops elsewhere; xla: always XLA's; pallas: always the kernels (off a GPU through Pallas's interpreter: slow)
     norm: Literal["auto", "xla", "pallas"] = "auto"
+    # the MLP's c_fc and GELU: xla: c_fc's gemm and GELU as XLA writes them (two kernels: pre written, read back);
+    # pallas: one hand-written Hopper kernel that writes pre and gelu(pre) (gelu_gemm.py; bf16 or fp16, d_model a
+    # multiple of 64; off a GPU through Mosaic GPU's interpreter: slow), not yet measured on a GPU, so not the default
+    gelu_fwd: Literal["xla", "pallas"] = "xla"
     # the MLP's backward from c_proj's output gradient to c_fc's: xla: c_proj's dx gemm and GELU's backward as XLA
     # writes them (two kernels); pallas: one hand-written Hopper kernel for both (gelu_gemm.py; bf16 or fp16,
     # d_model a multiple of 64; off a GPU through Mosaic GPU's interpreter: slow), not yet measured on a GPU, so not

@@ -170,15 +170,17 @@ def _check_vocab_tiles(cfg) -> None:
 
 
 def _check_hopper_kernels(cfg) -> None:
-    """model.gelu_grad=pallas's, model.head_lse=pallas's and model.qkv_grad=pallas's kernels are written for Hopper
+    """model.gelu_fwd=pallas's, model.gelu_grad=pallas's, model.head_lse=pallas's and model.qkv_grad=pallas's kernels
+    are written for Hopper
     GPUs (a dry run compiling for another one would say it fits) and multiply bf16 or fp16 operands (wgmma) in tiles
     of HOPPER_GEMM_TILE rows, columns and k: d_model and the tokens, and the head's n, the vocabulary, in two tiles'
     columns (hopper_gemm), and so d_model where it is qkv_grad's n. Each device's tokens of a micro-batch are checked
     where the devices are known (the kernels), and a vocabulary taken from the data where it is (head_lse).
     qkv_grad's weight blocks are columns of c_attn's weight, whole on each device only where fsdp does not split
     it."""
-    for key in [k for k, value in {"model.gelu_grad": cfg.model.gelu_grad, "model.head_lse": cfg.model.head_lse,
-                                   "model.qkv_grad": cfg.model.qkv_grad}.items() if value == "pallas"]:
+    for key in [k for k, value in {"model.gelu_fwd": cfg.model.gelu_fwd, "model.gelu_grad": cfg.model.gelu_grad,
+                                   "model.head_lse": cfg.model.head_lse, "model.qkv_grad": cfg.model.qkv_grad}.items()
+                if value == "pallas"]:
         if cfg.train.precision == "fp32":
             raise UserError(f"{key}=pallas is a bf16 or fp16 kernel; under train.precision=fp32 use {key}=xla")
         if cfg.run.target_device not in (None, "h100", "h200"):

@@ -61,7 +61,7 @@ def _rows(n: int) -> int:
     return next(r for r in (MAX_ROWS >> i for i in range(MAX_ROWS.bit_length())) if n % r == 0)
 
 
-def _norm_forward_kernel(*refs, d: int, has_delta: bool, has_bias: bool, pad: bool):
+def _norm_forward_kernel(*refs, d: int, has_delta: bool, has_bias: bool, pad: int):
     refs = list(refs)
     x_ref, delta_ref = refs.pop(0), refs.pop(0) if has_delta else None
     w_ref, b_ref = refs.pop(0), refs.pop(0) if has_bias else None
@@ -79,7 +79,7 @@ def _norm_forward_kernel(*refs, d: int, has_delta: bool, has_bias: bool, pad: bo
         h = (x - mean) * rstd * w_ref[cols][None, :]
         h_ref[:, cols] = (h if b_ref is None else h + b_ref[cols][None, :]).astype(h_ref.dtype)
     if pad:
-        column = jax.lax.broadcasted_iota(jnp.int32, (h_ref.shape[0], autocast.BIAS_ROW_PAD), 1)
+        column = jax.lax.broadcasted_iota(jnp.int32, (h_ref.shape[0], pad), 1)
         h_ref[:, d:] = jnp.where(column == 0, 1, 0).astype(h_ref.dtype)
     mean_ref[...] = mean[:, 0]
     rstd_ref[...] = rstd[:, 0]
@@ -130,7 +130,7 @@ def _forward(x, delta, w, b, low, pad):
     n, d = x.shape
     present = lambda *ts: [t for t in ts if t is not None]
     row_outputs = ([((n, d), jnp.float32)] if delta is not None else []) + [
-        ((n, d + (autocast.BIAS_ROW_PAD if pad else 0)), low), ((n,), jnp.float32), ((n,), jnp.float32)]
+        ((n, d + pad), low), ((n,), jnp.float32), ((n,), jnp.float32)]
     kernel = functools.partial(_norm_forward_kernel, d=d, has_delta=delta is not None, has_bias=b is not None,
                                pad=pad)
     out = _call(kernel, present(x, delta), present(w, b), row_outputs)
@@ -157,11 +157,14 @@ def _backward(low, pad, saved, grads):
 _residual_norm.defvjp(_forward, _backward)
 
 
-def residual_norm(x_BxTxD, delta_BxTxD, w, b, precision: str):
+def residual_norm(x_BxTxD, delta_BxTxD, w, b, precision: str, ones_width: int = autocast.BIAS_ROW_PAD):
     """(x + delta, LayerNorm(x + delta)), delta None for none; the second in the compute dtype, padded with the
-    ones column where the next Linear's bias rides in its gemm (autocast.bias_row_applies)."""
+    ones column where the next Linear's bias rides in its gemm (autocast.bias_row_applies): `ones_width` columns,
+    a 1 and zeros (autocast.with_ones_column; gelu_gemm's forward kernel reads its input by TMA in tiles of 64
+    columns, so its input's row must be a multiple of 64)."""
     B, T, D = x_BxTxD.shape
     rows = lambda t: None if t is None else t.reshape(B * T, D)  # the batch split stays on the rows
-    low, pad = autocast.COMPUTE_DTYPES[precision], b is not None and autocast.bias_row_applies(precision)
+    low = autocast.COMPUTE_DTYPES[precision]
+    pad = ones_width if b is not None and autocast.bias_row_applies(precision) else 0
     x_sum, h = _residual_norm(rows(x_BxTxD), rows(delta_BxTxD), w, b, low, pad)
     return x_sum.reshape(B, T, D), h.reshape(B, T, h.shape[-1])

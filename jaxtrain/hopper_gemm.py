@@ -5,10 +5,10 @@ a memory-bound pass into a gemm, which XLA does not write from this program (ben
 
 The kernel is jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu's: persistent over the SMs, a TMA producer
 warpgroup feeding two wgmma consumer warpgroups side by side along n, each with an m x n fp32 accumulator; what
-each consumer does with its accumulator once the k loop is done is `epilogue`'s (gelu_gemm.py: GELU's backward;
-head_lse.py: the logits and their logsumexp's partial sums; qkv_grad.py: the sum of three products, rounded). Off a
-GPU it runs in Mosaic GPU's interpreter (slow: for checking). The users: model.gelu_grad=pallas, model.head_lse=pallas
-and model.qkv_grad=pallas.
+each consumer does with its accumulator once the k loop is done is `epilogue`'s (gelu_gemm.py: the bias and GELU,
+or GELU's backward; head_lse.py: the logits and their logsumexp's partial sums; qkv_grad.py: the sum of three
+products, rounded). Off a GPU it runs in Mosaic GPU's interpreter (slow: for checking). The users:
+model.gelu_fwd=pallas, model.gelu_grad=pallas, model.head_lse=pallas and model.qkv_grad=pallas.
 """
 
 import dataclasses
@@ -82,8 +82,7 @@ def _kernel(*refs, t: Tiles, epilogue: Callable, scratch: dict, extra_inputs: in
     wgmmas add into the one accumulator."""
     a_gmems, b_gmems = refs[:pairs], refs[pairs:2 * pairs]
     ins, outs = refs[2 * pairs:2 * pairs + extra_inputs], refs[2 * pairs + extra_inputs:]
-    m, k = a_gmems[0].shape
-    n = b_gmems[0].shape[1]
+    m, (k, n) = a_gmems[0].shape[0], b_gmems[0].shape  # a may be wider than k: its first k columns are read
     transforms = _tma_transforms(t.k, a_gmems[0].dtype)
     cta_n = 2 * t.n  # the two consumer warpgroups side by side
     m_tiles, n_tiles = m // t.m, n // cta_n
@@ -197,7 +196,8 @@ def store_tile(value, tile: EpilogueTile, at: OutputTile, smem, out_gmem) -> Non
 
 def gemm_with_epilogue(option: str, epilogue: Callable, scratch: dict, out_types, t: Tiles, extra_inputs: int,
                        pairs: int = 1):
-    """(a, b, *extra) -> out_types: (m, k) @ (k, n) in the compute dtype through `epilogue`, on one device's rows;
+    """(a, b, *extra) -> out_types: (m, k) @ (k, n) in the compute dtype through `epilogue`, on one device's rows
+    (of an a wider than k, its first k columns: the ones columns of a Linear's bias row, in a whole TMA tile);
     with `pairs` > 1, (a_1 .. a_p, b_1 .. b_p, *extra) and sum_i a_i @ b_i, each (m, k) @ (k, n). Persistent: a
     grid of the GPU's SMs (at most one per output tile); the interpreter runs one program. `option`: the config's
     key=value that picks the kernel, for messages."""

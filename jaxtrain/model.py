@@ -11,9 +11,9 @@ activations and the logits are bf16; the residual stream, LayerNorm and softmax 
 logits. "fp16" is the same with fp16 (the train step adds the loss scaling fp16's range needs: step.py). Precision
 "fp32" runs every dot at Precision.HIGHEST. On a GPU under bf16,
 attention runs as cuDNN's fused kernel (model.attention), and on a GPU each residual add and the LayerNorm after it
-as one hand-written kernel each way (model.norm, fused_norm.py); model.gelu_grad=pallas computes the MLP's
-backward from c_proj to c_fc in one hand-written Hopper kernel (gelu_gemm.py), model.qkv_grad=pallas c_attn's input
-gradient from q's, k's and v's in another (qkv_grad.py).
+as one hand-written kernel each way (model.norm, fused_norm.py); model.gelu_fwd=pallas computes the MLP's c_fc and
+GELU in one hand-written Hopper kernel and model.gelu_grad=pallas its backward from c_proj to c_fc in another
+(gelu_gemm.py), model.qkv_grad=pallas c_attn's input gradient from q's, k's and v's in a third (qkv_grad.py).
 
 Decoding (`extend`) runs the same blocks on new tokens only, with the keys and values of the earlier positions kept
 in a `KVCache` per layer: the attention takes the cache as an optional argument, and the math is the training
@@ -28,12 +28,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.autocast import COMPUTE_DTYPES, backend, column_blocks, gelu, linear, matmul, rounded_matmul, row_major
+from jaxtrain.autocast import (BIAS_ROW_PAD, COMPUTE_DTYPES, backend, column_blocks, gelu, linear, matmul,
+                               rounded_matmul, row_major)
 from jaxtrain.config import ModelConfig
+from jaxtrain.config_checks import HOPPER_GEMM_TILE
 from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import LN_EPS, residual_norm, triton_available
 from jaxtrain import qkv_grad
-from jaxtrain.gelu_gemm import gelu_linear
+from jaxtrain.gelu_gemm import mlp
 from jaxtrain.mesh import batch_sharded, weight_shards
 
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
@@ -77,11 +79,7 @@ class Linear(nnx.Module):
         self.precision = precision
 
     def __call__(self, x):
-        return linear(x, self.kernel[...], self._bias(), self.precision)
-
-    def of_gelu(self, pre):
-        """self(gelu(pre)), its backward from the output's gradient to pre's in one kernel (gelu_gemm)."""
-        return gelu_linear(pre, self.kernel[...], self._bias(), self.precision)
+        return linear(x, self.kernel[...], self.bias_value(), self.precision)
 
     def column_blocks(self, x, parts: int, kernel_dx: bool = False) -> tuple:
         """The output's `parts` column blocks, each its own gemm (autocast.column_blocks): self(x) split, without
@@ -89,10 +87,11 @@ class Linear(nnx.Module):
         (qkv_grad.py). Named GEMM_BLOCKS: remat's dots policy keeps them, as it keeps self(x) (its dots are inside
         a custom_vjp, where the policy does not look)."""
         blocks = (qkv_grad.column_blocks if kernel_dx else column_blocks)(
-            x, self.kernel[...], self._bias(), self.precision, parts)
+            x, self.kernel[...], self.bias_value(), self.precision, parts)
         return tuple(checkpoint_name(block, GEMM_BLOCKS) for block in blocks)
 
-    def _bias(self):
+    def bias_value(self):
+        """The bias's array, None for none."""
         return None if self.bias is None else self.bias[...]
 
 
@@ -214,11 +213,22 @@ class MLP(nnx.Module):
         d = cfg.d_model
         self.c_fc = Linear(d, 4 * d, bias=cfg.bias, std=INIT_STD, precision=precision, rngs=rngs)
         self.c_proj = Linear(4 * d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
-        self.dropout, self.gelu_kernel = cfg.dropout, cfg.gelu_grad == "pallas"
+        self.dropout, self.precision, self.remat = cfg.dropout, precision, cfg.remat
+        self.fwd_kernel, self.grad_kernel = cfg.gelu_fwd == "pallas", cfg.gelu_grad == "pallas"
+        # the bias row's ones columns in c_fc's input (fused_norm writes them): the forward kernel reads its input by
+        # TMA in tiles of 64 columns (gelu_gemm), so its row is padded to a whole tile
+        self.ones_width = HOPPER_GEMM_TILE if self.fwd_kernel else BIAS_ROW_PAD
 
     def __call__(self, x_BxTxD, key):
-        pre_BxTx4D = self.c_fc(x_BxTxD)
-        y_BxTxD = self.c_proj.of_gelu(pre_BxTx4D) if self.gelu_kernel else self.c_proj(gelu(pre_BxTx4D))
+        if self.fwd_kernel and self.remat != "none" and backend() != "gpu":
+            raise UserError(f"model.gelu_fwd=pallas off a GPU runs in Mosaic GPU's interpreter, whose host callbacks "
+                            f"jax.checkpoint cannot recompute (model.remat={self.remat}); use model.remat=none here, "
+                            f"or model.gelu_fwd=xla")
+        if self.fwd_kernel or self.grad_kernel:  # gelu_gemm's: c_fc with GELU, GELU's backward with c_proj's dx
+            y_BxTxD = mlp(x_BxTxD, self.c_fc.kernel[...], self.c_fc.bias_value(), self.c_proj.kernel[...],
+                          self.c_proj.bias_value(), self.precision, self.fwd_kernel, self.grad_kernel)
+        else:
+            y_BxTxD = self.c_proj(gelu(self.c_fc(x_BxTxD)))
         return _dropout(y_BxTxD, self.dropout, key)
 
 
@@ -237,15 +247,16 @@ class Block(nnx.Module):
         attn_key, mlp_key = _split(key, 2)
         x_BxTxD, h_BxTxD = self._residual_norm(self.ln_1, x_BxTxD, delta_BxTxD)
         y_BxTxD, cache = self.attn(h_BxTxD, attn_key, cache)
-        x_BxTxD, h_BxTxD = self._residual_norm(self.ln_2, x_BxTxD, y_BxTxD)
+        x_BxTxD, h_BxTxD = self._residual_norm(self.ln_2, x_BxTxD, y_BxTxD, self.mlp.ones_width)
         return x_BxTxD, self.mlp(h_BxTxD, mlp_key), cache
 
-    def _residual_norm(self, ln: LayerNorm, x_BxTxD, y_BxTxD):
+    def _residual_norm(self, ln: LayerNorm, x_BxTxD, y_BxTxD, ones_width: int = BIAS_ROW_PAD):
         """(x + y, ln(x + y)), y None for none; fp32 + bf16 -> fp32, as in torch. One Pallas kernel each way where
-        model.norm picks it (fused_norm.py: then ln's output comes in the compute dtype), XLA's ops elsewhere."""
+        model.norm picks it (fused_norm.py: then ln's output comes in the compute dtype, with `ones_width` columns
+        for the next Linear's bias row), XLA's ops elsewhere."""
         if self.norm_kernels:
             return residual_norm(x_BxTxD, y_BxTxD, ln.weight[...], None if ln.bias is None else ln.bias[...],
-                                 self.precision)
+                                 self.precision, ones_width)
         x_BxTxD = x_BxTxD if y_BxTxD is None else x_BxTxD + y_BxTxD
         return x_BxTxD, ln(x_BxTxD)
 

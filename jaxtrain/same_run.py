@@ -21,7 +21,7 @@ from jaxtrain.errors import UserError
 # before these keys existed still resume.
 TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "train.loss_scale", "run.seed",
                    "decay length")
-HOW_NOT_WHAT = ("model.attention", "model.norm", "model.gelu_grad", "model.head_lse", "model.qkv_grad", "model.remat",
+HOW_NOT_WHAT = ("model.attention", "model.norm", "model.gelu_fwd", "model.gelu_grad", "model.head_lse", "model.qkv_grad", "model.remat",
                 "model.vocab_tiles")
 
 # Keys compared only where they act: the decay length (train.steps or optim.decay_steps, compared as the effective

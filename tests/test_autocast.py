@@ -102,6 +102,28 @@ def test_the_bias_rides_in_the_gemm_on_a_gpu_whose_weights_are_whole(platform, f
                                                                             np.float64))
 
 
+@pytest.mark.parametrize("width", [autocast.BIAS_ROW_PAD, 64])
+def test_an_input_that_brings_its_ones_columns_is_taken_as_it_is(width):
+    """On a GPU a Linear's input may come with the ones column already (fused_norm writes 8 columns, gelu_gemm's
+    forward kernel 64: a TMA tile): biased_matmul then pads only the weight, with a bias row and zero rows to that
+    width, and gives what it gives the bare input (operands exact in bf16 and sums exact in fp32: the same bits),
+    and the same gradients of the weight, the bias and the input's first k columns."""
+    x, w, b = (jnp.asarray(np.random.default_rng(i).integers(-8, 9, shape) / 8, jnp.float32)
+               for i, shape in enumerate([(2, 5, 16), (16, 8), (8,)]))
+    g = jnp.asarray(np.random.default_rng(3).integers(-8, 9, (2, 5, 8)) / 8, jnp.bfloat16)
+    padded = autocast.with_ones_column(x, jnp.bfloat16, width)
+    value_and_vjp = jax.jit(lambda x, w, b: (lambda y, vjp: (y, vjp(g)))(
+        *jax.vjp(lambda x, w, b: autocast.biased_matmul(x, w, b, "bf16"), x, w, b)))
+    with autocast.compiling_for("gpu"):
+        (y, (g_x, g_w, g_b)), (want, (want_g_x, want_g_w, want_g_b)) = (
+            value_and_vjp(padded, w, b), value_and_vjp(x.astype(jnp.bfloat16), w, b))
+    assert padded.shape[-1] == 16 + width
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(g_x[..., :16], want_g_x)
+    np.testing.assert_array_equal(g_w, want_g_w)
+    np.testing.assert_array_equal(g_b, want_g_b)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])

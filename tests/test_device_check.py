@@ -40,25 +40,29 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
             if tool is bench:
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
-    assert seen == {"step", "step_kernels", "step_gelu", "step_head", "step_qkv", "profile", "table", "step_excess"}
+    assert seen == {"step", "step_kernels", "step_gelu", "step_head", "step_qkv", "step_fc", "profile", "table",
+                    "step_excess"}
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu" and not hopper_gemm.interpreter_available(),
                     reason="no GPU, and no Mosaic GPU interpreter in this jax that runs the kernels")
-@pytest.mark.parametrize("kernel,test_file,module,option,small", [
-    ("gelu", "tests/test_gelu_gemm.py", "benchmarks.gelu_gemm", "--model.gelu_grad=pallas",
+@pytest.mark.parametrize("kernel,tests,test_file,module,option,small", [
+    ("gelu", "gelu", "tests/test_gelu_gemm.py", "benchmarks.gelu_gemm", "--model.gelu_grad=pallas",
      ["--rows", "128", "--d", "64", "--tiles", "64x64x2x8,128x64x2x8"]),
-    ("head", "tests/test_head_lse.py", "benchmarks.head_lse", "--model.head_lse=pallas",
+    ("head", "head", "tests/test_head_lse.py", "benchmarks.head_lse", "--model.head_lse=pallas",
      ["--rows", "128", "--d", "64", "--vocab", "768", "--tiles", "64x64x2x8,128x192x2x8"]),
-    ("qkv", "tests/test_qkv_grad.py", "benchmarks.qkv_grad", "--model.qkv_grad=pallas",
-     ["--rows", "128", "--d", "128", "--tiles", "64x64x2x8x32,128x64x2x8"])])
-def test_a_gemm_kernels_stages_run_its_tests_its_benchmark_and_the_step_with_it(kernel, test_file, module, option,
-                                                                                small, tmp_path):
-    """<kernel>_tests collects every test of its file; <kernel>_ab runs (here on a few rows, through the
-    interpreter) and prints a row per setting, each as right as XLA's result; step_<kernel> (on request) is `step`
-    with the kernel on, step_kernels `step` with all three."""
+    ("qkv", "qkv", "tests/test_qkv_grad.py", "benchmarks.qkv_grad", "--model.qkv_grad=pallas",
+     ["--rows", "128", "--d", "128", "--tiles", "64x64x2x8x32,128x64x2x8"]),
+    ("fc", "gelu", "tests/test_gelu_gemm.py", "benchmarks.gelu_fwd", "--model.gelu_fwd=pallas",
+     ["--rows", "128", "--d", "64", "--tiles", "64x64x2x8,128x64x2x8"])])
+def test_a_gemm_kernels_stages_run_its_tests_its_benchmark_and_the_step_with_it(kernel, tests, test_file, module,
+                                                                                option, small, tmp_path):
+    """<tests>_tests collects every test of its file (c_fc's kernel's are in gelu_gemm's: one module, two
+    kernels); <kernel>_ab runs (here on a few rows, through the interpreter) and prints a row per setting, each as
+    right as XLA's result; step_<kernel> (on request) is `step` with the kernel on, step_kernels `step` with all
+    four."""
     by_name = {s.name: s for s in device_check.STAGES + device_check.ON_REQUEST}
-    args = _after_module(list(by_name[f"{kernel}_tests"].args), "pytest")
+    args = _after_module(list(by_name[f"{tests}_tests"].args), "pytest")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "--collect-only", "-q", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert args[-1] == test_file and "-k" not in args  # the whole file
@@ -77,8 +81,8 @@ def test_a_gemm_kernels_stages_run_its_tests_its_benchmark_and_the_step_with_it(
     assert all(r[4].rstrip(" |") == "0" and line.endswith(" 0 |") for r, line in zip(rows, lines))  # none further
     assert by_name[f"step_{kernel}"].args == by_name["step"].args + (option,)
     assert by_name["step_kernels"].args == by_name["step"].args + (
-        "--model.gelu_grad=pallas", "--model.head_lse=pallas", "--model.qkv_grad=pallas")
-    assert by_name[f"{kernel}_tests"] in device_check.STAGES and by_name[f"{kernel}_ab"] in device_check.STAGES
+        "--model.gelu_grad=pallas", "--model.head_lse=pallas", "--model.qkv_grad=pallas", "--model.gelu_fwd=pallas")
+    assert by_name[f"{tests}_tests"] in device_check.STAGES and by_name[f"{kernel}_ab"] in device_check.STAGES
 
 
 def test_the_ab_stages_differ_in_their_xla_flags_alone(tmp_path):
