@@ -36,8 +36,8 @@ from jaxtrain.config_checks import HOPPER_GEMM_TILE
 from jaxtrain.errors import exit_on_user_error
 
 TARGET = "h100"
-DEFAULT_TILES = {name: bench.parser().get_default("tiles")
-                 for name, bench in (("gelu", gelu_bench), ("head", head_bench), ("qkv", qkv_bench), ("fc", fc_bench))}
+KERNEL_BENCHMARKS = (("gelu", gelu_bench), ("head", head_bench), ("qkv", qkv_bench), ("fc", fc_bench))
+DEFAULT_TILES = {name: bench.parser().get_default("tiles") for name, bench in KERNEL_BENCHMARKS}
 SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 NOTE = re.compile(r"ptxas info\s*: \((C\d+)\)")
 # ptxas's "Potential Performance Loss" notes of a setting: wgmma serialized for extern calls or for want of registers

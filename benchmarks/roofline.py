@@ -162,9 +162,9 @@ def call_flops(inst: Inst, operands: list[str]) -> float:
         k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting))
         return 2 * math.prod(shapes(inst.shape)[0][1]) * k
     gemm = hopper_gemm(inst.attrs)
-    if gemm:  # operands (m, k) and (k, n) first; of p pairs, p of each
+    if gemm:  # operands (m, k) and (k, n) first (a wider a: its first k columns), of p pairs p of each
         pairs = int(gemm[1] or 1)
-        (m, k), n = shapes(operands[0])[0][1], shapes(operands[pairs])[0][1][1]
+        m, (k, n) = shapes(operands[0])[0][1][0], shapes(operands[pairs])[0][1]
         return 2 * m * k * n * pairs
     if "fmha" in target:  # operands (B, T, H, D) queries and (B, L, H, D) keys; causal: half the T x L scores
         (b, t, h, d), length = shapes(operands[0])[0][1], shapes(operands[1])[0][1][1]

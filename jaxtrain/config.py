@@ -67,7 +67,8 @@ class ModelConfig:
     norm: Literal["auto", "xla", "pallas"] = "auto"
     # the MLP's c_fc and GELU: xla: c_fc's gemm and GELU as XLA writes them (two kernels: pre written, read back);
     # pallas: one hand-written Hopper kernel that writes pre and gelu(pre) (gelu_gemm.py; bf16 or fp16, d_model a
-    # multiple of 64; off a GPU through Mosaic GPU's interpreter: slow), not yet measured on a GPU, so not the default
+    # multiple of 64; off a GPU through Mosaic GPU's interpreter: slow, and only with model.remat=none), not yet
+    # measured on a GPU, so not the default
     gelu_fwd: Literal["xla", "pallas"] = "xla"
     # the MLP's backward from c_proj's output gradient to c_fc's: xla: c_proj's dx gemm and GELU's backward as XLA
     # writes them (two kernels); pallas: one hand-written Hopper kernel for both (gelu_gemm.py; bf16 or fp16,

@@ -9,9 +9,10 @@ and writes gelu(pre): 2.89 ms of GPT-2 124M's H100 step by the roofline (benchma
 fusion that writes both a gemm's result and its GELU (pre is kept for the backward). In the backward it writes
 c_proj's input gradient dh = g w^T (bf16) in a cuBLAS gemm and GELU's backward as a pass that reads dh back with
 pre: 5.79 ms of 2026-11-28's 139.5 ms of GPU time, and XLA fuses no gemm epilogue that reads a second full-size
-operand. Here c_fc's kernel writes pre and gelu(pre) from each output tile on its way out, and c_proj's dx kernel
-multiplies each output tile by gelu'(pre) on its way out, dh never written: the roofline's savings are a read and
-a write of (B, T, 4D) bf16 each way, about 2.9 ms each (estimates; neither is measured on a GPU yet, which is why
+operand. Here c_fc's kernel writes pre and gelu(pre) from each output tile on its way out (the GELU pass and its
+read of pre back go; gelu(pre)'s write moves into the gemm), and c_proj's dx kernel multiplies each output tile by
+gelu'(pre) on its way out, dh never written nor read back. By the step's roofline, -1.9 ms for the first (with the
+others on: -2.2) and about -2.9 ms for the second (estimates; neither is measured on a GPU yet, which is why
 neither is the default: benchmarks/device_check.py's stages measure them).
 
 Numerics: autocast's, as model.MLP's XLA path: c_fc's fp32 accumulator plus the bias rounded to the compute dtype,
@@ -143,43 +144,67 @@ def linear_gelu_matmul(x, w, b, pad: int, tiles: Tiles = Tiles()):
     return pre, h
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def mlp(x, w_fc, b_fc, w_proj, b_proj, precision: str, fwd_kernel: bool, grad_kernel: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gelu_linear(pre, w, b, precision: str):
+    """autocast.linear(autocast.gelu(pre), w, b): the MLP's GELU and c_proj, whose backward computes pre's gradient
+    in gelu_grad_matmul's one kernel instead of c_proj's dx gemm and GELU's backward pass. Under bf16 or fp16. c_fc
+    stays outside (model.MLP), where model.remat=dots's policy keeps its output."""
+    return _gelu_linear_fwd(pre, w, b, precision)[0]
+
+
+def _gelu_linear_fwd(pre, w, b, precision):
+    h = autocast.gelu(pre)
+    return autocast.linear(h, w, b, precision), (pre, h, w, b)
+
+
+def _gelu_linear_bwd(precision, saved, g):
+    return _proj_and_gelu_grads(*saved, g, precision, True)
+
+
+gelu_linear.defvjp(_gelu_linear_fwd, _gelu_linear_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def mlp(x, w_fc, b_fc, w_proj, b_proj, precision: str, grad_kernel: bool):
     """autocast.linear(autocast.gelu(autocast.linear(x, w_fc, b_fc)), w_proj, b_proj): the MLP's c_fc, GELU and
-    c_proj under bf16 or fp16, with c_fc and GELU in linear_gelu_matmul's kernel where `fwd_kernel`, and the
-    backward from c_proj's output gradient to pre's in gelu_grad_matmul's kernel where `grad_kernel`; XLA's gemms
-    and passes for the rest (the weight and bias gradients, c_fc's dx)."""
-    return _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, precision, fwd_kernel, grad_kernel)[0]
+    c_proj under bf16 or fp16, with c_fc and GELU in linear_gelu_matmul's kernel, and the backward from c_proj's
+    output gradient to pre's in gelu_grad_matmul's kernel where `grad_kernel`; XLA's gemms and passes for the rest
+    (the weight and bias gradients, c_fc's dx). model.remat=dots's policy does not look inside a custom_vjp: there
+    the whole MLP, kernel and c_proj's gemm, runs again in the backward pass (model.remat=none keeps its outputs)."""
+    return _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, precision, grad_kernel)[0]
 
 
-def _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, precision, fwd_kernel, grad_kernel):
+def _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, precision, grad_kernel):
     low = autocast.COMPUTE_DTYPES[precision]
-    if fwd_kernel:
-        pad = EPILOGUE_TILE if b_proj is not None and autocast.bias_row_applies(precision) else 0
-        rows = lambda t: t.reshape(-1, t.shape[-1])  # the batch split stays on the rows
-        cast = lambda t: None if t is None else t.astype(low)
-        pre, h = linear_gelu_matmul(rows(x.astype(low)), w_fc.astype(low), cast(b_fc), pad)
-        pre, h = pre.reshape(*x.shape[:-1], -1), h.reshape(*x.shape[:-1], -1)
-    else:
-        pre = autocast.linear(x, w_fc, b_fc, precision)
-        h = autocast.gelu(pre)
-    y = autocast.linear(h, w_proj, b_proj, precision)
-    return y, (x, pre, h, w_fc, b_fc, w_proj, b_proj)
+    pad = EPILOGUE_TILE if b_proj is not None and autocast.bias_row_applies(precision) else 0
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # the batch split stays on the rows
+    cast = lambda t: None if t is None else t.astype(low)
+    pre, h = linear_gelu_matmul(rows(x.astype(low)), w_fc.astype(low), cast(b_fc), pad)
+    pre, h = pre.reshape(*x.shape[:-1], -1), h.reshape(*x.shape[:-1], -1)
+    return autocast.linear(h, w_proj, b_proj, precision), (x, pre, h, w_fc, b_fc, w_proj, b_proj)
 
 
-def _mlp_bwd(precision, fwd_kernel, grad_kernel, saved, g):
+def _mlp_bwd(precision, grad_kernel, saved, g):
     x, pre, h, w_fc, b_fc, w_proj, b_proj = saved
-    _, proj_vjp = jax.vjp(lambda h, w, b: autocast.linear(h, w, b, precision), h, w_proj, b_proj)
-    g_h, g_w_proj, g_b_proj = proj_vjp(g)  # its forward's gemm goes unused: XLA drops it
-    if grad_kernel:  # g_h goes unused: XLA drops that gemm too
-        rows = lambda t: t.reshape(-1, t.shape[-1])  # the batch split stays on the rows
-        # w^T as an array of its own (an XLA transpose of the bf16 weight): the kernel could read w transposed in
-        # shared memory (plgpu.transpose_ref), but Mosaic GPU's interpreter, where the tests run it, ignores that
-        g_pre = gelu_grad_matmul(rows(g.astype(pre.dtype)), w_proj.astype(pre.dtype).T, rows(pre)).reshape(pre.shape)
-    else:
-        g_pre = autocast.gelu_grad(pre, g_h[..., :pre.shape[-1]])  # without the ones column's gradient
+    g_pre, g_w_proj, g_b_proj = _proj_and_gelu_grads(pre, h, w_proj, b_proj, g, precision, grad_kernel)
     _, fc_vjp = jax.vjp(lambda x, w, b: autocast.linear(x, w, b, precision), x, w_fc, b_fc)
     return (*fc_vjp(g_pre), g_w_proj, g_b_proj)
 
 
 mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def _proj_and_gelu_grads(pre, h, w_proj, b_proj, g, precision, grad_kernel):
+    """(pre's, w_proj's and b_proj's gradients) of autocast.linear(h, w_proj, b_proj) with h = gelu(pre), from the
+    output's gradient g: pre's in gelu_grad_matmul's kernel where `grad_kernel`, else c_proj's dx gemm and GELU's
+    backward (XLA's); the weight's and the bias's from c_proj's VJP (XLA's gemms)."""
+    _, proj_vjp = jax.vjp(lambda h, w, b: autocast.linear(h, w, b, precision), h, w_proj, b_proj)
+    g_h, g_w_proj, g_b_proj = proj_vjp(g)  # its forward's gemm goes unused: XLA drops it
+    if not grad_kernel:
+        return autocast.gelu_grad(pre, g_h[..., :pre.shape[-1]]), g_w_proj, g_b_proj  # less the ones columns
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # the batch split stays on the rows
+    # g_h goes unused (XLA drops its gemm). w^T as an array of its own (an XLA transpose of the bf16 weight): the
+    # kernel could read w transposed in shared memory (plgpu.transpose_ref), but Mosaic GPU's interpreter, where the
+    # tests run it, ignores that transpose
+    g_pre = gelu_grad_matmul(rows(g.astype(pre.dtype)), w_proj.astype(pre.dtype).T, rows(pre)).reshape(pre.shape)
+    return g_pre, g_w_proj, g_b_proj

@@ -35,7 +35,7 @@ from jaxtrain.config_checks import HOPPER_GEMM_TILE
 from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import LN_EPS, residual_norm, triton_available
 from jaxtrain import qkv_grad
-from jaxtrain.gelu_gemm import mlp
+from jaxtrain.gelu_gemm import gelu_linear, mlp
 from jaxtrain.mesh import batch_sharded, weight_shards
 
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
@@ -224,9 +224,12 @@ class MLP(nnx.Module):
             raise UserError(f"model.gelu_fwd=pallas off a GPU runs in Mosaic GPU's interpreter, whose host callbacks "
                             f"jax.checkpoint cannot recompute (model.remat={self.remat}); use model.remat=none here, "
                             f"or model.gelu_fwd=xla")
-        if self.fwd_kernel or self.grad_kernel:  # gelu_gemm's: c_fc with GELU, GELU's backward with c_proj's dx
+        if self.fwd_kernel:  # gelu_gemm's: c_fc with GELU (and, with grad_kernel, GELU's backward with c_proj's dx)
             y_BxTxD = mlp(x_BxTxD, self.c_fc.kernel[...], self.c_fc.bias_value(), self.c_proj.kernel[...],
-                          self.c_proj.bias_value(), self.precision, self.fwd_kernel, self.grad_kernel)
+                          self.c_proj.bias_value(), self.precision, self.grad_kernel)
+        elif self.grad_kernel:  # c_fc outside the kernel's custom_vjp, where remat's dots policy keeps its output
+            y_BxTxD = gelu_linear(self.c_fc(x_BxTxD), self.c_proj.kernel[...], self.c_proj.bias_value(),
+                                  self.precision)
         else:
             y_BxTxD = self.c_proj(gelu(self.c_fc(x_BxTxD)))
         return _dropout(y_BxTxD, self.dropout, key)

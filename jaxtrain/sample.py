@@ -149,7 +149,9 @@ def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, 
     """The prompt and its continuation, as text, from the model `model_cfg` with `params` computing in `precision`.
 
     Attention is the written-out one (model.attention xla), which the cached steps take whatever the config says:
-    one computation for the whole text, and cuDNN's kernel is no choice on a machine without a GPU."""
+    one computation for the whole text, and cuDNN's kernel is no choice on a machine without a GPU. So is c_fc with
+    GELU (model.gelu_fwd xla: the same function): gelu_gemm's kernel takes tokens in tiles of 64 rows, and decoding
+    brings one at a time."""
     sampling.check()
     ids = tok.encode(prompt)
     if not ids:
@@ -162,7 +164,7 @@ def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, 
         raise UserError(f"the prompt encodes to token id {max(ids)}, beyond the model's vocabulary of "
                         f"{model_cfg.vocab_size}: the run was trained with another tokenizer; pass the one its data "
                         f"used ({' or '.join(prepare_lib.TOKENIZERS)})")
-    model_cfg = dataclasses.replace(model_cfg, attention="xla")
+    model_cfg = dataclasses.replace(model_cfg, attention="xla", gelu_fwd="xla")
     graphdef = model_lib.graphdef(model_cfg, vocab_size=model_cfg.vocab_size, precision=precision)
     tokens = generator(graphdef, model_cfg, precision, sampling)(params, np.asarray([ids], np.int32))
     return tok.decode(jax.device_get(tokens)[0])

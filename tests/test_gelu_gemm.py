@@ -143,11 +143,13 @@ def test_a_config_the_kernel_cannot_run_is_refused(key, overrides, named):
 
 
 def _kernel_grad(rows: int, fwd_kernel: bool = False):
-    """The MLP's input gradient with one of gelu_gemm's kernels (the backward's by default)."""
-    x = jnp.ones((rows, 64), jnp.bfloat16)
+    """The gradient through one of gelu_gemm's kernels (the backward's by default) of `rows` tokens."""
     w_fc, w_proj = jnp.ones((64, 256), jnp.float32), jnp.ones((256, 64), jnp.float32)
-    return jax.grad(lambda x: gelu_gemm.mlp(x, w_fc, None, w_proj, None, "bf16", fwd_kernel, not fwd_kernel)
-                    .astype(jnp.float32).sum())(x)
+    if fwd_kernel:
+        mlp = lambda x: gelu_gemm.mlp(x, w_fc, None, w_proj, None, "bf16", False)
+        return jax.grad(lambda x: mlp(x).astype(jnp.float32).sum())(jnp.ones((rows, 64), jnp.bfloat16))
+    gelu_linear = lambda pre: gelu_gemm.gelu_linear(pre, w_proj, None, "bf16")
+    return jax.grad(lambda pre: gelu_linear(pre).astype(jnp.float32).sum())(jnp.ones((rows, 256), jnp.bfloat16))
 
 
 @runs_here

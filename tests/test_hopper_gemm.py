@@ -1,4 +1,4 @@
-"""jaxtrain.hopper_gemm, what its three kernels share beyond their numerics (each kernel's own tests): the lowering
+"""jaxtrain.hopper_gemm, what its four kernels share beyond their numerics (each kernel's own tests): the lowering
 they ask of Mosaic GPU whatever jax's default is, and names a GPU profile puts with the gemms."""
 
 import functools
@@ -18,6 +18,7 @@ KERNELS = {
     "gelu_gemm": lambda: gelu_gemm.gelu_grad_matmul(ONES((128, 128)), ONES((128, 128)), ONES((128, 128)), SMALL),
     "head_lse": lambda: head_lse.logits_and_lse(ONES((128, 128)), ONES((128, 256)), SMALL),
     "qkv_grad": lambda: qkv_grad.summed_matmul([ONES((128, 128))] * 3, [ONES((128, 128))] * 3, SMALL),
+    "gelu_fwd": lambda: gelu_gemm.linear_gelu_matmul(ONES((128, 192)), ONES((128, 128)), ONES((128,)), 64, SMALL),
 }
 
 
@@ -37,7 +38,7 @@ def test_each_kernel_lowers_in_lane_semantics_under_jax_011s_default(kernel, mon
 
 @runs_here
 @pytest.mark.parametrize("kernel,name", [("gelu_gemm", "gemm_gelu_grad"), ("head_lse", "gemm_head_lse"),
-                                         ("qkv_grad", "gemm_qkv_grad")])
+                                         ("qkv_grad", "gemm_qkv_grad"), ("gelu_fwd", "gemm_gelu_fwd")])
 def test_each_kernel_is_named_as_a_gemm(kernel, name):
     """Mosaic GPU names a kernel without a name "anonymous" (its CUDA function anonymous_mosaic_gpu_kernel, which a
     GPU profile put in no category): each kernel is named for its option, and benchmarks.profile's rule for kernel

@@ -1,5 +1,5 @@
 """benchmarks/kernel_registers.py: ptxas's report of the Hopper gemm kernels, compiled ahead of time without a GPU;
-its parser on a report as ptxas writes it, and, where jax's CUDA plugin is installed, the three kernels' default
+its parser on a report as ptxas writes it, and, where jax's CUDA plugin is installed, the four kernels' default
 tile settings free of spills against a setting whose accumulator cannot fit (256 fp32 registers a thread of 232)."""
 
 import subprocess
@@ -70,25 +70,27 @@ def run(*flags: str) -> subprocess.CompletedProcess:
 
 def _rows(proc) -> dict:
     """(kernel, tiles) -> (spill stores / loads, ptxas notes) of the command's table."""
-    lines = [line.split("|") for line in proc.stdout.splitlines() if line.startswith(("| gelu", "| head", "| qkv"))]
+    lines = [line.split("|") for line in proc.stdout.splitlines()
+             if line.startswith(("| gelu", "| head", "| qkv", "| fc"))]
     return {(cells[1].strip(), cells[2].strip()): (cells[3].strip(), cells[5].strip()) for cells in lines}
 
 
 @needs_plugin
 def test_the_default_tiles_do_not_spill():
-    rows = _rows(run("--gelu-tiles=128x128x4x8", "--head-tiles=128x192x2x8", "--qkv-tiles=128x128x2x8x32"))
+    rows = _rows(run("--gelu-tiles=128x128x4x8", "--head-tiles=128x192x2x8", "--qkv-tiles=128x128x2x8x32",
+                     "--fc-tiles=128x128x4x8"))
     if any("C7504" in notes for _, notes in rows.values()):
         pytest.skip("this jax's Mosaic GPU compile has ptxas ignore setmaxnreg (C7504: jax 0.12 through nvJitLink, "
                     "benchmarks/NOTES.md): no kernel gets the registers its tiles were sized for")
-    defaults = [("gelu", "128x128x4x8"), ("head", "128x192x2x8"), ("qkv", "128x128x2x8x32")]
-    assert [rows[setting][0] for setting in defaults] == ["0 / 0"] * 3
+    defaults = [("gelu", "128x128x4x8"), ("head", "128x192x2x8"), ("qkv", "128x128x2x8x32"), ("fc", "128x128x4x8")]
+    assert [rows[setting][0] for setting in defaults] == ["0 / 0"] * 4
 
 
 @needs_plugin
 def test_an_oversized_accumulator_spills_and_fails():
     """128 x 256: 256 fp32 accumulator registers a consumer thread, beyond the 232 it gets (168 where setmaxnreg is
     ignored)."""
-    proc = run("--gelu-tiles=128x256x2x8", "--head-tiles=", "--qkv-tiles=")
+    proc = run("--gelu-tiles=128x256x2x8", "--head-tiles=", "--qkv-tiles=", "--fc-tiles=")
     stores, loads = map(int, _rows(proc)[("gelu", "128x256x2x8")][0].split(" / "))
     assert stores > 0 and loads > 0
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("failed: gelu 128x256x2x8")

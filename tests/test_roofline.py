@@ -134,6 +134,9 @@ def test_a_hopper_gemm_kernel_counts_its_gemm_flops():
     assert flops == 2 * 256 * 64 * 512 and moved == (256 * 64 + 64 * 512 + 2 * 256 * 512) * 2
     other = call._replace(attrs=attrs.replace("/hopper_gemm/", "/norm/"))
     assert roofline.kernel_cost({"main": comp}, "main", other)[1] == 0
+    # a wider than k (gelu_gemm's forward kernel reads the first k of c_fc's input and its 64 ones columns): k is b's
+    wide = {**comp, "a": param("a", "bf16[256,128]")}
+    assert roofline.kernel_cost({"main": wide}, "main", call)[1] == 2 * 256 * 64 * 512
     # a kernel of three pairs (qkv_grad's: a_1..a_3 (256, 64), then b_1..b_3 (64, 512)): each pair's 2 m k n
     pairs = {**comp, **{f"a{i}": param(f"a{i}", "bf16[256,64]") for i in (2, 3)},
              **{f"b{i}": param(f"b{i}", "bf16[64,512]") for i in (2, 3)}}

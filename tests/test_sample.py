@@ -123,6 +123,16 @@ def test_a_rematted_model_samples_what_it_samples_without(loaded):
     assert _generate(rematted, "fp32", temperature=0.0)[1] == _generate(loaded, "fp32", temperature=0.0)[1]
 
 
+def test_a_model_trained_with_the_gelu_kernel_samples_through_xlas_mlp(loaded):
+    """model.gelu_fwd=pallas's kernel takes tokens in tiles of 64 rows and decoding brings one at a time: a run
+    trained with it samples (sample_text, as `python -m jaxtrain.sample` and the end-of-run sample call it) the
+    text XLA's MLP gives, the same function."""
+    texts = [sample.sample_text(loaded.params, dataclasses.replace(loaded.model_cfg, gelu_fwd=gelu_fwd), "bf16",
+                                loaded.tokenizer, "hello", sample.Sampling(max_new_tokens=4, temperature=0.0))
+             for gelu_fwd in ("pallas", "xla")]
+    assert texts[0] == texts[1] and texts[0].startswith("hello")
+
+
 def test_sampled_tokens_come_from_the_full_forward_top_k(loaded, monkeypatch):
     """At temperature 1 the text varies, and so the contexts: each token's logits are the full forward's on its
     context, and the token is among their 10 largest."""
