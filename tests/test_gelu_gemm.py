@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
-from jaxtrain import autocast, config, gelu_gemm, hopper_gemm
+from jaxtrain import autocast, config, gelu_gemm, hopper_gemm, model
 from jaxtrain.errors import UserError
+import compiled_hlo
 from hopper_testing import (MODEL_CASES, ON_GPU_ONLY, assert_kernel_keeps_the_model,
                             assert_refused_on_two_cpu_devices, model_loss_and_grads, runs_here)
 from test_fused_norm import _ulp_bf16
@@ -121,6 +123,23 @@ def test_the_model_with_the_kernels_is_the_model_without(keys, precision, remat,
         pytest.skip(OFF_GPU_NO_REMAT)  # refused with one line: the test below
     assert_kernel_keeps_the_model(keys, precision, remat, in_mesh, FWD_GRAD_RTOL if forward else GRAD_RTOL,
                                   FWD_LOSS_RTOL if forward else 0.0)
+
+
+@runs_here
+def test_remat_dots_keeps_c_fcs_output_beside_the_gradients_kernel():
+    """With model.gelu_grad=pallas alone, c_fc stays outside gelu_linear's custom_vjp, where remat's dots policy sees
+    its gemm and keeps its output: the gradient's program has c_fc's and c_proj's forward gemms, c_proj's dw, c_fc's
+    dw and dx (5: c_proj's dx is the kernel's, off a GPU a host callback), as without remat; full recomputes c_fc
+    (6). An MLP that is one custom_vjp with c_fc inside (as model.gelu_fwd=pallas's) recomputes it under dots too."""
+    cfg = config.load(["--config", "configs/tiny.yaml", "--model.gelu_grad=pallas"]).model
+    graphdef, state = nnx.split(model.MLP(cfg, precision="bf16", rngs=nnx.Rngs(0)))
+    loss = lambda state, x: jnp.sum(nnx.merge(graphdef, state)(x, None).astype(jnp.float32))
+    x = jax.random.normal(jax.random.key(0), (1, 64, cfg.d_model))
+    policies = {"none": None, **model.REMAT_POLICIES}
+    count = {remat: len(compiled_hlo.dot_types(jax.jit(jax.value_and_grad(
+        jax.checkpoint(loss, policy=policy) if policy else loss, (0, 1))).lower(state, x).as_text()))
+        for remat, policy in policies.items()}
+    assert count == {"none": 5, "dots": 5, "full": 6}
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the forward kernel runs under remat")
