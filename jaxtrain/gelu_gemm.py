@@ -170,7 +170,7 @@ def mlp(x, w_fc, b_fc, w_proj, b_proj, precision: str, grad_kernel: bool):
     c_proj under bf16 or fp16, with c_fc and GELU in linear_gelu_matmul's kernel, and the backward from c_proj's
     output gradient to pre's in gelu_grad_matmul's kernel where `grad_kernel`; XLA's gemms and passes for the rest
     (the weight and bias gradients, c_fc's dx). model.remat=dots's policy does not look inside a custom_vjp: there
-    the whole MLP, kernel and c_proj's gemm, runs again in the backward pass (model.remat=none keeps its outputs)."""
+    the kernel runs again in the backward pass for pre and gelu(pre) (model.remat=none keeps them)."""
     return _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, precision, grad_kernel)[0]
 
 
