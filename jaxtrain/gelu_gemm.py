@@ -116,10 +116,10 @@ def linear_gelu_matmul(x, w, b, pad: int, tiles: Tiles = Tiles()):
     """(pre, h): pre = x @ w (+ b) in the compute dtype, accumulated in fp32 and rounded once, h = gelu(pre) with
     `pad` more columns, the ones column (autocast.with_ones_column) where c_proj takes its bias in a row (a multiple
     of EPILOGUE_TILE: Mosaic GPU's TMA stores no row of 3,080 elements in tiles of 64, and c_proj's gemm runs the
-    same k steps at 3,136 as at 3,080); one
-    kernel, each device on its own rows under a mesh. x (m, k), or wider: its first k columns read (fused_norm's
-    output with the ones columns of c_fc's bias row, a whole tile of 64 of them, model.MLP.ones_width: the kernel
-    adds the bias itself, and XLA's backward gemms take the row), w (k, n), b (n,) or None, in one compute dtype."""
+    same k steps at 3,136 as at 3,080); one kernel, each device on its own rows under a mesh. x (m, k), or wider:
+    its first k columns read (fused_norm's output with the ones columns of c_fc's bias row, a whole tile of 64 of
+    them, model.MLP.ones_width: the kernel adds the bias itself, and XLA's backward gemms take the row), w (k, n),
+    b (n,) or None, in one compute dtype."""
     low = w.dtype
     if x.dtype != low or (b is not None and b.dtype != low):
         raise TypeError(f"linear_gelu_matmul takes x, w and b in one compute dtype, got {x.dtype}, {low}, "
