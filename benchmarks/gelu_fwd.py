@@ -32,7 +32,7 @@ LOW = jnp.bfloat16
 
 def pad() -> int:
     """c_proj's ones column where its bias rides in its gemm (a GPU), as gelu_gemm.mlp asks the kernel for it."""
-    return hopper_gemm.EPILOGUE_TILE if autocast.bias_row_applies("bf16") else 0
+    return autocast.ones_columns(True, "bf16", hopper_gemm.EPILOGUE_TILE)
 
 
 def xla_pre_and_h(x, w, b):

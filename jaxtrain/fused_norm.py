@@ -165,6 +165,6 @@ def residual_norm(x_BxTxD, delta_BxTxD, w, b, precision: str, ones_width: int = 
     B, T, D = x_BxTxD.shape
     rows = lambda t: None if t is None else t.reshape(B * T, D)  # the batch split stays on the rows
     low = autocast.COMPUTE_DTYPES[precision]
-    pad = ones_width if b is not None and autocast.bias_row_applies(precision) else 0
+    pad = autocast.ones_columns(b is not None, precision, ones_width)
     x_sum, h = _residual_norm(rows(x_BxTxD), rows(delta_BxTxD), w, b, low, pad)
     return x_sum.reshape(B, T, D), h.reshape(B, T, h.shape[-1])

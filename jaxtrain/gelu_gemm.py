@@ -2,7 +2,8 @@
 forward with the bias and GELU where model.gelu_fwd=pallas picks it, c_proj's dx gemm with GELU's backward where
 model.gelu_grad=pallas does.
 
-    y = mlp(x, w_fc, b_fc, w_proj, b_proj, precision, fwd_kernel, grad_kernel)   # c_proj(gelu(c_fc(x)))
+    y = mlp(x, w_fc, b_fc, w_proj, b_proj, precision, grad_kernel)   # c_proj(gelu(c_fc(x))), c_fc's kernel
+    y = gelu_linear(pre, w_proj, b_proj, precision)                    # c_proj(gelu(pre)), the backward's alone
 
 Why: XLA writes c_fc's output pre (B, T, 4D) in a cuBLAS gemm and GELU as a pass of its own that reads pre back
 and writes gelu(pre): 2.89 ms of GPT-2 124M's H100 step by the roofline (benchmarks/NOTES.md), and XLA forms no gemm
@@ -64,17 +65,25 @@ def gelu_grad_matmul(g, w_t, pre, tiles: Tiles = Tiles()):
                         f"{pre.dtype}")
     hopper_gemm.check_device(GRAD_OPTION)
     rows = g.shape[0] // mesh.batch_shards()
-    fitted = tiles_for(rows, w_t.shape[0], w_t.shape[1], tiles)
-    if fitted is None:
-        raise UserError(f"{GRAD_OPTION} needs each device's tokens of a micro-batch (data.batch_size / "
-                        f"optim.grad_accum_steps x model.seq_len / devices: here {rows}) to be a multiple of "
-                        f"{EPILOGUE_TILE}; change data.batch_size or model.seq_len, or use model.gelu_grad=xla")
+    fitted = _fitted(GRAD_OPTION, rows, w_t.shape[0], w_t.shape[1], tiles)
     scratch = {"smem": hopper_gemm.epilogue_smem(g.dtype, fitted),
                "pre_arrived": plgpu.Barrier(num_barriers=2 * hopper_gemm.slots_for(fitted))}
     call = hopper_gemm.gemm_with_epilogue(GRAD_OPTION, _grad_epilogue, scratch,
                                           jax.ShapeDtypeStruct((rows, w_t.shape[1]), g.dtype), fitted, 1)
     on_rows = mesh.on_each_devices_rows(lambda g, pre, w_t: (call(g, w_t, pre),), 2, 1, 1)
     return on_rows(g, pre, w_t)[0]
+
+
+def _fitted(option: str, rows: int, k: int, n: int, tiles: Tiles) -> Tiles:
+    """`tiles` fitted to a (rows, k) @ (k, n) gemm of either GELU kernel (the config checks d_model: these are each
+    device's tokens of a micro-batch, which a mesh splits); one line naming `option` where they do not tile."""
+    fitted = tiles_for(rows, k, n, tiles)
+    if fitted is None:
+        key = option.split("=")[0]
+        raise UserError(f"{option} needs each device's tokens of a micro-batch (data.batch_size / "
+                        f"optim.grad_accum_steps x model.seq_len / devices: here {rows}) to be a multiple of "
+                        f"{EPILOGUE_TILE}; change data.batch_size or model.seq_len, or use {key}=xla")
+    return fitted
 
 
 def _forward_epilogue(acc_ref, at: hopper_gemm.OutputTile, ins, outs, scratch):
@@ -126,11 +135,7 @@ def linear_gelu_matmul(x, w, b, pad: int, tiles: Tiles = Tiles()):
                         f"{None if b is None else b.dtype}")
     hopper_gemm.check_device(FWD_OPTION)
     rows, n = x.shape[0] // mesh.batch_shards(), w.shape[1]
-    fitted = tiles_for(rows, w.shape[0], n, tiles)
-    if fitted is None:
-        raise UserError(f"{FWD_OPTION} needs each device's tokens of a micro-batch (data.batch_size / "
-                        f"optim.grad_accum_steps x model.seq_len / devices: here {rows}) to be a multiple of "
-                        f"{EPILOGUE_TILE}; change data.batch_size or model.seq_len, or use model.gelu_fwd=xla")
+    fitted = _fitted(FWD_OPTION, rows, w.shape[0], n, tiles)
     scratch = {"smem": hopper_gemm.epilogue_smem(low, fitted)}
     if b is not None:
         scratch |= {"bias": plgpu.SMEM((2, fitted.n), low), "bias_arrived": plgpu.Barrier(num_barriers=2)}
@@ -176,7 +181,7 @@ def mlp(x, w_fc, b_fc, w_proj, b_proj, precision: str, grad_kernel: bool):
 
 def _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, precision, grad_kernel):
     low = autocast.COMPUTE_DTYPES[precision]
-    pad = EPILOGUE_TILE if b_proj is not None and autocast.bias_row_applies(precision) else 0
+    pad = autocast.ones_columns(b_proj is not None, precision, EPILOGUE_TILE)  # c_proj's, beside gelu(pre)
     rows = lambda t: t.reshape(-1, t.shape[-1])  # the batch split stays on the rows
     cast = lambda t: None if t is None else t.astype(low)
     pre, h = linear_gelu_matmul(rows(x.astype(low)), w_fc.astype(low), cast(b_fc), pad)
