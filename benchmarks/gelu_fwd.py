@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.gelu_gemm import kernel_main, kernel_parser, kernel_table
+from benchmarks.gelu_gemm import kernel_cli, kernel_table
 from benchmarks.head_lse import abs_product, products_beyond_rounding
 from benchmarks.norm_kernels import timed
 from jaxtrain import autocast, gelu_gemm, hopper_gemm
@@ -96,13 +96,8 @@ def table(rows: int, d: int, settings, iters: int) -> tuple[str, list[str]]:
     return kernel_table(lines, settings, kernel, args, iters, rate, lambda got: check(got, want, scale, d))
 
 
-def parser():
-    return kernel_parser("python -m benchmarks.gelu_fwd", __doc__, "the model's width (c_fc's input)",
-                         "128x128x4x8,128x128x3x8,128x128x4x4,128x128x4x16,128x64x4x8", 50)
-
-
-main = kernel_main(parser, table)
-
+parser, main = kernel_cli("python -m benchmarks.gelu_fwd", __doc__, "the model's width (c_fc's input)",
+                          "128x128x4x8,128x128x3x8,128x128x4x4,128x128x4x16,128x64x4x8", 50, table)
 
 if __name__ == "__main__":
     with exit_on_user_error():

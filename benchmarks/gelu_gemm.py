@@ -12,6 +12,7 @@ this part of the backward. Off a GPU the kernel runs in Mosaic GPU's interpreter
 """
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -143,21 +144,20 @@ def report(text: str, failed: list[str]) -> None:
         sys.exit(1)
 
 
-def parser() -> argparse.ArgumentParser:
-    return kernel_parser("python -m benchmarks.gelu_gemm", __doc__, "the model's width (c_proj's output)",
-                         "128x128x4x8,128x128x3x8,128x128x4x4,128x128x4x16,128x64x4x8", 50)
+def kernel_cli(prog: str, doc: str, d_help: str, tiles: str, iters: int, table):
+    """(parser, main) of a kernel's benchmark that takes --rows, --d, --tiles and --iters (kernel_parser's): main
+    prints its table and exits 1 naming the settings refused or wrong. Also benchmarks.qkv_grad's and
+    benchmarks.gelu_fwd's."""
+    parser = functools.partial(kernel_parser, prog, doc, d_help, tiles, iters)
 
-
-def kernel_main(parser, table):
-    """The main of a kernel's benchmark that takes --rows, --d, --tiles and --iters: its table, exit 1 naming the
-    settings refused or wrong. Also benchmarks.qkv_grad's and benchmarks.gelu_fwd's."""
     def main(argv: list[str]) -> None:
         args = parser().parse_args(argv)
         report(*table(args.rows, args.d, parse_tiles(args.tiles), args.iters))
-    return main
+    return parser, main
 
 
-main = kernel_main(parser, table)
+parser, main = kernel_cli("python -m benchmarks.gelu_gemm", __doc__, "the model's width (c_proj's output)",
+                          "128x128x4x8,128x128x3x8,128x128x4x4,128x128x4x16,128x64x4x8", 50, table)
 
 if __name__ == "__main__":
     with exit_on_user_error():

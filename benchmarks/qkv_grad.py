@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.gelu_gemm import kernel_main, kernel_parser, kernel_table
+from benchmarks.gelu_gemm import kernel_cli, kernel_table
 from benchmarks.head_lse import abs_product, products_beyond_rounding
 from benchmarks.norm_kernels import timed
 from jaxtrain import autocast, qkv_grad
@@ -70,13 +70,8 @@ def table(rows: int, d: int, settings, iters: int) -> tuple[str, list[str]]:
                         iters, rate, lambda got: check(got, want, scale, d))
 
 
-def parser():
-    return kernel_parser("python -m benchmarks.qkv_grad", __doc__, "the model's width (c_attn's input)",
-                         "128x128x2x8x32,128x128x2x4x32,128x128x2x16x32,128x64x2x8,64x128x2x8x32", 50)
-
-
-main = kernel_main(parser, table)
-
+parser, main = kernel_cli("python -m benchmarks.qkv_grad", __doc__, "the model's width (c_attn's input)",
+                          "128x128x2x8x32,128x128x2x4x32,128x128x2x16x32,128x64x2x8,64x128x2x8x32", 50, table)
 
 if __name__ == "__main__":
     with exit_on_user_error():

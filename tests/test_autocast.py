@@ -102,6 +102,19 @@ def test_the_bias_rides_in_the_gemm_on_a_gpu_whose_weights_are_whole(platform, f
                                                                             np.float64))
 
 
+@pytest.mark.parametrize("platform,fsdp,precision,bias,want", [
+    ("gpu", None, "bf16", True, 64), ("gpu", 1, "fp16", True, 64), ("gpu", None, "bf16", False, 0),
+    ("gpu", None, "fp32", True, 0), ("gpu", 2, "bf16", True, 0), ("cpu", None, "bf16", True, 0),
+    ("tpu", None, "bf16", True, 0)])
+def test_a_linear_takes_ones_columns_only_where_its_bias_rides_in_the_gemm(platform, fsdp, precision, bias, want):
+    """The ones columns a writer puts beside a Linear's input (fused_norm, gelu_gemm's forward kernel): the width
+    it asks for on a GPU under bf16 or fp16 with whole weights and a bias, none anywhere else (a Linear without
+    bias, fp32, a mesh that splits the weights, a CPU, a TPU): the cases written out by hand."""
+    mesh = jax.sharding.AbstractMesh((4 // fsdp, fsdp), ("data", "fsdp"), axis_types=AUTO_AXES) if fsdp else None
+    with autocast.compiling_for(platform), jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
+        assert autocast.ones_columns(bias, precision, 64) == want
+
+
 @pytest.mark.parametrize("width", [autocast.BIAS_ROW_PAD, 64])
 def test_an_input_that_brings_its_ones_columns_is_taken_as_it_is(width):
     """On a GPU a Linear's input may come with the ones column already (fused_norm writes 8 columns, gelu_gemm's
