@@ -494,3 +494,16 @@ def test_the_keys_torchref_does_not_read_are_named(token_dir, tmp_path):
                                                "model.vocab_tiles=2"]
     assert run.jaxtrain_only(tiny_cfg(token_dir, tmp_path, "--log.tensorboard=true")) == [
         "log.tensorboard=True"]
+
+
+# What torchref/model.py's GPT reads of the model's keys: the math. Every other model key must be in JAXTRAIN_ONLY.
+TORCHREF_READS = {"vocab_size", "seq_len", "n_layer", "n_head", "d_model", "dropout", "bias", "tie_embeddings"}
+
+
+def test_every_model_key_is_read_by_torchref_or_named_as_jaxtrains():
+    """A model key added to jaxtrain (a kernel's switch: model.gelu_fwd was once left out) is either math torchref
+    computes too (TORCHREF_READS, written here by hand) or one JAXTRAIN_ONLY names, so that torchref's note says
+    it is not read rather than passing over it unsaid."""
+    keys = {f.name for f in dataclasses.fields(config.ModelConfig)}
+    named = {key.split(".", 1)[1] for key in run.JAXTRAIN_ONLY if key.startswith("model.")}
+    assert keys - TORCHREF_READS == named
