@@ -116,6 +116,9 @@ STAGES = (
           KERNEL_TESTS + ("tests/test_qkv_grad.py",), 30, 120),
     Stage("step_kernels", "jaxtrain's row with the four gemm kernels (against `step`: the roofline says -10.2%)",
           STEP + tuple(KERNEL_OPTIONS.values()), 45, 100, json=True),
+    Stage("step_stream", "jaxtrain's row with the four gemm kernels and a bf16 residual stream "
+          "(model.residual_dtype=bf16, llm.c's numerics; the roofline: -5.9% from step_kernels, -15.5% from `step`)",
+          STEP + tuple(KERNEL_OPTIONS.values()) + ("--model.residual_dtype=bf16",), 45, 100, json=True),
     Stage("gelu_ab", "the GELU kernel alone at GPT-2's shapes, five tile settings, against XLA's gemm and GELU "
           "backward (5.79 ms of the 139.5 ms profile) and the gemm alone", ("-m", "benchmarks.gelu_gemm"), 40, 90),
     Stage("head_ab", "the head's kernel alone at GPT-2's shapes, five tile settings, against XLA's gemm and "

@@ -85,6 +85,11 @@ class ModelConfig:
     # 128, mesh.fsdp=1; q, k and v then come from three gemms everywhere, as under cuDNN's attention; off a GPU
     # through Mosaic GPU's interpreter: slow), not yet measured on a GPU, so not the default
     qkv_grad: Literal["xla", "pallas"] = "xla"
+    # the residual stream between the blocks: fp32 as torch's autocast keeps it (the embeddings' fp32 sum, each
+    # block's bf16 outputs added to it in fp32); bf16: rounded to bf16 once after the embeddings, so that every
+    # residual add rounds to bf16 and the stream and its gradient move half the bytes, as llm.c trains (torchref does
+    # the same; only under train.precision=bf16; LayerNorms still compute in fp32)
+    residual_dtype: Literal["fp32", "bf16"] = "fp32"
     # recompute each block's activations in the backward pass instead of keeping them: full keeps only each block's
     # input; dots keeps the outputs of its weight matmuls too (less memory than none, less recompute than full)
     remat: Literal["none", "full", "dots"] = "none"

@@ -43,6 +43,10 @@ def validate(cfg) -> None:
                         f"multiple")
     _check_vocab_tiles(cfg)
     _check_hopper_kernels(cfg)
+    if cfg.model.residual_dtype == "bf16" and cfg.train.precision != "bf16":
+        raise UserError(f"model.residual_dtype=bf16 rounds the residual stream to bf16, which train.precision="
+                        f"{cfg.train.precision} does not compute in; use train.precision=bf16 or "
+                        f"model.residual_dtype=fp32")
     _check_places(cfg)
 
 

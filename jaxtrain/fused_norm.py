@@ -1,6 +1,6 @@
 """The residual add and the LayerNorm after it as one hand-written GPU kernel each way (Pallas, Triton backend).
 
-    x, h = residual_norm(x, delta, w, b, precision)   # x + delta (fp32), LayerNorm(x + delta) in the compute dtype
+    x, h = residual_norm(x, delta, w, b, precision)   # x + delta, LayerNorm(x + delta) in the compute dtype
 
 Why: XLA cannot write these passes as one. On GPT-2 124M's H100 step (the compiled step's roofline,
 benchmarks/NOTES.md) it ran each LayerNorm's backward as two row-reduction fusions and a column reduction,
@@ -12,7 +12,10 @@ the weight's and bias's gradients.
 
 Numerics are autocast's and the XLA path's (model.LayerNorm): the add and the LayerNorm in fp32 (two-pass
 variance, eps 1e-5), h rounded once to the compute dtype, the backward in fp32 with delta's gradient rounded to
-delta's dtype; only the order of the fp32 sums differs. Where the bias is the gemm's row (autocast.bias_row_applies),
+delta's dtype; only the order of the fp32 sums differs. A bf16 stream (model.residual_dtype=bf16) is added in fp32
+and rounded to bf16 before the LayerNorm reads it, and its gradient is torch's: the LayerNorm's input gradient
+rounded to bf16, added to the stream's, the sum rounded (autograd's accumulation of two bf16 gradients); delta's
+is then the same array, written once. Where the bias is the gemm's row (autocast.bias_row_applies),
 h carries autocast.with_ones_column's padding, written here, so the next Linear takes it as it is.
 
 Under a mesh the kernels run on each device's rows (shard_map over the batch split); off a GPU, through Pallas's
@@ -69,9 +72,11 @@ def _norm_forward_kernel(*refs, d: int, has_delta: bool, has_bias: bool, pad: in
     h_ref, mean_ref, rstd_ref = refs
     xs = []
     for cols in pieces(d):
-        x = x_ref[:, cols] if delta_ref is None else x_ref[:, cols] + delta_ref[:, cols].astype(jnp.float32)
-        if sum_ref is not None:
+        x = x_ref[:, cols].astype(jnp.float32)
+        if sum_ref is not None:  # rounded to the stream's dtype (a no-op for fp32) before the LayerNorm reads it
+            x = (x + delta_ref[:, cols].astype(jnp.float32)).astype(sum_ref.dtype)
             sum_ref[:, cols] = x
+            x = x.astype(jnp.float32)
         xs.append((cols, x))
     mean = sum(x.sum(1, keepdims=True) for _, x in xs) / d
     rstd = jax.lax.rsqrt(sum(jnp.square(x - mean).sum(1, keepdims=True) for _, x in xs) / d + LN_EPS)
@@ -92,7 +97,7 @@ def _norm_backward_kernel(*refs, d: int, has_delta: bool):
     mean, rstd = mean_ref[...][:, None], rstd_ref[...][:, None]
     parts, s_g, s_gx = [], 0.0, 0.0
     for cols in pieces(d):
-        xhat = (x_ref[:, cols] - mean) * rstd
+        xhat = (x_ref[:, cols].astype(jnp.float32) - mean) * rstd
         gh = gh_ref[:, cols].astype(jnp.float32)
         g = gh * w_ref[cols][None, :]
         s_g, s_gx = s_g + g.sum(1, keepdims=True), s_gx + (g * xhat).sum(1, keepdims=True)
@@ -100,8 +105,9 @@ def _norm_backward_kernel(*refs, d: int, has_delta: bool):
         gb_ref[0, cols] = gh.sum(0)
         parts.append((cols, xhat, g))
     for cols, xhat, g in parts:  # the residual stream's gradient + LayerNorm's, rstd (g - mean g - xhat mean(g xhat))
-        gx = gsum_ref[:, cols] + rstd * (g - s_g / d - xhat * (s_gx / d))
-        gx_ref[:, cols] = gx
+        g_ln = (rstd * (g - s_g / d - xhat * (s_gx / d))).astype(gx_ref.dtype)  # the stream's dtype, as autograd
+        gx = gsum_ref[:, cols].astype(jnp.float32) + g_ln.astype(jnp.float32)
+        gx_ref[:, cols] = gx.astype(gx_ref.dtype)
         if gdelta_ref is not None:
             gdelta_ref[:, cols] = gx.astype(gdelta_ref.dtype)
 
@@ -129,7 +135,7 @@ def _call(kernel, row_inputs, whole_inputs, row_outputs, partial_outputs: int = 
 def _forward(x, delta, w, b, low, pad):
     n, d = x.shape
     present = lambda *ts: [t for t in ts if t is not None]
-    row_outputs = ([((n, d), jnp.float32)] if delta is not None else []) + [
+    row_outputs = ([((n, d), x.dtype)] if delta is not None else []) + [
         ((n, d + pad), low), ((n,), jnp.float32), ((n,), jnp.float32)]
     kernel = functools.partial(_norm_forward_kernel, d=d, has_delta=delta is not None, has_bias=b is not None,
                                pad=pad)
@@ -148,10 +154,13 @@ def _backward(low, pad, saved, grads):
     x_sum, mean, rstd, w, delta_like, b_like = saved
     g_sum, g_h = grads
     n, d = x_sum.shape
-    row_outputs = [((n, d), jnp.float32)] + ([((n, d), delta_like.dtype)] if delta_like is not None else [])
-    kernel = functools.partial(_norm_backward_kernel, d=d, has_delta=delta_like is not None)
+    # delta's gradient is x's rounded to delta's dtype: the same array where the stream is in delta's dtype (bf16)
+    own_delta = delta_like is not None and delta_like.dtype != x_sum.dtype
+    row_outputs = [((n, d), x_sum.dtype)] + ([((n, d), delta_like.dtype)] if own_delta else [])
+    kernel = functools.partial(_norm_backward_kernel, d=d, has_delta=own_delta)
     g_x, *g_delta, g_w, g_b = _call(kernel, [g_h, g_sum, x_sum, mean, rstd], [w], row_outputs, partial_outputs=2)
-    return g_x, g_delta[0] if g_delta else None, g_w.sum(0), None if b_like is None else g_b.sum(0)
+    g_delta = g_delta[0] if own_delta else None if delta_like is None else g_x
+    return g_x, g_delta, g_w.sum(0), None if b_like is None else g_b.sum(0)
 
 
 _residual_norm.defvjp(_forward, _backward)

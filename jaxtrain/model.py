@@ -6,14 +6,15 @@ path joined with dots, under `transformer.` except `lm_head`, where a Linear `ke
 model on them, so jit, grad and optax see params as a plain pytree.
 
 Precision "bf16" follows autocast: every matmul takes bf16 operands and accumulates in fp32, in the backward pass
-too (autocast.py, the ops' numerics); a Linear's bias is rounded to bf16 before it is added, and Linear outputs, attention and MLP
-activations and the logits are bf16; the residual stream, LayerNorm and softmax are fp32, and the loss upcasts the
-logits. "fp16" is the same with fp16 (the train step adds the loss scaling fp16's range needs: step.py). Precision
-"fp32" runs every dot at Precision.HIGHEST. On a GPU under bf16,
-attention runs as cuDNN's fused kernel (model.attention), and on a GPU each residual add and the LayerNorm after it
-as one hand-written kernel each way (model.norm, fused_norm.py); model.gelu_fwd=pallas computes the MLP's c_fc and
-GELU in one hand-written Hopper kernel and model.gelu_grad=pallas its backward from c_proj to c_fc in another
-(gelu_gemm.py), model.qkv_grad=pallas c_attn's input gradient from q's, k's and v's in a third (qkv_grad.py).
+too (autocast.py, the ops' numerics); a Linear's bias is rounded to bf16 before it is added, and Linear outputs,
+attention and MLP activations and the logits are bf16; the residual stream, LayerNorm and softmax are fp32, and the
+loss upcasts the logits (model.residual_dtype=bf16 rounds the stream to bf16 after the embeddings, llm.c's
+numerics). "fp16" is the same with fp16 (the train step adds the loss scaling fp16's range needs: step.py).
+Precision "fp32" runs every dot at Precision.HIGHEST. On a GPU under bf16, attention runs as cuDNN's fused kernel
+(model.attention), and on a GPU each residual add and the LayerNorm after it as one hand-written kernel each way
+(model.norm, fused_norm.py); model.gelu_fwd=pallas computes the MLP's c_fc and GELU in one hand-written Hopper
+kernel and model.gelu_grad=pallas its backward from c_proj to c_fc in another (gelu_gemm.py), model.qkv_grad=pallas
+c_attn's input gradient from q's, k's and v's in a third (qkv_grad.py).
 
 Decoding (`extend`) runs the same blocks on new tokens only, with the keys and values of the earlier positions kept
 in a `KVCache` per layer: the attention takes the cache as an optional argument, and the math is the training
@@ -254,7 +255,8 @@ class Block(nnx.Module):
         return x_BxTxD, self.mlp(h_BxTxD, mlp_key), cache
 
     def _residual_norm(self, ln: LayerNorm, x_BxTxD, y_BxTxD, ones_width: int = BIAS_ROW_PAD):
-        """(x + y, ln(x + y)), y None for none; fp32 + bf16 -> fp32, as in torch. One Pallas kernel each way where
+        """(x + y, ln(x + y)), y None for none; fp32 + bf16 -> fp32, as in torch (bf16 + bf16 -> bf16 under
+        model.residual_dtype=bf16). One Pallas kernel each way where
         model.norm picks it (fused_norm.py: then ln's output comes in the compute dtype, with `ones_width` columns
         for the next Linear's bias row), XLA's ops elsewhere."""
         if self.norm_kernels:
@@ -316,6 +318,7 @@ class GPT(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else Linear(
             cfg.d_model, vocab_size, bias=False, std=INIT_STD, precision=precision, rngs=rngs)
         self.dropout, self.precision, self.remat = cfg.dropout, precision, cfg.remat
+        self.stream_dtype = jnp.bfloat16 if cfg.residual_dtype == "bf16" else jnp.float32
 
     def __call__(self, idx_BxT, *, dropout_key: jax.Array | None = None):
         return self._logits(self.hidden(idx_BxT, dropout_key=dropout_key))
@@ -326,7 +329,8 @@ class GPT(nnx.Module):
         if T > self.wpe.weight.shape[0]:  # jax would clamp the position lookup silently
             raise ValueError(f"sequence of length {T} is longer than the model's seq_len {self.wpe.weight.shape[0]}")
         emb_key, *block_keys = _split(dropout_key, len(self.h) + 1)
-        x_BxTxD = batch_sharded(_dropout(self.wte(idx_BxT) + self.wpe(jnp.arange(T)), self.dropout, emb_key))
+        x_BxTxD = _dropout(self.wte(idx_BxT) + self.wpe(jnp.arange(T)), self.dropout, emb_key)
+        x_BxTxD = batch_sharded(x_BxTxD.astype(self.stream_dtype))  # after the dropout, as torchref casts it
         run_block = _run_block if self.remat == "none" else _rematted(self.remat)
         delta_BxTxD = None
         for block, key in zip(self.h, block_keys):
@@ -338,7 +342,7 @@ class GPT(nnx.Module):
         length), and the caches with their keys and values added. No dropout: this is for decoding. The caller
         keeps length + T <= seq_len: past it, the position lookup and the cache writes would clamp silently."""
         positions_T = caches[0].length + jnp.arange(idx_BxT.shape[1])
-        x_BxTxD = self.wte(idx_BxT) + self.wpe(positions_T)
+        x_BxTxD = (self.wte(idx_BxT) + self.wpe(positions_T)).astype(self.stream_dtype)
         delta_BxTxD, extended = None, []
         for block, cache in zip(self.h, caches):
             x_BxTxD, delta_BxTxD, cache = block(x_BxTxD, delta_BxTxD, None, cache)

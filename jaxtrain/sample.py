@@ -33,7 +33,7 @@ from jaxtrain import data as data_lib
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
 from jaxtrain import runfolder
-from jaxtrain.autocast import COMPUTE_DTYPES
+from jaxtrain.autocast import COMPUTE_DTYPES, backend, rounding_options
 from jaxtrain.config import ModelConfig
 from jaxtrain.config_checks import INT32_MAX
 from jaxtrain.errors import UserError, exit_on_user_error
@@ -141,7 +141,9 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
             tokens_BxS = jax.lax.fori_loop(n_cached, N, cropped_step, tokens_BxS)
         return tokens_BxS
 
-    return jax.jit(generate)
+    # rounding as the train step's forward pass does (autocast.rounding_options): a bf16 stream's roundings too
+    rounding = {} if precision == "fp32" else rounding_options(backend(), model_cfg.residual_dtype == "bf16")
+    return jax.jit(generate, compiler_options=rounding)
 
 
 def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str,

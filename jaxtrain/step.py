@@ -180,9 +180,9 @@ def compiler_options(cfg: Config) -> dict:
     user's own setting of it in XLA_FLAGS (nor one given at compile time: benchmarks.xla_flags).
 
     On a GPU, for bf16 and fp16, every rounding the program writes kept (autocast.rounding_options: torch's
-    autocast numerics, for no measured time).
+    autocast numerics, for no measured time); on any backend under model.residual_dtype=bf16, the stream's.
 
-    There, with the weights whole on every device (mesh.fsdp=1), XLA's older latency estimator for its
+    On a GPU, with the weights whole on every device (mesh.fsdp=1), XLA's older latency estimator for its
     latency-hiding scheduler. The default analytical ("SoL") estimator moved the weight-gradient gemms of the
     backward pass toward the step's gradient all-reduces, keeping their inputs (the logits' gradient, LayerNorm
     outputs, the MLP's gradients) alive across layers: gpt-1b over 16 H100 data-parallel 39.72 GiB a device with
@@ -194,10 +194,9 @@ def compiler_options(cfg: Config) -> dict:
     into one and slices its output, the copies those gemms are there to avoid (GPT-2 124M's step on an H100, the
     roofline: 2.0 ms of 91.8; it merged nothing else there), and under model.qkv_grad=pallas the three weight
     gradients' gemms, which share x, back into one on the gradients side by side, the copy the kernel avoids."""
-    if autocast.backend() != "gpu":
-        return {}
-    options = {} if cfg.train.precision == "fp32" else autocast.rounding_options("gpu")
-    if cfg.mesh.fsdp == 1:
+    bf16_stream = cfg.model.residual_dtype == "bf16"
+    options = {} if cfg.train.precision == "fp32" else autocast.rounding_options(autocast.backend(), bf16_stream)
+    if autocast.backend() == "gpu" and cfg.mesh.fsdp == 1:
         options[SOL_ESTIMATOR] = False
         if model.qkv_gemm_blocks(model.fused_attention(cfg.model, cfg.train.precision), cfg.mesh.fsdp,
                                  cfg.model.qkv_grad == "pallas"):

@@ -133,6 +133,45 @@ def test_logits_and_gradients_match(tied, emb):
     report(f"model {case}: per-param gradient max diff / max |grad|, worst param", worst, FP32_CROSS_RTOL)
 
 
+def bf16_sides(residual_dtype: str) -> dict[str, tuple]:
+    """{backend: (logits as float64, gradients)} of the tied model at unit scale under bf16 autocast, the stream in
+    `residual_dtype`: jaxtrain compiled as its step compiles (step.compiler_options), torchref under CPU autocast."""
+    cfg = make_cfg("--train.precision=bf16", f"--model.residual_dtype={residual_dtype}")
+    weights, (x, y) = parity_weights(True), batch()
+    graphdef, template = jax_gpt(cfg.model, "bf16")
+    names = model.torch_names(template)
+    logits_and_grads = jax.jit(_logits_and_grads.__wrapped__, static_argnums=0,
+                               compiler_options=step.compiler_options(cfg))
+    j_logits, j_grads = logits_and_grads(graphdef, from_torch_layout(template, weights, names),
+                                         jnp.asarray(x, jnp.int32), jnp.asarray(y, jnp.int32))
+    module = GPT(cfg.model)
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            p.copy_(torch.from_numpy(weights[n]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        t_logits = module(torch.from_numpy(x))
+    targets = torch.from_numpy(y)
+    (run.cross_entropy_sum(t_logits, targets) / (targets >= 0).sum()).backward()
+    return {"jaxtrain": (np.asarray(j_logits, np.float64), torch_layout(j_grads, names)),
+            "torchref": (t_logits.detach().double().numpy(), torch_grads(module))}
+
+
+def test_a_bf16_residual_stream_is_the_same_in_both():
+    """model.residual_dtype=bf16 (llm.c's stream: every residual add rounded to bf16) on both sides: the logits are
+    torchref's bit for bit, as they are with the fp32 stream (each op's rounding is torch's: jaxtrain's step keeps
+    the stream's roundings, which XLA:CPU drops by default; torchref's LayerNorms take the stream upcast, as CUDA's
+    autocast runs them), and the gradients within the fp32 bound (the sum order of the LayerNorms' weight
+    gradients). Each side's own bf16 stream moves its logits and gradients by far more: the option acts on both."""
+    fp32_stream, bf16_stream = bf16_sides("fp32"), bf16_sides("bf16")
+    for sides in (fp32_stream, bf16_stream):
+        np.testing.assert_array_equal(sides["jaxtrain"][0], sides["torchref"][0])
+        assert_named_close(sides["jaxtrain"][1], sides["torchref"][1], scale_atol=FP32_CROSS_RTOL,
+                           what="bf16 gradient, jaxtrain vs torchref")
+    for backend in ("jaxtrain", "torchref"):
+        moved = scale_diff(bf16_stream[backend][0], fp32_stream[backend][0])
+        assert moved > 100 * FP32_CROSS_RTOL, (backend, moved)  # measured 5.8e-3 (torchref), 6.6e-3 (jaxtrain)
+
+
 # ---------------------------------------------------------------- the traps, each shown to fail the comparison
 
 def assert_trap_caught(trap: tuple, good: tuple, what: str) -> float:

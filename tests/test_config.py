@@ -89,6 +89,10 @@ def test_dump_reads_back(yaml_path, tmp_path):
     (["--model.vocab_tiles=0"], ["model.vocab_tiles", ">= 1"]),
     (["--model.vocab_tiles=3"], ["model.vocab_tiles=3", "4096 tokens", "e.g. 1"]),
     (["--model.vocab_tiles=6"], ["model.vocab_tiles=6", "4096 tokens", "e.g. 2"]),
+    (["--model.residual_dtype=bf16", "--train.precision=fp32"], ["model.residual_dtype=bf16", "train.precision=fp32",
+                                                                 "use train.precision=bf16"]),
+    (["--model.residual_dtype=bf16", "--train.precision=fp16"],
+     ["model.residual_dtype=bf16", "train.precision=fp16"]),
 ])
 def test_user_errors_name_the_key(yaml_path, args, words):
     with pytest.raises(UserError) as e:

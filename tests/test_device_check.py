@@ -40,8 +40,8 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
             if tool is bench:
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
-    assert seen == {"step", "step_kernels", "step_gelu", "step_head", "step_qkv", "step_fc", "profile", "table",
-                    "step_excess"}
+    assert seen == {"step", "step_kernels", "step_stream", "step_gelu", "step_head", "step_qkv", "step_fc", "profile",
+                    "table", "step_excess"}
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu" and not hopper_gemm.interpreter_available(),

@@ -73,8 +73,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
+        """The LayerNorms take the stream upcast, as CUDA's autocast runs layer_norm (in fp32); CPU's autocast would
+        run it on a bf16 stream (model.residual_dtype=bf16) in bf16, and sum its weight's gradient less exactly."""
+        x = x + self.attn(self.ln_1(upcast(x)))
+        x = x + self.mlp(self.ln_2(upcast(x)))
         return x
 
 
@@ -120,7 +122,9 @@ class GPT(nn.Module):
         B, T = idx.size()
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        if self.cfg.residual_dtype == "bf16":  # llm.c's stream: every residual add below then rounds to bf16
+            x = x.to(torch.bfloat16)
         for block in self.transformer.h:
             x = block(x)
-        x = self.transformer.ln_f(x)
+        x = self.transformer.ln_f(upcast(x))
         return self.lm_head(x)
