@@ -32,7 +32,8 @@ LM_HEAD = "lm_head.weight"
 
 
 def hf_config(model: ModelConfig, vocab_size: int) -> dict:
-    """config.json of a GPT2LMHeadModel that computes what jaxtrain's `model` computes."""
+    """config.json of a GPT2LMHeadModel that computes what jaxtrain's `model` computes (with the residual stream in
+    fp32 whatever model.residual_dtype says: transformers' GPT-2 has no bf16 stream; the weights are the same)."""
     if not model.bias:
         raise UserError("the model has no biases (model.bias=false); Hugging Face's GPT-2 always has them, so it "
                         "cannot be exported as GPT2LMHeadModel. Export it to the torch format (to-torch) instead")

@@ -247,7 +247,7 @@ class Block(nnx.Module):
     def __call__(self, x_BxTxD, delta_BxTxD, key, cache: KVCache | None = None):
         """(x, delta, cache): the residual stream comes and goes as x and the MLP's output not yet added to it
         (None before the first block), so that the add runs in the next norm's kernel where model.norm picks the
-        kernels (one pass fewer over the fp32 stream); the attention's cache passed through (CausalSelfAttention)."""
+        kernels (one pass fewer over the stream); the attention's cache passed through (CausalSelfAttention)."""
         attn_key, mlp_key = _split(key, 2)
         x_BxTxD, h_BxTxD = self._residual_norm(self.ln_1, x_BxTxD, delta_BxTxD)
         y_BxTxD, cache = self.attn(h_BxTxD, attn_key, cache)
@@ -268,7 +268,7 @@ class Block(nnx.Module):
 
 def uses_norm_kernels(cfg: ModelConfig) -> bool:
     """Whether each block's residual adds and LayerNorms run as fused_norm's kernels (model.norm): auto on a GPU,
-    where XLA writes them as several passes over the fp32 residual stream; pallas anywhere (off a GPU through
+    where XLA writes them as several passes over the residual stream; pallas anywhere (off a GPU through
     Pallas's interpreter: slow, for checking the kernels). Both need Pallas's Triton backend, which jax 0.11
     deprecated: without it auto runs XLA's ops and pallas is refused."""
     if cfg.norm == "pallas" and not triton_available():

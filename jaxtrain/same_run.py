@@ -84,11 +84,12 @@ def _changes(saved: dict, current: dict, cfg: Config) -> str:
 
 
 def _ways_on(saved: dict, current: dict, cfg: Config, step: int, backend: str) -> str:
-    """Resume unchanged; or, where the weights still fit the model (no model.* key but dropout changed), keep the
-    changes and go on from the checkpoint in a new run (init.from takes its whole training state); or start over."""
+    """Resume unchanged; or, where the weights still fit the model (no model.* key changed but dropout and the
+    residual stream's dtype), keep the changes and go on from the checkpoint in a new run (init.from takes its whole
+    training state); or start over."""
     over = "start over with --run.fresh=true or a new --run.out_dir"
-    reshaped = any(k.startswith("model.") and k != "model.dropout" and saved.get(k) != current.get(k)
-                   for k in {**saved, **current})
+    reshaped = any(k.startswith("model.") and k not in ("model.dropout", "model.residual_dtype")
+                   and saved.get(k) != current.get(k) for k in {**saved, **current})
     if reshaped:
         return f"resume with the same config, or {over}"
     return f"resume with the same config, or {new_run_from(cfg, step, backend, 'keep the changes')}; or {over}"

@@ -141,7 +141,8 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
             tokens_BxS = jax.lax.fori_loop(n_cached, N, cropped_step, tokens_BxS)
         return tokens_BxS
 
-    # rounding as the train step's forward pass does (autocast.rounding_options): a bf16 stream's roundings too
+    # rounding as the train step's forward pass does (autocast.rounding_options): on a GPU every rounding, and a bf16
+    # stream's on any backend
     rounding = {} if precision == "fp32" else rounding_options(backend(), model_cfg.residual_dtype == "bf16")
     return jax.jit(generate, compiler_options=rounding)
 
@@ -166,7 +167,10 @@ def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, 
         raise UserError(f"the prompt encodes to token id {max(ids)}, beyond the model's vocabulary of "
                         f"{model_cfg.vocab_size}: the run was trained with another tokenizer; pass the one its data "
                         f"used ({' or '.join(prepare_lib.TOKENIZERS)})")
-    model_cfg = dataclasses.replace(model_cfg, attention="xla", gelu_fwd="xla")
+    # A bf16 residual stream (model.residual_dtype=bf16) is bf16 arithmetic: sampled in another --precision, the
+    # stream is that precision's too, fp32, as config_checks would have it in training
+    stream = model_cfg.residual_dtype if precision == "bf16" else "fp32"
+    model_cfg = dataclasses.replace(model_cfg, attention="xla", gelu_fwd="xla", residual_dtype=stream)
     graphdef = model_lib.graphdef(model_cfg, vocab_size=model_cfg.vocab_size, precision=precision)
     tokens = generator(graphdef, model_cfg, precision, sampling)(params, np.asarray([ids], np.int32))
     return tok.decode(jax.device_get(tokens)[0])

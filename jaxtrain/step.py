@@ -180,7 +180,8 @@ def compiler_options(cfg: Config) -> dict:
     user's own setting of it in XLA_FLAGS (nor one given at compile time: benchmarks.xla_flags).
 
     On a GPU, for bf16 and fp16, every rounding the program writes kept (autocast.rounding_options: torch's
-    autocast numerics, for no measured time); on any backend under model.residual_dtype=bf16, the stream's.
+    autocast numerics, for no measured time); on every backend under model.residual_dtype=bf16 (XLA:CPU dropped the
+    stream's roundings).
 
     On a GPU, with the weights whole on every device (mesh.fsdp=1), XLA's older latency estimator for its
     latency-hiding scheduler. The default analytical ("SoL") estimator moved the weight-gradient gemms of the

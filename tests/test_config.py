@@ -330,7 +330,7 @@ def test_trajectory_check_names_changed_keys_and_allows_extending(yaml_path):
     other_kernels = config.load(["--config", yaml_path, "--optim.decay_steps=100", "--train.steps=100",
                                  "--model.remat=full", "--model.attention=xla", "--model.vocab_tiles=4"])
     same_run.check(saved, other_kernels, "ckpt", 4, "jaxtrain")  # how the model computes may change
-    for key in ("attention", "remat", "vocab_tiles"):  # a checkpoint written before these keys existed
+    for key in ("attention", "remat", "vocab_tiles", "residual_dtype"):  # a checkpoint from before these keys
         del saved["model"][key]
     same_run.check(saved, cfg, "ckpt", 4, "jaxtrain")
     with pytest.raises(UserError, match=r"decay length: 100 -> 300"):  # the default decay follows train.steps
@@ -354,6 +354,10 @@ def test_a_refused_resume_says_how_to_keep_the_change(yaml_path, backend, start)
         f"(optim.lr: 0.0003 -> 0.0005); resume with the same config, or keep the changes and go on from step 4 in a "
         f"new run (a resume of out/r refuses the changed keys): {start} --run.out_dir=NEW; or start over with "
         f"--run.fresh=true or a new --run.out_dir")
+    with pytest.raises(UserError) as e:  # the stream's dtype changes the numerics, not the weights' shapes
+        same_run.check(saved, config.load([*common, "--train.precision=bf16", "--model.residual_dtype=bf16"]),
+                       "out/r/checkpoints/4", 4, backend)
+    assert "model.residual_dtype: 'fp32' -> 'bf16'" in str(e.value) and "keep the changes" in str(e.value)
     with pytest.raises(UserError) as e:
         same_run.check(saved, config.load([*common, "--model.n_layer=2"]), "out/r/checkpoints/4", 4, backend)
     assert str(e.value).endswith("(model.n_layer: 4 -> 2); resume with the same config, or start over with "

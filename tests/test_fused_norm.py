@@ -172,8 +172,9 @@ def test_the_model_with_the_kernels_is_the_model_without(precision, stream):
     (loss, grads), (ref_loss, ref_grads) = (_loss_and_grads(norm, precision, stream) for norm in ("pallas", "xla"))
     # Relative differences of the loss and of each gradient. fp32: only sum orders differ (measured 0 and 2.3e-7,
     # margin 40x+); bf16: a sum order may flip a bf16 rounding of an activation (measured on this CPU 0 and 9.5e-4,
-    # the loss's 1e-5 sized on 1.1e-7 measured before the compile option; gradients margin 15x).
-    tol = {"fp32": (1e-6, 1e-5), "bf16": (1e-5, 1.5e-2)}[precision]
+    # the loss's 1e-5 sized on 1.1e-7 measured before the compile option; gradients margin 15x); a bf16 stream: a
+    # flipped rounding of the stream itself carries into every later layer (measured 6.1e-6 and 1.8e-3, margin 8x).
+    tol = {"fp32": (1e-6, 1e-5), "bf16": (1e-5, 1.5e-2)}[precision] if stream == "fp32" else (5e-5, 1.5e-2)
     assert abs(float(loss - ref_loss)) <= tol[0] * abs(float(ref_loss))
     for (path, g), (_, r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
         assert float(jnp.linalg.norm(g[...] - r[...]) / jnp.linalg.norm(r[...])) <= tol[1], path
@@ -188,19 +189,22 @@ def test_auto_picks_the_kernels_on_a_gpu(platform, norm, fused):
 
 
 MESH_SCRIPT = """
+import sys
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jaxtrain import config, mesh as mesh_lib, model
+precision, stream = sys.argv[1:]
 results = []
 for norm in ("pallas", "xla"):
-    cfg = config.load(["--config", "configs/tiny.yaml", "--model.n_layer=2", "--mesh.fsdp=2", f"--model.norm={norm}"])
-    graphdef, params = model.init_params(cfg.model, vocab_size=64, precision="fp32", seed=0)
+    cfg = config.load(["--config", "configs/tiny.yaml", "--model.n_layer=2", "--mesh.fsdp=2", f"--model.norm={norm}",
+                       f"--model.residual_dtype={stream}"])
+    graphdef, params = model.init_params(cfg.model, vocab_size=64, precision=precision, seed=0)
     idx = jax.random.randint(jax.random.key(0), (4, 32), 0, 64)
     device_mesh = mesh_lib.make_mesh(cfg)
     with jax.set_mesh(device_mesh):
         idx = jax.device_put(idx, jax.sharding.NamedSharding(device_mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
         loss = lambda p: -jnp.mean(jax.nn.log_softmax(model.apply(graphdef, p, idx))[..., 0])
-        fn = jax.jit(jax.value_and_grad(loss))
+        fn = jax.jit(jax.value_and_grad(loss), compiler_options={"xla_allow_excess_precision": False})
         if norm == "pallas":  # the kernels, inside a per-device (manual) computation
             assert "pallas_call" in str(jax.make_jaxpr(loss)(params))
             assert "manual_computation" in fn.lower(params).as_text()
@@ -212,14 +216,18 @@ print(max(float(jnp.linalg.norm(g[...] - r[...]) / jnp.linalg.norm(r[...]))
 """
 
 
-def test_the_kernels_run_on_each_devices_rows_under_a_mesh():
+@pytest.mark.parametrize("precision,stream,tol", [("fp32", "fp32", (1e-6, 1e-5)), ("bf16", "bf16", (5e-5, 1.5e-2))])
+def test_the_kernels_run_on_each_devices_rows_under_a_mesh(precision, stream, tol):
     """On 4 devices (data 2, fsdp 2) each device's rows go through the kernels (shard_map) and the weights'
-    gradients are summed over the devices: the same loss and gradients as XLA's ops (fp32: sum orders only)."""
+    gradients are summed over the devices: the same loss and gradients as XLA's ops, within the one-device test's
+    bounds (fp32: sum orders only, measured 0 and 2.0e-7; a bf16 stream, whose backward writes one gradient for x
+    and delta: measured 0 and 1.8e-3)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, precision, stream], capture_output=True, text=True,
+                          env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loss_rel, grad_rel = (float(v) for v in proc.stdout.split())
-    assert loss_rel <= 1e-6 and grad_rel <= 1e-5  # as the one-device fp32 test: measured 0 and 2.0e-7
+    assert loss_rel <= tol[0] and grad_rel <= tol[1]
 
 
 WITHOUT_TRITON = """

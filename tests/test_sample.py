@@ -41,24 +41,25 @@ def loaded(trained):
     return sample.load(trained[0], None, None, None)
 
 
-# The forward pass with every rounding the program writes kept (autocast.rounding_options), as the sampler and the
-# train step keep a bf16 residual stream's, which XLA:CPU otherwise drops (the fp32 stream's it keeps either way)
-_apply = jax.jit(model.apply, static_argnums=0,
-                 compiler_options=autocast.rounding_options(jax.default_backend(), bf16_stream=True))
+# The forward pass compiled as the train step compiles it on this backend (autocast.rounding_options), for each
+# residual stream: a bf16 stream's roundings kept, which XLA:CPU otherwise drops
+_APPLY = {stream: jax.jit(model.apply, static_argnums=0, compiler_options=autocast.rounding_options(
+    jax.default_backend(), bf16_stream=stream == "bf16")) for stream in ("fp32", "bf16")}
 
 
-def full_forward_logits(graphdef, params, ids: list[int], seq_len: int) -> np.ndarray:
+def full_forward_logits(graphdef, params, ids: list[int], seq_len: int, stream: str = "fp32") -> np.ndarray:
     """nanoGPT's generate written out: the next token's logits (V,) from the whole context, cropped to its last
     seq_len tokens."""
     context = jnp.asarray([ids[-seq_len:]], jnp.int32)
-    return np.asarray(_apply(graphdef, params, context)[0, -1], np.float32)
+    return np.asarray(_APPLY[stream](graphdef, params, context)[0, -1], np.float32)
 
 
-def greedy_reference(graphdef, params, prompt: list[int], n: int, seq_len: int) -> tuple[list[int], list[float]]:
+def greedy_reference(graphdef, params, prompt: list[int], n: int, seq_len: int,
+                     stream: str = "fp32") -> tuple[list[int], list[float]]:
     """The prompt and n tokens, each the argmax of the full forward pass; and each step's top-2 logit gap."""
     ids, gaps = list(prompt), []
     for _ in range(n):
-        logits = full_forward_logits(graphdef, params, ids, seq_len)
+        logits = full_forward_logits(graphdef, params, ids, seq_len, stream)
         top2 = np.sort(logits)[-2:]
         gaps.append(float(top2[1] - top2[0]))
         ids.append(int(np.argmax(logits)))
@@ -103,7 +104,8 @@ LOGIT_ATOL = {"fp32": 1e-5, "bf16": 0.02, "fp16": FP16_ATOL}
 
 
 # A bf16 residual stream: the sampler's logits are the full forward's, each rounding kept on both sides (measured
-# equal at all 30 tokens, cached and cropped); a sampler that let XLA drop the stream's roundings was 2^-8 off.
+# equal at all 30 tokens, cached and cropped): a bound below the one rounding's difference it must catch (a sampler
+# that let XLA drop the stream's roundings was 2^-8 off at each token).
 STREAM_ATOL = 1e-3
 
 
@@ -112,7 +114,7 @@ def test_greedy_continuation_is_the_full_forward_argmax(loaded, precision, strea
     loaded = loaded._replace(model_cfg=dataclasses.replace(loaded.model_cfg, residual_dtype=stream))
     assert len(LONG_PROMPT) + N_NEW > loaded.model_cfg.seq_len  # the cropped steps are covered too
     graphdef, got, logits = _generate_seeing_logits(loaded, precision, monkeypatch, temperature=0.0)
-    want, gaps = greedy_reference(graphdef, loaded.params, LONG_PROMPT, N_NEW, loaded.model_cfg.seq_len)
+    want, gaps = greedy_reference(graphdef, loaded.params, LONG_PROMPT, N_NEW, loaded.model_cfg.seq_len, stream)
     # Token for token the reference's, up to its first near-tie, which rounding alone could flip (none under jax
     # 0.10.2 here; under jax 0.12.0.1 the bf16 model's first token, a gap of 2 ulps: from there the texts may part)
     agree = len(LONG_PROMPT) + next((i for i, gap in enumerate(gaps) if gap <= 2 * LOGIT_ATOL[precision]), N_NEW)
@@ -121,8 +123,21 @@ def test_greedy_continuation_is_the_full_forward_argmax(loaded, precision, strea
     for i, step_logits in enumerate(logits):  # each token's whole distribution, not only its argmax
         assert got[len(LONG_PROMPT) + i] == np.argmax(step_logits), f"token {i}"  # greedy: the largest it saw
         np.testing.assert_allclose(step_logits, full_forward_logits(
-            graphdef, loaded.params, got[:len(LONG_PROMPT) + i], loaded.model_cfg.seq_len),
+            graphdef, loaded.params, got[:len(LONG_PROMPT) + i], loaded.model_cfg.seq_len, stream),
             rtol=0, atol=STREAM_ATOL if stream == "bf16" else LOGIT_ATOL[precision], err_msg=f"token {i}")
+
+
+def test_a_bf16_stream_run_sampled_in_fp32_runs_an_fp32_stream(loaded, monkeypatch):
+    """--precision fp32 on a run trained with model.residual_dtype=bf16: fp32 arithmetic throughout, the stream too
+    (a bf16 stream beside fp32 Linears would be promoted to fp32 at its first add by XLA's ops but stay bf16 in the
+    norm kernels): the sampler is built for an fp32 stream and gives the text of the same config with one."""
+    seen, built, real = {}, [], sample.generator
+    monkeypatch.setattr(sample, "generator", lambda graphdef, cfg, *a: (built.append(cfg.residual_dtype),
+                                                                         real(graphdef, cfg, *a))[1])
+    for stream in ("bf16", "fp32"):
+        seen[stream] = sample.sample_text(loaded.params, dataclasses.replace(loaded.model_cfg, residual_dtype=stream),
+                                          "fp32", loaded.tokenizer, "hello", sample.Sampling(max_new_tokens=4))
+    assert built == ["fp32", "fp32"] and seen["bf16"] == seen["fp32"]
 
 
 def test_a_rematted_model_samples_what_it_samples_without(loaded):
@@ -159,7 +174,7 @@ def test_cached_logits_are_the_full_forward_logits(loaded, precision):
     cfg = loaded.model_cfg
     graphdef = model.graphdef(cfg, vocab_size=cfg.vocab_size, precision=precision)
     ids = jnp.asarray([list(b"def forward(self, x):\n    return self.proj(x) + 1")[:cfg.seq_len]], jnp.int32)
-    full = np.asarray(_apply(graphdef, loaded.params, ids), np.float32)
+    full = np.asarray(_APPLY["fp32"](graphdef, loaded.params, ids), np.float32)
     extend = jax.jit(model.extend, static_argnums=0)
     logits, caches = extend(graphdef, loaded.params, ids[:, :20], model.empty_caches(cfg, batch=1,
                                                                                      precision=precision))
