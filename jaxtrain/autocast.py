@@ -89,17 +89,19 @@ def backend() -> str:
     return _compiling_for or jax.default_backend()
 
 
-def rounding_options(platform: str, bf16_stream: bool = False) -> dict:
+def rounding_options(platform: str, precision: str = "bf16", bf16_stream: bool = False) -> dict:
     """XLA compile options under which a compile for `platform` keeps every rounding to bf16 or fp16 that the traced
-    program writes, as torch's autocast does. On a GPU XLA drops a rounding that an fp32 consumer follows under its
-    default `xla_allow_excess_precision=true` (SimplifyFPConversions): `c + bf16(a @ b)` with fp32 `c` equalled the
-    rounded value at 5 of 32,768 elements on an H100; the bit-for-bit tests against torch failed there without this
-    option and passed with it, and GPT-2 124M's step took the same time (benchmarks/NOTES.md, 2026-11-28). XLA:CPU
-    kept those (32,767 of 32,768), but not a bf16 residual stream's (`bf16_stream`, model.residual_dtype=bf16): its
-    adds' roundings, which the LayerNorms' fp32 upcasts follow, it dropped (a 2-layer model's logits equal to
-    torchref's at 34% of elements with them dropped, at all without: parity_tests/test_model_parity.py). A TPU is
-    unmeasured: {} there, but for the bf16 stream."""
-    return {"xla_allow_excess_precision": False} if platform == "gpu" or bf16_stream else {}
+    program writes, as torch's autocast does (none for an fp32 program: it writes none). On a GPU XLA drops a
+    rounding that an fp32 consumer follows under its default `xla_allow_excess_precision=true`
+    (SimplifyFPConversions): `c + bf16(a @ b)` with fp32 `c` equalled the rounded value at 5 of 32,768 elements on an
+    H100; the bit-for-bit tests against torch failed there without this option and passed with it, and GPT-2 124M's
+    step took the same time (benchmarks/NOTES.md, 2026-11-28). XLA:CPU kept those (32,767 of 32,768), but not a bf16
+    residual stream's (`bf16_stream`, model.residual_dtype=bf16): its adds' roundings, which the LayerNorms' fp32
+    upcasts follow, it dropped (a 2-layer model's logits equal to torchref's at 34% of elements with them dropped, at
+    all without: parity_tests/test_model_parity.py). A TPU is unmeasured: {} there, but for the bf16 stream."""
+    if precision == "fp32" or not (platform == "gpu" or bf16_stream):
+        return {}
+    return {"xla_allow_excess_precision": False}
 
 
 @contextlib.contextmanager

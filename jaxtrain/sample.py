@@ -143,8 +143,8 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
 
     # rounding as the train step's forward pass does (autocast.rounding_options): on a GPU every rounding, and a bf16
     # stream's on any backend
-    rounding = {} if precision == "fp32" else rounding_options(backend(), model_cfg.residual_dtype == "bf16")
-    return jax.jit(generate, compiler_options=rounding)
+    stream = model_cfg.residual_dtype == "bf16"
+    return jax.jit(generate, compiler_options=rounding_options(backend(), precision, stream))
 
 
 def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str,

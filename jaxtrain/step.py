@@ -195,8 +195,7 @@ def compiler_options(cfg: Config) -> dict:
     into one and slices its output, the copies those gemms are there to avoid (GPT-2 124M's step on an H100, the
     roofline: 2.0 ms of 91.8; it merged nothing else there), and under model.qkv_grad=pallas the three weight
     gradients' gemms, which share x, back into one on the gradients side by side, the copy the kernel avoids."""
-    bf16_stream = cfg.model.residual_dtype == "bf16"
-    options = {} if cfg.train.precision == "fp32" else autocast.rounding_options(autocast.backend(), bf16_stream)
+    options = autocast.rounding_options(autocast.backend(), cfg.train.precision, cfg.model.residual_dtype == "bf16")
     if autocast.backend() == "gpu" and cfg.mesh.fsdp == 1:
         options[SOL_ESTIMATOR] = False
         if model.qkv_gemm_blocks(model.fused_attention(cfg.model, cfg.train.precision), cfg.mesh.fsdp,
