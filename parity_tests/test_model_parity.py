@@ -21,7 +21,7 @@ from jaxtrain import model, step
 from parity_tests.conftest import (FP32_CROSS_RTOL, FP32_SIDE_RTOL, assert_close, assert_named_close,
                                    from_torch_layout, jax_gpt, make_cfg, report, torch_grads, torch_layout)
 from torchref import run
-from torchref.model import GPT
+from torchref.model import GPT, upcast
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 B, T, V = 3, 16, 64
@@ -59,9 +59,11 @@ def batch():
     return idx, targets
 
 
-def torch_side(tied: bool, weights: dict, dtype=torch.float32, idx=None, mutate=None):
-    """torchref's logits and loss gradients {name: array}; `mutate(module)` plants a trap first."""
-    module = GPT(cfg_for(tied).model).to(dtype)
+def torch_side(tied: bool, weights: dict, dtype=torch.float32, idx=None, mutate=None, cfg=None):
+    """torchref's logits (at least fp32) and loss gradients {name: array}; `mutate(module)` plants a trap first.
+    `cfg`: cfg_for(tied) unless given; under train.precision=bf16 the forward runs under CPU autocast."""
+    cfg = cfg or cfg_for(tied)
+    module = GPT(cfg.model).to(dtype)
     with torch.no_grad():
         for n, p in module.named_parameters():
             p.copy_(torch.from_numpy(weights[n]))
@@ -69,13 +71,13 @@ def torch_side(tied: bool, weights: dict, dtype=torch.float32, idx=None, mutate=
         mutate(module)
     x, y = batch()
     x = torch.from_numpy(x if idx is None else idx)
-    logits = module(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"):
+        logits = module(x)
     y = torch.from_numpy(y)
     (run.cross_entropy_sum(logits, y) / (y >= 0).sum()).backward()
-    return logits.detach().numpy(), torch_grads(module)
+    return upcast(logits).detach().numpy(), torch_grads(module)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _logits_and_grads(graphdef, params, idx, targets):
     def loss(params):
         logits = model.apply(graphdef, params, idx)
@@ -85,18 +87,26 @@ def _logits_and_grads(graphdef, params, idx, targets):
     return logits, grads
 
 
-def jax_side(tied: bool, weights: dict, idx=None, untransposed_square=False):
-    """jaxtrain's logits and loss gradients in torch layout. untransposed_square: the Linear-transpose trap, square
-    torch weights copied as they are (the only ones whose shape lets the mistake through)."""
-    graphdef, template = jax_gpt(cfg_for(tied).model)
+@functools.cache
+def _jitted(options: tuple):
+    """_logits_and_grads jitted with the XLA options (key, value) pairs the train step compiles with."""
+    return jax.jit(_logits_and_grads, static_argnums=0, compiler_options=dict(options))
+
+
+def jax_side(tied: bool, weights: dict, idx=None, untransposed_square=False, cfg=None):
+    """jaxtrain's logits (at least fp32) and loss gradients in torch layout, compiled as the train step compiles
+    (step.compiler_options). untransposed_square: the Linear-transpose trap, square torch weights copied as they are
+    (the only ones whose shape lets the mistake through). `cfg`: cfg_for(tied) unless given."""
+    cfg = cfg or cfg_for(tied)
+    graphdef, template = jax_gpt(cfg.model, cfg.train.precision)
     names = model.torch_names(template)
     if untransposed_square:
         names = {n: (path, t and weights[n].shape[0] != weights[n].shape[1]) for n, (path, t) in names.items()}
     params = from_torch_layout(template, weights, names)
     x, y = batch()
-    logits, grads = _logits_and_grads(graphdef, params, jnp.asarray(x if idx is None else idx, jnp.int32),
-                                      jnp.asarray(y, jnp.int32))
-    return np.asarray(logits), torch_layout(grads, names)
+    logits, grads = _jitted(tuple(step.compiler_options(cfg).items()))(
+        graphdef, params, jnp.asarray(x if idx is None else idx, jnp.int32), jnp.asarray(y, jnp.int32))
+    return np.asarray(logits, np.promote_types(logits.dtype, np.float32)), torch_layout(grads, names)
 
 
 def scale_close(got, want, rtol, what):
@@ -134,26 +144,10 @@ def test_logits_and_gradients_match(tied, emb):
 
 
 def bf16_sides(residual_dtype: str) -> dict[str, tuple]:
-    """{backend: (logits as float64, gradients)} of the tied model at unit scale under bf16 autocast, the stream in
-    `residual_dtype`: jaxtrain compiled as its step compiles (step.compiler_options), torchref under CPU autocast."""
+    """{backend: (logits, gradients)} of the tied model at unit scale under bf16, the stream in `residual_dtype`."""
     cfg = make_cfg("--train.precision=bf16", f"--model.residual_dtype={residual_dtype}")
-    weights, (x, y) = parity_weights(True), batch()
-    graphdef, template = jax_gpt(cfg.model, "bf16")
-    names = model.torch_names(template)
-    logits_and_grads = jax.jit(_logits_and_grads.__wrapped__, static_argnums=0,
-                               compiler_options=step.compiler_options(cfg))
-    j_logits, j_grads = logits_and_grads(graphdef, from_torch_layout(template, weights, names),
-                                         jnp.asarray(x, jnp.int32), jnp.asarray(y, jnp.int32))
-    module = GPT(cfg.model)
-    with torch.no_grad():
-        for n, p in module.named_parameters():
-            p.copy_(torch.from_numpy(weights[n]))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        t_logits = module(torch.from_numpy(x))
-    targets = torch.from_numpy(y)
-    (run.cross_entropy_sum(t_logits, targets) / (targets >= 0).sum()).backward()
-    return {"jaxtrain": (np.asarray(j_logits, np.float64), torch_layout(j_grads, names)),
-            "torchref": (t_logits.detach().double().numpy(), torch_grads(module))}
+    return {"jaxtrain": jax_side(True, parity_weights(True), cfg=cfg),
+            "torchref": torch_side(True, parity_weights(True), cfg=cfg)}
 
 
 def test_a_bf16_residual_stream_is_the_same_in_both():
