@@ -144,6 +144,9 @@ class CausalSelfAttention(nnx.Module):
         self.c_proj = Linear(d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
         self.n_head, self.dropout, self.precision = cfg.n_head, cfg.dropout, precision
         self.fused, self.qkv_kernel = fused_attention(cfg, precision), cfg.qkv_grad == "pallas"
+        # the bias row's ones columns in c_attn's input (fused_norm writes them): the kernel writes its gradient by
+        # TMA in tiles of 64 columns (qkv_grad), so the row is padded to a whole tile
+        self.ones_width = HOPPER_GEMM_TILE if self.qkv_kernel else BIAS_ROW_PAD
 
     def __call__(self, x_BxTxD, key, cache: KVCache | None = None):
         """(y, cache): with a cache (decoding), x continues the positions it holds, and comes back with x's keys and
@@ -249,12 +252,12 @@ class Block(nnx.Module):
         (None before the first block), so that the add runs in the next norm's kernel where model.norm picks the
         kernels (one pass fewer over the stream); the attention's cache passed through (CausalSelfAttention)."""
         attn_key, mlp_key = _split(key, 2)
-        x_BxTxD, h_BxTxD = self._residual_norm(self.ln_1, x_BxTxD, delta_BxTxD)
+        x_BxTxD, h_BxTxD = self._residual_norm(self.ln_1, x_BxTxD, delta_BxTxD, self.attn.ones_width)
         y_BxTxD, cache = self.attn(h_BxTxD, attn_key, cache)
         x_BxTxD, h_BxTxD = self._residual_norm(self.ln_2, x_BxTxD, y_BxTxD, self.mlp.ones_width)
         return x_BxTxD, self.mlp(h_BxTxD, mlp_key), cache
 
-    def _residual_norm(self, ln: LayerNorm, x_BxTxD, y_BxTxD, ones_width: int = BIAS_ROW_PAD):
+    def _residual_norm(self, ln: LayerNorm, x_BxTxD, y_BxTxD, ones_width: int):
         """(x + y, ln(x + y)), y None for none; fp32 + bf16 -> fp32, as in torch (bf16 + bf16 -> bf16 under
         model.residual_dtype=bf16). One Pallas kernel each way where
         model.norm picks it (fused_norm.py: then ln's output comes in the compute dtype, with `ones_width` columns

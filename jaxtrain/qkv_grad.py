@@ -6,7 +6,7 @@ Mosaic GPU), where model.qkv_grad=pallas picks it.
 Why: cuDNN's attention takes q, k and v as three arrays (so c_attn writes them as three gemms, autocast.column_blocks)
 and gives their gradients back as three; c_attn's input gradient is one gemm over all three (one rounding, as
 torch's one linear), for which XLA concatenates them first: a copy of the B x T x 3D gradients (151 MB a layer and
-micro-batch on GPT-2 124M, written and read back), 4.21 ms of 2026-11-28's 139.5 ms H100 profile, 1.9x its roofline
+micro-batch on GPT-2 124M, written and read back), 2.15 ms of 2026-11-28's 139.5 ms H100 profile, at its roofline
 (benchmarks/NOTES.md). Here each k step of the kernel brings a tile of each gradient and of its weight block
 (hopper_gemm's pairs), whose three wgmmas add into one fp32 accumulator, rounded once: the concatenation goes, the
 gemm's bytes stay. The weight and bias gradients are each block's own (XLA's gemms, x^T g_i). An estimate, not
@@ -41,24 +41,32 @@ def _epilogue(acc_ref, at: hopper_gemm.OutputTile, ins, outs, scratch):
         hopper_gemm.store_tile(y, tile, at, scratch["smem"].at[at.wg, tile.slot], out_gmem)
 
 
-def summed_matmul(gs: list, w_ts: list, tiles: Tiles = QKV_TILES):
+def summed_matmul(gs: list, w_ts: list, tiles: Tiles = QKV_TILES, width: int | None = None):
     """sum_i gs[i] @ w_ts[i], each (m, k) @ (k, n) in one compute dtype, accumulated in fp32 and rounded once; one
-    kernel, each device on its own rows under a mesh."""
+    kernel, each device on its own rows under a mesh. With `width` > n the result has width - n zero columns more:
+    the gradient of c_attn's input where it carries the bias row's ones columns (a whole TMA tile of them), set in
+    the kernel's buffer in place, where a pad after it would copy the whole gradient (0.72 ms of GPT-2 124M's
+    roofline, benchmarks/NOTES.md)."""
     if len({t.dtype for t in gs + w_ts}) != 1:
         raise TypeError(f"summed_matmul takes its operands in one compute dtype, got {[t.dtype for t in gs + w_ts]}")
+    n = w_ts[0].shape[1]
+    width = n if width is None else width
+    if width < n or width % EPILOGUE_TILE:  # Mosaic GPU's TMA stores rows of whole tiles only
+        raise ValueError(f"summed_matmul writes rows of {n} or more columns in tiles of {EPILOGUE_TILE}, not {width}")
     hopper_gemm.check_device(OPTION)
     rows = gs[0].shape[0] // mesh.batch_shards()
-    fitted = tiles_for(rows, w_ts[0].shape[0], w_ts[0].shape[1], tiles)
+    fitted = tiles_for(rows, w_ts[0].shape[0], n, tiles)
     if fitted is None:
         raise UserError(f"{OPTION} needs each device's tokens of a micro-batch (data.batch_size / "
                         f"optim.grad_accum_steps x model.seq_len / devices: here {rows}) to be a multiple of "
-                        f"{EPILOGUE_TILE} and model.d_model (here {w_ts[0].shape[1]}) of {2 * EPILOGUE_TILE}; use "
+                        f"{EPILOGUE_TILE} and model.d_model (here {n}) of {2 * EPILOGUE_TILE}; use "
                         f"model.qkv_grad=xla")
     call = hopper_gemm.gemm_with_epilogue(OPTION, _epilogue, {"smem": hopper_gemm.epilogue_smem(gs[0].dtype, fitted)},
-                                          jax.ShapeDtypeStruct((rows, w_ts[0].shape[1]), gs[0].dtype), fitted, 0,
+                                          jax.ShapeDtypeStruct((rows, width), gs[0].dtype), fitted, 0,
                                           pairs=len(gs))
     on_rows = mesh.on_each_devices_rows(lambda *operands: (call(*operands),), len(gs), len(w_ts), 1)
-    return on_rows(*gs, *w_ts)[0]
+    out = on_rows(*gs, *w_ts)[0]
+    return out if width == n else out.at[:, n:].set(0)  # the columns the kernel's tiles leave unwritten
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -74,14 +82,15 @@ def _column_blocks_fwd(x, w, b, precision, parts):
 
 def _column_blocks_bwd(precision, parts, saved, g_blocks):
     x, w, b = saved
-    low, d_in = autocast.COMPUTE_DTYPES[precision], w.shape[0]
+    low = autocast.COMPUTE_DTYPES[precision]
     rows = lambda t: t.reshape(-1, t.shape[-1])  # the batch split stays on the rows
     w_blocks, b_blocks = jnp.split(w, parts, -1), [None] * parts if b is None else jnp.split(b, parts, -1)
-    # each w_i^T an array of its own (an XLA transpose of the bf16 block), as gelu_gemm's w^T
-    g_x = summed_matmul([rows(g.astype(low)) for g in g_blocks], [wi.astype(low).T for wi in w_blocks])
-    g_x = g_x.reshape(*x.shape[:-1], d_in)
-    # x may carry the bias row's ones column (fused_norm writes it): a constant, whose gradient nothing reads
-    g_x = jnp.pad(g_x, [(0, 0)] * (g_x.ndim - 1) + [(0, x.shape[-1] - d_in)]).astype(x.dtype)
+    # each w_i^T an array of its own (an XLA transpose of the bf16 block), as gelu_gemm's w^T; x may carry the bias
+    # row's ones columns (fused_norm writes a tile of them, model.CausalSelfAttention): their gradient, which
+    # nothing reads, zeros
+    g_x = summed_matmul([rows(g.astype(low)) for g in g_blocks], [wi.astype(low).T for wi in w_blocks],
+                        width=x.shape[-1])
+    g_x = g_x.reshape(x.shape).astype(x.dtype)
     # each block's weight and bias gradient from its own linear's VJP: x^T g_i, and g_i summed over the rows
     grads = [jax.vjp(lambda wi, bi: autocast.linear(x, wi, bi, precision), wi, bi)[1](g)
              for wi, bi, g in zip(w_blocks, b_blocks, g_blocks)]

@@ -7,9 +7,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
-from jaxtrain import autocast, config, hopper_gemm, qkv_grad
+from jaxtrain import autocast, config, hopper_gemm, model, qkv_grad
 from jaxtrain.errors import UserError
+from jaxtrain.hopper_gemm import EPILOGUE_TILE
+from jaxpr_walk import equations
 from hopper_testing import (MODEL_CASES, ON_GPU_ONLY, assert_kernel_keeps_the_model,
                             assert_refused_on_two_cpu_devices, runs_here)
 
@@ -17,23 +20,35 @@ SMALL = hopper_gemm.Tiles(m=64, n=64, k=32, stages=2)
 
 
 @runs_here
-@pytest.mark.parametrize("pairs,m,k,n,tiles,low", [
-    (3, 128, 128, 256, SMALL, ml_dtypes.bfloat16),
-    (3, 128, 64, 256, qkv_grad.QKV_TILES, ml_dtypes.bfloat16),
-    (3, 192, 128, 128, qkv_grad.QKV_TILES, np.float16),
-    (1, 128, 128, 256, SMALL, ml_dtypes.bfloat16),
-    pytest.param(3, 4096, 768, 768, qkv_grad.QKV_TILES, ml_dtypes.bfloat16, marks=ON_GPU_ONLY)])
-def test_the_kernel_is_the_sum_of_the_products_rounded_once(pairs, m, k, n, tiles, low):
+@pytest.mark.parametrize("pairs,m,k,n,tiles,low,width", [
+    (3, 128, 128, 256, SMALL, ml_dtypes.bfloat16, None),
+    (3, 128, 64, 256, qkv_grad.QKV_TILES, ml_dtypes.bfloat16, None),
+    (3, 192, 128, 128, qkv_grad.QKV_TILES, np.float16, None),
+    (1, 128, 128, 256, SMALL, ml_dtypes.bfloat16, None),
+    (3, 128, 128, 256, SMALL, ml_dtypes.bfloat16, 256 + 64),
+    pytest.param(3, 4096, 768, 768, qkv_grad.QKV_TILES, ml_dtypes.bfloat16, 768 + 64, marks=ON_GPU_ONLY)])
+def test_the_kernel_is_the_sum_of_the_products_rounded_once(pairs, m, k, n, tiles, low, width):
     """Small-integer operands, so that every fp32 sum is exact in any order: each element is the float64 sum of
     the pairs' products rounded once to the compute dtype. Several output tiles along m and n; four k steps through
     a pipeline of two stages (its buffers reused); rows that are not 128s (64-row tiles: tiles_for); fp16; one pair
-    as hopper_gemm's other kernels run it; on a GPU, GPT-2's c_attn (768 columns, 3 x 768 of k)."""
+    as hopper_gemm's other kernels run it; a row wider than the product (`width`: the ones columns' gradient,
+    zeros); on a GPU, GPT-2's c_attn (768 columns, 3 x 768 of k, and its input's tile of ones columns)."""
     rng = np.random.default_rng(0)
     gs = [rng.integers(-3, 4, (m, k)).astype(np.float64) for _ in range(pairs)]
     w_ts = [rng.integers(-3, 4, (k, n)).astype(np.float64) for _ in range(pairs)]
-    want = sum(g @ w for g, w in zip(gs, w_ts)).astype(low)
-    got = qkv_grad.summed_matmul([jnp.asarray(g, low) for g in gs], [jnp.asarray(w, low) for w in w_ts], tiles)
+    want = np.pad(sum(g @ w for g, w in zip(gs, w_ts)), [(0, 0), (0, (width or n) - n)]).astype(low)
+    got = qkv_grad.summed_matmul([jnp.asarray(g, low) for g in gs], [jnp.asarray(w, low) for w in w_ts], tiles,
+                                 width)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("width", [128 + autocast.BIAS_ROW_PAD, 64])
+def test_a_row_the_kernel_cannot_store_is_refused(width):
+    """Mosaic GPU's TMA stores rows of whole 64-column tiles (776 columns: refused when the step compiles for a
+    GPU), and the result has at least the product's 128 columns."""
+    ones = jax.ShapeDtypeStruct((128, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"rows of 128 or more columns in tiles of 64, not {width}"):
+        jax.eval_shape(lambda g, w: qkv_grad.summed_matmul([g], [w], SMALL, width), ones, ones)
 
 
 # The forward pass computes the same products either way (q, k and v as three gemms or one split: on this CPU the
@@ -87,14 +102,19 @@ def test_several_devices_off_a_gpu_are_refused():
     assert_refused_on_two_cpu_devices(lambda: _kernel_grad(128))
 
 
-def test_on_a_gpu_the_gradient_of_fused_norms_padded_output_keeps_its_shape():
+def test_on_a_gpu_c_attns_input_carries_a_tile_of_ones_columns_whose_gradient_is_the_kernels():
     """On a GPU under bf16 the bias rides in the gemm as a row of weights, and fused_norm's output (c_attn's x)
-    carries its ones column (autocast.BIAS_ROW_PAD more columns): x's gradient must have that shape and dtype, the
-    kernel's d columns and zeros (fused_norm's backward reads the first d). Traced for a GPU here (no kernel runs);
-    the values are the interpreter's tests' above, where no bias row applies."""
-    x = jax.ShapeDtypeStruct((128, 128 + autocast.BIAS_ROW_PAD), jnp.bfloat16)
+    carries its ones columns: with the kernel a whole TMA tile of them (model.CausalSelfAttention.ones_width), so
+    that the kernel writes x's gradient with that shape (its d columns and zeros: fused_norm's backward reads the
+    first d) and nothing pads it after (a copy of the whole gradient). Traced for a GPU here (no kernel runs); the
+    values are the interpreter's tests' above, where no bias row applies."""
+    cfg = config.load(["--config", "configs/tiny.yaml", "--model.qkv_grad=pallas", "--train.precision=bf16"]).model
+    assert model.CausalSelfAttention(cfg, precision="bf16", rngs=nnx.Rngs(0)).ones_width == EPILOGUE_TILE
+    x = jax.ShapeDtypeStruct((128, 128 + EPILOGUE_TILE), jnp.bfloat16)
     w, b = jax.ShapeDtypeStruct((128, 3 * 128), jnp.float32), jax.ShapeDtypeStruct((3 * 128,), jnp.float32)
     loss = lambda x, w, b: sum(t.astype(jnp.float32).sum() for t in qkv_grad.column_blocks(x, w, b, "bf16", 3))
     with autocast.compiling_for("gpu"):
         assert autocast.bias_row_applies("bf16")
-        assert jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), x, w, b) == (x, w, b)
+        grad = jax.grad(loss, argnums=(0, 1, 2))
+        assert jax.eval_shape(grad, x, w, b) == (x, w, b)
+        assert "pad" not in {eqn.primitive.name for eqn in equations(grad, x, w, b)}
