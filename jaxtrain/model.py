@@ -376,6 +376,21 @@ def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int)
     return nnx.split(model, nnx.Param)
 
 
+def compute_dtype_params(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
+    """params with every Linear's kernel and bias in its compute dtype (under fp32, as they are): the copies that
+    autocast's matmuls cast at each use, made once. The gradient with respect to a copy is the fp32 param's, which
+    autocast rounds to the compute dtype anyway (autocast.rounded_weight_grad), in that dtype. The train step makes
+    them once a window, where each micro-batch would cast them again: XLA:GPU does not hoist a loop-invariant
+    convert out of the scan's loop (benchmarks/NOTES.md). wte stays fp32: its lookup reads it so, as torch's
+    embedding does (the head casts it), as do the LayerNorms' params."""
+    gpt = nnx.merge(graphdef, params, copy=True)  # its own Variables: params stay as they are
+    for _, node in nnx.iter_graph(gpt):
+        if isinstance(node, Linear):
+            for param in (node.kernel, node.bias) if node.bias is not None else (node.kernel,):
+                param.set_value(param.get_value().astype(COMPUTE_DTYPES[node.precision]))
+    return nnx.state(gpt, nnx.Param)
+
+
 def apply(graphdef: nnx.GraphDef, params: nnx.State, idx_BxT, *, dropout_key: jax.Array | None = None):
     """Logits (B, T, V) fp32 of the model `graphdef` with `params`, a pure function for jit and grad."""
     return nnx.merge(graphdef, params)(idx_BxT, dropout_key=dropout_key)

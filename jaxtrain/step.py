@@ -126,11 +126,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         step_key = jax.random.fold_in(base_key, state.step)
         scaler = optim.loss_scale(state.opt_state) if fp16 else None
 
+        low_params = model.compute_dtype_params(graphdef, state.params)  # once a window, not once a micro-batch
+
         def micro_step(opt_state, micro):
             i, inputs_BxT, targets_BxT = micro
             key = jax.random.fold_in(step_key, i) if dropout else None
-            grads, ce = jax.grad(micro_loss, has_aux=True)(state.params, inputs_BxT, targets_BxT, n_window, key,
+            grads, ce = jax.grad(micro_loss, has_aux=True)(low_params, inputs_BxT, targets_BxT, n_window, key,
                                                            scaler.scale if fp16 else None)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # the fp32 params' gradients
             if fp16:
                 grads = jax.tree.map(lambda g: g / scaler.scale, grads)
             return optim.add_to_window(opt_state, grads), ce

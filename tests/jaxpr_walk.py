@@ -7,6 +7,11 @@ import jax.extend
 
 def equations(fn, *args) -> list:
     """The equations of jax.make_jaxpr(fn)(*args), outer before inner."""
+    return inner_equations(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def inner_equations(jaxpr) -> list:
+    """The equations of `jaxpr` and of every jaxpr inside it, outer before inner."""
     found = []
 
     def walk(jaxpr):
@@ -18,5 +23,5 @@ def equations(fn, *args) -> list:
                         walk(sub.jaxpr)
                     elif isinstance(sub, jax.extend.core.Jaxpr):
                         walk(sub)
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    walk(jaxpr)
     return found

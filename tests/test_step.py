@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import compiled_hlo
+import jaxpr_walk
 from design_formulas import TOP1_HITS, TOP1_LOGITS, TOP1_TARGETS, default_lr_at
 from jaxtrain import autocast, config, model, optim, step
 
@@ -94,6 +96,29 @@ def test_window_leaves_multisteps_as_feeding_it_one_micro_batch_at_a_time():
     assert float(optim.grad_norm(opt_state)) > 0.05  # the clip acted
     for a, b in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((params, opt_state))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_weights_compute_dtype_copies_are_made_once_a_window(precision):
+    """model.compute_dtype_params before the scan over the micro-batches: each Linear's weight is cast to the compute
+    dtype once outside it, and inside it only its gradient is (autocast.rounded_weight_grad), not the weight again
+    (XLA:GPU does not hoist such a cast out of the loop: each micro-batch would cast every weight again)."""
+    cfg = make(2, f"--train.precision={precision}")[0]
+    graphdef, params = model.init_params(cfg.model, vocab_size=VOCAB, precision=precision, seed=0)
+    tx = optim.optimizer(cfg)
+    train_step = step.make_train_step(graphdef, tx, optim.lr_schedule(cfg), seed=0, dropout=False)
+    state = step.init_state(params, tx)
+    weights = {tuple(p.shape) for path, p in nnx.to_flat_state(params) if path[-1] == "kernel"}
+    low = autocast.COMPUTE_DTYPES[precision]
+
+    def weight_casts(eqns):
+        return [e for e in eqns if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == low
+                and e.invars[0].aval.dtype == jnp.float32 and tuple(e.invars[0].aval.shape) in weights]
+    eqns = jaxpr_walk.equations(train_step, state, *window_of(*batch_with_padding(), 2))
+    (scan,) = [e for e in eqns if e.primitive.name == "scan"]
+    inside = len(weight_casts(jaxpr_walk.inner_equations(scan.params["jaxpr"].jaxpr)))
+    linears = 4 * cfg.model.n_layer  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    assert (len(weight_casts(eqns)) - inside, inside) == (linears, linears)
 
 
 def test_adamw_runs_once_per_window():
