@@ -114,10 +114,10 @@ STAGES = (
     Stage("qkv_tests", "c_attn's dx over q's, k's and v's gradients (model.qkv_grad=pallas, qkv_grad.py: never run "
           "on a GPU) as Mosaic GPU compiles it, against float64 and the model without it",
           KERNEL_TESTS + ("tests/test_qkv_grad.py",), 30, 120),
-    Stage("step_kernels", "jaxtrain's row with the four gemm kernels (against `step`: the roofline says -10.4%)",
+    Stage("step_kernels", "jaxtrain's row with the four gemm kernels (against `step`: the roofline says -10.8%)",
           STEP + tuple(KERNEL_OPTIONS.values()), 45, 100, json=True),
     Stage("step_stream", "jaxtrain's row with the four gemm kernels and a bf16 residual stream "
-          "(model.residual_dtype=bf16, llm.c's numerics; the roofline: -5.9% from step_kernels, -15.7% from `step`)",
+          "(model.residual_dtype=bf16, llm.c's numerics; the roofline: -5.9% from step_kernels, -16.1% from `step`)",
           STEP + tuple(KERNEL_OPTIONS.values()) + ("--model.residual_dtype=bf16",), 45, 100, json=True),
     Stage("gelu_ab", "the GELU kernel alone at GPT-2's shapes, five tile settings, against XLA's gemm and GELU "
           "backward (5.79 ms of the 139.5 ms profile) and the gemm alone", ("-m", "benchmarks.gelu_gemm"), 40, 90),
