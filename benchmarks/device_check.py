@@ -149,13 +149,13 @@ ON_REQUEST = (
     Stage("step_excess", "jaxtrain's row with XLA's excess precision back on (the step compiles without it on a GPU "
           "since 2026-11-28, autocast.rounding_options): what torch's roundings cost (2026-11-28: 272.8 ms without, "
           "275.8 with)", STEP, 40, 100, json=True, env=EXCESS),
-    Stage("step_gelu", "jaxtrain's row with the GELU-gradient kernel alone (the roofline: -4.8%)",
+    Stage("step_gelu", "jaxtrain's row with the GELU-gradient kernel alone (the roofline: -5.0%)",
           STEP + (KERNEL_OPTIONS["gelu"],), 45, 100, json=True),
     Stage("step_head", "jaxtrain's row with the head's kernel alone (the roofline: -2.1%; the profile's logsumexp "
           "pass, 5.11 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["head"],), 45, 100, json=True),
     Stage("step_qkv", "jaxtrain's row with c_attn's dx kernel alone (the roofline: -1.0%; the profile's "
           "concatenation, 2.15 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["qkv"],), 45, 100, json=True),
-    Stage("step_fc", "jaxtrain's row with c_fc's kernel alone (the roofline: -2.3%; beside the other three -2.7%; "
+    Stage("step_fc", "jaxtrain's row with c_fc's kernel alone (the roofline: -2.6%; beside the other three -2.9%; "
           "GELU's pass, 4.21 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["fc"],), 45, 100, json=True),
     Stage("lse_ab", "the loss's logsumexp alone, one read against two (NOTES, the profile against the roofline)",
           ("-c", LSE_SCRIPT, "16384", "50304"), 25, 60),

@@ -5,10 +5,12 @@ the same math, on GPT-2 124M's shapes: each one's time, and the gemm alone as wh
 
 A tile setting is the kernel's m x n (one consumer warpgroup's output tile; the CTA's is m x 2n), pipeline stages,
 planar-snake width and k (hopper_gemm.Tiles). Inputs as in the step: the three gradients (rows, d) and the weight
-blocks' transposes (d, d) in bf16. Each kernel's result is compared with XLA's (elements equal, and elements further
-than a rounding: two fp32 sums of 3d products in other orders, each rounded once), so a setting that is fast and
-wrong shows, and fails the command (exit 1) as a setting Mosaic GPU refuses does. Off a GPU the kernel runs in
-Mosaic GPU's interpreter: very slow, for a few rows only.
+blocks' transposes (d, d) in bf16; the kernel writes its result as the step on a GPU has it write it, at c_attn's
+input's width (d and a tile of 64 zero columns for its ones columns: qkv_grad.summed_matmul's `width`). Each
+kernel's result is compared with XLA's (elements equal, and elements further than a rounding: two fp32 sums of 3d
+products in other orders, each rounded once; a nonzero padding element counts as one further), so a setting that
+is fast and wrong shows, and fails the command (exit 1) as a setting Mosaic GPU refuses does. Off a GPU the kernel
+runs in Mosaic GPU's interpreter: very slow, for a few rows only.
 """
 
 import sys
@@ -20,10 +22,11 @@ import numpy as np
 from benchmarks.gelu_gemm import kernel_cli, kernel_table
 from benchmarks.head_lse import abs_product, products_beyond_rounding
 from benchmarks.norm_kernels import timed
-from jaxtrain import autocast, qkv_grad
+from jaxtrain import autocast, hopper_gemm, qkv_grad
 from jaxtrain.errors import exit_on_user_error
 
 LOW = jnp.bfloat16
+TILE = hopper_gemm.EPILOGUE_TILE  # the ones columns of c_attn's input on a GPU (model.CausalSelfAttention.ones_width)
 
 
 def xla_dx(gq, gk, gv, wq_t, wk_t, wv_t):
@@ -44,8 +47,9 @@ def inputs(rows: int, d: int):
 
 def check(got, want, scale, d: int) -> tuple[str, bool]:
     """A kernel's row's cells (elements equal to XLA's %, beyond a rounding of it: sums of 3d products, `scale`
-    their |g| @ |w|) and whether it is wrong."""
-    beyond = products_beyond_rounding(got, want, scale, 3 * d)
+    their |g| @ |w|; and its padding columns not zero) and whether it is wrong."""
+    got, padding = got[:, :d], np.asarray(got[:, d:])
+    beyond = products_beyond_rounding(got, want, scale, 3 * d) + int(np.count_nonzero(padding))
     return f"{100 * float(np.mean(np.asarray(got) == np.asarray(want))):.3f} | {beyond}", beyond > 0
 
 
@@ -65,9 +69,8 @@ def table(rows: int, d: int, settings, iters: int) -> tuple[str, list[str]]:
     alone = timed(jax.jit(gemm_alone, compiler_options=options), side_by_side, iters)
     lines.append(f"| the gemm alone, its input already side by side (XLA) | {rate(alone)} | - | - |")
     lines.append(f"| XLA: the concatenation, then the gemm | {rate(timed(xla, args, iters))} | 100.000 | 0 |")
-    return kernel_table(lines, settings,
-                        lambda tiles: lambda *a: qkv_grad.summed_matmul(list(a[:3]), list(a[3:]), tiles), args,
-                        iters, rate, lambda got: check(got, want, scale, d))
+    kernel = lambda tiles: lambda *a: qkv_grad.summed_matmul(list(a[:3]), list(a[3:]), tiles, d + TILE)
+    return kernel_table(lines, settings, kernel, args, iters, rate, lambda got: check(got, want, scale, d))
 
 
 parser, main = kernel_cli("python -m benchmarks.qkv_grad", __doc__, "the model's width (c_attn's input)",

@@ -212,14 +212,15 @@ def bias_row_applies(precision: str) -> bool:
 
 def ones_columns(has_bias: bool, precision: str, width: int = BIAS_ROW_PAD) -> int:
     """How many ones columns a Linear takes beside its input: `width` where it has a bias and the bias is its gemm's
-    row (bias_row_applies), else none. The width is the writer's (fused_norm's 8; 64, a TMA tile, where
-    gelu_gemm's forward kernel reads or writes them)."""
+    row (bias_row_applies), else none. The width is the writer's (fused_norm's 8; 64, a TMA tile, where a kernel
+    moves the input or its gradient by TMA: gelu_gemm's forward kernel, qkv_grad's)."""
     return width if has_bias and bias_row_applies(precision) else 0
 
 
 def with_ones_column(x, low, width: int = BIAS_ROW_PAD):
     """x in the compute dtype with `width` more columns: a 1, then zeros (the bias row's partner). biased_matmul
-    takes any width its input comes with: gelu_gemm's forward kernel writes 64 (TMA's tile; fused_norm's, 8)."""
+    takes any width its input comes with: gelu_gemm's forward kernel writes 64 (TMA's tile; fused_norm's, 8 or 64:
+    model._ones_width)."""
     column = jnp.zeros(x.shape[:-1] + (width,), low).at[..., 0].set(1)
     return jnp.concatenate([x.astype(low), column], -1)
 

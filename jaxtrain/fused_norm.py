@@ -169,8 +169,8 @@ _residual_norm.defvjp(_forward, _backward)
 def residual_norm(x_BxTxD, delta_BxTxD, w, b, precision: str, ones_width: int = autocast.BIAS_ROW_PAD):
     """(x + delta, LayerNorm(x + delta)), delta None for none; the second in the compute dtype, padded with the
     ones column where the next Linear's bias rides in its gemm (autocast.bias_row_applies): `ones_width` columns,
-    a 1 and zeros (autocast.with_ones_column; gelu_gemm's forward kernel reads its input by TMA in tiles of 64
-    columns, so its input's row must be a multiple of 64)."""
+    a 1 and zeros (autocast.with_ones_column; gelu_gemm's forward kernel reads its input, and qkv_grad's kernel
+    writes its input's gradient, by TMA in tiles of 64 columns, so there the row must be a multiple of 64)."""
     B, T, D = x_BxTxD.shape
     rows = lambda t: None if t is None else t.reshape(B * T, D)  # the batch split stays on the rows
     low = autocast.COMPUTE_DTYPES[precision]

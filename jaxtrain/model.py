@@ -144,9 +144,7 @@ class CausalSelfAttention(nnx.Module):
         self.c_proj = Linear(d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
         self.n_head, self.dropout, self.precision = cfg.n_head, cfg.dropout, precision
         self.fused, self.qkv_kernel = fused_attention(cfg, precision), cfg.qkv_grad == "pallas"
-        # the bias row's ones columns in c_attn's input (fused_norm writes them): the kernel writes its gradient by
-        # TMA in tiles of 64 columns (qkv_grad), so the row is padded to a whole tile
-        self.ones_width = HOPPER_GEMM_TILE if self.qkv_kernel else BIAS_ROW_PAD
+        self.ones_width = _ones_width(self.qkv_kernel)  # its gradient by TMA (qkv_grad)
 
     def __call__(self, x_BxTxD, key, cache: KVCache | None = None):
         """(y, cache): with a cache (decoding), x continues the positions it holds, and comes back with x's keys and
@@ -212,6 +210,12 @@ def fused_attention(cfg: ModelConfig, precision: str) -> bool:
     return cfg.attention == "cudnn" or (cfg.attention == "auto" and possible)
 
 
+def _ones_width(tma_kernel: bool) -> int:
+    """The bias row's ones columns in a Linear's input (fused_norm writes them): a whole tile of 64 where a kernel
+    moves that input or its gradient by TMA, which takes rows in whole tiles only; else autocast.BIAS_ROW_PAD."""
+    return HOPPER_GEMM_TILE if tma_kernel else BIAS_ROW_PAD
+
+
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, precision: str, rngs: nnx.Rngs):
         d = cfg.d_model
@@ -219,9 +223,7 @@ class MLP(nnx.Module):
         self.c_proj = Linear(4 * d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
         self.dropout, self.precision, self.remat = cfg.dropout, precision, cfg.remat
         self.fwd_kernel, self.grad_kernel = cfg.gelu_fwd == "pallas", cfg.gelu_grad == "pallas"
-        # the bias row's ones columns in c_fc's input (fused_norm writes them): the forward kernel reads its input by
-        # TMA in tiles of 64 columns (gelu_gemm), so its row is padded to a whole tile
-        self.ones_width = HOPPER_GEMM_TILE if self.fwd_kernel else BIAS_ROW_PAD
+        self.ones_width = _ones_width(self.fwd_kernel)  # its input by TMA (gelu_gemm)
 
     def __call__(self, x_BxTxD, key):
         if self.fwd_kernel and self.remat != "none" and backend() != "gpu":
@@ -374,21 +376,6 @@ def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int)
     """(graphdef, params): the model's structure and its fp32 params, the model's only state."""
     model = GPT(cfg, vocab_size=vocab_size, precision=precision, rngs=nnx.Rngs(seed))
     return nnx.split(model, nnx.Param)
-
-
-def compute_dtype_params(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
-    """params with every Linear's kernel and bias in its compute dtype (under fp32, as they are): the copies that
-    autocast's matmuls cast at each use, made once. The gradient with respect to a copy is the fp32 param's, which
-    autocast rounds to the compute dtype anyway (autocast.rounded_weight_grad), in that dtype. The train step makes
-    them once a window, where each micro-batch would cast them again: XLA:GPU does not hoist a loop-invariant
-    convert out of the scan's loop (benchmarks/NOTES.md). wte stays fp32: its lookup reads it so, as torch's
-    embedding does (the head casts it), as do the LayerNorms' params."""
-    gpt = nnx.merge(graphdef, params, copy=True)  # its own Variables: params stay as they are
-    for _, node in nnx.iter_graph(gpt):
-        if isinstance(node, Linear):
-            for param in (node.kernel, node.bias) if node.bias is not None else (node.kernel,):
-                param.set_value(param.get_value().astype(COMPUTE_DTYPES[node.precision]))
-    return nnx.state(gpt, nnx.Param)
 
 
 def apply(graphdef: nnx.GraphDef, params: nnx.State, idx_BxT, *, dropout_key: jax.Array | None = None):

@@ -50,9 +50,6 @@ def summed_matmul(gs: list, w_ts: list, tiles: Tiles = QKV_TILES, width: int | N
     if len({t.dtype for t in gs + w_ts}) != 1:
         raise TypeError(f"summed_matmul takes its operands in one compute dtype, got {[t.dtype for t in gs + w_ts]}")
     n = w_ts[0].shape[1]
-    width = n if width is None else width
-    if width < n or width % EPILOGUE_TILE:  # Mosaic GPU's TMA stores rows of whole tiles only
-        raise ValueError(f"summed_matmul writes rows of {n} or more columns in tiles of {EPILOGUE_TILE}, not {width}")
     hopper_gemm.check_device(OPTION)
     rows = gs[0].shape[0] // mesh.batch_shards()
     fitted = tiles_for(rows, w_ts[0].shape[0], n, tiles)
@@ -61,6 +58,9 @@ def summed_matmul(gs: list, w_ts: list, tiles: Tiles = QKV_TILES, width: int | N
                         f"optim.grad_accum_steps x model.seq_len / devices: here {rows}) to be a multiple of "
                         f"{EPILOGUE_TILE} and model.d_model (here {n}) of {2 * EPILOGUE_TILE}; use "
                         f"model.qkv_grad=xla")
+    width = n if width is None else width
+    if width < n or width % EPILOGUE_TILE:  # Mosaic GPU's TMA stores rows of whole tiles only
+        raise ValueError(f"summed_matmul writes rows of {n} or more columns in tiles of {EPILOGUE_TILE}, not {width}")
     call = hopper_gemm.gemm_with_epilogue(OPTION, _epilogue, {"smem": hopper_gemm.epilogue_smem(gs[0].dtype, fitted)},
                                           jax.ShapeDtypeStruct((rows, width), gs[0].dtype), fitted, 0,
                                           pairs=len(gs))

@@ -98,6 +98,22 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.array(leaves))
 
 
+def compute_dtype_params(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
+    """params with every Linear's kernel and bias in its compute dtype (under fp32, as they are): the copies that
+    autocast's matmuls cast at each use, made once. The gradient with respect to a copy is the fp32 param's, which
+    autocast rounds to the compute dtype anyway (autocast.rounded_weight_grad), in that dtype. The train step makes
+    them once a window, where each micro-batch would cast them again: XLA:GPU does not hoist a loop-invariant
+    convert out of the scan's loop (benchmarks/NOTES.md). wte stays fp32: its lookup reads it so, as torch's
+    embedding does (the head casts it), as do the LayerNorms' params. With one micro-batch a window the copies live
+    as long as before (its backward pass keeps them for its input gradients either way)."""
+    gpt = nnx.merge(graphdef, params, copy=True)  # its own Variables: params stay as they are
+    for _, node in nnx.iter_graph(gpt):
+        if isinstance(node, model.Linear):
+            for param in (node.kernel, node.bias) if node.bias is not None else (node.kernel,):
+                param.set_value(param.get_value().astype(autocast.COMPUTE_DTYPES[node.precision]))
+    return nnx.state(gpt, nnx.Param)
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     seed: int, dropout: bool, skip_non_finite: bool = False,
                     loss_scale_growth_interval: int | None = None, vocab_tiles: int = 1,
@@ -126,7 +142,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         step_key = jax.random.fold_in(base_key, state.step)
         scaler = optim.loss_scale(state.opt_state) if fp16 else None
 
-        low_params = model.compute_dtype_params(graphdef, state.params)  # once a window, not once a micro-batch
+        low_params = compute_dtype_params(graphdef, state.params)  # once a window, not once a micro-batch
 
         def micro_step(opt_state, micro):
             i, inputs_BxT, targets_BxT = micro

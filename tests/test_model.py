@@ -255,24 +255,6 @@ def test_cudnn_attention_matches_the_written_out_one():
                     apply(graphdef_xla, params, idx).astype(jnp.float32)) < 0.01
 
 
-@pytest.mark.parametrize("precision,bias", [("bf16", True), ("fp16", True), ("bf16", False), ("fp32", True)])
-def test_the_compute_dtype_copies_give_the_fp32_params_gradients(precision, bias):
-    """M.compute_dtype_params: each Linear's kernel and bias in the compute dtype (fp32 under fp32), the LayerNorms'
-    params and the embeddings (wte's lookup reads it in fp32, as torch's embedding) left fp32, the params given
-    left as they were; and the gradient with respect to the copies, cast up, is the fp32 params' own bit for bit
-    (autocast rounds a weight's gradient to the compute dtype either way), as jitted alike."""
-    graphdef, params = _init(dataclasses.replace(SMALL, bias=bias), precision)
-    copies = M.compute_dtype_params(graphdef, params)  # not jitted: a param changed in place would show
-    low = autocast.COMPUTE_DTYPES[precision]
-    for (path, p), (_, c) in zip(nnx.to_flat_state(params), nnx.to_flat_state(copies)):
-        linear = path[-2] in ("c_attn", "c_proj", "c_fc")
-        assert p[...].dtype == jnp.float32 and c[...].dtype == (low if linear else jnp.float32), path
-    loss = lambda p, idx: apply(graphdef, p, idx).astype(jnp.float32).std()
-    grad = jax.jit(jax.grad(loss), compiler_options=AS_THE_STEP)
-    for (path, g), (_, want) in zip(nnx.to_flat_state(grad(copies, _idx())), nnx.to_flat_state(grad(params, _idx()))):
-        np.testing.assert_array_equal(np.asarray(g[...].astype(jnp.float32)), np.asarray(want[...]), err_msg=str(path))
-
-
 def _grad_fn(remat: str, precision: str = "fp32"):
     cfg = dataclasses.replace(SMALL, remat=remat)
     graphdef, params = M.init_params(cfg, vocab_size=V, precision=precision, seed=0)

@@ -118,3 +118,19 @@ def test_on_a_gpu_c_attns_input_carries_a_tile_of_ones_columns_whose_gradient_is
         grad = jax.grad(loss, argnums=(0, 1, 2))
         assert jax.eval_shape(grad, x, w, b) == (x, w, b)
         assert "pad" not in {eqn.primitive.name for eqn in equations(grad, x, w, b)}
+
+
+def test_on_a_gpu_the_models_first_norm_writes_c_attn_that_tile():
+    """The whole model's gradient traced for a GPU with the norm kernels: ln_1's output reaches the kernel with
+    its tile of ones columns (model.Block passes the attention's ones width: with fused_norm's default 8 the kernel
+    refuses the row, ValueError), and c_attn's backward pads nothing."""
+    cfg = config.load(["--config", "configs/tiny.yaml", "--model.qkv_grad=pallas", "--model.norm=pallas",
+                       "--model.attention=xla", "--train.precision=bf16"]).model  # cuDNN's needs jax's CUDA plugin
+    with autocast.compiling_for("gpu"):
+        graphdef, params = model.init_params(cfg, vocab_size=64, precision="bf16", seed=0)
+        loss = lambda p: model.apply(graphdef, p, jnp.zeros((2, 64), jnp.int32)).astype(jnp.float32).mean()
+        eqns = equations(jax.grad(loss), params)
+    norms = [e for e in eqns if e.primitive.name == "pallas_call"
+             and any(v.aval.shape[-1:] == (cfg.d_model + EPILOGUE_TILE,) for v in e.outvars)]
+    assert len(norms) == cfg.n_layer  # ln_1's forward, in each block
+    assert "pad" not in {e.primitive.name for e in eqns}

@@ -98,11 +98,38 @@ def test_window_leaves_multisteps_as_feeding_it_one_micro_batch_at_a_time():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("precision,bias,tied,vocab_tiles", [
+    ("bf16", True, True, 1), ("fp16", True, True, 1), ("bf16", False, False, 2), ("fp32", True, True, 1)])
+def test_the_compute_dtype_copies_give_the_fp32_params_gradients(precision, bias, tied, vocab_tiles):
+    """step.compute_dtype_params: each Linear's kernel and bias (an untied head's too) in the compute dtype (fp32
+    under fp32), the LayerNorms' params and the embeddings (wte's lookup reads it in fp32, as torch's embedding) left
+    fp32, the params given left as they were; and the gradient of the loss with respect to the copies, cast up, is
+    the fp32 params' own bit for bit (autocast rounds a weight's gradient to the compute dtype either way), as
+    jitted alike: from the logits, and a tile of the vocabulary at a time (loss.tiled_ce_sum's own backward)."""
+    cfg = config.load(["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", f"--model.seq_len={SEQ}",
+                       f"--model.bias={bias}", f"--model.tie_embeddings={tied}"]).model
+    graphdef, params = model.init_params(cfg, vocab_size=VOCAB, precision=precision, seed=0)
+    copies = step.compute_dtype_params(graphdef, params)  # not jitted: a param changed in place would show
+    low = autocast.COMPUTE_DTYPES[precision]
+    for (path, p), (copy_path, c) in zip(nnx.to_flat_state(params), nnx.to_flat_state(copies), strict=True):
+        linear = path[-2] in ("c_attn", "c_proj", "c_fc", "lm_head")
+        assert path == copy_path and p[...].dtype == jnp.float32 and c[...].dtype == (low if linear else jnp.float32)
+    inputs, targets = batch_with_padding()
+    ce = lambda p: step.model_ce_sum(graphdef, p, inputs, targets, vocab_tiles=vocab_tiles)
+    grad = jax.jit(jax.grad(ce), compiler_options=autocast.rounding_options(jax.default_backend(), precision))
+    got, want = nnx.to_flat_state(grad(copies)), nnx.to_flat_state(grad(params))
+    for (path, g), (want_path, w) in zip(got, want, strict=True):
+        assert path == want_path
+        np.testing.assert_array_equal(np.asarray(g[...].astype(jnp.float32)), np.asarray(w[...]), err_msg=str(path))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_the_weights_compute_dtype_copies_are_made_once_a_window(precision):
-    """model.compute_dtype_params before the scan over the micro-batches: each Linear's weight is cast to the compute
+    """step.compute_dtype_params before the scan over the micro-batches: each Linear's weight is cast to the compute
     dtype once outside it, and inside it only its gradient is (autocast.rounded_weight_grad), not the weight again
-    (XLA:GPU does not hoist such a cast out of the loop: each micro-batch would cast every weight again)."""
+    (XLA:GPU does not hoist such a cast out of the loop: each micro-batch would cast every weight again). Casts are
+    told by their operands' shapes: the kernels' (32, 96), (32, 32), (32, 128) and (128, 32), which no other array
+    of this model has (wte is (64, 32), activations 3-D)."""
     cfg = make(2, f"--train.precision={precision}")[0]
     graphdef, params = model.init_params(cfg.model, vocab_size=VOCAB, precision=precision, seed=0)
     tx = optim.optimizer(cfg)
