@@ -17,10 +17,14 @@ from jaxtrain import autocast, config, model, optim, step
 VOCAB, SEQ, BATCH = 64, 16, 8
 
 
+def config_of(accum: int, *overrides):
+    return config.load([f"--optim.grad_accum_steps={accum}", f"--data.batch_size={BATCH}", "--model.n_layer=2",
+                        "--model.d_model=32", "--model.n_head=2", f"--model.seq_len={SEQ}", "--train.precision=fp32",
+                        "--optim.warmup_steps=2", "--train.steps=10", *overrides])
+
+
 def make(accum: int, *overrides):
-    cfg = config.load([f"--optim.grad_accum_steps={accum}", f"--data.batch_size={BATCH}", "--model.n_layer=2",
-                       "--model.d_model=32", "--model.n_head=2", f"--model.seq_len={SEQ}", "--train.precision=fp32",
-                       "--optim.warmup_steps=2", "--train.steps=10", *overrides])
+    cfg = config_of(accum, *overrides)
     graphdef, params = model.init_params(cfg.model, vocab_size=VOCAB, precision="fp32", seed=0)
     tx = optim.optimizer(cfg)
     train_step = jax.jit(step.make_train_step(graphdef, tx, optim.lr_schedule(cfg), seed=0, dropout=False))
@@ -106,8 +110,7 @@ def test_the_compute_dtype_copies_give_the_fp32_params_gradients(precision, bias
     fp32, the params given left as they were; and the gradient of the loss with respect to the copies, cast up, is
     the fp32 params' own bit for bit (autocast rounds a weight's gradient to the compute dtype either way), as
     jitted alike: from the logits, and a tile of the vocabulary at a time (loss.tiled_ce_sum's own backward)."""
-    cfg = config.load(["--model.n_layer=2", "--model.d_model=32", "--model.n_head=2", f"--model.seq_len={SEQ}",
-                       f"--model.bias={bias}", f"--model.tie_embeddings={tied}"]).model
+    cfg = config_of(1, f"--model.bias={bias}", f"--model.tie_embeddings={tied}").model
     graphdef, params = model.init_params(cfg, vocab_size=VOCAB, precision=precision, seed=0)
     copies = step.compute_dtype_params(graphdef, params)  # not jitted: a param changed in place would show
     low = autocast.COMPUTE_DTYPES[precision]
@@ -130,7 +133,7 @@ def test_the_weights_compute_dtype_copies_are_made_once_a_window(precision):
     (XLA:GPU does not hoist such a cast out of the loop: each micro-batch would cast every weight again). Casts are
     told by their operands' shapes: the kernels' (32, 96), (32, 32), (32, 128) and (128, 32), which no other array
     of this model has (wte is (64, 32), activations 3-D)."""
-    cfg = make(2, f"--train.precision={precision}")[0]
+    cfg = config_of(2, f"--train.precision={precision}")
     graphdef, params = model.init_params(cfg.model, vocab_size=VOCAB, precision=precision, seed=0)
     tx = optim.optimizer(cfg)
     train_step = step.make_train_step(graphdef, tx, optim.lr_schedule(cfg), seed=0, dropout=False)
