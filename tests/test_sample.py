@@ -117,8 +117,9 @@ def test_greedy_continuation_is_the_full_forward_argmax(loaded, precision, strea
     assert len(LONG_PROMPT) + 1 < loaded.model_cfg.seq_len < len(LONG_PROMPT) + N_NEW  # cached steps and cropped
     graphdef, got, logits = _generate_seeing_logits(loaded, precision, monkeypatch, temperature=0.0)
     want, gaps = greedy_reference(graphdef, loaded.params, LONG_PROMPT, N_NEW, loaded.model_cfg.seq_len, stream)
-    # Token for token the reference's, up to its first near-tie, which rounding alone could flip (none under jax
-    # 0.10.2 here; under jax 0.12.0.1 the bf16 model's first token, a gap of 2 ulps: from there the texts may part)
+    # Token for token the reference's, up to its first near-tie, which rounding alone could flip (none here under
+    # jax 0.10.2 or 0.12.0.1, the smallest top-2 gap 0.12; a 20-token prompt's first bf16 token was 2 ulps under
+    # 0.12.0.1: from such a tie the texts may part)
     agree = len(LONG_PROMPT) + next((i for i, gap in enumerate(gaps) if gap <= 2 * LOGIT_ATOL[precision]), N_NEW)
     assert got[:agree] == want[:agree]
     assert precision != "fp32" or agree == len(want)  # fp32's bound is 20x its measured error: no near-tie to meet
