@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -228,29 +229,57 @@ def test_real_run_check_refuses_a_step_bigger_than_the_device():
     assert jnp.dtype(jax.tree.leaves(abstract.params)[0].dtype) == jnp.float32
 
 
+CPU_ORDER_LEVER = ("XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false (XLA:CPU's memory-minimizing "
+                   "order: about 30% less for the step's temporaries; model.remat saves nothing on a CPU without "
+                   "it), ")
+
+
 def test_on_a_cpu_the_step_is_checked_against_the_hosts_memory(monkeypatch):
     """A CPU reports no memory limit: its step is checked against the host's memory, which all of the host's CPU
     devices share (before, nothing was checked, and a step bigger than the host failed in step 1 with XLA's
-    RESOURCE_EXHAUSTED traceback). No memory is allocated: the host's is patched."""
+    RESOURCE_EXHAUSTED traceback). No memory is allocated: the host's is patched. The levers start with XLA:CPU's
+    memory-minimizing order where XLA_FLAGS does not set it already."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     abstract, compiled, total = small_step()
     cpu = FakeDevice(None, platform="cpu")
     monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: total)
     dryrun.check_fits(compiled, abstract, cpu)  # exactly enough
     monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: total - 1)
-    with pytest.raises(UserError, match="this host has .* GiB of memory; levers: mesh.fsdp"):
+    with pytest.raises(UserError, match=r"this host has .* GiB of memory; levers: XLA_FLAGS=\S+ \(.*\), mesh.fsdp"):
         dryrun.check_fits(compiled, abstract, cpu)
     monkeypatch.setattr(dryrun, "memory_table", lambda *args: ([], 40 * GIB))  # figures that read in GiB
     monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: int(31.5 * GIB))
     with pytest.raises(UserError) as refused:
         dryrun.check_fits_host(compiled, abstract, 1)
     assert str(refused.value) == (f"the train step needs 40.00 GiB and this host has 31.50 GiB of memory; "
-                                  f"levers: {dryrun.LEVERS}")
+                                  f"levers: {CPU_ORDER_LEVER}{dryrun.LEVERS}")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")  # set: not offered
+    with pytest.raises(UserError) as refused:
+        dryrun.check_fits_host(compiled, abstract, 1)
+    assert str(refused.value).endswith(f"31.50 GiB of memory; levers: {dryrun.LEVERS}")
     monkeypatch.setattr(dryrun, "memory_table", lambda *args: ([], 10 * GIB))
     dryrun.check_fits_host(compiled, abstract, 3)  # 30 GiB for 3 devices: fits
     with pytest.raises(UserError) as refused:
         dryrun.check_fits_host(compiled, abstract, 4)
     assert str(refused.value).startswith("the train step needs 10.00 GiB per device, 40.00 GiB for 4 CPU devices, "
                                          "and this host has 31.50 GiB of memory; levers: mesh.fsdp")
+
+
+def _tiny_temporaries(xla_flags: str) -> float:
+    """GiB of the step's temporaries in configs/tiny.yaml's dry run on this CPU under `xla_flags`."""
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", "--config", "configs/tiny.yaml",
+                           "--run.dry_run=true", "--data.path=null", "--model.vocab_size=256"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": xla_flags})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return float(re.search(r"\| step temporaries [^|]*\| ([\d.]+) \|", proc.stdout + proc.stderr)[1])
+
+
+def test_the_cpu_order_lever_shrinks_the_steps_temporaries():
+    """The lever the host's refusal names first acts on the jax installed: measured 0.243 -> 0.173 GiB (-29%) on
+    tiny.yaml with jax 0.10.2; a flag XLA ignored or renamed would leave them as they are (the message's "about 30%":
+    at least 15% asked here, half the claim, for other XLA versions' schedules)."""
+    default, ordered = _tiny_temporaries(""), _tiny_temporaries(dryrun.CPU_MEMORY_ORDER)
+    assert ordered < 0.85 * default, (default, ordered)
 
 
 def test_host_memory_is_the_physical_memory_or_a_lower_container_limit(monkeypatch, tmp_path):
@@ -277,8 +306,10 @@ def test_a_run_bigger_than_the_cpu_host_is_refused_before_step_1_and_writes_noth
             "--data.batch_size=4", "--train.steps=2", "--optim.warmup_steps=1", "--train.eval_batches=1",
             "--log.progress=false", "--log.sample_tokens=0"]
     monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: 2**10)  # 1 KiB: less than the state alone
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     with pytest.raises(UserError, match=r"^the train step needs \d+\.\d\d GiB and this host has 0\.00 GiB of memory; "
-                                        r"levers: mesh\.fsdp .*model\.vocab_tiles") as refused:
+                                        r"levers: XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false "
+                                        r".*mesh\.fsdp .*model\.vocab_tiles") as refused:
         run.train(config.load(args))
     assert len(str(refused.value).splitlines()) == 1
     assert sorted(os.listdir(out_dir)) == [".lock", "checkpoints"] and os.listdir(out_dir / "checkpoints") == []
