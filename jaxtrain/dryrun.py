@@ -52,12 +52,17 @@ ESTIMATED = ("the step's temporaries are XLA:CPU's, an estimate: they overstate 
              "figure, no device needed, install jax's compiler for it")
 
 
+def cpu_memory_order_set() -> bool:
+    """Whether XLA_FLAGS already asks XLA:CPU for its memory-minimizing order."""
+    return CPU_MEMORY_ORDER in os.environ.get("XLA_FLAGS", "")
+
+
 def use_fake_devices(n: int) -> None:
     """n CPU devices in place of this machine's: must run before jax first looks at its devices. XLA:CPU's default
     scheduler orders the step for concurrency, keeping more alive than a TPU's or GPU's memory-aware scheduler
     would (GPT-2 124M on 64 devices: 18.2 GiB of temporaries, 16.0 with the list scheduler); a dry run runs nothing,
     so it compiles for memory."""
-    if CPU_MEMORY_ORDER not in os.environ.get("XLA_FLAGS", ""):
+    if not cpu_memory_order_set():
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_ORDER}".strip()
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
@@ -141,7 +146,7 @@ def check_fits_host(compiled, abstract_state, n_devices: int) -> None:
 
 def host_levers() -> str:
     """LEVERS for a step bigger than a CPU host: XLA:CPU's memory-minimizing order first, unless XLA_FLAGS has it."""
-    if CPU_MEMORY_ORDER in os.environ.get("XLA_FLAGS", ""):
+    if cpu_memory_order_set():
         return LEVERS
     return (f"XLA_FLAGS={CPU_MEMORY_ORDER} (XLA:CPU's memory-minimizing order: about 30% less for the step's "
             f"temporaries; model.remat saves nothing on a CPU without it), {LEVERS}")

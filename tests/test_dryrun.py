@@ -2,7 +2,6 @@
 
 import math
 import os
-import re
 import resource
 import subprocess
 import sys
@@ -271,7 +270,7 @@ def _tiny_temporaries(xla_flags: str) -> float:
                            "--run.dry_run=true", "--data.path=null", "--model.vocab_size=256"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": xla_flags})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return float(re.search(r"\| step temporaries [^|]*\| ([\d.]+) \|", proc.stdout + proc.stderr)[1])
+    return table_value(proc.stdout, "step temporaries")
 
 
 def test_the_cpu_order_lever_shrinks_the_steps_temporaries():
