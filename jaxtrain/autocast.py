@@ -220,7 +220,7 @@ def ones_columns(has_bias: bool, precision: str, width: int = BIAS_ROW_PAD) -> i
 def with_ones_column(x, low, width: int = BIAS_ROW_PAD):
     """x in the compute dtype with `width` more columns: a 1, then zeros (the bias row's partner). biased_matmul
     takes any width its input comes with: gelu_gemm's forward kernel writes 64 (TMA's tile; fused_norm's, 8 or 64:
-    model._ones_width)."""
+    kernel_choice.ones_width)."""
     column = jnp.zeros(x.shape[:-1] + (width,), low).at[..., 0].set(1)
     return jnp.concatenate([x.astype(low), column], -1)
 

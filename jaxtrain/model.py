@@ -29,13 +29,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.autocast import (BIAS_ROW_PAD, COMPUTE_DTYPES, backend, column_blocks, gelu, linear, matmul,
-                               rounded_matmul, row_major)
+from jaxtrain.autocast import (COMPUTE_DTYPES, backend, column_blocks, gelu, linear, matmul, rounded_matmul,
+                               row_major)
 from jaxtrain.config import ModelConfig
-from jaxtrain.config_checks import HOPPER_GEMM_TILE
 from jaxtrain.errors import UserError
-from jaxtrain.fused_norm import LN_EPS, residual_norm, triton_available
-from jaxtrain import qkv_grad
+from jaxtrain.fused_norm import LN_EPS, residual_norm
+from jaxtrain import kernel_choice, qkv_grad
 from jaxtrain.gelu_gemm import gelu_linear, mlp
 from jaxtrain.mesh import batch_sharded, weight_shards
 
@@ -143,15 +142,15 @@ class CausalSelfAttention(nnx.Module):
         self.c_attn = Linear(d, 3 * d, bias=cfg.bias, std=INIT_STD, precision=precision, rngs=rngs)
         self.c_proj = Linear(d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
         self.n_head, self.dropout, self.precision = cfg.n_head, cfg.dropout, precision
-        self.fused, self.qkv_kernel = fused_attention(cfg, precision), cfg.qkv_grad == "pallas"
-        self.ones_width = _ones_width(self.qkv_kernel)  # its gradient by TMA (qkv_grad)
+        self.fused, self.qkv_kernel = kernel_choice.fused_attention(cfg, precision), cfg.qkv_grad == "pallas"
+        self.ones_width = kernel_choice.ones_width(self.qkv_kernel)  # its gradient by TMA (qkv_grad)
 
     def __call__(self, x_BxTxD, key, cache: KVCache | None = None):
         """(y, cache): with a cache (decoding), x continues the positions it holds, and comes back with x's keys and
         values added; without one, x starts at position 0 and the cache stays None."""
         B, T, D = x_BxTxD.shape[:2] + self.c_proj.kernel.shape[1:]  # x may carry the bias row's column (fused_norm)
         probs_key, resid_key = _split(key, 2)
-        if qkv_gemm_blocks(self.fused, weight_shards(), self.qkv_kernel):
+        if kernel_choice.qkv_gemm_blocks(self.fused, weight_shards(), self.qkv_kernel):
             qkv = self.c_attn.column_blocks(x_BxTxD, 3, self.qkv_kernel)
         else:  # a split fuses into the attention's ops, or is local where fsdp splits the weight across devices
             qkv = jnp.split(self.c_attn(x_BxTxD), 3, -1)
@@ -187,35 +186,6 @@ class CausalSelfAttention(nnx.Module):
         return y_BxHxTxS.transpose(0, 2, 1, 3)
 
 
-def qkv_gemm_blocks(fused_attention: bool, weight_shards: int, qkv_kernel: bool = False) -> bool:
-    """Whether c_attn writes q, k and v as three gemms (Linear.column_blocks): where attention is cuDNN's, which
-    takes them as three arrays (one gemm's output sliced into them is a copy), or model.qkv_grad=pallas's kernel is
-    their backward (`qkv_kernel`), and each weight is whole on every device (split across devices, the column slices
-    would be resharded). The model asks it of the mesh it is traced under, the step's compile options
-    (step.compiler_options) of the config's."""
-    return (fused_attention or qkv_kernel) and weight_shards == 1
-
-
-def fused_attention(cfg: ModelConfig, precision: str) -> bool:
-    """Whether attention runs as cuDNN's fused flash-attention kernel (model.attention). It never holds the
-    (B, nh, T, T) scores, so memory grows with T, not T^2; it takes bf16 only, has no dropout on the
-    probabilities, takes head sizes that are a multiple of 8 only (jax raises NotImplementedError on others), and
-    exists on NVIDIA GPUs only. auto picks it where it can run."""
-    head_size = cfg.d_model // cfg.n_head
-    possible = precision == "bf16" and cfg.dropout == 0.0 and head_size % 8 == 0 and backend() == "gpu"
-    if cfg.attention == "cudnn" and not possible:
-        raise UserError(f"model.attention=cudnn needs train.precision=bf16, model.dropout=0, a head size "
-                        f"(model.d_model / model.n_head) that is a multiple of 8 and a GPU (got {precision}, dropout "
-                        f"{cfg.dropout}, head size {head_size}, {backend()}); use model.attention=auto")
-    return cfg.attention == "cudnn" or (cfg.attention == "auto" and possible)
-
-
-def _ones_width(tma_kernel: bool) -> int:
-    """The bias row's ones columns in a Linear's input (fused_norm writes them): a whole tile of 64 where a kernel
-    moves that input or its gradient by TMA, which takes rows in whole tiles only; else autocast.BIAS_ROW_PAD."""
-    return HOPPER_GEMM_TILE if tma_kernel else BIAS_ROW_PAD
-
-
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, precision: str, rngs: nnx.Rngs):
         d = cfg.d_model
@@ -223,7 +193,7 @@ class MLP(nnx.Module):
         self.c_proj = Linear(4 * d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
         self.dropout, self.precision, self.remat = cfg.dropout, precision, cfg.remat
         self.fwd_kernel, self.grad_kernel = cfg.gelu_fwd == "pallas", cfg.gelu_grad == "pallas"
-        self.ones_width = _ones_width(self.fwd_kernel)  # its input by TMA (gelu_gemm)
+        self.ones_width = kernel_choice.ones_width(self.fwd_kernel)  # its input by TMA (gelu_gemm)
 
     def __call__(self, x_BxTxD, key):
         if self.fwd_kernel and self.remat != "none" and backend() != "gpu":
@@ -247,7 +217,7 @@ class Block(nnx.Module):
         self.attn = CausalSelfAttention(cfg, precision=precision, rngs=rngs)
         self.ln_2 = LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg, precision=precision, rngs=rngs)
-        self.precision, self.norm_kernels = precision, uses_norm_kernels(cfg)
+        self.precision, self.norm_kernels = precision, kernel_choice.norm_kernels(cfg)
 
     def __call__(self, x_BxTxD, delta_BxTxD, key, cache: KVCache | None = None):
         """(x, delta, cache): the residual stream comes and goes as x and the MLP's output not yet added to it
@@ -269,17 +239,6 @@ class Block(nnx.Module):
                                  self.precision, ones_width)
         x_BxTxD = x_BxTxD if y_BxTxD is None else x_BxTxD + y_BxTxD
         return x_BxTxD, ln(x_BxTxD)
-
-
-def uses_norm_kernels(cfg: ModelConfig) -> bool:
-    """Whether each block's residual adds and LayerNorms run as fused_norm's kernels (model.norm): auto on a GPU,
-    where XLA writes them as several passes over the residual stream; pallas anywhere (off a GPU through
-    Pallas's interpreter: slow, for checking the kernels). Both need Pallas's Triton backend, which jax 0.11
-    deprecated: without it auto runs XLA's ops and pallas is refused."""
-    if cfg.norm == "pallas" and not triton_available():
-        raise UserError(f"model.norm=pallas needs Pallas's Triton backend, which jax {jax.__version__} does not "
-                        f"have; use model.norm=auto (XLA's ops here) or a jax that has it")
-    return cfg.norm == "pallas" or (cfg.norm == "auto" and backend() == "gpu" and triton_available())
 
 
 # model.remat: what the backward pass finds kept from each block's forward (the rest it recomputes). full: nothing

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import autocast, config, fused_norm, model
+from jaxtrain import autocast, config, fused_norm, kernel_choice, model
 
 EPS32 = 2.0 ** -24  # fp32's unit roundoff
 
@@ -185,7 +185,7 @@ def test_the_model_with_the_kernels_is_the_model_without(precision, stream):
 def test_auto_picks_the_kernels_on_a_gpu(platform, norm, fused):
     cfg = config.load(["--config", "configs/tiny.yaml", f"--model.norm={norm}"]).model
     with autocast.compiling_for(platform):
-        assert model.uses_norm_kernels(cfg) == fused
+        assert kernel_choice.norm_kernels(cfg) == fused
 
 
 MESH_SCRIPT = """
@@ -237,12 +237,12 @@ class NoTriton:  # a jax whose Pallas has no Triton backend (deprecated in jax 0
         if name == "jax.experimental.pallas.triton":
             raise ImportError("no Pallas Triton backend in this jax")
 sys.meta_path.insert(0, NoTriton())
-from jaxtrain import autocast, config, errors, model
+from jaxtrain import autocast, config, errors, kernel_choice, model  # model: imports without Triton too
 cfg = lambda norm: config.load(["--config", "configs/tiny.yaml", f"--model.norm={norm}"]).model
 with autocast.compiling_for("gpu"):
-    print("auto on a gpu:", model.uses_norm_kernels(cfg("auto")))
+    print("auto on a gpu:", kernel_choice.norm_kernels(cfg("auto")))
     try:
-        model.uses_norm_kernels(cfg("pallas"))
+        kernel_choice.norm_kernels(cfg("pallas"))
     except errors.UserError as e:
         print("pallas:", e)
 """

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import compiled_hlo
-from jaxtrain import autocast, model as M
+from jaxtrain import autocast, kernel_choice, model as M
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import AUTO_AXES
@@ -199,7 +199,7 @@ def test_model_gradient_dots_follow_the_policy(precision, bias, platform):
     ("xla", "bf16", 0.0, False)])
 def test_attention_choice(attention, precision, dropout, fused):
     cfg = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=dropout, attention=attention)
-    assert M.fused_attention(cfg, precision) == fused
+    assert kernel_choice.fused_attention(cfg, precision) == fused
 
 
 def test_compiling_for_names_the_backend_the_model_is_traced_for():
@@ -208,10 +208,10 @@ def test_compiling_for_names_the_backend_the_model_is_traced_for():
     cfg = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=0.0, attention="auto")
     pinned = lambda: "layout" in str(jax.make_jaxpr(lambda x: autocast.row_major(x))(jnp.ones((4, 8))))  # a fresh trace
     with autocast.compiling_for("gpu"):
-        assert autocast.backend() == "gpu" and M.fused_attention(cfg, "bf16") and not pinned()
+        assert autocast.backend() == "gpu" and kernel_choice.fused_attention(cfg, "bf16") and not pinned()
     assert autocast.backend() == jax.default_backend()
     assert pinned() == (jax.default_backend() == "cpu")
-    assert M.fused_attention(cfg, "bf16") == (jax.default_backend() == "gpu")
+    assert kernel_choice.fused_attention(cfg, "bf16") == (jax.default_backend() == "gpu")
 
 
 @pytest.mark.parametrize("precision,dropout", [("fp32", 0.0), ("bf16", 0.1)] + (
@@ -219,7 +219,7 @@ def test_compiling_for_names_the_backend_the_model_is_traced_for():
 def test_cudnn_attention_where_it_cannot_run_is_a_user_error(precision, dropout):
     cfg = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=32, dropout=dropout, attention="cudnn")
     with pytest.raises(UserError, match="model.attention=cudnn needs"):
-        M.fused_attention(cfg, precision)
+        kernel_choice.fused_attention(cfg, precision)
 
 
 @pytest.mark.parametrize("d_model, n_head", [(48, 4), (96, 8), (80, 8)])  # head sizes 12, 12, 10
@@ -239,8 +239,8 @@ def test_auto_attention_writes_out_a_head_size_cudnn_refuses(d_model, n_head, mo
         graphdef, params = M.init_params(cfg, vocab_size=V, precision="bf16", seed=0)
         assert jax.eval_shape(lambda p, idx: M.apply(graphdef, p, idx), params, _idx()).shape == (3, 16, V)
         with pytest.raises(UserError, match=f"a multiple of 8 .*head size {d_model // n_head}"):
-            M.fused_attention(dataclasses.replace(cfg, attention="cudnn"), "bf16")
-        assert M.fused_attention(dataclasses.replace(cfg, d_model=8 * n_head), "bf16")  # head size 8: cuDNN's
+            kernel_choice.fused_attention(dataclasses.replace(cfg, attention="cudnn"), "bf16")
+        assert kernel_choice.fused_attention(dataclasses.replace(cfg, d_model=8 * n_head), "bf16")  # head size 8: cuDNN's
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")

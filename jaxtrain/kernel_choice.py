@@ -1,0 +1,52 @@
+"""Which kernel each of the model's ops runs as: the config's model.attention, model.norm and model.qkv_grad
+against the backend the step is traced for (autocast.backend). Where a choice cannot run there, one error that says why
+and what to pick instead. The model builds its blocks from these; the train step's compile options ask the same
+questions (step.compiler_options), so that both agree on the program."""
+
+import jax
+
+from jaxtrain.autocast import BIAS_ROW_PAD, backend
+from jaxtrain.config import ModelConfig
+from jaxtrain.config_checks import HOPPER_GEMM_TILE
+from jaxtrain.errors import UserError
+from jaxtrain.fused_norm import triton_available
+
+
+def fused_attention(cfg: ModelConfig, precision: str) -> bool:
+    """Whether attention runs as cuDNN's fused flash-attention kernel (model.attention). It never holds the
+    (B, nh, T, T) scores, so memory grows with T, not T^2; it takes bf16 only, has no dropout on the
+    probabilities, takes head sizes that are a multiple of 8 only (jax raises NotImplementedError on others), and
+    exists on NVIDIA GPUs only. auto picks it where it can run."""
+    head_size = cfg.d_model // cfg.n_head
+    possible = precision == "bf16" and cfg.dropout == 0.0 and head_size % 8 == 0 and backend() == "gpu"
+    if cfg.attention == "cudnn" and not possible:
+        raise UserError(f"model.attention=cudnn needs train.precision=bf16, model.dropout=0, a head size "
+                        f"(model.d_model / model.n_head) that is a multiple of 8 and a GPU (got {precision}, dropout "
+                        f"{cfg.dropout}, head size {head_size}, {backend()}); use model.attention=auto")
+    return cfg.attention == "cudnn" or (cfg.attention == "auto" and possible)
+
+
+def qkv_gemm_blocks(fused_attention: bool, weight_shards: int, qkv_kernel: bool = False) -> bool:
+    """Whether c_attn writes q, k and v as three gemms (Linear.column_blocks): where attention is cuDNN's, which
+    takes them as three arrays (one gemm's output sliced into them is a copy), or model.qkv_grad=pallas's kernel is
+    their backward (`qkv_kernel`), and each weight is whole on every device (split across devices, the column slices
+    would be resharded). The model asks it of the mesh it is traced under, the step's compile options
+    (step.compiler_options) of the config's."""
+    return (fused_attention or qkv_kernel) and weight_shards == 1
+
+
+def norm_kernels(cfg: ModelConfig) -> bool:
+    """Whether each block's residual adds and LayerNorms run as fused_norm's kernels (model.norm): auto on a GPU,
+    where XLA writes them as several passes over the residual stream; pallas anywhere (off a GPU through
+    Pallas's interpreter: slow, for checking the kernels). Both need Pallas's Triton backend, which jax 0.11
+    deprecated: without it auto runs XLA's ops and pallas is refused."""
+    if cfg.norm == "pallas" and not triton_available():
+        raise UserError(f"model.norm=pallas needs Pallas's Triton backend, which jax {jax.__version__} does not "
+                        f"have; use model.norm=auto (XLA's ops here) or a jax that has it")
+    return cfg.norm == "pallas" or (cfg.norm == "auto" and backend() == "gpu" and triton_available())
+
+
+def ones_width(tma_kernel: bool) -> int:
+    """The bias row's ones columns in a Linear's input (fused_norm writes them): a whole tile of 64 where a kernel
+    moves that input or its gradient by TMA, which takes rows in whole tiles only; else autocast.BIAS_ROW_PAD."""
+    return HOPPER_GEMM_TILE if tma_kernel else BIAS_ROW_PAD
