@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from jaxtrain import mesh
@@ -149,6 +150,10 @@ def rounded_matmul(a, b, precision: str):
     return matmul(a, b, precision, _rounding_dot_dtype(low)).astype(low)
 
 
+# The name of biased_matmul's output where it pads its input itself (_padded_here): a custom_vjp, whose dot remat's
+# dots policy does not see; model.REMAT_POLICIES' dots keeps it by this name, as it keeps the dots' outputs.
+BIAS_ROW_GEMM = "bias_row_gemm"
+
 # The bias row's padding: a gemm's contraction stays a multiple of 8 elements (16 bytes of bf16), the alignment
 # cuBLAS's tensor-core kernels want.
 BIAS_ROW_PAD = 8
@@ -170,9 +175,40 @@ def biased_matmul(x, w, b, precision: str):
     low = COMPUTE_DTYPES[precision]
     if not bias_row_applies(precision):
         return (matmul(x, w, precision) + b.astype(low)).astype(low)
-    x = x if x.shape[-1] > w.shape[0] else with_ones_column(x, low)  # fused_norm and gelu_gemm pad their outputs
-    row = jnp.zeros((x.shape[-1] - w.shape[0], w.shape[1]), w.dtype).at[0].set(b)
-    return rounded_matmul(x, jnp.concatenate([w, row], 0), precision)
+    if x.shape[-1] == w.shape[0]:  # fused_norm and gelu_gemm pad their outputs; cuDNN's attention does not
+        return checkpoint_name(_padded_here(x.astype(low), w, b, precision), BIAS_ROW_GEMM)
+    return _with_bias_row(x, w, b, precision)
+
+
+def _with_bias_row(padded_x, w, b, precision: str):
+    """padded_x (x and its ones columns) @ (w, then the bias row and zero rows to the same width), rounded once."""
+    row = jnp.zeros((padded_x.shape[-1] - w.shape[0], w.shape[1]), w.dtype).at[0].set(b)
+    return rounded_matmul(padded_x, jnp.concatenate([w, row], 0), precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _padded_here(x, w, b, precision: str):
+    """_with_bias_row of x (in the compute dtype) with its ones columns added here (attn.c_proj's input: cuDNN's
+    attention writes it without them). The gradients are autodiff's, but x's comes from a gemm on w alone, where
+    autodiff's is the padded gemm's wider gradient sliced back to x's columns: a copy of it (0.72 ms of GPT-2 124M's
+    step on an H100, by the roofline: benchmarks/NOTES.md)."""
+    return _with_bias_row(with_ones_column(x, COMPUTE_DTYPES[precision]), w, b, precision)
+
+
+def _padded_here_fwd(x, w, b, precision):
+    padded_x = with_ones_column(x, COMPUTE_DTYPES[precision])
+    return _with_bias_row(padded_x, w, b, precision), (padded_x, w, b)
+
+
+def _padded_here_bwd(precision, res, g):
+    """x's gradient as rounded_matmul(x, w)'s (x's value, sliced from padded_x, is not read: jit drops it)."""
+    padded_x, w, b = res
+    (g_x,) = jax.vjp(lambda x: rounded_matmul(x, w, precision), padded_x[..., :w.shape[0]])[1](g)
+    g_w, g_b = jax.vjp(lambda w, b: _with_bias_row(padded_x, w, b, precision), w, b)[1](g)
+    return g_x, g_w, g_b
+
+
+_padded_here.defvjp(_padded_here_fwd, _padded_here_bwd)
 
 
 def linear(x, w, b, precision: str):

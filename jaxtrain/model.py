@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.autocast import (COMPUTE_DTYPES, backend, column_blocks, gelu, linear, matmul, rounded_matmul,
-                               row_major)
+from jaxtrain.autocast import (BIAS_ROW_GEMM, COMPUTE_DTYPES, backend, column_blocks, gelu, linear, matmul,
+                               rounded_matmul, row_major)
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import LN_EPS, residual_norm
@@ -243,11 +243,12 @@ class Block(nnx.Module):
 
 # model.remat: what the backward pass finds kept from each block's forward (the rest it recomputes). full: nothing
 # but the block's input; dots: also the outputs of matmuls without batch dimensions (the weight matmuls, not the
-# attention's), as MaxText's and Levanter's save-dots policies, and Linear.column_blocks' gemms.
+# attention's), as MaxText's and Levanter's save-dots policies, and by name the gemms inside custom_vjps, which the
+# policy does not see (Linear.column_blocks', autocast.biased_matmul's where it pads its input).
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.save_from_both_policies(
                       jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                      jax.checkpoint_policies.save_only_these_names(GEMM_BLOCKS))}
+                      jax.checkpoint_policies.save_only_these_names(GEMM_BLOCKS, BIAS_ROW_GEMM))}
 
 
 def _run_block(block, x_BxTxD, delta_BxTxD, key):

@@ -3,6 +3,7 @@ autocast rounds them, the dots' dtypes in the lowered program, and GELU against 
 
 import contextlib
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +136,29 @@ def test_an_input_that_brings_its_ones_columns_is_taken_as_it_is(width):
     np.testing.assert_array_equal(g_x[..., :16], want_g_x)
     np.testing.assert_array_equal(g_w, want_g_w)
     np.testing.assert_array_equal(g_b, want_g_b)
+
+
+def test_an_input_padded_here_takes_its_gradient_from_a_gemm_on_w_alone():
+    """On a GPU, an input that comes without its ones columns (attn.c_proj's: cuDNN's attention output) is padded
+    in biased_matmul, and its gradient is g w^T from a gemm k columns wide, not the padded gemm's k + 8 columns
+    sliced back (a copy). The values are autocast's: each gradient's exact sum (small-integer operands: exact in
+    float64 and in fp32) rounded once to bf16, the weight's and the bias's cast up to their fp32 params."""
+    x, w, b = (jnp.asarray(np.random.default_rng(i).integers(-8, 9, shape) / 8, dtype)
+               for i, (shape, dtype) in enumerate([((2, 5, 16), jnp.bfloat16), ((16, 8), jnp.float32),
+                                                   ((8,), jnp.float32)]))
+    g = jnp.asarray(np.random.default_rng(3).integers(-8, 9, (2, 5, 8)) / 8, jnp.bfloat16)
+    grads = jax.jit(lambda x, w, b: jax.vjp(lambda x, w, b: autocast.biased_matmul(x, w, b, "bf16"), x, w, b)[1](g))
+    with autocast.compiling_for("gpu"):
+        g_x, g_w, g_b = grads(x, w, b)
+        dots = re.findall(r"stablehlo\.dot_general .*-> tensor<((?:\d+x)+)\w+>", grads.lower(x, w, b).as_text())
+    g64, x64, w64 = (np.asarray(a, np.float64) for a in (g, x, w))
+    bf16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float64)
+    np.testing.assert_array_equal(np.asarray(g_x, np.float64), bf16(g64 @ w64.T))
+    np.testing.assert_array_equal(np.asarray(g_w, np.float64), bf16(x64.reshape(10, 16).T @ g64.reshape(10, 8)))
+    np.testing.assert_array_equal(np.asarray(g_b, np.float64), bf16(g64.sum((0, 1))))
+    assert g_x.dtype == jnp.bfloat16 and g_w.dtype == g_b.dtype == jnp.float32
+    widths = sorted(int(shape.split("x")[-2]) for shape in dots)  # each dot's result's last axis
+    assert widths == [8, 16], dots  # the padded weight's gradient (8 out) and x's (16 in), none 16 + 8 wide
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -307,12 +307,28 @@ def test_remat_dots_keeps_the_column_blocks():
         q, k, v = nnx.merge(graphdef, state).column_blocks(x, 3)
         return jnp.sum((q * k * v).astype(jnp.float32))  # the backward pass needs all three blocks
 
+    assert _dots_under_each_remat(loss, state) == {"none": 5, "dots": 5, "full": 8}
+
+
+def test_remat_dots_keeps_a_bias_row_gemm_on_an_input_padded_there():
+    """On a GPU a Linear whose input comes without the bias row's ones columns (attn.c_proj's, from cuDNN's
+    attention) pads it inside a custom_vjp (autocast.biased_matmul), whose dot remat's dots policy does not see:
+    named, its output is kept. Dots in the gradient's program: the forward gemm, the backward's dx and dw (3), as
+    without remat; full recomputes the forward (4)."""
+    with autocast.compiling_for("gpu"):
+        graphdef, state = nnx.split(M.Linear(16, 8, bias=True, std=0.02, precision="bf16", rngs=nnx.Rngs(0)))
+        loss = lambda state, x: jnp.sum(jnp.square(nnx.merge(graphdef, state)(x).astype(jnp.float32)))
+        assert _dots_under_each_remat(loss, state) == {"none": 3, "dots": 3, "full": 4}
+
+
+def _dots_under_each_remat(loss, state) -> dict:
+    """The dots in the compiled program of loss's value and gradient (with respect to state and x), under each of
+    model.remat's settings."""
     x = jax.random.normal(jax.random.key(0), (2, 8, 16))
     policies = {"none": None, **M.REMAT_POLICIES}
-    count = {remat: len(compiled_hlo.dot_types(jax.jit(jax.value_and_grad(  # the loss too: forward dots stay
+    return {remat: len(compiled_hlo.dot_types(jax.jit(jax.value_and_grad(  # the loss too: forward dots stay
         jax.checkpoint(loss, policy=policy) if policy else loss, (0, 1))).lower(state, x).as_text()))
         for remat, policy in policies.items()}
-    assert count == {"none": 5, "dots": 5, "full": 8}
 
 
 def _erf_gelu(x):
