@@ -1,6 +1,6 @@
 """Which kernel each of the model's ops runs as: the config's model.attention, model.norm and model.qkv_grad
-against the backend the step is traced for (autocast.backend). Where a choice cannot run there, one error that says why
-and what to pick instead. The model builds its blocks from these; the train step's compile options ask the same
+against the backend the step is traced for (autocast.backend). Where a choice cannot run there, one error that says
+why and what to pick instead. The model builds its blocks from these; the train step's compile options ask the same
 questions (step.compiler_options), so that both agree on the program."""
 
 import jax

@@ -211,10 +211,11 @@ def compiler_options(cfg: Config) -> dict:
     (benchmarks.xla_flags). Not under fsdp > 1, where the default overlapped the weights' gathers better (exposed
     7.63 ms, 11.52 without it).
 
-    There too, where q, k and v are three gemms (kernel_choice.qkv_gemm_blocks), XLA's dot merger off: it merges them back
-    into one and slices its output, the copies those gemms are there to avoid (GPT-2 124M's step on an H100, the
-    roofline: 2.0 ms of 91.8; it merged nothing else there), and under model.qkv_grad=pallas the three weight
-    gradients' gemms, which share x, back into one on the gradients side by side, the copy the kernel avoids."""
+    There too, where q, k and v are three gemms (kernel_choice.qkv_gemm_blocks), XLA's dot merger off: it merges
+    them back into one and slices its output, the copies those gemms are there to avoid (GPT-2 124M's step on an
+    H100, the roofline: 2.0 ms of 91.8; it merged nothing else there), and under model.qkv_grad=pallas the three
+    weight gradients' gemms, which share x, back into one on the gradients side by side, the copy the kernel
+    avoids."""
     options = autocast.rounding_options(autocast.backend(), cfg.train.precision, cfg.model.residual_dtype == "bf16")
     if autocast.backend() == "gpu" and cfg.mesh.fsdp == 1:
         options[SOL_ESTIMATOR] = False

@@ -240,7 +240,8 @@ def test_auto_attention_writes_out_a_head_size_cudnn_refuses(d_model, n_head, mo
         assert jax.eval_shape(lambda p, idx: M.apply(graphdef, p, idx), params, _idx()).shape == (3, 16, V)
         with pytest.raises(UserError, match=f"a multiple of 8 .*head size {d_model // n_head}"):
             kernel_choice.fused_attention(dataclasses.replace(cfg, attention="cudnn"), "bf16")
-        assert kernel_choice.fused_attention(dataclasses.replace(cfg, d_model=8 * n_head), "bf16")  # head size 8: cuDNN's
+        head_size_8 = dataclasses.replace(cfg, d_model=8 * n_head)
+        assert kernel_choice.fused_attention(head_size_8, "bf16")  # cuDNN's
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")
