@@ -7,7 +7,8 @@ timeline of the device (GPU: XLA's ops and the kernels on each stream; CPU: the 
 the most time, and a breakdown into matmuls, attention, data movement, reductions and elementwise work. An op that
 is an instruction of the step's optimized HLO is put in its category by what it computes (a fusion by the ops it
 fuses: on a CPU, YNNPACK's `ynn_fusion`s hold dots and elementwise work alike); a GPU kernel, by its name. Times are
-summed over the traced steps and divided by their number.
+summed over the traced steps and divided by their number. On a CPU, also how long the runtime's threads were in ops
+at once (none, one, both), and which ops ran alone: a dot split over the cores is named on one thread only.
 """
 
 import argparse
@@ -109,6 +110,10 @@ def trace_steps(cfg, synthetic: bool, steps: int, folder: str) -> tuple[str, str
     return glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0], timed.program()
 
 
+# XLA:CPU's spans around the ops (the executor's) and its thread pool's own bookkeeping: not ops.
+NOT_OPS = ("ThunkExecutor::Execute", "ThreadpoolListener", "SlinkyThreadPool")
+
+
 def summarize(path: str, hlo: str, steps: int, top: int) -> str:
     from jax.profiler import ProfileData
     by_hlo = hlo_categories(hlo)
@@ -116,20 +121,61 @@ def summarize(path: str, hlo: str, steps: int, top: int) -> str:
     for plane in ProfileData.from_file(path).planes:
         if not (plane.name.startswith("/device:") or plane.name == "/host:CPU"):
             continue
+        timelines = []
         for line in plane.lines:
+            ops = [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
+                   if not e.name.startswith(NOT_OPS)]
             totals = collections.Counter()
-            for event in line.events:
-                if not event.name.startswith("ThunkExecutor::Execute"):  # XLA:CPU's span around the ops below it
-                    totals[event.name] += event.duration_ns / 1e6 / steps
+            for start, end, name in ops:
+                totals[name] += (end - start) / 1e6 / steps
             if sum(totals.values()) < 1.0 or line.name == "python":
                 continue
+            timelines.append(ops)
             by_category = collections.Counter()
             for name, ms in totals.items():
                 by_category[by_hlo.get(name) or category(name)] += ms
             out.append(f"\n{plane.name} / {line.name}: {sum(totals.values()):,.1f} ms per step\n  " + ", ".join(
                 f"{label} {ms:,.1f}" for label, ms in by_category.most_common()))
             out += [f"    {ms:9.2f} ms  {name[:110]}" for name, ms in totals.most_common(top)]
+        if plane.name == "/host:CPU" and len(timelines) > 1:
+            out.append(concurrency_line(timelines, by_hlo, steps))
     return "\n".join(out)
+
+
+def concurrency(timelines: list[list[tuple[int, int, str]]]) -> tuple[collections.Counter, collections.Counter]:
+    """(ns during which k of the timelines are in an op, for each k; ns during which one alone is, by the name of
+    its innermost op): a sweep over each timeline's (start, end, name) ops, which may nest within a timeline."""
+    points = sorted((t, is_end, i, name) for i, ops in enumerate(timelines) for start, end, name in ops
+                    for t, is_end in ((start, False), (end, True)))
+    stacks = [[] for _ in timelines]  # each timeline's open ops, innermost last
+    by_count, alone = collections.Counter(), collections.Counter()
+    last = points[0][0] if points else 0
+    for t, is_end, i, name in points:
+        running = [stack for stack in stacks if stack]
+        by_count[len(running)] += t - last
+        if len(running) == 1:
+            alone[running[0][-1]] += t - last
+        last = t
+        if is_end:
+            del stacks[i][len(stacks[i]) - 1 - stacks[i][::-1].index(name)]
+        else:
+            stacks[i].append(name)
+    return by_count, alone
+
+
+def concurrency_line(timelines, by_hlo: dict[str, str], steps: int) -> str:
+    """How much of the traced time the CPU's threads spent in ops at once. XLA:CPU names an op on the thread that
+    started it only: a dot that YNNPACK splits over the pool runs on the other threads too, unnamed there (a lone
+    bf16 dot on this project's 2-core CPU runs twice as fast as under `taskset -c 0`), so an op alone is not a core
+    idle; the categories say which ops run alone."""
+    by_count, alone = concurrency(timelines)
+    by_category = collections.Counter()
+    for name, ns in alone.items():
+        by_category[by_hlo.get(name) or category(name)] += ns
+    ms = lambda ns: f"{ns / 1e6 / steps:,.1f}"
+    return ("\nthreads in an op at once, ms per step: " + ", ".join(
+        f"{k}: {ms(ns)}" for k, ns in sorted(by_count.items())) + "\n  one alone: " + ", ".join(
+        f"{label} {ms(ns)}" for label, ns in by_category.most_common()))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -242,6 +242,23 @@ def test_python_m_save_cost_says_which_command_measures(capsys):
     assert lines[0].startswith("error: ") and "`python -m benchmarks.run --config CONFIG --only save" in lines[0]
 
 
+def test_profile_counts_the_time_threads_spend_in_ops_at_once():
+    """benchmarks.profile's sweep over the CPU's thread timelines against intervals counted by hand: two threads'
+    ops overlapping, an op nested in another (the inner one is what runs while it runs), and a gap where neither
+    thread is in an op; then its line, the nanoseconds in ms a step and the ops alone by category."""
+    from benchmarks import profile
+    ms = 1_000_000  # ns
+    thread_1 = [(0, 10 * ms, "dot.1"), (2 * ms, 4 * ms, "copy.1"), (30 * ms, 40 * ms, "reduce.1")]
+    thread_2 = [(5 * ms, 15 * ms, "fusion.7")]
+    by_count, alone = profile.concurrency([thread_1, thread_2])
+    # 0-5: thread 1 alone (dot 0-2 and 4-5, copy 2-4); 5-10 both; 10-15 thread 2 alone; 15-30 neither; 30-40 thread 1
+    assert dict(by_count) == {0: 15 * ms, 1: 20 * ms, 2: 5 * ms}
+    assert dict(alone) == {"dot.1": 3 * ms, "copy.1": 2 * ms, "fusion.7": 5 * ms, "reduce.1": 10 * ms}
+    line = profile.concurrency_line([thread_1, thread_2], {"fusion.7": "elementwise"}, steps=2)
+    assert line.splitlines()[1:] == ["threads in an op at once, ms per step: 0: 7.5, 1: 10.0, 2: 2.5",
+                                     "  one alone: reduction 5.0, elementwise 2.5, matmul 1.5, copy/transpose 1.0"]
+
+
 def test_profile_removes_its_trace_folder(tmp_path, monkeypatch):
     """A profile read its trace from a jaxtrain-profile-* folder it left in the temp folder, one per run."""
     import jax
