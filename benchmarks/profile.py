@@ -131,15 +131,21 @@ def summarize(path: str, hlo: str, steps: int, top: int) -> str:
             if sum(totals.values()) < 1.0 or line.name == "python":
                 continue
             timelines.append(ops)
-            by_category = collections.Counter()
-            for name, ms in totals.items():
-                by_category[by_hlo.get(name) or category(name)] += ms
+            by_category = by_category_of(totals, by_hlo)
             out.append(f"\n{plane.name} / {line.name}: {sum(totals.values()):,.1f} ms per step\n  " + ", ".join(
                 f"{label} {ms:,.1f}" for label, ms in by_category.most_common()))
             out += [f"    {ms:9.2f} ms  {name[:110]}" for name, ms in totals.most_common(top)]
         if plane.name == "/host:CPU" and len(timelines) > 1:
             out.append(concurrency_line(timelines, by_hlo, steps))
     return "\n".join(out)
+
+
+def by_category_of(by_op: collections.Counter, by_hlo: dict[str, str]) -> collections.Counter:
+    """Times by op name summed by category: an instruction of the step's HLO by what it computes, else by its name."""
+    by_category = collections.Counter()
+    for name, time in by_op.items():
+        by_category[by_hlo.get(name) or category(name)] += time
+    return by_category
 
 
 def concurrency(timelines: list[list[tuple[int, int, str]]]) -> tuple[collections.Counter, collections.Counter]:
@@ -169,9 +175,7 @@ def concurrency_line(timelines, by_hlo: dict[str, str], steps: int) -> str:
     bf16 dot on this project's 2-core CPU runs twice as fast as under `taskset -c 0`), so an op alone is not a core
     idle; the categories say which ops run alone."""
     by_count, alone = concurrency(timelines)
-    by_category = collections.Counter()
-    for name, ns in alone.items():
-        by_category[by_hlo.get(name) or category(name)] += ns
+    by_category = by_category_of(alone, by_hlo)
     ms = lambda ns: f"{ns / 1e6 / steps:,.1f}"
     return ("\nthreads in an op at once, ms per step: " + ", ".join(
         f"{k}: {ms(ns)}" for k, ns in sorted(by_count.items())) + "\n  one alone: " + ", ".join(
