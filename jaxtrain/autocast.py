@@ -192,7 +192,7 @@ def _padded_here(x, w, b, precision: str):
     attention writes it without them). The gradients are autodiff's, but x's comes from a gemm on w alone, where
     autodiff's is the padded gemm's wider gradient sliced back to x's columns: a copy of it (0.72 ms of GPT-2 124M's
     step on an H100, by the roofline: benchmarks/NOTES.md)."""
-    return _with_bias_row(with_ones_column(x, COMPUTE_DTYPES[precision]), w, b, precision)
+    return _padded_here_fwd(x, w, b, precision)[0]
 
 
 def _padded_here_fwd(x, w, b, precision):
