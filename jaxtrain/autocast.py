@@ -222,8 +222,8 @@ def column_blocks(x, w, b, precision: str, parts: int):
     the sums of the whole output sliced, each rounded once (their fp32 order is the gemm kernel's, which may block
     K otherwise for another width). cuDNN's attention takes q, k and v as separate arrays, and a slice of one gemm's
     output is a copy; three gemms write them where they go (XLA's dot merger would merge them back:
-    step.compiler_options). The gradient is the whole linear's (one dx gemm on the blocks' gradients concatenated,
-    rounded once, as torch's): not three rounded dx summed."""
+    step.compiler_options). x's gradient is the whole linear's (one dx gemm on the blocks' gradients concatenated,
+    rounded once, as torch's): not three rounded dx summed; w's and b's are each block's own (block_weight_grads)."""
     bs = [None] * parts if b is None else jnp.split(b, parts, -1)
     return tuple(linear(x, wi, bi, precision) for wi, bi in zip(jnp.split(w, parts, -1), bs))
 
@@ -233,11 +233,25 @@ def _column_blocks_fwd(x, w, b, precision, parts):
 
 
 def _column_blocks_bwd(precision, parts, res, g_blocks):
-    _, linear_vjp = jax.vjp(lambda x, w, b: linear(x, w, b, precision), *res)
-    return linear_vjp(jnp.concatenate(g_blocks, -1))
+    x, w, b = res
+    (g_x,) = jax.vjp(lambda x: linear(x, w, b, precision), x)[1](jnp.concatenate(g_blocks, -1))
+    return (g_x, *block_weight_grads(x, w, b, g_blocks, precision))
 
 
 column_blocks.defvjp(_column_blocks_fwd, _column_blocks_bwd)
+
+
+def block_weight_grads(x, w, b, g_blocks, precision: str):
+    """The gradients of w and b (None where b is) under column_blocks(x, w, b): each column block's from its own
+    linear's VJP (x^T g_i, and g_i summed over the rows), side by side: the whole linear's, each element the same
+    sum. A gemm on the blocks' gradients concatenated reads a copy of them, which XLA:GPU made twice in GPT-2 124M's
+    step, once for the dx gemm and again where it ran the weight's gemm through cuBLAS (benchmarks/NOTES.md)."""
+    parts = len(g_blocks)
+    b_blocks = [None] * parts if b is None else jnp.split(b, parts, -1)
+    grads = [jax.vjp(lambda wi, bi: linear(x, wi, bi, precision), wi, bi)[1](g)
+             for wi, bi, g in zip(jnp.split(w, parts, -1), b_blocks, g_blocks)]
+    g_w = jnp.concatenate([g_wi for g_wi, _ in grads], -1)
+    return g_w, None if b is None else jnp.concatenate([g_bi for _, g_bi in grads], -1)
 
 
 def bias_row_applies(precision: str) -> bool:

@@ -9,8 +9,9 @@ torch's one linear), for which XLA concatenates them first: a copy of the B x T 
 micro-batch on GPT-2 124M, written and read back), 2.15 ms of 2026-11-28's 139.5 ms H100 profile, at its roofline
 (benchmarks/NOTES.md). Here each k step of the kernel brings a tile of each gradient and of its weight block
 (hopper_gemm's pairs), whose three wgmmas add into one fp32 accumulator, rounded once: the concatenation goes, the
-gemm's bytes stay. The weight and bias gradients are each block's own (XLA's gemms, x^T g_i). An estimate, not
-measured on a GPU yet, which is why it is not the default: benchmarks/device_check.py's stages measure it.
+gemm's bytes stay. The weight and bias gradients are each block's own (XLA's gemms, x^T g_i:
+autocast.block_weight_grads). An estimate, not measured on a GPU yet, which is why it is not the default:
+benchmarks/device_check.py's stages measure it.
 
 Numerics: dx is the three products' fp32 sum rounded once to the compute dtype, its k order interleaved by blocks
 (one gemm's order is its kernel's own either way); each weight gradient is the whole linear's column block by the
@@ -84,18 +85,14 @@ def _column_blocks_bwd(precision, parts, saved, g_blocks):
     x, w, b = saved
     low = autocast.COMPUTE_DTYPES[precision]
     rows = lambda t: t.reshape(-1, t.shape[-1])  # the batch split stays on the rows
-    w_blocks, b_blocks = jnp.split(w, parts, -1), [None] * parts if b is None else jnp.split(b, parts, -1)
+    w_blocks = jnp.split(w, parts, -1)
     # each w_i^T an array of its own (an XLA transpose of the bf16 block), as gelu_gemm's w^T; x may carry the bias
     # row's ones columns (fused_norm writes a tile of them, model.CausalSelfAttention): their gradient, which
     # nothing reads, zeros
     g_x = summed_matmul([rows(g.astype(low)) for g in g_blocks], [wi.astype(low).T for wi in w_blocks],
                         width=x.shape[-1])
     g_x = g_x.reshape(x.shape).astype(x.dtype)
-    # each block's weight and bias gradient from its own linear's VJP: x^T g_i, and g_i summed over the rows
-    grads = [jax.vjp(lambda wi, bi: autocast.linear(x, wi, bi, precision), wi, bi)[1](g)
-             for wi, bi, g in zip(w_blocks, b_blocks, g_blocks)]
-    g_w = jnp.concatenate([g_wi for g_wi, _ in grads], -1)
-    return g_x, g_w, None if b is None else jnp.concatenate([g_bi for _, g_bi in grads], -1)
+    return (g_x, *autocast.block_weight_grads(x, w, b, g_blocks, precision))
 
 
 column_blocks.defvjp(_column_blocks_fwd, _column_blocks_bwd)

@@ -194,6 +194,22 @@ def test_column_blocks_are_the_linear_split_and_take_its_gradient(platform, prec
     jax.tree.map(np.testing.assert_array_equal, *grads)
 
 
+@pytest.mark.parametrize("platform,precision", [("cpu", "bf16"), ("gpu", "bf16"), ("gpu", "fp32")])
+def test_q_k_v_blocks_take_their_weight_gradients_from_a_gemm_each(platform, precision):
+    """column_blocks' gradient as XLA:CPU compiles it (on every machine: XLA:GPU names its gemms otherwise): one dx
+    gemm on the blocks' gradients together (10 rows of x's 24 columns) and a weight-gradient gemm per block (K rows
+    of the block's 16 columns: 24, or 32 where the bias rides in it as a row, padded to 8), none on all 48 columns,
+    which would read the blocks' gradients concatenated."""
+    x, w, b, *gs = (jax.device_put(jax.random.normal(jax.random.key(i), shape), jax.devices("cpu")[0]) for i, shape
+                    in enumerate([(2, 5, 24), (24, 48), (48,), (2, 5, 16), (2, 5, 16), (2, 5, 16)]))
+    loss = lambda x, w, b: sum(jnp.vdot(block.astype(jnp.float32), g)
+                               for block, g in zip(autocast.column_blocks(x, w, b, precision, 3), gs))
+    with autocast.compiling_for(platform):
+        hlo = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, w, b).compile().as_text()
+    k = 32 if (platform, precision) == ("gpu", "bf16") else 24
+    assert sorted(re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} dot\(", hlo)) == ["10,24"] + [f"{k},16"] * 3
+
+
 def test_bf16_matmul_backward_dots_are_bf16_with_fp32_accumulation():
     """Autodiff of a preferred_element_type dot would make fp32 (or bf16-output) dots; the custom_vjp must not."""
     a, b, w = _operands((4, 16, 64), (64, 48))
