@@ -46,18 +46,20 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
 
 
 def test_the_recipe_stages_train_at_the_configs_own_batch(tmp_path, monkeypatch):
-    """recipe and table_recipe measure GPT-2 124M as `python -m jaxtrain.run --config configs/gpt2-124m.yaml` trains
-    it (the YAML's batch and micro-batches, read here apart from jaxtrain's loader), recipe_kernels and table_recipe
-    with the four gemm kernels; `step` and `table` at the README table's 128 in 4."""
+    """recipe, recipe_kernels and table_recipe measure GPT-2 124M as `python -m jaxtrain.run --config
+    configs/gpt2-124m.yaml` trains it (the YAML's batch and micro-batches, read here apart from jaxtrain's loader), the
+    last two with the four gemm kernels; `step` and `table` at the README table's 128 in 4."""
     monkeypatch.chdir(REPO)
     with open("configs/gpt2-124m.yaml") as f:
         recipe = yaml.safe_load(f)
     by_name = {s.name: s for s in device_check.STAGES + device_check.ON_REQUEST}
     kernels = {"gelu_grad", "head_lse", "qkv_grad", "gelu_fwd"}
     own = (recipe["data"]["batch_size"], recipe["optim"]["grad_accum_steps"])
-    for name, batch, pallas in (("recipe", own, set()), ("recipe_kernels", own, kernels),
-                                ("table_recipe", own, kernels), ("step", (128, 4), set()), ("table", (128, 4), set())):
-        parsed, overrides = bench.parser().parse_known_args(device_check.stage_args(by_name[name], "auto", str(tmp_path))[2:])
+    expected = {"recipe": (own, set()), "recipe_kernels": (own, kernels), "table_recipe": (own, kernels),
+                "step": ((128, 4), set()), "table": ((128, 4), set())}
+    for name, (batch, pallas) in expected.items():
+        args = device_check.stage_args(by_name[name], "auto", str(tmp_path))
+        parsed, overrides = bench.parser().parse_known_args(args[2:])
         cfg = bench.resolved_config(overrides, parsed.synthetic)
         assert (cfg.data.batch_size, cfg.optim.grad_accum_steps) == batch, name
         assert {k for k in kernels if getattr(cfg.model, k) == "pallas"} == pallas, name
