@@ -140,7 +140,8 @@ STAGES = (
           "backward (5.79 ms of the 139.5 ms profile) and the gemm alone", ("-m", "benchmarks.gelu_gemm"), 40, 90),
 )
 # Run only where --stages names them (they do not fit the default budget beside the stages above): the README's
-# table, whose command and config are what the step's default is, and the same at the config's own batch; the cost
+# table, whose command and config are what the step's default is, and the same at the config's own batch (and that
+# batch in bigger micro-batches); the cost
 # of torch's roundings, answered twice; each kernel's step alone and three of the kernels alone (where step_kernels,
 # gelu_ab and the profile leave it open which one helps); the loss's logsumexp alone (a lead the head's kernel may
 # make moot).
@@ -152,6 +153,10 @@ ON_REQUEST = (
           "with the four gemm kernels: the table for the README where recipe_kernels reaches 50%",
           ("-m", "benchmarks.run", *GPT2, "--rounds", "3", "--steps", "4", "--model.norm={norm}",
            *KERNEL_OPTIONS.values(), *TABLE_ROWS), 330, 480, json=True),
+    Stage("recipe_micro60", "recipe_kernels in 8 micro-batches of 60 (the roofline: -1.3%, the per-micro-batch "
+          "gradient accumulation halved; 28.8 GiB by XLA's memory_analysis, micro-batch 64 measured 38.8 GB on "
+          "2026-11-28): whether the config should take fewer, bigger micro-batches on an 80 GB GPU",
+          RECIPE + tuple(KERNEL_OPTIONS.values()) + ("--optim.grad_accum_steps=8",), 55, 120, json=True),
     Stage("step_excess", "jaxtrain's row with XLA's excess precision back on (the step compiles without it on a GPU "
           "since 2026-11-28, autocast.rounding_options): what torch's roundings cost (2026-11-28: 272.8 ms without, "
           "275.8 with)", STEP, 40, 100, json=True, env=EXCESS),

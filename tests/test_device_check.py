@@ -42,13 +42,14 @@ def test_each_benchmark_stage_is_a_command_its_tool_takes(norm, tmp_path, monkey
                 assert bench.row_keys(parsed.rows) and parsed.json == str(tmp_path / f"{stage.name}.json")
             seen.add(stage.name)
     assert seen == {"step", "step_kernels", "step_stream", "step_gelu", "step_head", "step_qkv", "step_fc", "profile",
-                    "table", "step_excess", "recipe", "recipe_kernels", "table_recipe"}
+                    "table", "step_excess", "recipe", "recipe_kernels", "table_recipe", "recipe_micro60"}
 
 
 def test_the_recipe_stages_train_at_the_configs_own_batch(tmp_path, monkeypatch):
     """recipe, recipe_kernels and table_recipe measure GPT-2 124M as `python -m jaxtrain.run --config
     configs/gpt2-124m.yaml` trains it (the YAML's batch and micro-batches, read here apart from jaxtrain's loader), the
-    last two with the four gemm kernels; `step` and `table` at the README table's 128 in 4."""
+    last two with the four gemm kernels, as recipe_micro60 in half as many micro-batches; `step` and `table` at the
+    README table's 128 in 4."""
     monkeypatch.chdir(REPO)
     with open("configs/gpt2-124m.yaml") as f:
         recipe = yaml.safe_load(f)
@@ -56,7 +57,8 @@ def test_the_recipe_stages_train_at_the_configs_own_batch(tmp_path, monkeypatch)
     kernels = {"gelu_grad", "head_lse", "qkv_grad", "gelu_fwd"}
     own = (recipe["data"]["batch_size"], recipe["optim"]["grad_accum_steps"])
     expected = {"recipe": (own, set()), "recipe_kernels": (own, kernels), "table_recipe": (own, kernels),
-                "step": ((128, 4), set()), "table": ((128, 4), set())}
+                "recipe_micro60": ((own[0], own[1] // 2), kernels), "step": ((128, 4), set()),
+                "table": ((128, 4), set())}
     for name, (batch, pallas) in expected.items():
         args = device_check.stage_args(by_name[name], "auto", str(tmp_path))
         parsed, overrides = bench.parser().parse_known_args(args[2:])
