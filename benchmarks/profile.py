@@ -8,7 +8,9 @@ the most time, and a breakdown into matmuls, attention, data movement, reduction
 is an instruction of the step's optimized HLO is put in its category by what it computes (a fusion by the ops it
 fuses: on a CPU, YNNPACK's `ynn_fusion`s hold dots and elementwise work alike); a GPU kernel, by its name. Times are
 summed over the traced steps and divided by their number. On a CPU, also how long the runtime's threads were in ops
-at once (none, one, both), and which ops ran alone: a dot split over the cores is named on one thread only.
+at once (none, one, both), and which ops ran alone: a dot split over the cores is named on one thread only. On a GPU
+that benchmarks.roofline knows, also each HLO instruction's kernels beside the roofline's estimate of it in the same
+compiled program: how far each gemm and pass runs from its roofline.
 """
 
 import argparse
@@ -18,12 +20,14 @@ import re
 import sys
 import tempfile
 
+from benchmarks import roofline
+from benchmarks.hlo_ops import NORM_KERNEL, hlo_categories
 from jaxtrain.cmdline import CONFIG_FLAGS_HELP, positive_int
 from jaxtrain.errors import exit_on_user_error
 
 # Op and kernel names -> what they are; the first pattern that matches wins. jaxtrain's own kernels are named for it:
-# fused_norm's residual-add-and-LayerNorm kernels, hopper_gemm's gemms (kernel_name: "gemm_" and the option's key).
-NORM_KERNEL = re.compile(r"_norm_(forward|backward)_kernel")
+# fused_norm's residual-add-and-LayerNorm kernels (hlo_ops.NORM_KERNEL), hopper_gemm's gemms (kernel_name: "gemm_"
+# and the option's key).
 CATEGORIES = [
     ("norm kernels", NORM_KERNEL),
     ("attention", re.compile(r"cudnn.*(fmha|flash|attn)|fmha|flash|dot_product_attention|custom-call.*cudnn", re.I)),
@@ -36,65 +40,6 @@ CATEGORIES = [
 
 def category(name: str) -> str:
     return next((label for label, pattern in CATEGORIES if pattern.search(name)), "other")
-
-
-DATA_MOVEMENT = {"parameter", "copy", "transpose", "bitcast", "reshape", "slice", "concatenate", "convert",
-                 "broadcast", "constant", "tuple", "get-tuple-element", "dynamic-slice", "dynamic-update-slice"}
-
-
-CONTROL = {"while", "conditional", "call", "custom-call"}
-COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce-start",
-               "all-gather-start", "collective-permute-start"}
-
-
-def hlo_categories(hlo: str) -> dict[str, str]:
-    """Instruction name -> category for each instruction of an optimized HLO module's text; a fusion by the ops of
-    the computation it calls: any dot (or a cuBLAS call, or one of jaxtrain's gemms: kernel_op) -> matmul, a cuDNN
-    attention call -> attention, one of jaxtrain's norm kernels -> norm kernels, a cross-device op -> collective,
-    any reduce -> reduction, only data movement (copies, transposes, converts, slices) -> copy/transpose, else
-    elementwise."""
-    ops_in, current = collections.defaultdict(set), None
-    instructions = []
-    for line in hlo.splitlines():
-        if line and not line.startswith(" "):
-            current = (re.match(r"(?:ENTRY )?%?([\w.\-]+)", line) or [None, None])[1]
-            continue
-        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?[\]\)}] ([a-z\-]+)\(", line)
-        if match and current:
-            opcode = kernel_op(line) if match[2] == "custom-call" else match[2]
-            ops_in[current].add(opcode)
-            instructions.append((match[1], opcode, re.search(r"calls=%?([\w.\-]+)", line), line))
-    by_name = {}
-    for name, opcode, calls, line in instructions:
-        ops = ops_in[calls[1]] if calls else {opcode}
-        by_name[name] = ("attention" if "fmha" in line else
-                         "matmul" if ops & {"dot", "convolution", "hopper-gemm"} or "__cublas" in line else
-                         "norm kernels" if "norm-kernel" in ops else
-                         "collective" if ops & COLLECTIVES else
-                         "other" if ops & CONTROL else
-                         "reduction" if ops & {"reduce", "reduce-window"} else
-                         "copy/transpose" if ops <= DATA_MOVEMENT else "elementwise")
-    return by_name
-
-
-def kernel_op(line: str) -> str:
-    """A custom call's line -> "hopper-gemm" for one of jaxtrain's gemms (hopper_gemm), "norm-kernel" for one of
-    its norm kernels (fused_norm), else "custom-call"."""
-    return ("hopper-gemm" if hopper_gemm(line) else
-            "norm-kernel" if NORM_KERNEL.search(line) else "custom-call")
-
-
-def hopper_gemm_scope() -> str:
-    from jaxtrain.hopper_gemm import SCOPE  # here, not at the top: this module starts without jax
-    return SCOPE
-
-
-def hopper_gemm(line: str) -> re.Match | None:
-    """An HLO instruction's line -> the match of hopper_gemm's scope in its op_name (group 1: the pairs of a kernel
-    of several, None for one) where it is a Mosaic GPU custom call in that scope (one of jaxtrain's gemms)."""
-    if 'custom_call_target="mosaic_gpu' not in line:
-        return None
-    return re.search(rf'op_name="[^"]*/{hopper_gemm_scope()}(?:_pairs(\d+))?/', line)
 
 
 def trace_steps(cfg, synthetic: bool, steps: int, folder: str) -> tuple[str, str]:
@@ -114,13 +59,20 @@ def trace_steps(cfg, synthetic: bool, steps: int, folder: str) -> tuple[str, str
 NOT_OPS = ("ThunkExecutor::Execute", "ThreadpoolListener", "SlinkyThreadPool")
 
 
-def summarize(path: str, hlo: str, steps: int, top: int) -> str:
+def summarize(path: str, hlo: str, steps: int, top: int, target: tuple | None = None) -> str:
+    """The trace's timelines, each op's time summed; on a GPU whose `target` (roofline_target) is known, also each
+    HLO instruction's kernels against the roofline's estimate for the same compiled program (against_roofline)."""
     from jax.profiler import ProfileData
     by_hlo = hlo_categories(hlo)
     out = []
     for plane in ProfileData.from_file(path).planes:
         if not (plane.name.startswith("/device:") or plane.name == "/host:CPU"):
             continue
+        if plane.name.startswith("/device:GPU"):
+            streams = [line for line in plane.lines if line.name.startswith("Stream")]
+            out.append(against_roofline(*by_instruction(streams, steps), hlo, target, top) if target else
+                       "\nno roofline beside the kernels: benchmarks.roofline has no device spec or bf16 peak for "
+                       "this GPU")
         timelines = []
         for line in plane.lines:
             ops = [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
@@ -138,6 +90,58 @@ def summarize(path: str, hlo: str, steps: int, top: int) -> str:
         if plane.name == "/host:CPU" and len(timelines) > 1:
             out.append(concurrency_line(timelines, by_hlo, steps))
     return "\n".join(out)
+
+
+def by_instruction(lines, steps: int) -> tuple[collections.Counter, collections.Counter]:
+    """(ms a step, kernels a step) by the HLO instruction that launched them (each kernel event's `hlo_op` stat,
+    which XLA sets), over the given timelines: an instruction may launch several kernels (cuDNN's attention, a split
+    gemm)."""
+    ms, kernels = collections.Counter(), collections.Counter()
+    for line in lines:
+        for event in line.events:
+            op = dict(event.stats).get("hlo_op")
+            if op:
+                ms[op] += event.duration_ns / 1e6 / steps
+                kernels[op] += 1 / steps
+    return ms, kernels
+
+
+def instruction_rows(ms: collections.Counter, kernels: collections.Counter, hlo: str, target: tuple,
+                     top: int) -> list[dict]:
+    """The `top` HLO instructions with the most measured time a step, each with benchmarks.roofline's estimate for it
+    in the same program (target: the GPU's name, nominal bf16 FLOP/s and memory bandwidth, roofline_target) and
+    the TFLOP/s and GB/s it reached; None for those where the roofline has no estimate."""
+    _, peak, bandwidth = target
+    estimate = collections.defaultdict(lambda: dict(ms=0.0, flops=0.0, bytes=0.0, category="other"))
+    for row in roofline.roofline(hlo, peak, bandwidth):  # an instruction in a loop: one row, launches a step
+        e = estimate[row["name"]]
+        e["category"] = row["category"]
+        for key in ("ms", "flops", "bytes"):
+            e[key] += row[key] * row["launches"]
+    rows = []
+    for op, took in ms.most_common(top):
+        e = estimate.get(op) or dict(ms=0.0, category="not in the roofline")
+        known = e["ms"] > 0
+        rows.append(dict(op=op, category=e["category"], kernels=kernels[op], ms=took,
+                         roofline_ms=e["ms"] if known else None, ratio=took / e["ms"] if known else None,
+                         tflops=e["flops"] / took / 1e9 if known else None,
+                         gbps=e["bytes"] / took / 1e6 if known else None))
+    return rows
+
+
+def against_roofline(ms: collections.Counter, kernels: collections.Counter, hlo: str, target: tuple, top: int) -> str:
+    """instruction_rows as a table: which gemms and passes run furthest from their roofline."""
+    name, peak, bandwidth = target
+    lines = [f"\nby HLO instruction, against the roofline ({name}: {peak / 1e12:.0f} TFLOP/s, "
+             f"{bandwidth / 1e12:.2f} TB/s):",
+             "| instruction | category | kernels a step | ms a step | roofline ms | measured / roofline | TFLOP/s | "
+             "GB/s |", "|---|---|---|---|---|---|---|---|"]
+    cell = lambda value, form: "" if value is None else format(value, form)
+    for r in instruction_rows(ms, kernels, hlo, target, top):
+        lines.append(f"| {r['op']} | {r['category']} | {r['kernels']:g} | {r['ms']:.2f} | "
+                     f"{cell(r['roofline_ms'], '.2f')} | {cell(r['ratio'], '.2f')} | {cell(r['tflops'], '.0f')} | "
+                     f"{cell(r['gbps'], '.0f')} |")
+    return "\n".join(lines)
 
 
 def by_category_of(by_op: collections.Counter, by_hlo: dict[str, str]) -> collections.Counter:
@@ -192,12 +196,24 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def roofline_target(cfg) -> tuple | None:
+    """On a GPU whose XLA device spec benchmarks.roofline has (roofline.gpu_target), (its name there, the nominal
+    FLOP/s of cfg's MFU, its memory bandwidth); None elsewhere."""
+    import jax
+    from jaxtrain import metrics
+    kind = jax.devices()[0].device_kind
+    name = roofline.gpu_target(kind) if jax.default_backend() == "gpu" else None
+    peak = metrics.peak_flops(cfg, kind)
+    return None if name is None or peak is None else (name, peak, roofline.memory_bandwidth(name))
+
+
 def main(argv: list[str]) -> None:
     args, rest = parser().parse_known_args(argv)
     from benchmarks.run import resolved_config
     cfg = resolved_config(rest, args.synthetic)
     with tempfile.TemporaryDirectory(prefix="jaxtrain-profile-") as folder:  # removed once the trace is read
-        print(summarize(*trace_steps(cfg, args.synthetic, args.steps, folder), args.steps, args.top))
+        traced = trace_steps(cfg, args.synthetic, args.steps, folder)
+        print(summarize(*traced, args.steps, args.top, roofline_target(cfg)))
 
 
 if __name__ == "__main__":

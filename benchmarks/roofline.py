@@ -18,7 +18,7 @@ import math
 import re
 import sys
 
-from benchmarks.profile import hlo_categories, hopper_gemm
+from benchmarks.hlo_ops import hlo_categories, hopper_gemm
 from jaxtrain import target_devices
 from jaxtrain.cmdline import CONFIG_FLAGS_HELP, output_file, positive_int
 from jaxtrain.errors import UserError, exit_on_user_error
@@ -261,9 +261,15 @@ def require_compiler(target: str) -> None:
     target_devices.allow_compile_only(target)
 
 
+def gpu_target(device_kind: str) -> str | None:
+    """The GPU target whose XLA device spec names this device kind (jax's device_kind), None for none."""
+    return next((t for t in target_devices.GPUS
+                 if f'device_description_str: "{device_kind}"' in target_devices.device_spec(t)), None)
+
+
 def memory_bandwidth(target: str) -> float:
     """A GPU target's memory bandwidth, bytes/s, from its XLA device spec."""
-    return float(re.search(r"memory_bandwidth: (\d+)", target_devices.target_config(target))[1])
+    return float(re.search(r"memory_bandwidth: (\d+)", target_devices.device_spec(target))[1])
 
 
 def compile_step(cfg, target: str):

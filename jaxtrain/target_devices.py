@@ -64,11 +64,16 @@ def devices(target: str, n: int) -> list:
     return topologies.get_topology_desc(platform="tpu", topology_name=tpu_topology(target, n), **options).devices
 
 
+def device_spec(target: str) -> str:
+    """A GPU's stored XLA device spec (text proto): its name, memory bandwidth, cores."""
+    with open(os.path.join(SPECS_DIR, f"{target}.txtpb")) as f:
+        return f.read()
+
+
 def target_config(target: str) -> str:
     """A GPU's text proto for jax's CUDA topology: the stored device spec, plus the cuDNN and CUDA runtime versions
     of the installed nvidia wheels (what the plugin would compile against)."""
-    with open(os.path.join(SPECS_DIR, f"{target}.txtpb")) as f:
-        spec = f.read()
+    spec = device_spec(target)
     cudnn = importlib.metadata.version("nvidia-cudnn-cu12").split(".")
     cuda = importlib.metadata.version("nvidia-cuda-runtime-cu12").split(".")
     return (spec + f"dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} patch: {cudnn[2]} }}\n"

@@ -259,6 +259,42 @@ def test_profile_counts_the_time_threads_spend_in_ops_at_once():
                                      "  one alone: reduction 5.0, elementwise 2.5, matmul 1.5, copy/transpose 1.0"]
 
 
+def test_profile_puts_each_instructions_kernels_beside_its_roofline():
+    """On a GPU: the kernels' time a step summed by the HLO instruction each event names (its `hlo_op` stat; events
+    without one, such as a memcpy, left out), then set beside benchmarks.roofline's estimate of that instruction in
+    the checked-in H100 module (tests/test_roofline.py's): custom-call.15, c_attn's cuBLAS gemm, (64 x 64) @
+    (64 x 192) bf16 to f32, twice a step (its micro-batch loop), against FLOPs and bytes counted here by hand."""
+    import types
+    from benchmarks import profile
+    event = lambda op, us: types.SimpleNamespace(stats=[("hlo_op", op)] if op else [], duration_ns=us * 1000)
+    streams = [types.SimpleNamespace(events=[event("custom-call.15", 6), event("custom-call.15", 4),
+                                             event(None, 50)]),
+               types.SimpleNamespace(events=[event("custom-call.15", 5), event("custom-call.15", 5),
+                                             event("fusion.no_such", 3)])]
+    ms, kernels = profile.by_instruction(streams, steps=2)
+    assert ms == pytest.approx({"custom-call.15": 0.010, "fusion.no_such": 0.0015})
+    assert kernels == pytest.approx({"custom-call.15": 2, "fusion.no_such": 0.5})
+    with open(os.path.join(os.path.dirname(__file__), "data", "roofline_tiny_h100.hlo.txt")) as f:
+        hlo = f.read()
+    target = ("h100", 989e12, 3.35e12)
+    gemm, unknown = profile.instruction_rows(ms, kernels, hlo, target, top=5)
+    flops = 2 * 64 * 192 * 64 * 2  # two launches a step
+    moved = (64 * 64 * 2 + 64 * 192 * 2 + 64 * 192 * 4) * 2
+    roof_ms = max(flops / 989e12, moved / 3.35e12) * 1e3
+    assert (gemm["op"], gemm["category"], gemm["kernels"]) == ("custom-call.15", "matmul", pytest.approx(2))
+    # the same arithmetic in another order: fp64 rounding apart
+    assert gemm["roofline_ms"] == pytest.approx(roof_ms, rel=1e-12)
+    assert gemm["ratio"] == pytest.approx(0.010 / roof_ms, rel=1e-12)
+    assert gemm["tflops"] == pytest.approx(flops / 0.010e-3 / 1e12, rel=1e-12)
+    assert gemm["gbps"] == pytest.approx(moved / 0.010e-3 / 1e9, rel=1e-12)
+    assert unknown == dict(op="fusion.no_such", category="not in the roofline", kernels=pytest.approx(0.5),
+                           ms=pytest.approx(0.0015), roofline_ms=None, ratio=None, tflops=None, gbps=None)
+    text = profile.against_roofline(ms, kernels, hlo, target, top=5).splitlines()
+    assert text[1] == "by HLO instruction, against the roofline (h100: 989 TFLOP/s, 3.35 TB/s):"
+    assert text[4].startswith("| custom-call.15 | matmul | 2 | 0.01 | 0.00 | ")
+    assert text[5] == "| fusion.no_such | not in the roofline | 0.5 | 0.00 |  |  |  |  |"
+
+
 def test_profile_removes_its_trace_folder(tmp_path, monkeypatch):
     """A profile read its trace from a jaxtrain-profile-* folder it left in the temp folder, one per run."""
     import jax

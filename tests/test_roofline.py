@@ -220,3 +220,12 @@ def test_one_tiny_compile(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "| **total** |" in proc.stdout and "memory_analysis peak" in proc.stdout and out.exists()
+
+
+def test_a_gpu_is_known_by_the_device_kind_its_spec_names():
+    """benchmarks.profile's roofline beside the kernels finds the GPU's spec by jax's device_kind (the spec's
+    device_description_str), and its bandwidth there, without the nvidia wheels that target_config reads."""
+    assert roofline.gpu_target("NVIDIA H100 80GB HBM3") == "h100"
+    assert roofline.gpu_target("NVIDIA H200 141GB HBM3e") == "h200"
+    assert roofline.gpu_target("NVIDIA H100 PCIe") is None and roofline.gpu_target("cpu") is None
+    assert roofline.memory_bandwidth("h100") == 3_352_320_000_000  # the spec's memory_bandwidth, bytes/s
