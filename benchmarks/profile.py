@@ -132,6 +132,8 @@ def instruction_rows(ms: collections.Counter, kernels: collections.Counter, hlo:
 def against_roofline(ms: collections.Counter, kernels: collections.Counter, hlo: str, target: tuple, top: int) -> str:
     """instruction_rows as a table: which gemms and passes run furthest from their roofline."""
     name, peak, bandwidth = target
+    if not ms:
+        return "\nno roofline beside the kernels: no kernel in the trace names its HLO instruction (hlo_op)"
     lines = [f"\nby HLO instruction, against the roofline ({name}: {peak / 1e12:.0f} TFLOP/s, "
              f"{bandwidth / 1e12:.2f} TB/s):",
              "| instruction | category | kernels a step | ms a step | roofline ms | measured / roofline | TFLOP/s | "

@@ -293,6 +293,8 @@ def test_profile_puts_each_instructions_kernels_beside_its_roofline():
     assert text[1] == "by HLO instruction, against the roofline (h100: 989 TFLOP/s, 3.35 TB/s):"
     assert text[4].startswith("| custom-call.15 | matmul | 2 | 0.01 | 0.00 | ")
     assert text[5] == "| fusion.no_such | not in the roofline | 0.5 | 0.00 |  |  |  |  |"
+    assert "no kernel in the trace names its HLO instruction" in profile.against_roofline(
+        *profile.by_instruction([types.SimpleNamespace(events=[event(None, 50)])], 1), hlo, target, top=5)
 
 
 def test_profile_removes_its_trace_folder(tmp_path, monkeypatch):
