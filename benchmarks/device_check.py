@@ -141,10 +141,9 @@ STAGES = (
 )
 # Run only where --stages names them (they do not fit the default budget beside the stages above): the README's
 # table, whose command and config are what the step's default is, and the same at the config's own batch (and that
-# batch in bigger micro-batches); the cost
-# of torch's roundings, answered twice; each kernel's step alone and three of the kernels alone (where step_kernels,
-# gelu_ab and the profile leave it open which one helps); the loss's logsumexp alone (a lead the head's kernel may
-# make moot).
+# batch in bigger micro-batches); the cost of torch's roundings, answered twice; each kernel's step alone and three
+# of the kernels alone (where step_kernels, gelu_ab and the profile leave it open which one helps); the loss's
+# logsumexp alone (a lead the head's kernel may make moot).
 ON_REQUEST = (
     Stage("table", "the README's table: jaxtrain bf16 against torchref eager and torch.compile, MFU of 989 TFLOP/s "
           "(NOTES stage 4)", ("-m", "benchmarks.run", *GPT2, *TABLE, "--model.norm={norm}", *TABLE_ROWS), 170, 300,

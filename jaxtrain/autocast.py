@@ -224,8 +224,7 @@ def column_blocks(x, w, b, precision: str, parts: int):
     output is a copy; three gemms write them where they go (XLA's dot merger would merge them back:
     step.compiler_options). x's gradient is the whole linear's (one dx gemm on the blocks' gradients concatenated,
     rounded once, as torch's): not three rounded dx summed; w's and b's are each block's own (block_weight_grads)."""
-    bs = [None] * parts if b is None else jnp.split(b, parts, -1)
-    return tuple(linear(x, wi, bi, precision) for wi, bi in zip(jnp.split(w, parts, -1), bs))
+    return tuple(linear(x, wi, bi, precision) for wi, bi in _column_split(w, b, parts))
 
 
 def _column_blocks_fwd(x, w, b, precision, parts):
@@ -246,12 +245,16 @@ def block_weight_grads(x, w, b, g_blocks, precision: str):
     linear's VJP (x^T g_i, and g_i summed over the rows), side by side: the whole linear's, each element the same
     sum. A gemm on the blocks' gradients concatenated reads a copy of them, which XLA:GPU made twice in GPT-2 124M's
     step, once for the dx gemm and again where it ran the weight's gemm through cuBLAS (benchmarks/NOTES.md)."""
-    parts = len(g_blocks)
-    b_blocks = [None] * parts if b is None else jnp.split(b, parts, -1)
     grads = [jax.vjp(lambda wi, bi: linear(x, wi, bi, precision), wi, bi)[1](g)
-             for wi, bi, g in zip(jnp.split(w, parts, -1), b_blocks, g_blocks)]
+             for (wi, bi), g in zip(_column_split(w, b, len(g_blocks)), g_blocks)]
     g_w = jnp.concatenate([g_wi for g_wi, _ in grads], -1)
     return g_w, None if b is None else jnp.concatenate([g_bi for _, g_bi in grads], -1)
+
+
+def _column_split(w, b, parts: int) -> list[tuple]:
+    """(w_i, b_i) for each of `parts` equal column blocks of w and b (b_i None where b is)."""
+    b_blocks = [None] * parts if b is None else jnp.split(b, parts, -1)
+    return list(zip(jnp.split(w, parts, -1), b_blocks))
 
 
 def bias_row_applies(precision: str) -> bool:
