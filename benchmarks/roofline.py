@@ -261,10 +261,16 @@ def require_compiler(target: str) -> None:
     target_devices.allow_compile_only(target)
 
 
+# Device names CUDA reports for a card whose XLA spec names it otherwise: an H200 SXM is "NVIDIA H200 141GB HBM3e"
+# in XLA's spec and in cudaGetDeviceProperties on some drivers, "NVIDIA H200" on others (the device tool's H200).
+SHORT_KINDS = {"NVIDIA H200": "NVIDIA H200 141GB HBM3e"}
+
+
 def gpu_target(device_kind: str) -> str | None:
     """The GPU target whose XLA device spec names this device kind (jax's device_kind), None for none."""
+    spec_name = SHORT_KINDS.get(device_kind, device_kind)
     return next((t for t in target_devices.GPUS
-                 if f'device_description_str: "{device_kind}"' in target_devices.device_spec(t)), None)
+                 if f'device_description_str: "{spec_name}"' in target_devices.device_spec(t)), None)
 
 
 def memory_bandwidth(target: str) -> float:

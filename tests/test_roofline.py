@@ -227,5 +227,8 @@ def test_a_gpu_is_known_by_the_device_kind_its_spec_names():
     device_description_str), and its bandwidth there, without the nvidia wheels that target_config reads."""
     assert roofline.gpu_target("NVIDIA H100 80GB HBM3") == "h100"
     assert roofline.gpu_target("NVIDIA H200 141GB HBM3e") == "h200"
+    assert roofline.gpu_target("NVIDIA H200") == "h200"  # the name some drivers report for the same card
     assert roofline.gpu_target("NVIDIA H100 PCIe") is None and roofline.gpu_target("cpu") is None
+    assert roofline.gpu_target("NVIDIA H200 NVL") is None  # another card (PCIe, lower clocks): not the SXM's spec
+    assert roofline.memory_bandwidth("h200") == 4_800_000_000_000
     assert roofline.memory_bandwidth("h100") == 3_352_320_000_000  # the spec's memory_bandwidth, bytes/s
