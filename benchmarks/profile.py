@@ -13,6 +13,10 @@ that benchmarks.roofline knows, also each HLO instruction's kernels beside the r
 compiled program: how far each gemm and pass runs from its roofline.
 """
 
+if __name__ == "__main__":  # the step as benchmarks.run times it and jaxtrain.run trains it: malloc on huge pages
+    from jaxtrain import hostmem
+    hostmem.use_huge_pages()
+
 import argparse
 import collections
 import glob

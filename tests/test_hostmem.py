@@ -66,12 +66,14 @@ def test_glibc_and_the_kernel_back_malloc_with_huge_pages():
 
 
 @needs_glibc
-def test_jaxtrain_run_executes_itself_with_the_tunable(tmp_path):
-    """The real command line: its environment, read from /proc while it runs (it restarts within milliseconds;
-    the wait is bounded)."""
+@pytest.mark.parametrize("module,flags", [("jaxtrain.run", ["--run.dry_run=true"]),
+                                          ("benchmarks.profile", ["--steps=1"])])
+def test_the_command_lines_execute_themselves_with_the_tunable(tmp_path, module, flags):
+    """The real command lines, the trainer's and the profile's (which traces the step as the trainer runs it):
+    their environment, read from /proc while they run (each restarts within milliseconds; the wait is bounded)."""
     clean = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxtrain.run", "--config", "configs/tiny.yaml",
-                             "--run.dry_run=true", f"--data.cache_dir={tmp_path}"], env=clean,
+    proc = subprocess.Popen([sys.executable, "-m", module, "--config", "configs/tiny.yaml", *flags,
+                             f"--data.cache_dir={tmp_path}"], env=clean,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline, environ = time.monotonic() + 30, b""
