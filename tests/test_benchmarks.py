@@ -308,3 +308,15 @@ def test_profile_removes_its_trace_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     profile.main([*TINY, "--synthetic", "--steps", "1"])
     assert [name for name in os.listdir(tmp_path) if name.startswith("jaxtrain-profile-")] == []
+
+
+def test_a_cpu_is_named_with_the_units_its_bf16_matmuls_run_on():
+    """The table's device line says whether the CPU has AMX (where torch's oneDNN runs bf16 matmuls on its tiles)
+    or AVX-512's bf16 instructions: the bf16 rows' ratio depends on it. Only the first processor's block is read."""
+    amx = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 "
+           "amx_tile\n\nprocessor\t: 1\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu\n")
+    assert bench.cpu_in_words(amx, 2) == "Intel(R) Xeon(R) Processor (2 cores, AMX, AVX-512 bf16)"
+    epyc = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+    assert bench.cpu_in_words(epyc, 2) == "AMD EPYC (2 cores, AVX-512 bf16)"
+    bare = "processor\t: 0\nflags\t\t: fpu avx2 amx_tile\n"
+    assert bench.cpu_in_words(bare, 4) == "CPU (4 cores, no bf16 matmul units)"
