@@ -10,8 +10,6 @@ NORM_KERNEL = re.compile(r"_norm_(forward|backward)_kernel")
 
 DATA_MOVEMENT = {"parameter", "copy", "transpose", "bitcast", "reshape", "slice", "concatenate", "convert",
                  "broadcast", "constant", "tuple", "get-tuple-element", "dynamic-slice", "dynamic-update-slice"}
-
-
 CONTROL = {"while", "conditional", "call", "custom-call"}
 COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce-start",
                "all-gather-start", "collective-permute-start"}

@@ -123,10 +123,10 @@ def describe_device(cfg, peak_tflops: float | None) -> tuple[str, int, float | N
     abstract = jax.eval_shape(functools.partial(step_lib.fresh_state, cfg, cfg.model.vocab_size))
     n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
     kind = jax.devices()[0].device_kind
+    peak = peak_tflops * 1e12 if peak_tflops else metrics.peak_flops(cfg, kind)
     if jax.default_backend() == "cpu":
         with open("/proc/cpuinfo") as f:
             kind = f"{cpu_in_words(f.read(), os.cpu_count())}, jax {jax.__version__}"
-    peak = peak_tflops * 1e12 if peak_tflops else metrics.peak_flops(cfg, jax.devices()[0].device_kind)
     return kind, n_params, peak
 
 
@@ -137,8 +137,8 @@ BF16_MATMUL_FLAGS = {"amx_bf16": "AMX", "avx512_bf16": "AVX-512 bf16"}
 
 def cpu_in_words(cpuinfo: str, cores: int) -> str:
     """'<model name> (<cores> cores, <its bf16 matmul features>)', from /proc/cpuinfo's text."""
-    fields = dict(line.split(":", 1) for line in cpuinfo.split("\n\n")[0].splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    fields = {key.strip(): value.strip() for key, value in
+              (line.split(":", 1) for line in cpuinfo.split("\n\n")[0].splitlines() if ":" in line)}
     flags = fields.get("flags", "").split()
     features = [name for flag, name in BF16_MATMUL_FLAGS.items() if flag in flags] or ["no bf16 matmul units"]
     return f"{fields.get('model name', 'CPU')} ({cores} cores, {', '.join(features)})"
