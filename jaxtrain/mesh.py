@@ -118,8 +118,9 @@ def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:
     fsdp = cfg.mesh.fsdp
     data = cfg.mesh.data if cfg.mesh.data != -1 else n_devices // max(fsdp, 1)
     if fsdp <= 0 or data <= 0 or data * fsdp != n_devices:
+        data_fix = "" if cfg.mesh.data == -1 else "mesh.data=-1 and "
         raise UserError(f"mesh.data={cfg.mesh.data} x mesh.fsdp={cfg.mesh.fsdp} does not cover the {n_devices} "
-                        f"devices; set mesh.data=-1 and an fsdp that divides {n_devices}{_or_dry_run_devices(cfg)}")
+                        f"devices; set {data_fix}an fsdp that divides {n_devices}{_or_dry_run_devices(cfg)}")
     if cfg.micro_batch_size % n_devices:
         batch, k = cfg.data.batch_size, cfg.optim.grad_accum_steps
         fewer = next((j for j in range(k - 1, 0, -1) if batch % (j * n_devices) == 0), None)

@@ -4,14 +4,16 @@ metrics.jsonl has one JSON object per logged optimizer step: step (updates compl
 grad_norm, tokens (cumulative), tokens_per_s, mfu (null where the device's peak is unknown), and with
 train.nan_policy=skip or train.precision=fp16 `skipped` (updates skipped so far), with fp16 `loss_scale` (the loss
 scale the window ran with); eval lines carry step, eval_loss and eval_accuracy (the
-fraction of valid eval targets that are the top-1 prediction, ties to the lowest token id). torchref writes the same
-format, and gives tokens_per_s the same meaning: valid target tokens trained since the previous line over the
+fraction of valid eval targets that are the top-1 prediction, ties to the lowest token id). Each line is strict JSON:
+a value that is not finite (a skipped or diverged window's loss, an overflowed gradient norm) is written null
+(`json_line`). torchref writes the same format, and gives tokens_per_s the same meaning: valid target tokens trained since the previous line over the
 training time they took, evaluation and checkpoint saves left out (the loop calls `exclude_time` after them; an async
 save's background writing that slows later steps still counts).
 """
 
 import itertools
 import json
+import math
 import os
 import socket
 import sys
@@ -92,6 +94,15 @@ def scalars(line: dict) -> dict:
     they are (eval_loss, eval_accuracy); the step and unknown values (mfu null) left out."""
     return {key if key.startswith("eval_") else f"train/{key}": value for key, value in line.items()
             if key != "step" and value is not None}
+
+
+def json_line(record: dict) -> str:
+    """A metrics record as a line of strict JSON, NaN and infinities written null: Python's json writes them as bare
+    NaN and Infinity, which JSON lacks and strict readers refuse (JavaScript's JSON.parse, Go's, DuckDB's), the
+    whole file with them. TensorBoard and W&B are given the values themselves."""
+    finite = {key: None if isinstance(value, float) and not math.isfinite(value) else value
+              for key, value in record.items()}
+    return json.dumps(finite, allow_nan=False) + "\n"
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, flops_per_s_peak: float | None) -> float | None:
@@ -187,7 +198,7 @@ class MetricsLogger:
     def _write(self, line: dict) -> None:
         if not self.is_main:
             return
-        self.log.write(json.dumps(line) + "\n")
+        self.log.write(json_line(line))
         if self.tb:
             for tag, value in scalars(line).items():
                 self.tb.scalar(tag, value, line["step"])

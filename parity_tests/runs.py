@@ -106,8 +106,13 @@ def from_torch(src: str, out_dir: str) -> str:
 # Reading the outputs ----------------------------------------------------------------------------------------------
 
 def read_metrics(out_dir: str) -> list[dict]:
+    """metrics.jsonl's records, read as strict JSON: a bare NaN or Infinity, which Python's json takes, fails."""
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line, parse_constant=_not_json) for line in f if line.strip()]
+
+
+def _not_json(constant: str):
+    raise ValueError(f"metrics.jsonl holds {constant}, which JSON lacks")
 
 
 def train_lines(lines: list[dict]) -> list[dict]:

@@ -242,6 +242,14 @@ def test_a_process_id_outside_the_process_count_is_one_line(monkeypatch, count, 
     assert calls == []
 
 
+@pytest.mark.parametrize("overrides, fix", [(["--mesh.fsdp=3"], "set an fsdp that divides 4"),
+                                            (["--mesh.data=3", "--mesh.fsdp=1"], "set mesh.data=-1 and an fsdp")])
+def test_a_mesh_that_misses_the_devices_names_only_the_keys_to_change(overrides, fix):
+    """mesh.data=-1 (the default) already takes the devices fsdp leaves: the fix names it only where it is not -1."""
+    with pytest.raises(UserError, match=rf"does not cover the 4 devices; {fix}"):
+        mesh.validate_devices(config.load([*SMALL, *overrides]), 4)
+
+
 @pytest.mark.parametrize("overrides, devices, fix", [
     (["--mesh.fsdp=8"], 1, "--run.dry_run_devices=N, N a multiple of 8"),
     (["--mesh.data=2", "--mesh.fsdp=4"], 4, "--run.dry_run_devices=8"),

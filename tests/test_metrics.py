@@ -117,6 +117,32 @@ def test_lines_come_every_log_every_steps_and_at_the_last(tmp_path):
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [2, 4, 5]
 
 
+def test_a_value_that_is_not_finite_is_written_null_and_shown_as_itself(tmp_path):
+    """metrics.jsonl stays strict JSON through a diverged or skipped window (JSON has no NaN or Infinity; a strict
+    reader refuses the whole file over one bare NaN), while TensorBoard, which has NaN, is given the value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=1", "--log.progress=false", "--train.steps=2",
+                       "--optim.warmup_steps=1", "--model.vocab_size=256"])
+    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1.0, n_devices=1, device_kind="cpu",
+                                   is_main=True)
+    logger.train(1, float("nan"), 1e-3, float("inf"), 100)
+    logger.eval(1, float("-inf"), 0.25)
+    logger.train(2, 2.5, 1e-3, 0.5, 100)
+    logger.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text, text
+    lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"not JSON: {c}")) for line in text.splitlines()]
+    assert [(line["loss"], line["grad_norm"]) for line in lines if "loss" in line] == [(None, None), (2.5, 0.5)]
+    assert [(line["eval_loss"], line["eval_accuracy"]) for line in lines if "eval_loss" in line] == [(None, 0.25)]
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    loss = [event.value for event in accumulator.Scalars("train/loss")]
+    assert loss[0] != loss[0] and loss[1] == 2.5  # NaN, then the finite loss
+    assert accumulator.Scalars("train/grad_norm")[0].value == float("inf")
+    assert accumulator.Scalars("eval_loss")[0].value == float("-inf")
+
+
 def test_a_resumed_run_keeps_the_lines_up_to_its_step_and_drops_a_cut_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [f'{{"step": {s}, "loss": 1.0}}\n' for s in (1, 2, 3)] + ['{"step": 3, "eval_loss": 2.0}\n']

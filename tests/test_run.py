@@ -13,6 +13,7 @@ import pytest
 
 from design_formulas import default_lr_at
 from parity_tests import inject_nan
+from parity_tests.runs import read_metrics
 from jaxtrain import config, convert, model, run, runlock
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import UserError
@@ -26,11 +27,6 @@ def small_args(out_dir, cache_dir, *extra):
             "--data.batch_size=8", "--train.steps=8", "--optim.warmup_steps=2", "--checkpoint.every=4",
             "--train.eval_every=4", "--train.eval_batches=2", "--log.progress=false", "--train.precision=fp32",
             "--log.sample_tokens=0", *extra]  # tiny.yaml's end-of-run sample: tests/test_sample.py's
-
-
-def read_metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def without_timing(lines):

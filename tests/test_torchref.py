@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from design_formulas import TOP1_HITS, TOP1_LOGITS, TOP1_TARGETS
-from test_run import files_but_the_lock
+from test_run import files_but_the_lock, read_metrics
 from jaxtrain import config
 from jaxtrain.errors import UserError
 from torchref import run
@@ -57,11 +57,6 @@ def tiny_cfg(token_dir, out_dir, *overrides):
 def tiny_model(cfg):
     torch.manual_seed(0)
     return GPT(dataclasses.replace(cfg.model, vocab_size=VOCAB))
-
-
-def read_metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def trajectory(out_dir):

@@ -17,7 +17,6 @@ if __name__ == "__main__":  # before the imports below (torch takes seconds): a 
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
@@ -131,7 +130,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
             if stop.requested:
                 print(f"\ninterrupted: saved step {progress.step}; {config.resume_hint(cfg)}", file=sys.stderr)
                 break
-    print(f"torchref: {progress.step} steps, loss {loss:.4f}, eval loss {_fmt(eval_loss)}, "
+    print(f"torchref: step {progress.step}, loss {loss:.4f}, eval loss {_fmt(eval_loss)}, "
           f"eval accuracy {_fmt(eval_accuracy)}, "
           f"{log.mean_tokens_per_s():,.0f} tokens/s, {log.wall_s():.1f} s wall")
 
@@ -348,7 +347,7 @@ class MetricsLog:
         return time.perf_counter() - self.started
 
     def _write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(metrics.json_line(record))
         self.file.flush()
         if self.wandb:  # after metrics.jsonl, whose last step bounds what W&B may have (jaxtrain.wandb_log)
             self.wandb.log(record["step"], metrics.scalars(record))
