@@ -46,9 +46,9 @@ LEVERS = ("mesh.fsdp (shards params and optimizer state over more devices), opti
 # step, this 2-core CPU: 21.10 GiB, 14.90 with the flag; remat=full 21.06 and 13.61 (benchmarks/NOTES.md, CPU step 8).
 CPU_MEMORY_ORDER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 # What the verdict adds when the step was compiled by XLA:CPU for a GPU or TPU target.
-ESTIMATED = ("the step's temporaries are XLA:CPU's, an estimate: they overstate a GPU's about 3x (GPT-2 124M, 32 "
-             "sequences of 1024 a micro-batch on one H100: 51.7 GiB by XLA:CPU with run.dry_run_devices=1, 13.6 by "
-             "XLA:GPU) and a TPU's about 2x (configs/pod-fsdp.yaml on 64 v5e: 11.2 and 5.3); for the device's own "
+ESTIMATED = ("the step's temporaries are XLA:CPU's, an estimate: they overstate a GPU's 3-4x (GPT-2 124M, 32 "
+             "sequences of 1024 a micro-batch on one H100: 51.7 GiB by XLA:CPU with run.dry_run_devices=1, 14.3 by "
+             "XLA:GPU) and a TPU's about 3x (configs/pod-fsdp.yaml on 64 v5e: 11.2 and 3.8); for the device's own "
              "figure, no device needed, install jax's compiler for it")
 
 
