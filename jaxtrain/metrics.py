@@ -6,9 +6,9 @@ train.nan_policy=skip or train.precision=fp16 `skipped` (updates skipped so far)
 scale the window ran with); eval lines carry step, eval_loss and eval_accuracy (the
 fraction of valid eval targets that are the top-1 prediction, ties to the lowest token id). Each line is strict JSON:
 a value that is not finite (a skipped or diverged window's loss, an overflowed gradient norm) is written null
-(`json_line`). torchref writes the same format, and gives tokens_per_s the same meaning: valid target tokens trained since the previous line over the
-training time they took, evaluation and checkpoint saves left out (the loop calls `exclude_time` after them; an async
-save's background writing that slows later steps still counts).
+(`json_line`). torchref writes the same format, and gives tokens_per_s the same meaning: valid target tokens trained
+since the previous line over the training time they took, evaluation and checkpoint saves left out (the loop calls
+`exclude_time` after them; an async save's background writing that slows later steps still counts).
 """
 
 import itertools
