@@ -12,7 +12,7 @@ import transformers
 from safetensors import safe_open
 
 from jaxtrain import config, convert, hf_format, model, prepare, run, torch_format
-from test_run import small_args
+from test_run import read_metrics, small_args
 
 DIMS = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)  # test_run's small model, bytes
 
@@ -97,7 +97,7 @@ def test_a_model_from_transformers_fine_tunes(tmp_path, cache_dir):
     assert all(np.array_equal(start[name], hf[name].T if name.endswith(hf_format.CONV1D) else hf[name])
                for name in start) and set(start) == set(hf)
     run.train(cfg)
-    losses = [line for line in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in line]
+    losses = [line for line in read_metrics(str(tmp_path / "run")) if "loss" in line]
     assert losses[-1]["step"] == 3 and all(np.isfinite(line["loss"]) for line in losses)
 
 

@@ -5,7 +5,6 @@ params and the update are the same; only the order of the cross-device sums diff
 """
 
 import functools
-import json
 import os
 import socket
 import subprocess
@@ -19,6 +18,7 @@ from jax.sharding import Mesh
 
 import compiled_hlo
 
+from parity_tests.runs import read_metrics
 from jaxtrain import config, mesh, run
 from jaxtrain.errors import UserError
 
@@ -39,9 +39,7 @@ def one_device_losses(tmp_path_factory, cache_dir):
 
 
 def losses(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        lines = [json.loads(line) for line in f]
-    return [line.get("loss", line.get("eval_loss")) for line in lines]
+    return [line.get("loss", line.get("eval_loss")) for line in read_metrics(out_dir)]
 
 
 def test_fsdp_shards_the_largest_divisible_axis():
