@@ -33,11 +33,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtrain import autocast, hopper_gemm, mesh
 from jaxtrain.errors import UserError
-from jaxtrain.hopper_gemm import EPILOGUE_TILE, Tiles, tiles_for
+from jaxtrain.hopper_gemm import EPILOGUE_TILE, Tiles, plgpu, tiles_for
 
 FWD_OPTION, GRAD_OPTION = "model.gelu_fwd=pallas", "model.gelu_grad=pallas"
 

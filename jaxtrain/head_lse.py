@@ -23,11 +23,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtrain import autocast, hopper_gemm, loss, mesh, model
 from jaxtrain.errors import UserError
-from jaxtrain.hopper_gemm import EPILOGUE_TILE, Tiles, tiles_for
+from jaxtrain.hopper_gemm import EPILOGUE_TILE, Tiles, plgpu, tiles_for
 
 OPTION = "model.head_lse=pallas"
 # GPT-2's padded vocabulary, 50,304 = 131 x 384 columns (not 256s: 393 x 128): two warpgroups of 128 x 192. Two

@@ -13,6 +13,7 @@ model.gelu_fwd=pallas, model.gelu_grad=pallas, model.head_lse=pallas and model.q
 
 import dataclasses
 import functools
+import importlib
 import importlib.util
 import inspect
 from typing import Callable
@@ -21,15 +22,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxtrain import autocast, mesh
 from jaxtrain.config_checks import HOPPER_GEMM_TILE as EPILOGUE_TILE  # a tile's rows, columns and k are multiples
 from jaxtrain.errors import UserError
 
+
+class _ImportedOnFirstUse:
+    """Attribute reads of the module `name`, imported (a plain import) at the first: Mosaic GPU's Pallas took 0.4 s
+    of the 2.3 s `python -m jaxtrain.run` spent importing on this CPU, and only a Hopper kernel's trace reads it.
+    (importlib's LazyLoader, tried first, failed to load its module wherever a test had imported the real one.)"""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+plgpu = _ImportedOnFirstUse("jax.experimental.pallas.mosaic_gpu")  # gelu_gemm.py and head_lse.py use it too
+
 HOPPER = "9.0"  # wgmma and TMA: the compute capability the kernels are written for
-# plgpu.kernel's name for the output's shape and dtype: out_shape until jax 0.10, which deprecated it for out_type
-OUT_TYPE = "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
 SMS_UNKNOWN = 132  # an H100 SXM's and an H200's SMs: the persistent grid when compiling ahead of time
 # The name scope of every kernel here, in its custom call's op_name: how benchmarks.roofline knows a Mosaic GPU
 # custom call for a gemm of its first two operands (m, k) @ (k, n), and counts its 2 m k n FLOPs; a kernel of p
@@ -133,7 +146,7 @@ def slots_for(t: Tiles) -> int:
     return min(2, (t.m // EPILOGUE_TILE) * (t.n // EPILOGUE_TILE))
 
 
-def epilogue_smem(low, t: Tiles) -> plgpu.SMEM:
+def epilogue_smem(low, t: Tiles) -> "plgpu.SMEM":
     """Each consumer warpgroup's slots of EPILOGUE_TILE x EPILOGUE_TILE in the compute dtype, swizzled for TMA:
     where an epilogue's output tiles pass on their way to global memory."""
     return plgpu.SMEM((2, slots_for(t), EPILOGUE_TILE, EPILOGUE_TILE), low,
@@ -208,12 +221,18 @@ def gemm_with_epilogue(option: str, epilogue: Callable, scratch: dict, out_types
         kernel = functools.partial(_kernel, t=t, epilogue=epilogue, scratch=scratch, extra_inputs=extra_inputs,
                                    pairs=pairs)
         with jax.named_scope(SCOPE if pairs == 1 else f"{SCOPE}_pairs{pairs}"):
-            return plgpu.kernel(kernel, **{OUT_TYPE: out_types},
+            return plgpu.kernel(kernel, **{_out_type_name(): out_types},
                                 grid=(min(_sm_count(), output_tiles) if on_gpu else 1,), grid_names=("sm",),
                                 num_threads=3, thread_name="wg", compiler_params=_lane_semantics(),
                                 kernel_name=kernel_name(option),
                                 interpret=None if on_gpu else _interpreter(option))(*operands)
     return call
+
+
+def _out_type_name() -> str:
+    """plgpu.kernel's name for the output's shape and dtype: out_shape until jax 0.10, which deprecated it for
+    out_type."""
+    return "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
 
 
 def kernel_name(option: str) -> str:

@@ -1,6 +1,8 @@
 """A jaxtrain process never loads torch, though torch is installed here (the [test] extra brings it): not the
 trainer, not the converter, not the sampler, not --help. Python's -X importtime lists every module a process
-imports, lazily imported ones included, on stderr; no line may name torch or one of its submodules."""
+imports, lazily imported ones included, on stderr; no line may name torch or one of its submodules. Nor, off a GPU,
+does it run the code of Mosaic GPU's Pallas, which only the Hopper kernels use (hopper_gemm imports it on first use:
+0.4 s of a start)."""
 
 import importlib.util
 import re
@@ -10,6 +12,7 @@ import sys
 from test_run import small_args
 
 TORCH_IMPORT = re.compile(r"^import time:.*\|\s+torch(\.|$)", re.M)
+MOSAIC_GPU_IMPORT = re.compile(r"^import time:.*\|\s+jax\._src\.pallas\.mosaic_gpu\.core$", re.M)
 
 
 def imports_of(*args: str) -> str:
@@ -23,7 +26,7 @@ def test_torch_is_installed_so_the_checks_below_mean_something():
     assert TORCH_IMPORT.search(imports_of("torchref.run", "--help"))  # the pattern does find torch's imports
 
 
-def test_training_and_converting_never_import_torch(tmp_path, cache_dir, wandb_offline):
+def test_training_and_converting_never_import_torch_nor_mosaic_gpu(tmp_path, cache_dir, wandb_offline):
     """Training with every logger on: TensorBoard, and W&B (offline; wandb has integrations with torch that it
     imports lazily)."""
     out = tmp_path / "run"
@@ -37,3 +40,10 @@ def test_training_and_converting_never_import_torch(tmp_path, cache_dir, wandb_o
     sampled = imports_of("jaxtrain.sample", "--run", str(out), "--max_new_tokens", "3")
     for stderr in (imports_of("jaxtrain.run", "--help"), trained, converted, exported, sampled):
         assert "jaxtrain" in stderr and not TORCH_IMPORT.search(stderr), TORCH_IMPORT.findall(stderr)[:5]
+        assert not MOSAIC_GPU_IMPORT.search(stderr)
+    # The pattern finds the module's import; and hopper_gemm.plgpu reads the module a plain import gives, whichever
+    # imported it first
+    both = subprocess.run([sys.executable, "-X", "importtime", "-c", "from jaxtrain import hopper_gemm; "
+                           "from jax.experimental.pallas import mosaic_gpu; "
+                           "assert hopper_gemm.plgpu.kernel is mosaic_gpu.kernel"], capture_output=True, text=True)
+    assert both.returncode == 0 and MOSAIC_GPU_IMPORT.search(both.stderr), both.stderr[-2000:]
