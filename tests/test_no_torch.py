@@ -15,8 +15,9 @@ TORCH_IMPORT = re.compile(r"^import time:.*\|\s+torch(\.|$)", re.M)
 MOSAIC_GPU_IMPORT = re.compile(r"^import time:.*\|\s+jax\._src\.pallas\.mosaic_gpu\.core$", re.M)
 
 
-def imports_of(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", *args], capture_output=True, text=True)
+def imports_of(*args: str, how: str = "-m") -> str:
+    """The -X importtime report of `python -m *args` (or of `python -c code`, how="-c")."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", how, *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
 
@@ -43,7 +44,6 @@ def test_training_and_converting_never_import_torch_nor_mosaic_gpu(tmp_path, cac
         assert not MOSAIC_GPU_IMPORT.search(stderr)
     # The pattern finds the module's import; and hopper_gemm.plgpu reads the module a plain import gives, whichever
     # imported it first
-    both = subprocess.run([sys.executable, "-X", "importtime", "-c", "from jaxtrain import hopper_gemm; "
-                           "from jax.experimental.pallas import mosaic_gpu; "
-                           "assert hopper_gemm.plgpu.kernel is mosaic_gpu.kernel"], capture_output=True, text=True)
-    assert both.returncode == 0 and MOSAIC_GPU_IMPORT.search(both.stderr), both.stderr[-2000:]
+    code = ("from jaxtrain import hopper_gemm; from jax.experimental.pallas import mosaic_gpu; "
+            "assert hopper_gemm.plgpu.kernel is mosaic_gpu.kernel")
+    assert MOSAIC_GPU_IMPORT.search(imports_of(code, how="-c"))
