@@ -1,6 +1,7 @@
 """A run folder belongs to one run at a time: `<out_dir>/.lock`, held for the whole run by both backends (pure
 Python: torchref imports it). On several processes only process 0 holds it (the others write into the same folder
-as part of the same run). A refused start touches nothing else in the folder, and the lock says who holds it.
+as part of the same run). A refused start touches nothing else in the folder, and the lock says who holds it; a
+start that stops before writing anything leaves no folder it made, nor a lock file in a folder holding nothing else.
 
 On a local disk (or a network file system with flock): an exclusive flock on an open file. The kernel drops it when
 the process ends however it ends (kill -9 included), so a killed run never leaves the folder locked.
@@ -109,6 +110,7 @@ def _refusing_an_unusable_bucket(blob):
 class FileLock:
     def __init__(self, out_dir: str):
         self.path = os.path.join(out_dir, NAME)
+        self.made_folders = _missing_folders(out_dir)
         try:  # the run's first write: a folder that cannot be made (/proc, /sys, a read-only disk) is refused here
             os.makedirs(out_dir, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -126,8 +128,31 @@ class FileLock:
 
     def release(self) -> None:
         if self.fd is not None:
+            self._unmake_if_unused()
             os.close(self.fd)  # closing the file drops the lock
             self.fd = None
+
+    def _unmake_if_unused(self) -> None:
+        """A start that ended before writing anything (data.path not a data folder) leaves no folder behind holding
+        only its lock: the lock file goes, then the folders this start made, innermost first, while they are empty.
+        The lock is still held meanwhile, so a start that opened the file before it went is refused."""
+        if os.listdir(os.path.dirname(self.path)) != [NAME]:
+            return
+        os.unlink(self.path)
+        for folder in reversed(self.made_folders):
+            try:
+                os.rmdir(folder)
+            except OSError:  # another start made something in it meanwhile: its folder now
+                return
+
+
+def _missing_folders(out_dir: str) -> list[str]:
+    """The folders os.makedirs(out_dir) would make, outermost first."""
+    missing, folder = [], os.path.abspath(out_dir)
+    while not os.path.exists(folder):
+        missing.insert(0, folder)
+        folder = os.path.dirname(folder)
+    return missing
 
 
 class GcsLease:

@@ -53,6 +53,26 @@ def test_a_run_folder_that_cannot_be_created_is_one_line(out_dir, why):
                             f"--run.out_dir")
 
 
+def test_a_start_that_fails_before_writing_leaves_the_folders_as_they_were(tmp_path, cache_dir):
+    """A start that took the lock and then stopped (data.path a folder but not a data folder) leaves no trace: not
+    the two folders it made for run.out_dir, not a lock file in an empty folder. A run folder with a run in it
+    keeps its files, and its lock file: the next start takes that one."""
+    not_data = str(tmp_path / "not-data")
+    os.makedirs(not_data)
+    failing_start = lambda out_dir: run.train(config.load(small_args(out_dir, cache_dir, f"--data.path={not_data}")))
+    for out_dir in (tmp_path / "new" / "nested", tmp_path / "empty"):
+        os.makedirs(tmp_path / "empty", exist_ok=True)
+        with pytest.raises(UserError, match="meta.json is missing"):
+            failing_start(str(out_dir))
+    assert sorted(os.listdir(tmp_path)) == ["empty", "not-data"] and os.listdir(tmp_path / "empty") == []
+    used = tmp_path / "used"
+    os.makedirs(used)
+    (used / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match="meta.json is missing"):
+        failing_start(str(used))
+    assert sorted(os.listdir(used)) == [runlock.NAME, "metrics.jsonl"]
+
+
 def test_a_held_folder_refuses_and_a_killed_holder_leaves_no_lock(tmp_path):
     holder = hold(str(tmp_path))
     refused = try_lock(str(tmp_path))
