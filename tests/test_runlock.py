@@ -155,9 +155,9 @@ def test_a_gs_bucket_that_refuses_the_credentials_is_one_line(monkeypatch):
     bucket = types.SimpleNamespace(name="their-bucket", get_blob=refuse)
     lease = types.SimpleNamespace(bucket=bucket, name="run/.lock", upload_from_string=refuse)
     monkeypatch.setattr(runlock.GcsLease, "blob_of", staticmethod(lambda out_dir: lease))
-    for start in (runlock.check_free, runlock.take):
+    for first_request in (runlock.check_free, runlock.take):
         with pytest.raises(UserError) as e:
-            start("gs://their-bucket/run", LEASE_S)
+            first_request("gs://their-bucket/run", LEASE_S)
         assert str(e.value) == (
             "run.out_dir's bucket gs://their-bucket refuses this run's credentials (403 Forbidden: "
             "ci@example.iam.gserviceaccount.com does not have storage.objects.get access); fix the credentials "
