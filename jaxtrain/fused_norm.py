@@ -23,17 +23,19 @@ interpreter (tests/test_fused_norm.py checks the kernels that way against XLA's 
 """
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # deprecated since jax 0.11.0 ("will be removed in a future JAX version"): a jax without it runs XLA's ops
-    from jax.experimental.pallas import triton as pl_triton
-except ImportError:
-    pl_triton = None
-
 from jaxtrain import autocast, mesh
+from jaxtrain.first_use import ImportedOnFirstUse
+
+# Pallas's Triton backend, imported at a kernel's trace (first_use.py). Deprecated since jax 0.11.0 ("will be
+# removed in a future JAX version"): a jax without it runs XLA's ops.
+TRITON = "jax.experimental.pallas.triton"
+pl_triton = ImportedOnFirstUse(TRITON)
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default; model.LayerNorm's too
 # Rows a kernel instance holds (the backward writes one partial-sum row of dw and db per instance) and its warps:
@@ -45,8 +47,13 @@ NUM_WARPS = 4
 
 
 def triton_available() -> bool:
-    """Whether this jax has Pallas's Triton backend, which the kernels are written for."""
-    return pl_triton is not None
+    """Whether this jax has Pallas's Triton backend, which the kernels are written for (imported to know: asked
+    only on a GPU, or where model.norm=pallas)."""
+    try:
+        importlib.import_module(TRITON)
+    except ImportError:
+        return False
+    return True
 
 
 def pieces(d: int) -> list[slice]:

@@ -13,7 +13,6 @@ model.gelu_fwd=pallas, model.gelu_grad=pallas, model.head_lse=pallas and model.q
 
 import dataclasses
 import functools
-import importlib
 import importlib.util
 import inspect
 from typing import Callable
@@ -26,21 +25,10 @@ from jax.experimental import pallas as pl
 from jaxtrain import autocast, mesh
 from jaxtrain.config_checks import HOPPER_GEMM_TILE as EPILOGUE_TILE  # a tile's rows, columns and k are multiples
 from jaxtrain.errors import UserError
+from jaxtrain.first_use import ImportedOnFirstUse
 
-
-class _ImportedOnFirstUse:
-    """Attribute reads of the module `name`, imported (a plain import) at the first: Mosaic GPU's Pallas took 0.4 s
-    of the 2.3 s `python -m jaxtrain.run` spent importing on this CPU, and only a Hopper kernel's trace reads it.
-    (importlib's LazyLoader, tried first, failed to load its module wherever a test had imported the real one.)"""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str):
-        return getattr(importlib.import_module(self._name), attr)
-
-
-plgpu = _ImportedOnFirstUse("jax.experimental.pallas.mosaic_gpu")  # gelu_gemm.py and head_lse.py use it too
+# Mosaic GPU's Pallas, imported at a Hopper kernel's trace (first_use.py); gelu_gemm.py and head_lse.py use it too
+plgpu = ImportedOnFirstUse("jax.experimental.pallas.mosaic_gpu")
 
 HOPPER = "9.0"  # wgmma and TMA: the compute capability the kernels are written for
 SMS_UNKNOWN = 132  # an H100 SXM's and an H200's SMs: the persistent grid when compiling ahead of time

@@ -1,8 +1,8 @@
 """A jaxtrain process never loads torch, though torch is installed here (the [test] extra brings it): not the
 trainer, not the converter, not the sampler, not --help. Python's -X importtime lists every module a process
 imports, lazily imported ones included, on stderr; no line may name torch or one of its submodules. Nor, off a GPU,
-does it run the code of Mosaic GPU's Pallas, which only the Hopper kernels use (hopper_gemm imports it on first use:
-0.4 s of a start)."""
+does it run the code of Pallas's GPU backends, which only the GPU kernels use (imported on first use, first_use.py:
+Mosaic GPU's 0.4 s of a start, Triton's 0.14 s)."""
 
 import importlib.util
 import re
@@ -12,7 +12,7 @@ import sys
 from test_run import small_args
 
 TORCH_IMPORT = re.compile(r"^import time:.*\|\s+torch(\.|$)", re.M)
-MOSAIC_GPU_IMPORT = re.compile(r"^import time:.*\|\s+jax\._src\.pallas\.mosaic_gpu\.core$", re.M)
+GPU_PALLAS_IMPORT = re.compile(r"^import time:.*\|\s+jax\._src\.pallas\.(mosaic_gpu|triton)\.core$", re.M)
 
 
 def imports_of(*args: str, how: str = "-m") -> str:
@@ -27,7 +27,7 @@ def test_torch_is_installed_so_the_checks_below_mean_something():
     assert TORCH_IMPORT.search(imports_of("torchref.run", "--help"))  # the pattern does find torch's imports
 
 
-def test_training_and_converting_never_import_torch_nor_mosaic_gpu(tmp_path, cache_dir, wandb_offline):
+def test_training_and_converting_never_import_torch_nor_gpu_pallas(tmp_path, cache_dir, wandb_offline):
     """Training with every logger on: TensorBoard, and W&B (offline; wandb has integrations with torch that it
     imports lazily)."""
     out = tmp_path / "run"
@@ -41,9 +41,10 @@ def test_training_and_converting_never_import_torch_nor_mosaic_gpu(tmp_path, cac
     sampled = imports_of("jaxtrain.sample", "--run", str(out), "--max_new_tokens", "3")
     for stderr in (imports_of("jaxtrain.run", "--help"), trained, converted, exported, sampled):
         assert "jaxtrain" in stderr and not TORCH_IMPORT.search(stderr), TORCH_IMPORT.findall(stderr)[:5]
-        assert not MOSAIC_GPU_IMPORT.search(stderr)
-    # The pattern finds the module's import; and hopper_gemm.plgpu reads the module a plain import gives, whichever
-    # imported it first
-    code = ("from jaxtrain import hopper_gemm; from jax.experimental.pallas import mosaic_gpu; "
-            "assert hopper_gemm.plgpu.kernel is mosaic_gpu.kernel")
-    assert MOSAIC_GPU_IMPORT.search(imports_of(code, how="-c"))
+        assert not GPU_PALLAS_IMPORT.search(stderr), GPU_PALLAS_IMPORT.findall(stderr)
+    # The pattern finds both modules' imports; and hopper_gemm.plgpu and fused_norm.pl_triton read the modules a
+    # plain import gives, whichever imported them first
+    code = ("from jaxtrain import fused_norm, hopper_gemm; from jax.experimental.pallas import mosaic_gpu, triton; "
+            "assert hopper_gemm.plgpu.kernel is mosaic_gpu.kernel; "
+            "assert fused_norm.pl_triton.CompilerParams is triton.CompilerParams")
+    assert len(GPU_PALLAS_IMPORT.findall(imports_of(code, how="-c"))) == 2
