@@ -22,7 +22,7 @@ import numpy as np
 from benchmarks.norm_kernels import timed
 from jaxtrain import autocast, gelu_gemm, hopper_gemm
 from jaxtrain.cmdline import positive_int
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
 LOW = jnp.bfloat16
 # A kernel further from XLA's result than this is wrong, not rounded otherwise: dh's sum order may flip its rounding
@@ -126,7 +126,7 @@ def kernel_table(lines: list[str], settings, kernel_for, args, iters: int, rate,
 
 def kernel_parser(prog: str, doc: str, d_help: str, tiles: str, iters: int) -> argparse.ArgumentParser:
     """The flags both kernels' benchmarks take: one GPU's rows, the model's width, tile settings, calls timed."""
-    ap = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    ap = OneLineParser(prog=prog, description=doc.splitlines()[0])
     ap.add_argument("--rows", type=positive_int, default=16384,
                     help="tokens of a micro-batch on one GPU (16 x 1024: the profile's batch 64 in 4)")
     ap.add_argument("--d", type=positive_int, default=768, help=d_help)

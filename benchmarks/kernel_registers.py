@@ -33,7 +33,7 @@ from benchmarks.gelu_gemm import parse_tiles
 from benchmarks.roofline import require_compiler
 from jaxtrain.cmdline import positive_int
 from jaxtrain.config_checks import HOPPER_GEMM_TILE
-from jaxtrain.errors import exit_on_user_error
+from jaxtrain.errors import OneLineParser, exit_on_user_error
 
 TARGET = "h100"
 KERNEL_BENCHMARKS = (("gelu", gelu_bench), ("head", head_bench), ("qkv", qkv_bench), ("fc", fc_bench))
@@ -127,7 +127,7 @@ def table(rows: int, d: int, vocab: int, settings: dict[str, str]) -> tuple[str,
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernel_registers", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m benchmarks.kernel_registers", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=positive_int, default=16384, help="tokens of a micro-batch on one GPU")
     ap.add_argument("--d", type=positive_int, default=768, help="the model's width")
     ap.add_argument("--vocab", type=positive_int, default=50304, help="the padded vocabulary (the head's n)")

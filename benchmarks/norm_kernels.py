@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxtrain import autocast, fused_norm
 from jaxtrain.cmdline import positive_int
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 from jaxtrain.model import LN_EPS
 
 LOW = jnp.bfloat16
@@ -73,7 +73,7 @@ def measure(residual_norm, inputs, cotangents, iters: int) -> tuple[float, float
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.norm_kernels", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m benchmarks.norm_kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=positive_int, default=32768,
                     help="rows: the sequences x length of one micro-batch (the README's GPT-2 table: 32 x 1024)")
     ap.add_argument("--d", type=positive_int, default=768, help="the model's width")

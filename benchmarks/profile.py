@@ -27,7 +27,7 @@ import tempfile
 from benchmarks import roofline
 from benchmarks.hlo_ops import NORM_KERNEL, hlo_categories
 from jaxtrain.cmdline import CONFIG_FLAGS_HELP, positive_int
-from jaxtrain.errors import exit_on_user_error
+from jaxtrain.errors import OneLineParser, exit_on_user_error
 
 # Op and kernel names -> what they are; the first pattern that matches wins. jaxtrain's own kernels are named for it:
 # fused_norm's residual-add-and-LayerNorm kernels (hlo_ops.NORM_KERNEL), hopper_gemm's gemms (kernel_name: "gemm_"
@@ -194,7 +194,7 @@ def concurrency_line(timelines, by_hlo: dict[str, str], steps: int) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """This tool's own flags; the rest (--config, --section.key=value) go to config.load."""
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.splitlines()[0],
+    ap = OneLineParser(prog="python -m benchmarks.profile", description=__doc__.splitlines()[0],
                                  epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=positive_int, default=3)
     ap.add_argument("--top", type=positive_int, default=25)

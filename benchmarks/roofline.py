@@ -21,7 +21,7 @@ import sys
 from benchmarks.hlo_ops import hlo_categories, hopper_gemm
 from jaxtrain import target_devices
 from jaxtrain.cmdline import CONFIG_FLAGS_HELP, output_file, positive_int
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
 MODEL = ('bytes = operand + result sizes (a fusion parameter read only through slice, dynamic-slice or gather, '
          'directly or through converts, counts those results; an in-place dynamic-update-slice counts its update and '
@@ -295,7 +295,7 @@ def compile_step(cfg, target: str):
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.splitlines()[0],
+    ap = OneLineParser(prog="python -m benchmarks.roofline", description=__doc__.splitlines()[0],
                                  epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="h100", choices=target_devices.GPUS,
                     help="the GPU to compile for when this machine has none")

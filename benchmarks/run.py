@@ -28,7 +28,7 @@ from benchmarks import workers
 from benchmarks.steps import matmul_shape, with_precision
 from jaxtrain import config as config_lib, config_checks
 from jaxtrain.cmdline import CONFIG_FLAGS_HELP, output_file, positive_float, positive_int
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
 # key -> (row name, steps builder, precision, grad_accum_steps (None: the config's), builder args)
 ROWS = {
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """This tool's own flags; the rest (--config, --section.key=value) go to config.load."""
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
+    ap = OneLineParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
                                  epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=positive_int, default=2)
     ap.add_argument("--steps", type=positive_int, default=6, help="timed steps per row and round")

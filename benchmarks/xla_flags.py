@@ -36,7 +36,7 @@ import time
 from benchmarks import roofline
 from jaxtrain import target_devices
 from jaxtrain.cmdline import CONFIG_FLAGS_HELP, output_file, output_folder, positive_int
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
 # NVLink bandwidth per GPU and direction, bytes/s (NVIDIA's datasheets give both directions: A100 600 GB/s,
 # H100 and H200 SXM 900 GB/s).
@@ -259,7 +259,7 @@ def table(rows: list[dict], gpu: bool) -> str:
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.xla_flags", description=__doc__.splitlines()[0],
+    ap = OneLineParser(prog="python -m benchmarks.xla_flags", description=__doc__.splitlines()[0],
                                  epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, choices=TARGETS, help="the device kind to compile for")
     ap.add_argument("--devices", type=positive_int, default=1, help="how many of them (the mesh the config asks for)")

@@ -32,7 +32,7 @@ from jaxtrain import runfolder
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
 
 def to_torch(step_dir: str, out_dir: str) -> None:
@@ -191,7 +191,7 @@ def _for_shapes(cfg: Config) -> Config:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="python -m jaxtrain.convert",
         description="Convert checkpoints between jaxtrain (Orbax) and the torch format that torchref writes "
                     "(model.safetensors, optimizer.safetensors, trainer_state.json), lossless both ways; and "
@@ -221,8 +221,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
     with exit_on_user_error():
+        args = _parser().parse_args(argv)
         runfolder.check_not_url(args.src, "SRC")
         commands = {"to-torch": to_torch, "from-torch": from_torch, "to-hf": to_hf, "from-hf": from_hf}
         commands[args.command](args.src, args.dst)

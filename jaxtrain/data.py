@@ -30,7 +30,7 @@ import numpy as np
 from jaxtrain import embedded_corpus
 from jaxtrain import prepare as prepare_lib
 from jaxtrain.config import Config, DataConfig
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
 TRAIN, VAL = 0, 1  # split ids, part of every batch's RNG key
 _PREPARE_HINT = f"create it with {prepare_lib.COMMAND}"
@@ -306,7 +306,7 @@ def _prepare(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m jaxtrain.data", description="Prepare token data and inspect it.")
+    ap = OneLineParser(prog="python -m jaxtrain.data", description="Prepare token data and inspect it.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text files into train.bin, val.bin, meta.json")
     p.add_argument("--input", nargs="+", required=True, help="text files or folders (all files, recursively)")
@@ -317,8 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("stats", help="token counts and the entropies a model's loss should beat")
     s.add_argument("--data-path", help="data folder; default: the embedded corpus")
     s.add_argument("--cache-dir", help="where the embedded corpus is prepared; default: ~/.cache/jaxtrain")
-    args = ap.parse_args(argv)
     with exit_on_user_error():
+        args = ap.parse_args(argv)
         if args.command == "prepare":
             _prepare(args)
         else:

@@ -5,6 +5,7 @@ its main in `exit_on_user_error`, so a bad config, missing data or a corrupt che
 cause and the fix, with exit code 2, instead of a traceback.
 """
 
+import argparse
 import contextlib
 import sys
 from typing import NoReturn
@@ -22,6 +23,15 @@ def exit_on_user_error():
         # One line even when a message quotes a library's multi-line text (the tests hold every message to one).
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, whose refusals (a missing or unknown argument, a bad value) are UserErrors: one line that
+    names the cause and where the usage is, not argparse's usage block above it. The parsers of its subcommands are
+    of this class too (argparse makes them with their parent's). Parse inside exit_on_user_error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message}; see {self.prog} --help")
 
 
 def exit_no_command_of_its_own(use_instead: str) -> NoReturn:

@@ -36,7 +36,7 @@ from jaxtrain import runfolder
 from jaxtrain.autocast import COMPUTE_DTYPES, backend, rounding_options
 from jaxtrain.config import ModelConfig
 from jaxtrain.config_checks import INT32_MAX
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
 REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
 RESTORE_TRIES = 3  # reads of the newest checkpoint of a run still training, each replaced as it was read: give up
@@ -278,14 +278,9 @@ def _trained_data_tokenizer(cfg, meta: dict) -> str:
     return data.tokenizer
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(f"{message}; see python -m jaxtrain.sample --help")
-
-
 def _parser() -> argparse.ArgumentParser:
     defaults = Sampling()
-    ap = _Parser(prog="python -m jaxtrain.sample", description="Text from a checkpoint of a trained run.",
+    ap = OneLineParser(prog="python -m jaxtrain.sample", description="Text from a checkpoint of a trained run.",
                  epilog='example: python -m jaxtrain.sample --run out/tiny --prompt "def " --temperature 0')
     ap.add_argument("--run", required=True, help="the run folder (its run.out_dir), e.g. out/tiny")
     ap.add_argument("--step", type=int, help="the checkpoint's step; default: the newest complete one")

@@ -8,13 +8,12 @@ logits, hence a NaN loss and NaN gradients; every other batch, evaluation includ
 needs what the fault needs and nothing else, so both backends meet the same fault at the same step.
 """
 
-import argparse
 
 import numpy as np
 
 from jaxtrain import config, data
 from jaxtrain.cmdline import positive_int
-from jaxtrain.errors import exit_on_user_error
+from jaxtrain.errors import OneLineParser, exit_on_user_error
 
 
 def poisoned_inputs(argv: list[str], steps: list[int]) -> list[np.ndarray]:
@@ -57,12 +56,12 @@ def _steps(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m parity_tests.inject_nan", description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(prog="python -m parity_tests.inject_nan", description=__doc__.split("\n\n")[0],
                                  epilog="Any further --config/--section.key=value flags go to the run.")
     ap.add_argument("backend", choices=("jaxtrain", "torchref"))
     ap.add_argument("steps", type=_steps, help="comma-separated 1-based optimizer steps, e.g. 3,5")
-    args, run_argv = ap.parse_known_args(argv)
     with exit_on_user_error():
+        args, run_argv = ap.parse_known_args(argv)
         bad = poisoned_inputs(run_argv, args.steps)
         if args.backend == "jaxtrain":
             from jaxtrain import run

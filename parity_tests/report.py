@@ -42,7 +42,7 @@ import yaml  # noqa: E402
 from jaxtrain import cmdline, config_checks  # noqa: E402
 from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain.cmdline import output_folder, positive_int  # noqa: E402
-from jaxtrain.errors import UserError  # noqa: E402
+from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from parity_tests import judgment, runs  # noqa: E402
 
 COLORS = {"jaxtrain": "tab:blue", "torchref": "tab:orange"}  # the reference runs: gray
@@ -61,24 +61,8 @@ REPORT_SETS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m parity_tests.report", description=__doc__.split("\n\n")[0],
-                                 epilog="Any further --section.key=value flag is passed to both runs.")
-    ap.add_argument("--config", required=True, action="append", help="run config YAML, e.g. configs/tiny.yaml")
-    ap.add_argument("--steps", type=positive_int, help="train.steps for both runs (default: the config's)")
-    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    ap.add_argument("--out", required=True, type=output_folder, help="folder for report.md, the PNGs and the runs (runs/ is replaced)")
-    known, overrides = ap.parse_known_args(argv)
-    bad = [a for a in overrides if not (a.startswith("--") and "=" in a)]
-    if bad:
-        ap.error(f"unexpected argument {bad[0]!r}; overrides look like --section.key=value")
-    reserved = [key for key in REPORT_SETS if cmdline.given(overrides, key) is not None]
-    if reserved:
-        ap.error(f"--{reserved[0]} is the report's to set ({REPORT_SETS[reserved[0]]})")
-    try:
-        config = cmdline.one_config(known.config)
-    except UserError as e:
-        ap.error(str(e))  # exit 2, as every refusal of the report's flags
-    config = config if "://" in config else os.path.abspath(config)  # its runs start in REPO
+    with exit_on_user_error():
+        known, config, overrides = _arguments(argv)
     try:
         report = build(config, known.steps, known.precision, os.path.abspath(known.out), overrides)
     except runs.RunFailed as failed:
@@ -89,6 +73,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(report.summary)
     return 0 if report.passed else 1
+
+
+def _arguments(argv: list[str] | None) -> tuple[argparse.Namespace, str, list[str]]:
+    """The report's flags, checked (a refusal is one line, exit 2): its own, its config's path, and the
+    --section.key=value overrides both runs take."""
+    ap = OneLineParser(prog="python -m parity_tests.report", description=__doc__.split("\n\n")[0],
+                       epilog="Any further --section.key=value flag is passed to both runs.")
+    ap.add_argument("--config", required=True, action="append", help="run config YAML, e.g. configs/tiny.yaml")
+    ap.add_argument("--steps", type=positive_int, help="train.steps for both runs (default: the config's)")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    ap.add_argument("--out", required=True, type=output_folder,
+                    help="folder for report.md, the PNGs and the runs (runs/ is replaced)")
+    known, overrides = ap.parse_known_args(argv)
+    bad = [a for a in overrides if not (a.startswith("--") and "=" in a)]
+    if bad:
+        ap.error(f"unexpected argument {bad[0]!r}; overrides look like --section.key=value")
+    reserved = [key for key in REPORT_SETS if cmdline.given(overrides, key) is not None]
+    if reserved:
+        ap.error(f"--{reserved[0]} is the report's to set ({REPORT_SETS[reserved[0]]})")
+    config = cmdline.one_config(known.config)
+    return known, (config if "://" in config else os.path.abspath(config)), overrides  # its runs start in REPO
 
 
 class Report:

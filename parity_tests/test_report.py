@@ -67,8 +67,9 @@ def test_a_key_the_report_sets_is_refused_naming_the_way(tmp_path, capsys, flag,
         report.main(["--config", runs.TINY, "--out", str(tmp_path / "r"), flag])
     key = flag.split("=")[0]
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"python -m parity_tests.report: error: {key} is the report's to set") and way in err, err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {key} is the report's to set") and way in err[0], err
+    assert err[0].endswith("; see python -m parity_tests.report --help"), err
     assert not (tmp_path / "mine").exists() and not (tmp_path / "r").exists()
 
 

@@ -2,6 +2,7 @@
 and a tool's own flags (a count of 0, a --json file in no folder), end in one line with exit code 2 before any
 work, and nothing is written."""
 
+import importlib
 import math
 import os
 import re
@@ -218,11 +219,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def _one_error_line(proc: subprocess.CompletedProcess, *words: str) -> None:
-    """Exit code 2, no traceback, and the last line of stderr (argparse prints its usage line above its error)
-    names every word."""
+    """Exit code 2, no traceback, and stderr one line that names every word."""
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.count("error:") == 1 and all(w in last for w in words), proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].count("error:") == 1 and all(w in lines[0] for w in words), proc.stderr
 
 
 def test_run_out_dir_under_a_file(a_file):
@@ -282,6 +282,30 @@ def test_tool_flags_are_checked_before_any_work(tmp_path, a_file, tool, flags, w
     fill = {"missing": str(tmp_path / "missing"), "tmp": str(tmp_path), "file": str(a_file)}
     _one_error_line(_cli(tool, "--config", "configs/tiny.yaml", *(f.format(**fill) for f in flags)), *words)
     assert sorted(os.listdir(tmp_path)) == ["a_file"]  # nothing written
+
+
+@pytest.mark.parametrize("tool,argv,message", [
+    ("jaxtrain.data", ["prepare", "--input", "a.txt"], "the following arguments are required: --out, --tokenizer; "
+                                                       "see python -m jaxtrain.data prepare --help"),
+    ("jaxtrain.data", ["stats", "--data_path", "d"], "unrecognized arguments: --data_path d; see python -m "
+                                                     "jaxtrain.data --help"),
+    ("jaxtrain.convert", [], "the following arguments are required: command; see python -m jaxtrain.convert --help"),
+    ("jaxtrain.convert", ["to-torch", "out/tiny/checkpoints/4"], "the following arguments are required: dst; see "
+                                                                 "python -m jaxtrain.convert to-torch --help"),
+    ("jaxtrain.sample", ["--run", "out/tiny", "--top_k", "many"], "argument --top_k: invalid int value: 'many'; see "
+                                                                   "python -m jaxtrain.sample --help"),
+    ("parity_tests.inject_nan", ["jaxtrain"], "the following arguments are required: steps; see python -m "
+                                              "parity_tests.inject_nan --help"),
+])
+def test_a_command_line_argparse_refuses_is_one_line_naming_its_help(tmp_path, monkeypatch, capsys, tool, argv,
+                                                                      message):
+    """argparse's refusals, in jaxtrain's one line (errors.OneLineParser), not its usage block: the line names the
+    subcommand's own --help where there is one."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(tool).main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {message}"]
+    assert os.listdir(tmp_path) == []
 
 
 @given(st.integers(-10**6, 10**6))
