@@ -7,7 +7,8 @@ warm (same losses: the cache holds what the compiler would have produced). The f
 nothing compiled by another version of the code is ever loaded. A JAX_COMPILATION_CACHE_DIR set by the caller wins.
 pytest-xdist's workers start after the controller's pytest_configure, so they inherit its folder and share it.
 
-And how many pytest-xdist workers `-n auto` (pyproject's addopts) starts.
+And how many pytest-xdist workers `-n auto` (pyproject's addopts) starts, and how many threads torch takes in each
+(THREAD_ENV).
 """
 
 import os
@@ -20,6 +21,11 @@ CACHE_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",  # the steps, not the many one-op jits (not worth a file)
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 }
+# torch's intra-op threads (OpenMP's; OpenBLAS's under numpy too), in the workers and every run they start: one. The
+# workers are one a core already, and an OpenMP pool spinning on a core another worker holds is slow: a torchref run
+# of 40 tiny steps took 4.3 and 8.0 s with one thread, 17.6 and 50.1 s with two, beside one busy process on this
+# 2-core machine (3.7 s either way alone).
+THREAD_ENV = {"OMP_NUM_THREADS": "1"}
 _made: list[str] = []
 
 
@@ -28,7 +34,7 @@ def pytest_configure(config):
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         _made.append(tempfile.mkdtemp(prefix="jaxtrain-test-compile-cache-"))
         os.environ["JAX_COMPILATION_CACHE_DIR"] = _made[0]
-    for key, value in CACHE_ENV.items():
+    for key, value in {**CACHE_ENV, **THREAD_ENV}.items():
         os.environ.setdefault(key, value)
 
 
