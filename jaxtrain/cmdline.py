@@ -59,10 +59,17 @@ def _read_yaml(path: str) -> dict:
     """A local file, or a run folder's config.yaml in an object store (gs://...: what a stopped run's resume
     hint names)."""
     runfolder.check_given(path, "--config", "a YAML file (see configs/)")
-    file = runfolder.path(path)
-    if not file.is_file():
-        raise UserError(f"config file {path!r} not found; pass an existing YAML file to --config (see configs/)")
-    data = file.read_bytes()
+    try:
+        with runfolder.quiet_store_retries():
+            data = runfolder.path(path).read_bytes()
+    except IsADirectoryError:
+        raise UserError(f"--config {path!r} is a folder; pass a YAML file (see configs/)") from None
+    except FileNotFoundError:
+        raise UserError(f"config file {path!r} not found; pass an existing YAML file to --config (see "
+                        f"configs/)") from None
+    except OSError as e:  # a bucket this machine cannot reach (gcsfs's retries ended), or a file it may not read
+        raise UserError(f"config file {path!r} could not be read ({type(e).__name__}: {e}); check the network to "
+                        f"it and the permissions") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -1,7 +1,7 @@
 """A run folder belongs to one run at a time: `<out_dir>/.lock`, held for the whole run by both backends (pure
 Python: torchref imports it). On several processes only process 0 holds it (the others write into the same folder
 as part of the same run). A refused start touches nothing else in the folder, and the lock says who holds it; a
-start that stops before writing anything leaves no folder it made, nor a lock file in a folder holding nothing else.
+start that stops before writing anything leaves the folder as it found it (FileLock._unmake_if_unused).
 
 On a local disk (or a network file system with flock): an exclusive flock on an open file. The kernel drops it when
 the process ends however it ends (kill -9 included), so a killed run never leaves the folder locked.
@@ -92,12 +92,18 @@ def _timeout(written: str) -> float | None:
 @contextlib.contextmanager
 def _refusing_an_unusable_bucket(blob):
     """A run's first request to the bucket of its lease `blob`, where GCS's answer that the bucket does not exist
-    (404), or that the run's credentials may not use it (403), is a UserError naming the bucket and the fix."""
+    (404), or that the run's credentials may not use it (403), is a UserError naming the bucket and the fix; so is
+    a bucket the run cannot reach (no network to it: the client's retries ended, or its token could not be
+    fetched)."""
     from google.api_core import exceptions
+    from google.auth.exceptions import TransportError
 
     bucket = f"gs://{blob.bucket.name}"
     try:
         yield
+    except (exceptions.RetryError, TransportError, OSError) as e:  # requests' ConnectionError is an OSError
+        raise UserError(f"run.out_dir's bucket {bucket} could not be reached ({type(e).__name__}: {e}); check this "
+                        f"machine's network to Google Cloud Storage, or fix run.out_dir") from None
     except exceptions.NotFound:
         raise UserError(f"run.out_dir's bucket {bucket} does not exist; create it (gcloud storage buckets create "
                         f"{bucket}) or fix run.out_dir") from None
@@ -111,6 +117,7 @@ class FileLock:
     def __init__(self, out_dir: str):
         self.path = os.path.join(out_dir, NAME)
         self.made_folders = _missing_folders(out_dir)
+        self.found = set() if self.made_folders else set(os.listdir(out_dir))  # what the start found there
         try:  # the run's first write: a folder that cannot be made (/proc, /sys, a read-only disk) is refused here
             os.makedirs(out_dir, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -133,17 +140,33 @@ class FileLock:
             self.fd = None
 
     def _unmake_if_unused(self) -> None:
-        """A start that ended before writing anything (data.path not a data folder) leaves no folder behind holding
-        only its lock: the lock file goes, then the folders this start made, innermost first, while they are empty.
-        The lock is still held meanwhile, so a start that opened the file before it went is refused."""
-        if os.listdir(os.path.dirname(self.path)) != [NAME]:
+        """A start that ended before writing anything (an init.from that is no checkpoint, a step the host's memory
+        does not hold) leaves the run folder as it found it: what it added there goes where that is only its lock
+        file and empty folders (checkpoints/), and so do the folders it made for run.out_dir. The lock is still held
+        meanwhile, so a start that opened the file before it went is refused."""
+        out_dir = os.path.dirname(self.path)
+        added = [os.path.join(out_dir, name) for name in set(os.listdir(out_dir)) - self.found]
+        if not all(path == self.path or _holds_no_file(path) for path in added):
             return
-        os.unlink(self.path)
-        for folder in reversed(self.made_folders):
-            try:
+        try:
+            for path in added:
+                if path == self.path:
+                    os.unlink(path)
+                else:
+                    _remove_empty_folders(path)
+            for folder in reversed(self.made_folders):
                 os.rmdir(folder)
-            except OSError:  # another start made something in it meanwhile: its folder now
-                return
+        except OSError:  # another start wrote into it meanwhile: its folder now
+            return
+
+
+def _holds_no_file(path: str) -> bool:
+    return os.path.isdir(path) and not any(names for _, _, names in os.walk(path))
+
+
+def _remove_empty_folders(folder: str) -> None:
+    for inner, _, _ in sorted(os.walk(folder), reverse=True):  # innermost first
+        os.rmdir(inner)
 
 
 def _missing_folders(out_dir: str) -> list[str]:
@@ -182,8 +205,16 @@ class GcsLease:
     def blob_of(out_dir: str):
         from google.cloud import storage  # gcsfs depends on google-cloud-storage: `pip install jaxtrain[gcs]`
 
+        from google.auth.exceptions import DefaultCredentialsError
+
         bucket, _, prefix = out_dir[len("gs://"):].partition("/")
-        return storage.Client().bucket(bucket).blob(f"{prefix.rstrip('/')}/{NAME}".lstrip("/"))
+        try:
+            client = storage.Client()
+        except DefaultCredentialsError:
+            raise UserError(f"run.out_dir={out_dir} is in Google Cloud Storage, and this machine has no credentials "
+                            f"for it: run `gcloud auth application-default login`, or set "
+                            f"GOOGLE_APPLICATION_CREDENTIALS to a service account's key file") from None
+        return client.bucket(bucket).blob(f"{prefix.rstrip('/')}/{NAME}".lstrip("/"))
 
     @staticmethod
     def current(blob):

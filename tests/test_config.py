@@ -1,6 +1,7 @@
 """Config loading: YAML + dotted overrides, and one clear error per user mistake."""
 
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from jaxtrain import cmdline, config, config_checks, mesh, same_run
+from jaxtrain import cmdline, config, config_checks, mesh, runfolder, same_run
 from jaxtrain.errors import UserError
 
 
@@ -196,6 +197,27 @@ def test_devices_must_split_the_micro_batch(yaml_path):
                             "(the same batch in fewer, bigger micro-batches; a run without dropout may resume with it)")
     with pytest.raises(UserError, match=r"multiple of 16$"):  # 12 rows split over 8 devices in no accumulation
         mesh.validate_devices(cfg, 8)
+
+
+def test_a_config_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, caplog):
+    """A folder, and a file in a bucket this machine cannot reach: gcsfs retried for ~50 s, logged each request it
+    gave up on as an ERROR with its traceback, and raised aiohttp's connection error (a traceback more)."""
+    with pytest.raises(UserError, match=r"^--config '.*' is a folder; pass a YAML file \(see configs/\)$"):
+        config.load(["--config", str(tmp_path)])
+
+    class Unreachable:
+        def read_bytes(self):
+            logging.getLogger("gcsfs").error("_request out of retries on exception: Cannot connect to host")
+            raise OSError("Cannot connect to host storage.googleapis.com:443 ssl:default [Name or service not known]")
+
+    monkeypatch.setattr(runfolder, "path", lambda *names: Unreachable())
+    with pytest.raises(UserError) as e:
+        config.load(["--config", "gs://their-bucket/run/config.yaml"])
+    assert str(e.value) == ("config file 'gs://their-bucket/run/config.yaml' could not be read (OSError: Cannot "
+                            "connect to host storage.googleapis.com:443 ssl:default [Name or service not known]); "
+                            "check the network to it and the permissions")
+    assert not [r for r in caplog.records if r.name == "gcsfs"]
+    assert logging.getLogger("gcsfs").level == logging.NOTSET  # as it was
 
 
 def test_cli_error_is_one_line_exit_2(yaml_path):

@@ -295,9 +295,8 @@ def test_host_memory_is_the_physical_memory_or_a_lower_container_limit(monkeypat
 
 def test_a_run_bigger_than_the_cpu_host_is_refused_before_step_1_and_writes_nothing(tmp_path, cache_dir, monkeypatch):
     """The real run's check on a CPU: exit 2's UserError, one line naming the figures and the levers, before step 1;
-    a fresh run folder gets no config.yaml, metrics or events (what it keeps, the lock file and an empty
-    checkpoints/, any refusal after the checkpoints are opened keeps: an unreadable init.from, a GPU's own check).
-    The same command with memory enough then trains in that folder."""
+    the run folder it made for the run is gone again (runlock: its lock file and an empty checkpoints/ were all it
+    held). The same command with memory enough then trains in that folder."""
     from jaxtrain import run
     out_dir = tmp_path / "run"
     args = ["--config", "configs/tiny.yaml", f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
@@ -311,7 +310,7 @@ def test_a_run_bigger_than_the_cpu_host_is_refused_before_step_1_and_writes_noth
                                         r".*mesh\.fsdp .*model\.vocab_tiles") as refused:
         run.train(config.load(args))
     assert len(str(refused.value).splitlines()) == 1
-    assert sorted(os.listdir(out_dir)) == [".lock", "checkpoints"] and os.listdir(out_dir / "checkpoints") == []
+    assert not out_dir.exists()
     monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: 2**50)
     assert run.train(config.load(args))["step"] == 2
     assert (out_dir / "config.yaml").exists() and os.listdir(out_dir / "checkpoints") == ["2"]

@@ -54,23 +54,21 @@ def test_a_run_folder_that_cannot_be_created_is_one_line(out_dir, why):
 
 
 def test_a_start_that_fails_before_writing_leaves_the_folders_as_they_were(tmp_path, cache_dir):
-    """A start that took the lock and then stopped (data.path a folder but not a data folder) leaves no trace: not
-    the two folders it made for run.out_dir, not a lock file in an empty folder. A run folder with a run in it
-    keeps its files, and its lock file: the next start takes that one."""
-    not_data = str(tmp_path / "not-data")
-    os.makedirs(not_data)
-    failing_start = lambda out_dir: run.train(config.load(small_args(out_dir, cache_dir, f"--data.path={not_data}")))
-    for out_dir in (tmp_path / "new" / "nested", tmp_path / "empty"):
-        os.makedirs(tmp_path / "empty", exist_ok=True)
-        with pytest.raises(UserError, match="meta.json is missing"):
-            failing_start(str(out_dir))
-    assert sorted(os.listdir(tmp_path)) == ["empty", "not-data"] and os.listdir(tmp_path / "empty") == []
-    used = tmp_path / "used"
-    os.makedirs(used)
-    (used / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(UserError, match="meta.json is missing"):
-        failing_start(str(used))
-    assert sorted(os.listdir(used)) == [runlock.NAME, "metrics.jsonl"]
+    """Starts that took the lock and then stopped leave no trace: data.path a folder but not a data folder (before
+    the checkpoints' folder is made), and init.from a folder that does not exist (after). Not the two folders a start
+    made for run.out_dir, not a lock file or checkpoints/ in an empty folder, nor in a run folder holding a file."""
+    not_data, used = tmp_path / "not-data", tmp_path / "used"
+    failures = {f"--data.path={not_data}": "meta.json is missing",
+                f"--init.from={tmp_path / 'nothing'}": "does not exist; point it at a torch-format checkpoint"}
+    for flag, message in failures.items():
+        for folder in (not_data, tmp_path / "empty", used):
+            folder.mkdir(exist_ok=True)
+        (used / "metrics.jsonl").write_text("{}\n")
+        for out_dir in (tmp_path / "new" / "nested", tmp_path / "empty", used):
+            with pytest.raises(UserError, match=message):
+                run.train(config.load(small_args(str(out_dir), cache_dir, flag)))
+        assert sorted(os.listdir(tmp_path)) == ["empty", "not-data", "used"], flag
+        assert os.listdir(tmp_path / "empty") == [] and os.listdir(used) == ["metrics.jsonl"], flag
 
 
 def test_a_held_folder_refuses_and_a_killed_holder_leaves_no_lock(tmp_path):
@@ -162,6 +160,39 @@ def test_a_gs_bucket_that_refuses_the_credentials_is_one_line(monkeypatch):
             "run.out_dir's bucket gs://their-bucket refuses this run's credentials (403 Forbidden: "
             "ci@example.iam.gserviceaccount.com does not have storage.objects.get access); fix the credentials "
             "(gcloud auth application-default login) or their permissions on the bucket, or fix run.out_dir")
+
+
+def test_a_gs_folder_without_credentials_or_network_is_one_line(monkeypatch):
+    """No Google credentials on the machine: storage.Client() raised DefaultCredentialsError, a 41-line traceback
+    from the lock's check before the join. A bucket the machine cannot reach: requests' ConnectionError (the
+    client's retries ended) at the lease's first read. Each is one line naming the fix."""
+    from google.auth.exceptions import DefaultCredentialsError
+    from google.cloud import storage
+    from requests.exceptions import ConnectionError
+
+    def no_credentials(*args, **kwargs):
+        raise DefaultCredentialsError("Your default credentials were not found.")
+
+    monkeypatch.setattr(storage, "Client", no_credentials)
+    with pytest.raises(UserError) as e:
+        runlock.check_free("gs://their-bucket/run", LEASE_S)
+    assert str(e.value) == (
+        "run.out_dir=gs://their-bucket/run is in Google Cloud Storage, and this machine has no credentials for it: "
+        "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a service account's "
+        "key file")
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Max retries exceeded with url: /storage/v1/b/their-bucket/o/run%2F.lock")
+
+    bucket = types.SimpleNamespace(name="their-bucket", get_blob=unreachable)
+    lease = types.SimpleNamespace(bucket=bucket, name="run/.lock")
+    monkeypatch.setattr(runlock.GcsLease, "blob_of", staticmethod(lambda out_dir: lease))
+    with pytest.raises(UserError) as e:
+        runlock.check_free("gs://their-bucket/run", LEASE_S)
+    assert str(e.value) == (
+        "run.out_dir's bucket gs://their-bucket could not be reached (ConnectionError: Max retries exceeded with url: "
+        "/storage/v1/b/their-bucket/o/run%2F.lock); check this machine's network to Google Cloud Storage, or fix "
+        "run.out_dir")
 
 
 @pytest.fixture(scope="module")
