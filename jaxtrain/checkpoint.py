@@ -46,7 +46,7 @@ from jaxtrain import same_run
 from jaxtrain import step as step_lib
 from jaxtrain.config import Config
 from jaxtrain.step import TrainState
-from jaxtrain.errors import UserError
+from jaxtrain.errors import UserError, quiet_logger
 
 
 class CorruptCheckpoint(UserError):
@@ -94,7 +94,8 @@ class Checkpointer:
         # weights and moments by ~4% (benchmarks/NOTES.md). Restore reads the codec a checkpoint's metadata names,
         # so the compressed checkpoints of earlier versions still restore.
         handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False), "meta": ocp.JsonCheckpointHandler()}
-        with _orbax_quiet():  # it warns about each step folder it did not write; resume names such a folder itself
+        # Orbax warns about each step folder it did not write; resume names such a folder itself.
+        with quiet_logger("absl", logging.ERROR):
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self.cfg, self.data_fingerprint = cfg, data_fingerprint
         self.saved_config = yaml.safe_load(config_lib.dump(cfg))  # meta's copy: the same at every save
@@ -238,7 +239,7 @@ def saved_steps(out_dir: str) -> list[int]:
     directory = runfolder.path(out_dir, "checkpoints")
     if not directory.is_dir():
         return []
-    with _orbax_quiet():  # read_only warns of each saving option it turns off
+    with quiet_logger("absl", logging.ERROR):  # orbax's read_only warns of each saving option it turns off
         options = ocp.CheckpointManagerOptions(read_only=True, create=False)
         with ocp.CheckpointManager(os.fspath(directory), options=options) as manager:
             return sorted(manager.all_steps())
@@ -256,18 +257,6 @@ def _on_every_process(read, mesh: Mesh, elsewhere: UserError):
     if refusal is not None:
         raise refusal
     return result
-
-
-@contextlib.contextmanager
-def _orbax_quiet():
-    """Orbax's warnings (absl logging) held back: a user sees one line per problem, jaxtrain's."""
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        absl_logger.setLevel(level)
 
 
 @contextlib.contextmanager

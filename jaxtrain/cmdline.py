@@ -5,6 +5,7 @@ Pure Python: torchref imports jaxtrain.config, which imports this module.
 """
 
 import argparse
+import logging
 import math
 import os
 import re
@@ -13,7 +14,7 @@ import mergedeep
 import yaml
 
 from jaxtrain import runfolder
-from jaxtrain.errors import UserError
+from jaxtrain.errors import UserError, quiet_logger
 
 
 # For tools that hand the flags they do not know to config.load (argparse's parse_known_args: the benchmarks), whose
@@ -60,7 +61,7 @@ def _read_yaml(path: str) -> dict:
     hint names)."""
     runfolder.check_given(path, "--config", "a YAML file (see configs/)")
     try:
-        with runfolder.quiet_store_retries():
+        with quiet_logger("gcsfs", logging.CRITICAL):  # its tracebacks of each request it gave up on
             data = runfolder.path(path).read_bytes()
     except IsADirectoryError:
         raise UserError(f"--config {path!r} is a folder; pass a YAML file (see configs/)") from None

@@ -7,6 +7,7 @@ cause and the fix, with exit code 2, instead of a traceback.
 
 import argparse
 import contextlib
+import logging
 import sys
 from typing import NoReturn
 
@@ -23,6 +24,19 @@ def exit_on_user_error():
         # One line even when a message quotes a library's multi-line text (the tests hold every message to one).
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str, level: int):
+    """The library logger `name` held to `level` and above meanwhile, where a library logs what jaxtrain turns into
+    its one line (orbax's warnings through absl; gcsfs's tracebacks of the requests it gave up on)."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -7,8 +7,6 @@ part. So config.yaml is written whole, and metrics.jsonl and TensorBoard's event
 on a local disk, are uploaded whole in an object store (GrowingFile).
 """
 
-import contextlib
-import logging
 import os
 import re
 import sys
@@ -25,19 +23,6 @@ fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
 
 # An object-store GrowingFile uploads the records written since its last upload at most this often (and at each sync).
 UPLOAD_EVERY_S = 30.0
-
-
-@contextlib.contextmanager
-def quiet_store_retries():
-    """gcsfs logs each request it gives up on as an ERROR with the traceback (and, without credentials, a WARNING
-    on every access): off while the caller turns the error it raises into one line."""
-    logger = logging.getLogger("gcsfs")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def is_url(out_dir: str) -> bool:

@@ -141,17 +141,27 @@ def test_a_gs_lease_is_watched_for_its_holders_timeout_not_the_watchers(gcs):
     assert "took over the lock of a run that stopped renewing it (pid 1 on old-host, since " in taken.stderr
 
 
+def raising(error: Exception):
+    """A stand-in for a client call that fails with `error`."""
+    def call(*args, **kwargs):
+        raise error
+    return call
+
+
+def lease_in(bucket_name: str, **calls) -> types.SimpleNamespace:
+    """A fake lease blob in bucket `bucket_name`: `calls` its bucket's get_blob and its own upload_from_string."""
+    bucket = types.SimpleNamespace(name=bucket_name, get_blob=calls.get("get_blob"))
+    return types.SimpleNamespace(bucket=bucket, name="run/.lock", upload_from_string=calls.get("upload_from_string"))
+
+
 def test_a_gs_bucket_that_refuses_the_credentials_is_one_line(monkeypatch):
     """A bucket that answers 403 (the emulator checks no credentials: a fake one here): the lease's first read
     (check_free, before the join) and its first write (take) each refuse in one line naming the bucket, the
     credentials and the fix, not in Google's Forbidden traceback."""
     from google.api_core.exceptions import Forbidden
 
-    def refuse(*args, **kwargs):
-        raise Forbidden("ci@example.iam.gserviceaccount.com does not have storage.objects.get access")
-
-    bucket = types.SimpleNamespace(name="their-bucket", get_blob=refuse)
-    lease = types.SimpleNamespace(bucket=bucket, name="run/.lock", upload_from_string=refuse)
+    refuse = raising(Forbidden("ci@example.iam.gserviceaccount.com does not have storage.objects.get access"))
+    lease = lease_in("their-bucket", get_blob=refuse, upload_from_string=refuse)
     monkeypatch.setattr(runlock.GcsLease, "blob_of", staticmethod(lambda out_dir: lease))
     for first_request in (runlock.check_free, runlock.take):
         with pytest.raises(UserError) as e:
@@ -162,37 +172,34 @@ def test_a_gs_bucket_that_refuses_the_credentials_is_one_line(monkeypatch):
             "(gcloud auth application-default login) or their permissions on the bucket, or fix run.out_dir")
 
 
-def test_a_gs_folder_without_credentials_or_network_is_one_line(monkeypatch):
+def _no_credentials(monkeypatch):
+    from google.auth.exceptions import DefaultCredentialsError
+    from google.cloud import storage
+    monkeypatch.setattr(storage, "Client", raising(DefaultCredentialsError("No default credentials were found.")))
+
+
+def _unreachable(monkeypatch):
+    from requests.exceptions import ConnectionError
+    unreachable = raising(ConnectionError("Max retries exceeded with url: /b/their-bucket"))
+    lease = lease_in("their-bucket", get_blob=unreachable)
+    monkeypatch.setattr(runlock.GcsLease, "blob_of", staticmethod(lambda out_dir: lease))
+
+
+@pytest.mark.parametrize("machine,message", [
+    (_no_credentials, "run.out_dir=gs://their-bucket/run is in Google Cloud Storage, and this machine has no "
+                      "credentials for it: run `gcloud auth application-default login`, or set "
+                      "GOOGLE_APPLICATION_CREDENTIALS to a service account's key file"),
+    (_unreachable, "run.out_dir's bucket gs://their-bucket could not be reached (ConnectionError: Max retries "
+                   "exceeded with url: /b/their-bucket); check this machine's network to Google Cloud Storage, or "
+                   "fix run.out_dir")], ids=["no credentials", "no network"])
+def test_a_gs_folder_without_credentials_or_network_is_one_line(monkeypatch, machine, message):
     """No Google credentials on the machine: storage.Client() raised DefaultCredentialsError, a 41-line traceback
     from the lock's check before the join. A bucket the machine cannot reach: requests' ConnectionError (the
     client's retries ended) at the lease's first read. Each is one line naming the fix."""
-    from google.auth.exceptions import DefaultCredentialsError
-    from google.cloud import storage
-    from requests.exceptions import ConnectionError
-
-    def no_credentials(*args, **kwargs):
-        raise DefaultCredentialsError("Your default credentials were not found.")
-
-    monkeypatch.setattr(storage, "Client", no_credentials)
+    machine(monkeypatch)
     with pytest.raises(UserError) as e:
         runlock.check_free("gs://their-bucket/run", LEASE_S)
-    assert str(e.value) == (
-        "run.out_dir=gs://their-bucket/run is in Google Cloud Storage, and this machine has no credentials for it: "
-        "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a service account's "
-        "key file")
-
-    def unreachable(*args, **kwargs):
-        raise ConnectionError("Max retries exceeded with url: /storage/v1/b/their-bucket/o/run%2F.lock")
-
-    bucket = types.SimpleNamespace(name="their-bucket", get_blob=unreachable)
-    lease = types.SimpleNamespace(bucket=bucket, name="run/.lock")
-    monkeypatch.setattr(runlock.GcsLease, "blob_of", staticmethod(lambda out_dir: lease))
-    with pytest.raises(UserError) as e:
-        runlock.check_free("gs://their-bucket/run", LEASE_S)
-    assert str(e.value) == (
-        "run.out_dir's bucket gs://their-bucket could not be reached (ConnectionError: Max retries exceeded with url: "
-        "/storage/v1/b/their-bucket/o/run%2F.lock); check this machine's network to Google Cloud Storage, or fix "
-        "run.out_dir")
+    assert str(e.value) == message
 
 
 @pytest.fixture(scope="module")
