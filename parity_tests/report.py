@@ -110,8 +110,9 @@ def build(config: str, steps: int | None, precision: str, out: str, overrides: l
                                              *more, config=config)
     walls = {}
 
-    def step(label, fn):
-        print(f"{label} ...", file=sys.stderr, flush=True)
+    def step(label, fn, announce=True):
+        if announce:
+            print(f"{label} ...", file=sys.stderr, flush=True)
         proc = fn()
         walls[label] = proc.wall_s
         print(f"{label}: {walls[label]:.1f} s", file=sys.stderr, flush=True)
@@ -121,7 +122,9 @@ def build(config: str, steps: int | None, precision: str, out: str, overrides: l
     os.makedirs(out, exist_ok=True)
     staged = tempfile.mkdtemp(prefix=".init-", dir=out)
     try:  # the export loads the config, the overrides and the data as the trainers do: only then is runs/ replaced
-        step("export init", lambda: runs.cli("parity_tests.runs", "export-init", staged, *args("init-config")))
+        # Not announced: a config or data the trainers refuse is refused here, in their one line alone.
+        step("export init", lambda: runs.cli("parity_tests.runs", "export-init", staged, *args("init-config")),
+             announce=False)
         shutil.rmtree(work, ignore_errors=True)
         os.makedirs(work)
         os.rename(staged, init)
