@@ -20,6 +20,7 @@ import difflib
 import inspect
 import os
 import re
+import shlex
 import sys
 import tokenize
 import typing
@@ -383,6 +384,10 @@ def save(cfg: Config, out_dir: str) -> None:
     runfolder.write_whole(folder / "config.yaml", dump(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, fresh=False))))
 
 
-def resume_hint(cfg: Config) -> str:
-    """How to resume a stopped run, for both backends' stop messages: not with run.fresh, which starts over."""
-    return "run the same command" + (" without --run.fresh=true" if cfg.run.fresh else "") + " to resume"
+def resume_hint(cfg: Config, module: str) -> str:
+    """How to resume a stopped run, for both backends' stop messages (`module`: jaxtrain.run or torchref.run): the
+    same command, not with run.fresh (which starts over); or, where the run wrote it, the run folder's config.yaml,
+    the run's whole config (run.fresh off), for whoever no longer has the command."""
+    same = "run the same command" + (" without --run.fresh=true" if cfg.run.fresh else "") + " to resume"
+    saved = runfolder.path(cfg.run.out_dir, "config.yaml")
+    return f"{same}, or python -m {module} --config {shlex.quote(str(saved))}" if saved.exists() else same

@@ -288,7 +288,7 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         summary["wall_s"] = time.perf_counter() - t0  # start-up and compilation included
         return summary, state, trainer
     except StoppedInStartUp:
-        hint = (config_lib.resume_hint(cfg) if trainer.checkpointer else
+        hint = (config_lib.resume_hint(cfg, "jaxtrain.run") if trainer.checkpointer else
                 "run.fresh has moved nothing aside yet: run the same command to start over")
         print(f"stopped before the first step, nothing new to save; {hint}", file=sys.stderr)
         return {"stopped": True}, None, trainer
@@ -336,7 +336,7 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
             logger.exclude_time()
         if stopping:  # said once the step is committed: an operator or a preemption script acts on this line
             trainer.checkpointer.wait()
-            print(f"saved step {step}; {config_lib.resume_hint(cfg)}", file=sys.stderr)
+            print(f"saved step {step}; {config_lib.resume_hint(cfg, 'jaxtrain.run')}", file=sys.stderr)
             summary["stopped"] = True
             break
     summary["tokens_per_s"], summary["mfu"] = logger.mean_tokens_per_s(), logger.mean_mfu()

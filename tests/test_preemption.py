@@ -3,6 +3,7 @@ process the same step; a second signal stops at once; a signal during start-up s
 with the same command to the uninterrupted run's metrics and params, bit for bit."""
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -46,9 +47,10 @@ def train_steps(out_dir) -> list[int]:
     return [line["step"] for line in read_metrics(out_dir) if "loss" in line]
 
 
-def assert_resumes_to(out_dir, cache_dir, straight_dir):
-    proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, *LONG)],
-                          capture_output=True, text=True)
+def assert_resumes_to(out_dir, cache_dir, straight_dir, command=None):
+    """`command` (default: the one that started the run) ends where the uninterrupted run ended, bit for bit."""
+    command = command or [sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, *LONG)]
+    proc = subprocess.run(command, capture_output=True, text=True)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert not [n for n in os.listdir(os.path.join(out_dir, "checkpoints")) if "tmp" in n]
     assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(straight_dir))
@@ -67,12 +69,15 @@ def test_a_signal_saves_the_step_in_flight_and_resumes_bitwise(tmp_path, cache_d
     err = proc.stderr.read()
     assert proc.wait() == 0 and "Traceback" not in err, err
     saved = int(err.split("saved step ")[1].split(";")[0])
+    assert err.splitlines()[-1] == (f"saved step {saved}; run the same command to resume, or python -m jaxtrain.run "
+                                    f"--config {out_dir}/config.yaml")
     assert "sample (" not in err
     assert logged <= saved < 600, (logged, saved)
     # The step in flight was finished, logged and saved, and none after it was logged: each step once, up to it.
     assert train_steps(out_dir) == list(range(1, saved + 1)), saved
     assert os.path.isdir(os.path.join(out_dir, "checkpoints", str(saved)))
-    assert_resumes_to(out_dir, cache_dir, straight)
+    # Resumed by the line's own command: the run's config.yaml, without the command that started it
+    assert_resumes_to(out_dir, cache_dir, straight, [sys.executable, *shlex.split(err.split(", or python")[1])])
 
 
 @pytest.mark.parametrize("delay", [0.3, 2.5], ids=["during-imports", "during-start-up"])
@@ -239,7 +244,7 @@ def test_saved_step_is_said_once_its_checkpoint_is_committed(tmp_path, cache_dir
             os.kill(os.getpid(), signal.SIGTERM)
         return real_report(pending, logger, divergence)
 
-    def resume_hint(cfg):  # evaluated as the line is printed
+    def resume_hint(cfg, module):  # evaluated as the line is printed
         listed.append(sorted(os.listdir(os.path.join(out_dir, "checkpoints"))))
         return "run the same command to resume"
     monkeypatch.setattr(run, "report", report_then_signal)

@@ -88,7 +88,8 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
         print(f"nothing to train: at step {progress.step} of train.steps={cfg.train.steps}", file=sys.stderr)
         return
     if stop.requested:
-        print(f"stopped before the first step, nothing new to save; {config.resume_hint(cfg)}", file=sys.stderr)
+        print(f"stopped before the first step, nothing new to save; {config.resume_hint(cfg, 'torchref.run')}",
+              file=sys.stderr)
         return
     stop.training_started()
     config.save(cfg, cfg.run.out_dir)
@@ -128,7 +129,8 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
                 checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint,
                                 eval_loss if evaluated else None)
             if stop.requested:
-                print(f"\ninterrupted: saved step {progress.step}; {config.resume_hint(cfg)}", file=sys.stderr)
+                hint = config.resume_hint(cfg, "torchref.run")
+                print(f"\ninterrupted: saved step {progress.step}; {hint}", file=sys.stderr)
                 break
     print(f"torchref: step {progress.step}, loss {loss:.4f}, eval loss {_fmt(eval_loss)}, "
           f"eval accuracy {_fmt(eval_accuracy)}, "
