@@ -17,6 +17,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxtrain import runfolder
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.model import LN_EPS
@@ -91,6 +92,7 @@ def write(out_dir: str, tensors: dict[str, np.ndarray], config: dict, gpt2_files
     under a temporary name and renamed into place."""
     with folder_into_place(out_dir) as tmp:
         save_file(tensors, os.path.join(tmp, MODEL), metadata={"format": "pt"})
+        runfolder.as_open_makes_it(os.path.join(tmp, MODEL))
         _write_json(os.path.join(tmp, CONFIG), config)
         if gpt2_files:
             for name, hf_name in GPT2_TOKENIZER_FILES.items():

@@ -197,6 +197,19 @@ def check_url(out_dir: str, writes: bool) -> None:
                         f"pip install '{RUN_URL_SCHEMES[scheme]}' (for gs://: pip install 'jaxtrain[gcs]')") from None
 
 
+def as_open_makes_it(file: str) -> None:
+    """Give the local `file` the permissions open() gives a new file (0666 less the umask): safetensors (0.8)
+    writes its files 0600, so that the weights in a shared folder were the one file its other users could not
+    read. The umask is read from /proc (setting it to read it, as os.umask must, would race the threads that
+    write checkpoints meanwhile); where there is no /proc, the file is left as it is."""
+    try:
+        with open("/proc/self/status") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        return
+    os.chmod(file, 0o666 & ~umask)
+
+
 def write_whole(file: epath.Path, content: str | bytes) -> None:
     """Replace `file` with `content` (text is written as UTF-8) so that no reader, and no kill, meets half of it: a
     local file through a temporary file and a rename; an object in one upload."""

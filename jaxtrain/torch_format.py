@@ -69,8 +69,9 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
         scaler = optim.loss_scale(state.opt_state)
         trainer_state["loss_scale"] = {"scale": float(scaler.scale), "growth_tracker": int(scaler.good_steps)}
     with folder_into_place(out_dir) as tmp:
-        save_file(_torch_arrays(state.params, names), os.path.join(tmp, MODEL))
-        save_file(moments, os.path.join(tmp, OPTIMIZER))
+        for name, arrays in ((MODEL, _torch_arrays(state.params, names)), (OPTIMIZER, moments)):
+            save_file(arrays, os.path.join(tmp, name))
+            runfolder.as_open_makes_it(os.path.join(tmp, name))
         with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
             json.dump(trainer_state, f, indent=1)
 

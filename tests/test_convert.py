@@ -283,6 +283,27 @@ def test_convert_cli_round_trip(tmp_path, capsys):
     assert e.value.code == 2 and f"SRC='{tmp_path / 'nowhere'}' does not exist" in capsys.readouterr().err
 
 
+def test_the_converters_files_have_the_mode_open_gives(tmp_path):
+    """Under a umask of 022, every file to-torch and to-hf write is 0644, as open() makes a file: safetensors 0.8
+    writes its own 0600, and the weights were the one file of a shared folder its other users could not read."""
+    _, state = trained(True)
+    cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false")
+    saver = checkpoint.Checkpointer(cfg, data_fingerprint="f" * 64)
+    saver.save(state, data_seed=7)
+    saver.wait()
+    saver.close()
+    umask = os.umask(0o022)
+    try:
+        step = str(tmp_path / "run" / "checkpoints" / str(STEPS))
+        convert.main(["to-torch", step, str(tmp_path / "torch")])
+        convert.main(["to-hf", step, str(tmp_path / "hf")])
+    finally:
+        os.umask(umask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for out in ("torch", "hf") for p in (tmp_path / out).iterdir()}
+    assert {"model.safetensors", "optimizer.safetensors", "config.json"} <= set(modes)
+    assert set(modes.values()) == {"0o644"}, modes
+
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_torchref_model_reads_the_export(tied, tmp_path):
     """torch code without torch.load: safetensors into torchref's GPT (strict), which then computes our logits."""

@@ -185,6 +185,9 @@ def test_checkpoint_files(straight_run):
         state = json.load(f)
     assert state["format"] == "jaxtrain-torch/1" and state["step"] == 6 and state["tied_embeddings"]
     assert state["data"] == {"seed": 0, "next_step": 6, "tokens": 6 * 8 * 16}
+    umask = os.umask(0)  # the mode open() gives a new file, which the weights get too (safetensors' own: 0600)
+    os.umask(umask)
+    assert {oct(os.stat(os.path.join(ckpt, n)).st_mode & 0o777) for n in os.listdir(ckpt)} == {oct(0o666 & ~umask)}
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

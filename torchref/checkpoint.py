@@ -22,7 +22,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from jaxtrain import checkpoint_kind, config, same_run
+from jaxtrain import checkpoint_kind, config, runfolder, same_run
 from jaxtrain.config import Config
 from jaxtrain.data import check_same_data
 from jaxtrain.errors import UserError
@@ -106,8 +106,9 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
     # safetensors refuses shared tensors; a tied lm_head.weight is wte's, and the loader ties it back.
     weights = {n: t.detach().float().cpu().contiguous() for n, t in model.state_dict().items()
                if not (tied and n == "lm_head.weight")}
-    save_file(weights, os.path.join(tmp, "model.safetensors"))
-    save_file(_adam_moments(model, optimizer), os.path.join(tmp, "optimizer.safetensors"))
+    for name, tensors in (("model.safetensors", weights), ("optimizer.safetensors", _adam_moments(model, optimizer))):
+        save_file(tensors, os.path.join(tmp, name))
+        runfolder.as_open_makes_it(os.path.join(tmp, name))
     with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
         json.dump(_trainer_state(progress, scheduler, tied, cfg, data_fingerprint), f, indent=1)
     if os.path.isdir(final):  # a run.fresh run reaching a step that is still on disk
