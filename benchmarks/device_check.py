@@ -180,7 +180,7 @@ ON_REQUEST = (
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.device_check", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.device_check", description=__doc__.split("\n\n")[0])
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--out", help="the folder for session.log, summary.md and the tables' JSON (there: $OUT)")
     what.add_argument("--wheels", help="here: download the wheels the device image lacks into this folder")

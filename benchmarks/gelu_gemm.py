@@ -126,7 +126,7 @@ def kernel_table(lines: list[str], settings, kernel_for, args, iters: int, rate,
 
 def kernel_parser(prog: str, doc: str, d_help: str, tiles: str, iters: int) -> argparse.ArgumentParser:
     """The flags both kernels' benchmarks take: one GPU's rows, the model's width, tile settings, calls timed."""
-    ap = OneLineParser(prog=prog, description=doc.splitlines()[0])
+    ap = OneLineParser(prog=prog, description=doc.split("\n\n")[0])
     ap.add_argument("--rows", type=positive_int, default=16384,
                     help="tokens of a micro-batch on one GPU (16 x 1024: the profile's batch 64 in 4)")
     ap.add_argument("--d", type=positive_int, default=768, help=d_help)

@@ -127,7 +127,7 @@ def table(rows: int, d: int, vocab: int, settings: dict[str, str]) -> tuple[str,
 
 
 def main(argv: list[str]) -> None:
-    ap = OneLineParser(prog="python -m benchmarks.kernel_registers", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m benchmarks.kernel_registers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=positive_int, default=16384, help="tokens of a micro-batch on one GPU")
     ap.add_argument("--d", type=positive_int, default=768, help="the model's width")
     ap.add_argument("--vocab", type=positive_int, default=50304, help="the padded vocabulary (the head's n)")

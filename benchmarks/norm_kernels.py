@@ -73,7 +73,7 @@ def measure(residual_norm, inputs, cotangents, iters: int) -> tuple[float, float
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="python -m benchmarks.norm_kernels", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m benchmarks.norm_kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=positive_int, default=32768,
                     help="rows: the sequences x length of one micro-batch (the README's GPT-2 table: 32 x 1024)")
     ap.add_argument("--d", type=positive_int, default=768, help="the model's width")

@@ -156,7 +156,7 @@ def check_jaxtrain_step(path: str, command: str) -> None:
         return
     step = newest_step(path)
     renamed = (f"is a jaxtrain step folder renamed {name!r}; Orbax finds a step by its folder's name: give it back "
-               f"its step number (as in <run>/checkpoints/250)")
+               f"its step number (as in <run>/checkpoints/400)")
     if re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", name):  # Orbax writes a step here, then renames it
         complete = newest_step(_run_of(path))
         renamed = (f"is a save that did not finish (its run stopped while writing it; the run's next start removes "
@@ -169,7 +169,7 @@ def check_jaxtrain_step(path: str, command: str) -> None:
         HF: f"is a Hugging Face GPT-2 folder; python -m jaxtrain.convert from-hf {path} DST makes a torch-format "
             f"checkpoint of it",
         None: f"{'is not a jaxtrain checkpoint step folder' if os.path.exists(path) else 'does not exist'}; pass "
-              f"one like out/tiny/checkpoints/250 (a folder named by its step, holding `state` and `meta`)",
+              f"one like out/tiny/checkpoints/400 (a folder named by its step, holding `state` and `meta`)",
     }
     if command == "to-hf":
         what[TORCHREF_RUN] = f"is a torchref run folder; pass one of its checkpoints, e.g. {step}"

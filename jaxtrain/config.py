@@ -77,9 +77,9 @@ class ModelConfig:
     # the default
     gelu_grad: Literal["xla", "pallas"] = "xla"
     # the loss's logsumexp over the logits: xla: a pass of its own that reads them back (loss.logsumexp); pallas: in
-    # the head gemm's epilogue, one hand-written Hopper kernel (head_lse.py; bf16 or fp16, d_model a multiple of 64,
-    # the vocabulary of 128, model.vocab_tiles=1; off a GPU through Mosaic GPU's interpreter: slow), not yet measured
-    # on a GPU, so not the default
+    # the head gemm's epilogue, one hand-written Hopper kernel (head_lse.py; bf16 or fp16, d_model and a micro-batch's
+    # tokens multiples of 64, the vocabulary a multiple of 128, model.vocab_tiles=1; off a GPU through Mosaic GPU's
+    # interpreter: slow), not yet measured on a GPU, so not the default
     head_lse: Literal["xla", "pallas"] = "xla"
     # c_attn's input gradient from q's, k's and v's: xla: one gemm on the three concatenated (a copy of them); pallas:
     # one hand-written Hopper kernel that reads them where they lie (qkv_grad.py; bf16 or fp16, d_model a multiple of

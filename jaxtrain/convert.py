@@ -1,10 +1,10 @@
 """`python -m jaxtrain.convert to-torch|from-torch|to-hf|from-hf SRC DST`: jaxtrain checkpoints <-> the torch
 format, and to and from Hugging Face's GPT-2 folder (hf_format.py).
 
-    python -m jaxtrain.convert to-torch out/tiny/checkpoints/250 out/tiny-torch
-    python -m torchref.run --config configs/tiny.yaml --init.from=out/tiny-torch      # continues at step 250
+    python -m jaxtrain.convert to-torch out/tiny/checkpoints/400 out/tiny-torch
+    python -m torchref.run --config configs/tiny.yaml --init.from=out/tiny-torch      # continues at step 400
     python -m jaxtrain.convert from-torch out/tiny-torch out/tiny-back
-    python -m jaxtrain.run --config out/tiny-back/config.yaml                       # resumes at step 250
+    python -m jaxtrain.run --config out/tiny-back/config.yaml                       # resumes at step 400
 
 Both directions keep params and AdamW's state bit for bit (jaxtrain/torch_format.py). A jaxtrain step folder is
 self-describing: its `meta` item holds the config that built the state, so no --config is needed. Conversion runs
@@ -197,14 +197,14 @@ def _parser() -> argparse.ArgumentParser:
                     "(model.safetensors, optimizer.safetensors, trainer_state.json), lossless both ways; and "
                     "to and from a Hugging Face GPT2LMHeadModel folder (weights).",
         epilog="examples:\n"
-               "  python -m jaxtrain.convert to-torch out/tiny/checkpoints/250 out/tiny-torch\n"
+               "  python -m jaxtrain.convert to-torch out/tiny/checkpoints/400 out/tiny-torch\n"
                "  python -m jaxtrain.convert from-torch out/tiny-torch out/tiny-back\n"
-               "  python -m jaxtrain.run --config out/tiny-back/config.yaml    # resumes at step 250",
+               "  python -m jaxtrain.run --config out/tiny-back/config.yaml    # resumes at step 400",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     to = sub.add_parser("to-torch", help="jaxtrain step folder -> torch-format folder",
                         description="Export one jaxtrain checkpoint; its config is read from the checkpoint.")
-    to.add_argument("src", help="a jaxtrain step folder, e.g. out/tiny/checkpoints/250")
+    to.add_argument("src", help="a jaxtrain step folder, e.g. out/tiny/checkpoints/400")
     to.add_argument("dst", help="the torch-format folder to create (must not exist, or be empty)")
     back = sub.add_parser("from-torch", help="torch-format folder -> jaxtrain run folder",
                           description="Import a torch-format training state as a jaxtrain run that "

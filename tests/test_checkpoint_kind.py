@@ -110,7 +110,7 @@ def test_a_folder_of_another_kind_given_as_a_torch_source_says_how_to_use_it(fol
                                  "{torchref run}/checkpoints/20"),
     ("to-torch", "hf", "is a Hugging Face GPT-2 folder; python -m jaxtrain.convert from-hf {hf} DST makes a "
                        "torch-format checkpoint of it"),
-    ("to-torch", "other", "is not a jaxtrain checkpoint step folder; pass one like out/tiny/checkpoints/250 (a "
+    ("to-torch", "other", "is not a jaxtrain checkpoint step folder; pass one like out/tiny/checkpoints/400 (a "
                           "folder named by its step, holding `state` and `meta`)"),
     ("to-hf", "jaxtrain run", "is a jaxtrain run folder; pass one of its step folders, e.g. {jaxtrain step}"),
     ("to-hf", "torchref run", "is a torchref run folder; pass one of its checkpoints, e.g. "
@@ -132,7 +132,7 @@ def test_a_step_folder_must_keep_its_step_number_as_its_name(folders, tmp_path):
     with pytest.raises(UserError) as e:
         convert.to_torch(str(renamed), str(tmp_path / "dst"))
     assert str(e.value) == (f"to-torch SRC {renamed} is a jaxtrain step folder renamed 'latest'; Orbax finds a step "
-                            f"by its folder's name: give it back its step number (as in <run>/checkpoints/250)")
+                            f"by its folder's name: give it back its step number (as in <run>/checkpoints/400)")
     with pytest.raises(UserError, match=f"^to-torch SRC {missing} does not exist; pass one like out/tiny/check"):
         convert.to_torch(str(missing), str(tmp_path / "dst"))
 
