@@ -256,7 +256,8 @@ def usage() -> str:
     """Every key with its type, default and the comment beside it above."""
     script = os.path.abspath(sys.argv[0])  # python -m jaxtrain.run or torchref.run
     prog = f"python -m {os.path.basename(os.path.dirname(script))}.{os.path.splitext(os.path.basename(script))[0]}"
-    lines = [f"usage: {prog} --config FILE.yaml [--section.key=VALUE ...]", "",
+    lines = [f"usage: {prog} [--config FILE.yaml] [--section.key=VALUE ...]", "",
+             "One config (configs/ holds the recipes, e.g. configs/tiny.yaml); without one, the defaults below.",
              "Keys (YAML sections; the same names override on the command line):"]
     for section in dataclasses.fields(Config):
         lines.append(f"  {section.name}:")

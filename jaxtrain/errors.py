@@ -47,6 +47,16 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UserError(f"{message}; see {self.prog} --help")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but an argument no parser knows names the subcommand's --help (argparse's own error comes
+        from the top parser, whose help lists only the subcommands): subcommands are stored in `command`."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            command = getattr(parsed, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            raise UserError(f"unrecognized arguments: {' '.join(unknown)}; see {prog} --help")
+        return parsed
+
 
 def exit_no_command_of_its_own(use_instead: str) -> NoReturn:
     """For `python -m` of a module without a command line of its own whose name is a likely guess at one: one line

@@ -288,7 +288,9 @@ def test_tool_flags_are_checked_before_any_work(tmp_path, a_file, tool, flags, w
     ("jaxtrain.data", ["prepare", "--input", "a.txt"], "the following arguments are required: --out, --tokenizer; "
                                                        "see python -m jaxtrain.data prepare --help"),
     ("jaxtrain.data", ["stats", "--data_path", "d"], "unrecognized arguments: --data_path d; see python -m "
-                                                     "jaxtrain.data --help"),
+                                                     "jaxtrain.data stats --help"),
+    ("jaxtrain.sample", ["--run", "out/tiny", "--top-k", "5"], "unrecognized arguments: --top-k 5; see python -m "
+                                                               "jaxtrain.sample --help"),
     ("jaxtrain.convert", [], "the following arguments are required: command; see python -m jaxtrain.convert --help"),
     ("jaxtrain.convert", ["to-torch", "out/tiny/checkpoints/4"], "the following arguments are required: dst; see "
                                                                  "python -m jaxtrain.convert to-torch --help"),
