@@ -203,9 +203,8 @@ class GcsLease:
 
     @staticmethod
     def blob_of(out_dir: str):
-        from google.cloud import storage  # gcsfs depends on google-cloud-storage: `pip install jaxtrain[gcs]`
-
         from google.auth.exceptions import DefaultCredentialsError
+        from google.cloud import storage  # gcsfs depends on google-cloud-storage: `pip install jaxtrain[gcs]`
 
         bucket, _, prefix = out_dir[len("gs://"):].partition("/")
         try:
