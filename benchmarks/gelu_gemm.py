@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.norm_kernels import timed
+from benchmarks.norm_kernels import timed, warn_off_a_gpu
 from jaxtrain import autocast, gelu_gemm, hopper_gemm
 from jaxtrain.cmdline import positive_int
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
@@ -144,14 +144,15 @@ def report(text: str, failed: list[str]) -> None:
         sys.exit(1)
 
 
-def kernel_cli(prog: str, doc: str, d_help: str, tiles: str, iters: int, table):
+def kernel_cli(prog: str, doc: str, d_help: str, tiles: str, iters: int, table, small: str = "--rows 128 --d 64"):
     """(parser, main) of a kernel's benchmark that takes --rows, --d, --tiles and --iters (kernel_parser's): main
-    prints its table and exits 1 naming the settings refused or wrong. Also benchmarks.qkv_grad's and
-    benchmarks.gelu_fwd's."""
+    prints its table and exits 1 naming the settings refused or wrong; `small`, sizes the kernel takes that run
+    quickly off a GPU. Also benchmarks.qkv_grad's and benchmarks.gelu_fwd's."""
     parser = functools.partial(kernel_parser, prog, doc, d_help, tiles, iters)
 
     def main(argv: list[str]) -> None:
         args = parser().parse_args(argv)
+        warn_off_a_gpu(f"{args.rows} rows of {args.d}", small)
         report(*table(args.rows, args.d, parse_tiles(args.tiles), args.iters))
     return parser, main
 

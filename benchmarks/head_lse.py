@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.gelu_gemm import kernel_parser, kernel_table, parse_tiles, report
-from benchmarks.norm_kernels import timed
+from benchmarks.norm_kernels import timed, warn_off_a_gpu
 from jaxtrain import autocast, head_lse, loss
 from jaxtrain.cmdline import positive_int
 from jaxtrain.errors import exit_on_user_error
@@ -108,6 +108,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
+    warn_off_a_gpu(f"{args.rows} rows of {args.d} and a vocabulary of {args.vocab}", "--rows 128 --d 64 --vocab 768")
     report(*table(args.rows, args.d, args.vocab, parse_tiles(args.tiles), args.iters))
 
 if __name__ == "__main__":

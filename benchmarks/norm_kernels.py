@@ -50,6 +50,14 @@ def kernel_residual_norm(x, delta, w, b):
     return fused_norm._residual_norm(x, delta, w, b, LOW, autocast.BIAS_ROW_PAD)
 
 
+def warn_off_a_gpu(shape: str, small: str) -> None:
+    """One line where there is no GPU: the kernels then run in Pallas's interpreter, where GPT-2's shapes take many
+    minutes before the table prints (a README walk killed two such runs at 300 s, silent)."""
+    if jax.default_backend() != "gpu":
+        print(f"warning: no GPU ({jax.default_backend()}): the kernels run in Pallas's interpreter, and {shape} take "
+              f"many minutes here; {small} checks that it runs", file=sys.stderr, flush=True)
+
+
 def timed(fn, args, iters: int) -> float:
     """Seconds a call of `fn(*args)`: after one that compiles, `iters` calls queued back to back (the device never
     waits for the host's dispatch) and waited for, the best of three such runs."""
@@ -85,6 +93,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
+    warn_off_a_gpu(f"{args.tokens} rows of {args.d}", "--tokens 64 --d 96")
     print(table(args.tokens, args.d, settings(args.rows, args.warps), args.iters))
 
 

@@ -74,7 +74,8 @@ def table(rows: int, d: int, settings, iters: int) -> tuple[str, list[str]]:
 
 
 parser, main = kernel_cli("python -m benchmarks.qkv_grad", __doc__, "the model's width (c_attn's input)",
-                          "128x128x2x8x32,128x128x2x4x32,128x128x2x16x32,128x64x2x8,64x128x2x8x32", 50, table)
+                          "128x128x2x8x32,128x128x2x4x32,128x128x2x16x32,128x64x2x8,64x128x2x8x32", 50, table,
+                          small="--rows 128 --d 128")
 
 if __name__ == "__main__":
     with exit_on_user_error():

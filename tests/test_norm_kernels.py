@@ -44,6 +44,16 @@ def test_each_setting_is_traced_in_both_passes_and_the_defaults_come_back(monkey
     assert (fused_norm.MAX_ROWS, fused_norm.NUM_WARPS) == defaults
 
 
+def test_off_a_gpu_the_command_says_so_and_its_small_sizes_run(capsys):
+    """Off a GPU the kernels run in Pallas's interpreter: the command's first line says so, with sizes that run
+    quickly, and those sizes do (the defaults, GPT-2's, ran silently past 300 s)."""
+    norm_kernels.main(["--tokens", "64", "--d", "96", "--rows", "4", "--warps", "4", "--iters", "1"])
+    out, err = capsys.readouterr()
+    assert err == ("warning: no GPU (cpu): the kernels run in Pallas's interpreter, and 64 rows of 96 take many "
+                   "minutes here; --tokens 64 --d 96 checks that it runs\n")
+    assert "| kernels, 4 rows, 4 warps |" in out
+
+
 def test_xlas_path_is_the_kernels_math():
     """The reference row computes what the kernels compute (bf16 outputs within one rounding)."""
     rng = np.random.default_rng(0)
