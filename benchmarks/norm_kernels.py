@@ -55,7 +55,7 @@ def warn_off_a_gpu(shape: str, small: str) -> None:
     minutes before the table prints (a README walk killed two such runs at 300 s, silent)."""
     if jax.default_backend() != "gpu":
         print(f"warning: no GPU ({jax.default_backend()}): the kernels run in Pallas's interpreter, and {shape} take "
-              f"many minutes here; {small} checks that it runs", file=sys.stderr, flush=True)
+              f"many minutes here; {small} --iters 1 checks that it runs", file=sys.stderr, flush=True)
 
 
 def timed(fn, args, iters: int) -> float:

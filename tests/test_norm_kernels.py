@@ -50,7 +50,7 @@ def test_off_a_gpu_the_command_says_so_and_its_small_sizes_run(capsys):
     norm_kernels.main(["--tokens", "64", "--d", "96", "--rows", "4", "--warps", "4", "--iters", "1"])
     out, err = capsys.readouterr()
     assert err == ("warning: no GPU (cpu): the kernels run in Pallas's interpreter, and 64 rows of 96 take many "
-                   "minutes here; --tokens 64 --d 96 checks that it runs\n")
+                   "minutes here; --tokens 64 --d 96 --iters 1 checks that it runs\n")
     assert "| kernels, 4 rows, 4 warps |" in out
 
 
