@@ -195,7 +195,7 @@ def concurrency_line(timelines, by_hlo: dict[str, str], steps: int) -> str:
 def parser() -> argparse.ArgumentParser:
     """This tool's own flags; the rest (--config, --section.key=value) go to config.load."""
     ap = OneLineParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0],
-                                 epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=positive_int, default=3)
     ap.add_argument("--top", type=positive_int, default=25)
     ap.add_argument("--synthetic", action="store_true")

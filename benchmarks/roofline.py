@@ -296,7 +296,7 @@ def compile_step(cfg, target: str):
 
 def main(argv: list[str]) -> None:
     ap = OneLineParser(prog="python -m benchmarks.roofline", description=__doc__.split("\n\n")[0],
-                                 epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="h100", choices=target_devices.GPUS,
                     help="the GPU to compile for when this machine has none")
     ap.add_argument("--top", type=positive_int, default=25, help="rows of the memory-bound kernels' table")

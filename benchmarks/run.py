@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
 def parser() -> argparse.ArgumentParser:
     """This tool's own flags; the rest (--config, --section.key=value) go to config.load."""
     ap = OneLineParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
-                                 epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=positive_int, default=2)
     ap.add_argument("--steps", type=positive_int, default=6, help="timed steps per row and round")
     ap.add_argument("--rows", help=f"comma-separated, of: {', '.join(ROWS)} (default: all)")

@@ -260,7 +260,7 @@ def table(rows: list[dict], gpu: bool) -> str:
 
 def main(argv: list[str]) -> None:
     ap = OneLineParser(prog="python -m benchmarks.xla_flags", description=__doc__.split("\n\n")[0],
-                                 epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=CONFIG_FLAGS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, choices=TARGETS, help="the device kind to compile for")
     ap.add_argument("--devices", type=positive_int, default=1, help="how many of them (the mesh the config asks for)")
     ap.add_argument("--flags", default="",

@@ -8,7 +8,6 @@ logits, hence a NaN loss and NaN gradients; every other batch, evaluation includ
 needs what the fault needs and nothing else, so both backends meet the same fault at the same step.
 """
 
-
 import numpy as np
 
 from jaxtrain import config, data
@@ -57,7 +56,7 @@ def _steps(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = OneLineParser(prog="python -m parity_tests.inject_nan", description=__doc__.split("\n\n")[0],
-                                 epilog="Any further --config/--section.key=value flags go to the run.")
+                       epilog="Any further --config/--section.key=value flags go to the run.")
     ap.add_argument("backend", choices=("jaxtrain", "torchref"))
     ap.add_argument("steps", type=_steps, help="comma-separated 1-based optimizer steps, e.g. 3,5")
     with exit_on_user_error():

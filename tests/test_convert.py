@@ -257,13 +257,10 @@ def test_export_leaves_a_folder_named_like_its_temporary_one_alone(tmp_path):
 
 def test_convert_cli_round_trip(tmp_path, capsys):
     """A jaxtrain run folder -> torch format -> a new run folder whose checkpoint restores the same state."""
-    _, state = trained(True)
-    cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false")
-    saver = checkpoint.Checkpointer(cfg, data_fingerprint="f" * 64)
-    saver.save(state, data_seed=7)  # continues another's batch order (data.continued_seed)
-    saver.wait()
-    saver.close()
-    convert.main(["to-torch", str(tmp_path / "run" / "checkpoints" / str(STEPS)), str(tmp_path / "torch")])
+    # data seed 7: the run continues another's batch order (data.continued_seed)
+    step_dir = _saved_run(tmp_path, data_seed=7, data_fingerprint="f" * 64)
+    cfg, state = make_cfg(True), trained(True)[1]
+    convert.main(["to-torch", step_dir, str(tmp_path / "torch")])
     trainer_state = torch_format.read_trainer_state(str(tmp_path / "torch"))
     assert trainer_state["data"]["seed"] == 7 and trainer_state["data_fingerprint"] == "f" * 64
     convert.main(["from-torch", str(tmp_path / "torch"), str(tmp_path / "back")])
@@ -286,15 +283,9 @@ def test_convert_cli_round_trip(tmp_path, capsys):
 def test_the_converters_files_have_the_mode_open_gives(tmp_path):
     """Under a umask of 022, every file to-torch and to-hf write is 0644, as open() makes a file: safetensors 0.8
     writes its own 0600, and the weights were the one file of a shared folder its other users could not read."""
-    _, state = trained(True)
-    cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false")
-    saver = checkpoint.Checkpointer(cfg, data_fingerprint="f" * 64)
-    saver.save(state, data_seed=7)
-    saver.wait()
-    saver.close()
+    step = _saved_run(tmp_path)
     umask = os.umask(0o022)
     try:
-        step = str(tmp_path / "run" / "checkpoints" / str(STEPS))
         convert.main(["to-torch", step, str(tmp_path / "torch")])
         convert.main(["to-hf", step, str(tmp_path / "hf")])
     finally:
@@ -385,12 +376,12 @@ def test_a_url_or_the_current_folder_is_refused_before_anything_is_read(command,
     assert os.listdir(tmp_path) == []
 
 
-def _saved_run(tmp_path) -> str:
+def _saved_run(tmp_path, data_seed: int = 0, data_fingerprint: str | None = None) -> str:
     """A jaxtrain run folder holding trained(True)'s state as its one checkpoint; returns the step folder."""
     _, state = trained(True)
     cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false")
-    saver = checkpoint.Checkpointer(cfg)
-    saver.save(state, data_seed=0)
+    saver = checkpoint.Checkpointer(cfg, data_fingerprint=data_fingerprint)
+    saver.save(state, data_seed=data_seed)
     saver.close()
     return str(tmp_path / "run" / "checkpoints" / str(STEPS))
 
