@@ -281,7 +281,7 @@ def _trained_data_tokenizer(cfg, meta: dict) -> str:
 def _parser() -> argparse.ArgumentParser:
     defaults = Sampling()
     ap = OneLineParser(prog="python -m jaxtrain.sample", description="Text from a checkpoint of a trained run.",
-                 epilog='example: python -m jaxtrain.sample --run out/tiny --prompt "def " --temperature 0')
+                       epilog='example: python -m jaxtrain.sample --run out/tiny --prompt "def " --temperature 0')
     ap.add_argument("--run", required=True, help="the run folder (its run.out_dir), e.g. out/tiny")
     ap.add_argument("--step", type=int, help="the checkpoint's step; default: the newest complete one")
     ap.add_argument("--prompt", default="\n", help="the text to continue (default: a new line)")
