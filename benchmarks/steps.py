@@ -98,15 +98,22 @@ def matmul_shape(cfg) -> tuple[int, int, int]:
 
 def jax_matmul(cfg, precision: str, calls: int = 20) -> Timed:
     """Seconds per matmul of matmul_shape: bf16 operands with fp32 accumulation, or fp32 at HIGHEST precision,
-    the two dots jaxtrain's model issues (autocast.matmul)."""
+    the two dots jaxtrain's model issues (autocast.matmul), compiled as the step compiles them: where its dots are
+    XLA:CPU's oneDNN dots (kernel_choice.onednn_dots), with the bf16 result they write there."""
     import jax
     import jax.numpy as jnp
+
+    from jaxtrain import kernel_choice
+    from jaxtrain import step as step_lib
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     m, k, n = matmul_shape(cfg)
     dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
     a = jax.random.normal(jax.random.key(0), (m, k), dtype)
     b = jax.random.normal(jax.random.key(1), (k, n), dtype)
-    dot = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32,
-                                          precision=jax.lax.Precision.HIGHEST if precision == "fp32" else None))
+    out = dtype if kernel_choice.onednn_dots(cfg.model, precision) else jnp.float32
+    dot = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=out,
+                                          precision=jax.lax.Precision.HIGHEST if precision == "fp32" else None),
+                  compiler_options=step_lib.compiler_options(cfg))
 
     def step() -> float:
         start = time.perf_counter()

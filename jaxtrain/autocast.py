@@ -5,9 +5,10 @@ pass too, and rounds its result once where autocast's does (`matmul`, `rounded_m
 rounds once, as torch's kernels (`gelu`). model.py builds GPT-2 from these; loss.py's tiled head reuses the weight
 gradients' rule. Under "fp32" the dots run at Precision.HIGHEST, since the default may use bf16 passes on GPU/TPU.
 
-Which kernels a rounding lands in depends on the platform (a GPU's gemm rounds its own accumulator; XLA:CPU keeps
-bf16 dots in bf16 only for row-major operands), so the platform the model is traced for is part of the rule:
-`backend`, which an ahead-of-time compile for another platform sets with `compiling_for`.
+Which kernels a rounding lands in depends on the platform (a GPU's gemm rounds its own accumulator; XLA:CPU's
+default dots keep bf16 in bf16 only for row-major operands, its oneDNN dots round their own), so the platform the
+model is traced for is part of the rule: `backend`, which an ahead-of-time compile for another platform sets with
+`compiling_for`, and on a CPU which dots it runs (`onednn_dots`).
 """
 
 import contextlib
@@ -29,12 +30,17 @@ def _dot_f32acc(a, b, out=jnp.float32):
     return jnp.matmul(a, b, preferred_element_type=out)
 
 
-def _rounding_dot_dtype(low):
-    """The result dtype for a dot whose fp32 result is rounded to `low` next: `low` itself on a GPU or TPU, whose
-    gemm rounds its fp32 accumulator once on the way out (the same value; XLA:GPU otherwise writes the fp32 result
-    and rounds it in a pass of its own: benchmarks/NOTES.md); fp32 on a CPU, where XLA would run a `low`-result
-    dot on fp32 copies of its operands instead of in `low` (row_major), and the rounding comes after."""
-    return jnp.float32 if backend() == "cpu" else low
+def _rounding_dot_dtype(low, gpu_too: bool = True):
+    """The result dtype for a dot whose fp32 result is rounded to `low` next: `low` itself where the dot rounds its
+    fp32 accumulator once on the way out, the same value: XLA:CPU's oneDNN dots (onednn_dots), which take a dot
+    with an fp32 result on fp32 copies of its operands, off AMX's bf16 tiles; and where `gpu_too`, a GPU's or TPU's
+    gemm (XLA:GPU otherwise writes the fp32 result and rounds it in a pass of its own: benchmarks/NOTES.md). fp32
+    for XLA:CPU's default dots, which would run a `low`-result dot on fp32 copies of its operands instead of in
+    `low` (row_major), and the rounding comes after; and, not `gpu_too`, for the dots whose fp32 result a GPU's
+    measured program writes and rounds after (the weights' gradients, the written-out attention's)."""
+    if backend() == "cpu":
+        return low if _onednn_dots else jnp.float32
+    return low if gpu_too else jnp.float32
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -57,23 +63,23 @@ def _low_matmul_bwd(dtypes, low, out, res, g_f32):
     a, b = res
     g = g_f32.astype(low)
     if b.ndim == 2:
-        da, db = shared_weight_grads(a, b, g, _rounding_dot_dtype(low))
+        da, db = shared_weight_grads(a, b, g, _rounding_dot_dtype(low), _rounding_dot_dtype(low, gpu_too=False))
     else:
-        g = row_major(g)
-        da = _dot_f32acc(g, row_major(jnp.swapaxes(b, -1, -2)))
-        db = _dot_f32acc(row_major(jnp.swapaxes(a, -1, -2)), g)
+        g, out = row_major(g), _rounding_dot_dtype(low, gpu_too=False)
+        da = _dot_f32acc(g, row_major(jnp.swapaxes(b, -1, -2)), out)
+        db = _dot_f32acc(row_major(jnp.swapaxes(a, -1, -2)), g, out)
     return da.astype(low).astype(dtypes[0]), rounded_weight_grad(db, low, dtypes[1])
 
 
-def shared_weight_grads(a, b, g, da_dtype=jnp.float32):
+def shared_weight_grads(a, b, g, da_dtype=jnp.float32, db_dtype=jnp.float32):
     """(g b^T, a^T g), the gradients of a @ b for a 2-D weight b shared over a's leading axes (its gradient sums
-    over them): in fp32, not rounded (g b^T in `da_dtype` from bf16 or fp16 operands). bf16 or fp16 operands multiply
-    with fp32 accumulation, as autocast's matmuls; fp32 ones at Precision.HIGHEST, as `matmul` under "fp32".
-    loss.tiled_ce_sum sums a head's over its tiles."""
+    over them): in fp32, not rounded (in `da_dtype` and `db_dtype` from bf16 or fp16 operands). bf16 or fp16
+    operands multiply with fp32 accumulation, as autocast's matmuls; fp32 ones at Precision.HIGHEST, as `matmul`
+    under "fp32". loss.tiled_ce_sum sums a head's over its tiles."""
     def dot(x, y, out=jnp.float32):
         return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST) if x.dtype == jnp.float32 else _dot_f32acc(
             x, y, out)
-    return dot(g, b.T, da_dtype), dot(row_major(a.reshape(-1, a.shape[-1]).T), g.reshape(-1, g.shape[-1]))
+    return dot(g, b.T, da_dtype), dot(row_major(a.reshape(-1, a.shape[-1]).T), g.reshape(-1, g.shape[-1]), db_dtype)
 
 
 def rounded_weight_grad(db_f32, low, dtype):
@@ -90,7 +96,24 @@ def backend() -> str:
     return _compiling_for or jax.default_backend()
 
 
-def rounding_options(platform: str, precision: str = "bf16", bf16_stream: bool = False) -> dict:
+_onednn_dots = False
+
+
+@contextlib.contextmanager
+def onednn_dots(on: bool):
+    """Trace with XLA:CPU's dots taken to be oneDNN's (kernel_choice.onednn_dots, which step.compiler_options asks
+    XLA for): there a bf16 dot writes its bf16 result (_rounding_dot_dtype) and a Linear's bias rides in its gemm
+    (bias_row_applies), since XLA hands oneDNN a dot with an fp32 result or an add after it on fp32 copies of its
+    operands, off AMX's bf16 tiles. step.py's jitted functions set it as they are traced."""
+    global _onednn_dots
+    previous, _onednn_dots = _onednn_dots, on
+    try:
+        yield
+    finally:
+        _onednn_dots = previous
+
+
+def rounding_options(platform: str, precision: str = "bf16", bf16_stream: bool = False, onednn: bool = False) -> dict:
     """XLA compile options under which a compile for `platform` keeps every rounding to bf16 or fp16 that the traced
     program writes, as torch's autocast does (none for an fp32 program: it writes none). On a GPU XLA drops a
     rounding that an fp32 consumer follows under its default `xla_allow_excess_precision=true`
@@ -99,8 +122,10 @@ def rounding_options(platform: str, precision: str = "bf16", bf16_stream: bool =
     step took the same time (benchmarks/NOTES.md, 2026-11-28). XLA:CPU kept those (32,767 of 32,768), but not a bf16
     residual stream's (`bf16_stream`, model.residual_dtype=bf16): its adds' roundings, which the LayerNorms' fp32
     upcasts follow, it dropped (a 2-layer model's logits equal to torchref's at 34% of elements with them dropped, at
-    all without: parity_tests/test_model_parity.py). A TPU is unmeasured: {} there, but for the bf16 stream."""
-    if precision == "fp32" or not (platform == "gpu" or bf16_stream):
+    all without: parity_tests/test_model_parity.py). XLA:CPU's oneDNN dots (`onednn`: onednn_dots) write bf16
+    results, and there too XLA folded a bf16 dot's upcast into the dot: a batched dot's input gradient came back
+    unrounded (tests/test_autocast.py). A TPU is unmeasured: {} there, but for the bf16 stream."""
+    if precision == "fp32" or not (platform == "gpu" or bf16_stream or onednn):
         return {}
     return {"xla_allow_excess_precision": False}
 
@@ -143,11 +168,12 @@ def matmul(a, b, precision: str, out=jnp.float32):
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-def rounded_matmul(a, b, precision: str):
-    """a @ b in the compute dtype: the fp32 accumulator rounded once, by the dot itself on a GPU or TPU, after it
-    on a CPU (_rounding_dot_dtype). A bias-free Linear and the head (head_logits)."""
+def rounded_matmul(a, b, precision: str, gpu_too: bool = True):
+    """a @ b in the compute dtype: the fp32 accumulator rounded once, by the dot itself where the dots round their
+    own (on a GPU or TPU where `gpu_too`, and XLA:CPU's oneDNN dots), after it elsewhere (_rounding_dot_dtype). A
+    bias-free Linear and the head (head_logits); the written-out attention's dots, not `gpu_too`."""
     low = COMPUTE_DTYPES[precision]
-    return matmul(a, b, precision, _rounding_dot_dtype(low)).astype(low)
+    return matmul(a, b, precision, _rounding_dot_dtype(low, gpu_too)).astype(low)
 
 
 # The name of biased_matmul's output where it pads its input itself (_padded_here): a custom_vjp, whose dot remat's
@@ -259,8 +285,9 @@ def _column_split(w, b, parts: int) -> list[tuple]:
 
 def bias_row_applies(precision: str) -> bool:
     """Whether biased_matmul adds the bias as the gemm's last row of weights: on a GPU under bf16 or fp16, where
-    the mesh keeps each weight whole."""
-    return precision != "fp32" and backend() == "gpu" and mesh.weight_shards() == 1
+    the mesh keeps each weight whole, and on a CPU whose dots are oneDNN's (onednn_dots)."""
+    on_its_gemm = backend() == "gpu" or (backend() == "cpu" and _onednn_dots)
+    return precision != "fp32" and on_its_gemm and mesh.weight_shards() == 1
 
 
 def ones_columns(has_bias: bool, precision: str, width: int = BIAS_ROW_PAD) -> int:

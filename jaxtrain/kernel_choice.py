@@ -1,9 +1,12 @@
-"""Which kernel each of the model's ops runs as: the config's model.attention, model.norm and model.qkv_grad
-against the backend the step is traced for (autocast.backend). Where a choice cannot run there, one error that says
-why and what to pick instead. The model builds its blocks from these; the train step's compile options ask the same
-questions (step.compiler_options), so that both agree on the program."""
+"""Which kernel each of the model's ops runs as: the config's model.attention, model.norm, model.qkv_grad and
+model.cpu_dots against the backend the step is traced for (autocast.backend). Where a choice cannot run there, one
+error that says why and what to pick instead. The model builds its blocks from these; the train step's compile
+options ask the same questions (step.compiler_options), so that both agree on the program."""
+
+import functools
 
 import jax
+import jaxlib
 
 from jaxtrain.autocast import BIAS_ROW_PAD, backend
 from jaxtrain.config import ModelConfig
@@ -50,3 +53,33 @@ def ones_width(tma_kernel: bool) -> int:
     """The bias row's ones columns in a Linear's input (fused_norm writes them): a whole tile of 64 where a kernel
     moves that input or its gradient by TMA, which takes rows in whole tiles only; else autocast.BIAS_ROW_PAD."""
     return HOPPER_GEMM_TILE if tma_kernel else BIAS_ROW_PAD
+
+
+# The first jaxlib whose XLA:CPU hands oneDNN a bf16 dot's bf16 operands and result as they are: 0.10.2 converts them
+# to fp32 around it (c_fc's dot 48 ms, against 4.3 on 0.11.0 and 4.4 on 0.12.0.1: benchmarks/NOTES.md, CPU step 15),
+# and its oneDNN fp32 dots crashed a run (CPU step 6).
+ONEDNN_BF16_JAXLIB = (0, 11)
+
+
+def onednn_dots(cfg: ModelConfig, precision: str) -> bool:
+    """Whether XLA:CPU runs the step's dots as oneDNN's (model.cpu_dots), each writing its bf16 result
+    (autocast.onednn_dots): auto where that runs on AMX's bf16 tiles (a CPU with AMX, bf16, a jaxlib from
+    ONEDNN_BF16_JAXLIB), where XLA's default dots (YNNPACK) reach a quarter of oneDNN's rate on the Linears' shapes.
+    A CPU without AMX keeps XLA's default: oneDNN's avx512 bf16 dots there are unmeasured."""
+    jaxlib_takes_bf16 = tuple(int(part) for part in jaxlib.__version__.split(".")[:2]) >= ONEDNN_BF16_JAXLIB
+    if cfg.cpu_dots == "onednn" and not (precision == "bf16" and backend() == "cpu" and jaxlib_takes_bf16):
+        raise UserError(f"model.cpu_dots=onednn needs train.precision=bf16 on a CPU and jaxlib >= 0.11 (Python >= "
+                        f"3.12), whose XLA hands oneDNN bf16 dots as they are (got {precision} on {backend()}, "
+                        f"jaxlib {jaxlib.__version__}); use model.cpu_dots=auto")
+    auto = precision == "bf16" and backend() == "cpu" and jaxlib_takes_bf16 and _cpu_has_amx()
+    return cfg.cpu_dots == "onednn" or (cfg.cpu_dots == "auto" and auto)
+
+
+@functools.cache
+def _cpu_has_amx() -> bool:
+    """Whether this machine's CPU has AMX's bf16 tiles (Linux's /proc/cpuinfo flags; elsewhere taken as not)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in cpuinfo)
+    except OSError:
+        return False

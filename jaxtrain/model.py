@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.autocast import (BIAS_ROW_GEMM, COMPUTE_DTYPES, backend, column_blocks, gelu, linear, matmul,
-                               rounded_matmul, row_major)
+from jaxtrain.autocast import (BIAS_ROW_GEMM, COMPUTE_DTYPES, backend, column_blocks, gelu, linear, rounded_matmul,
+                               row_major)
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import LN_EPS, residual_norm
@@ -173,16 +173,16 @@ class CausalSelfAttention(nnx.Module):
         k_T = row_major(jnp.swapaxes(k, -1, -2))
         # torchref's `(q @ k^T) * scale` under autocast: the product rounded to the compute dtype, scaled in fp32 and
         # rounded again (torch's opmath), then upcast for the softmax; under fp32 the roundings are no-ops. The dot
-        # returns fp32 and is rounded after it, as the batched dots' gradients are (autocast._low_matmul_bwd).
+        # rounds once, after it or in it, as the batched dots' gradients do (autocast._low_matmul_bwd).
         low = COMPUTE_DTYPES[self.precision]
         scale = jnp.float32(1.0 / math.sqrt(head_size))
-        scores_BxHxTxL = matmul(q, k_T, self.precision).astype(low).astype(jnp.float32) * scale
+        scores_BxHxTxL = rounded_matmul(q, k_T, self.precision, gpu_too=False).astype(jnp.float32) * scale
         scores_BxHxTxL = scores_BxHxTxL.astype(low).astype(jnp.float32)
         causal_TxL = jnp.arange(L)[None, :] <= start + jnp.arange(T)[:, None]
         scores_BxHxTxL = jnp.where(causal_TxL, scores_BxHxTxL, -jnp.inf)
         probs_BxHxTxL = jax.nn.softmax(scores_BxHxTxL, axis=-1).astype(q.dtype)
         probs_BxHxTxL = _dropout(probs_BxHxTxL, self.dropout, probs_key)
-        y_BxHxTxS = matmul(probs_BxHxTxL, v, self.precision).astype(q.dtype)
+        y_BxHxTxS = rounded_matmul(probs_BxHxTxL, v, self.precision, gpu_too=False)
         return y_BxHxTxS.transpose(0, 2, 1, 3)
 
 

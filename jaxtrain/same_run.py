@@ -21,8 +21,8 @@ from jaxtrain.errors import UserError
 # before these keys existed still resume.
 TRAJECTORY_KEYS = ("model", "data.batch_size", "optim", "train.precision", "train.loss_scale", "run.seed",
                    "decay length")
-HOW_NOT_WHAT = ("model.attention", "model.norm", "model.gelu_fwd", "model.gelu_grad", "model.head_lse", "model.qkv_grad", "model.remat",
-                "model.vocab_tiles")
+HOW_NOT_WHAT = ("model.attention", "model.norm", "model.gelu_fwd", "model.gelu_grad", "model.head_lse",
+                "model.qkv_grad", "model.remat", "model.vocab_tiles", "model.cpu_dots")
 
 # Keys compared only where they act: the decay length (train.steps or optim.decay_steps, compared as the effective
 # value) and min_lr where the schedule decays, its cycles where it restarts, the warmup's start where there is one,

@@ -12,6 +12,7 @@ dispatch per step, and the window's token count is known inside the call. MultiS
 one that feeding it the k gradients one by one gives (tests/test_step.py).
 """
 
+import functools
 import os
 from typing import Callable, NamedTuple
 
@@ -188,11 +189,26 @@ def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
                                  skip_non_finite=cfg.train.nan_policy == "skip",
                                  loss_scale_growth_interval=cfg.train.loss_scale_growth_interval if fp16 else None,
                                  vocab_tiles=cfg.model.vocab_tiles, lse_in_head=cfg.model.head_lse == "pallas")
-    return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options(cfg))
+    return jax.jit(traced_for_dots(train_step, cfg), donate_argnums=0, out_shardings=out_shardings,
+                   compiler_options=compiler_options(cfg))
+
+
+def traced_for_dots(fn: Callable, cfg: Config) -> Callable:
+    """fn, traced for the dots cfg's compile asks for (autocast.onednn_dots: which result dtypes and bias rows the
+    model writes), whenever jit traces it."""
+    onednn = kernel_choice.onednn_dots(cfg.model, cfg.train.precision)
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with autocast.onednn_dots(onednn):
+            return fn(*args)
+    return traced
 
 
 SOL_ESTIMATOR = "xla_gpu_enable_analytical_sol_latency_estimator"
 DOT_MERGER = "xla_gpu_dot_merger_threshold_mb"
+# XLA:CPU's dots as oneDNN's (kernel_choice.onednn_dots); its other ops stay XLA's (YNNPACK's, Eigen's)
+ONEDNN_DOTS = {"xla_cpu_use_onednn": True, "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 
 
 def compiler_options(cfg: Config) -> dict:
@@ -215,8 +231,15 @@ def compiler_options(cfg: Config) -> dict:
     them back into one and slices its output, the copies those gemms are there to avoid (GPT-2 124M's step on an
     H100, the roofline: 2.0 ms of 91.8; it merged nothing else there), and under model.qkv_grad=pallas the three
     weight gradients' gemms, which share x, back into one on the gradients side by side, the copy the kernel
-    avoids."""
-    options = autocast.rounding_options(autocast.backend(), cfg.train.precision, cfg.model.residual_dtype == "bf16")
+    avoids.
+
+    On a CPU, the dots as oneDNN's where kernel_choice.onednn_dots picks them: configs/small.yaml's bf16 step on a
+    2-core AMX Xeon 2.15 s against 2.85 with XLA's default dots (benchmarks/NOTES.md, CPU step 15)."""
+    onednn = kernel_choice.onednn_dots(cfg.model, cfg.train.precision)
+    options = autocast.rounding_options(autocast.backend(), cfg.train.precision, cfg.model.residual_dtype == "bf16",
+                                        onednn)
+    if onednn:
+        options.update(ONEDNN_DOTS)
     if autocast.backend() == "gpu" and cfg.mesh.fsdp == 1:
         options[SOL_ESTIMATOR] = False
         fused_attention = kernel_choice.fused_attention(cfg.model, cfg.train.precision)
@@ -230,7 +253,7 @@ def jit_eval_step(cfg: Config) -> Callable:
     """The run's eval step for cfg's model (its resolved vocab_size), jitted with the train step's compile options:
     the same forward pass compiles the same way (on a GPU, q, k and v stay three gemms)."""
     graphdef = model.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
-    return jax.jit(make_eval_step(graphdef), compiler_options=compiler_options(cfg))
+    return jax.jit(traced_for_dots(make_eval_step(graphdef), cfg), compiler_options=compiler_options(cfg))
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:

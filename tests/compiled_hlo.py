@@ -1,8 +1,13 @@
 """Reading a step's HLO text: a compiled step's optimized HLO (`compiled.as_text()`), its instructions and which of
 them run in a loop (the body of a while, such as a lax.scan's, or a computation that body calls: a fusion, a
-reducer); and the element types of the dots of a lowered one (`lowered.as_text()`, StableHLO)."""
+reducer); and the element types of the dots of a lowered one (`lowered.as_text()`, StableHLO), traced for a platform
+(`traced_for`)."""
 
+import contextlib
 import re
+
+from jaxtrain import autocast
+from jaxtrain import step
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.-]+) .*?\{\n(.*?)^\}", re.S | re.M)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = (.*?) ([a-z][\w-]*)\(", re.M)
@@ -27,3 +32,20 @@ def dot_types(hlo: str) -> list[tuple[str, str, str]]:
     """(lhs, rhs, result) element types of every dot_general in StableHLO text."""
     sig = re.findall(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)", hlo)
     return [tuple(re.fullmatch(r"tensor<(?:\d+x)*(\w+)>", t).group(1) for t in s) for s in sig]
+
+
+def traced_for(platform: str) -> contextlib.ExitStack:
+    """autocast.compiling_for(platform); "cpu-onednn": a CPU whose dots are oneDNN's (autocast.onednn_dots)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(autocast.compiling_for(platform.removesuffix("-onednn")))
+    stack.enter_context(autocast.onednn_dots(platform.endswith("-onednn")))
+    return stack
+
+
+def options_for(platform: str, precision: str = "bf16") -> dict:
+    """The compile options of a program traced_for(platform), as the step's (step.compiler_options) on this
+    machine: for "cpu-onednn" oneDNN's dots, every rounding kept; none for the others (a GPU's trace runs here on
+    XLA:CPU)."""
+    if platform != "cpu-onednn":
+        return {}
+    return {**autocast.rounding_options("cpu", precision, onednn=True), **step.ONEDNN_DOTS}

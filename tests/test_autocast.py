@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import compiled_hlo
+from compiled_hlo import options_for, traced_for
 from jaxtrain import autocast
 from jaxtrain.mesh import AUTO_AXES
 
@@ -33,15 +34,17 @@ def _operands(shape_a, shape_b):
 
 @pytest.mark.parametrize("low", ["bf16", "fp16"])
 @pytest.mark.parametrize("shape_a,shape_b", [((4, 16, 64), (64, 48)), ((2, 3, 16, 32), (2, 3, 32, 16))])
-@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("platform", ["cpu", "cpu-onednn", "gpu"])
 def test_low_precision_matmul_gradient(shape_a, shape_b, low, platform):
     """Linear (a weight shared over the batch axes) and attention (batched) shapes, in bf16 and fp16; traced for a
-    CPU and for a GPU (autocast.compiling_for; run here), where the left operand's gradient dot returns `low` itself."""
+    CPU, for a CPU whose dots are oneDNN's and for a GPU (traced_for; run here), where the gradient dots return
+    `low` themselves (the left operand's on a GPU, both on oneDNN's CPU)."""
     a, b, w = _operands(shape_a, shape_b)
 
     def grad(prec):
-        with autocast.compiling_for(platform):
-            return jax.jit(jax.grad(lambda a, b: (w * autocast.matmul(a, b, prec)).sum(), argnums=(0, 1)))(a, b)
+        with traced_for(platform):
+            return jax.jit(jax.grad(lambda a, b: (w * autocast.matmul(a, b, prec)).sum(), argnums=(0, 1)),
+                           compiler_options=options_for(platform, prec))(a, b)
     (da, db), (da32, db32) = grad(low), grad("fp32")
     assert da.dtype == db.dtype == jnp.float32
     # Rounding the operands to bf16 (relative 2^-9 each) gives about 0.4% RMS relative error; fp16 less.
@@ -82,17 +85,19 @@ def test_bf16_rounded_matmul_is_the_product_rounded_once():
 
 
 @pytest.mark.parametrize("platform,fsdp,row", [("gpu", None, True), ("gpu", 1, True), ("gpu", 2, False),
-                                               ("cpu", None, False), ("tpu", None, False)])
-def test_the_bias_rides_in_the_gemm_on_a_gpu_whose_weights_are_whole(platform, fsdp, row):
+                                               ("cpu", None, False), ("cpu-onednn", None, True),
+                                               ("cpu-onednn", 2, False), ("tpu", None, False)])
+def test_the_bias_rides_in_the_gemm_where_dots_round_and_weights_are_whole(platform, fsdp, row):
     """biased_matmul pads x with a column of ones and w with the bias row (a concatenate in the trace) only on a GPU
-    and where the mesh does not split the weights (fsdp 1, or no mesh); and it is the same function either way:
+    or a CPU whose dots are oneDNN's, and where the mesh does not split the weights (fsdp 1, or no mesh); and it is
+    the same function either way:
     x @ w + b, with bf16 operands accumulated in fp32 and rounded once (operands exact in bf16 and sums exact in
     fp32, so both routes give the same bits)."""
     x, w, b = (jnp.asarray(np.random.default_rng(i).integers(-8, 9, shape) / 8, jnp.float32)
                for i, shape in enumerate([(2, 5, 16), (16, 8), (8,)]))
-    f = jax.jit(lambda x, w, b: autocast.biased_matmul(x, w, b, "bf16"))
+    f = jax.jit(lambda x, w, b: autocast.biased_matmul(x, w, b, "bf16"), compiler_options=options_for(platform))
     mesh = jax.sharding.AbstractMesh((4 // fsdp, fsdp), ("data", "fsdp"), axis_types=AUTO_AXES) if fsdp else None
-    with autocast.compiling_for(platform), jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
+    with traced_for(platform), jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
         assert ("concatenate" in str(jax.make_jaxpr(f.__wrapped__)(x, w, b))) == row
         if fsdp is None:
             y = f(x, w, b)
@@ -106,13 +111,14 @@ def test_the_bias_rides_in_the_gemm_on_a_gpu_whose_weights_are_whole(platform, f
 @pytest.mark.parametrize("platform,fsdp,precision,bias,want", [
     ("gpu", None, "bf16", True, 64), ("gpu", 1, "fp16", True, 64), ("gpu", None, "bf16", False, 0),
     ("gpu", None, "fp32", True, 0), ("gpu", 2, "bf16", True, 0), ("cpu", None, "bf16", True, 0),
-    ("tpu", None, "bf16", True, 0)])
+    ("cpu-onednn", None, "bf16", True, 64), ("cpu-onednn", None, "fp32", True, 0), ("tpu", None, "bf16", True, 0)])
 def test_a_linear_takes_ones_columns_only_where_its_bias_rides_in_the_gemm(platform, fsdp, precision, bias, want):
     """The ones columns a writer puts beside a Linear's input (fused_norm, gelu_gemm's forward kernel): the width
-    it asks for on a GPU under bf16 or fp16 with whole weights and a bias, none anywhere else (a Linear without
-    bias, fp32, a mesh that splits the weights, a CPU, a TPU): the cases written out by hand."""
+    it asks for on a GPU (or a CPU whose dots are oneDNN's) under bf16 or fp16 with whole weights and a bias, none
+    anywhere else (a Linear without bias, fp32, a mesh that splits the weights, XLA's CPU dots, a TPU): the cases
+    written out by hand."""
     mesh = jax.sharding.AbstractMesh((4 // fsdp, fsdp), ("data", "fsdp"), axis_types=AUTO_AXES) if fsdp else None
-    with autocast.compiling_for(platform), jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
+    with traced_for(platform), jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
         assert autocast.ones_columns(bias, precision, 64) == want
 
 
@@ -163,13 +169,13 @@ def test_an_input_padded_here_takes_its_gradient_from_a_gemm_on_w_alone():
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("platform", ["cpu", "cpu-onednn", "gpu"])
 def test_column_blocks_are_the_linear_split_and_take_its_gradient(platform, precision, bias):
     """column_blocks (q, k and v as three gemms) gives the whole linear's output split in three, up to the order of
     each fp32 sum (a gemm of another width may block K otherwise), and exactly the whole linear's gradients: one dx
     from the blocks' gradients together, rounded once, not three rounded dx summed. The expectation is autodiff of
     jnp.split(linear(...)), the one-gemm linear whose numerics are torch's (tests/test_model.py); traced for a GPU
-    too, where the bias rides in the gemm."""
+    and oneDNN's CPU dots too, where the bias rides in the gemm."""
     x, w, b, *gs = (jax.random.normal(jax.random.key(i), shape) for i, shape in
                     enumerate([(2, 5, 24), (24, 48), (48,), (2, 5, 16), (2, 5, 16), (2, 5, 16)]))
     b = b if bias else None
@@ -179,10 +185,12 @@ def test_column_blocks_are_the_linear_split_and_take_its_gradient(platform, prec
 
     by_blocks = lambda x, w, b: loss(autocast.column_blocks(x, w, b, precision, 3))
     by_split = lambda x, w, b: loss(jnp.split(autocast.linear(x, w, b, precision), 3, -1))
-    with autocast.compiling_for(platform):
-        got = jax.jit(lambda *a: autocast.column_blocks(*a, precision, 3))(x, w, b)
-        want = jax.jit(lambda *a: jnp.split(autocast.linear(*a, precision), 3, -1))(x, w, b)
-        grads = jax.jit(jax.grad(by_blocks, (0, 1, 2)))(x, w, b), jax.jit(jax.grad(by_split, (0, 1, 2)))(x, w, b)
+    options = options_for(platform, precision)
+    with traced_for(platform):
+        got = jax.jit(lambda *a: autocast.column_blocks(*a, precision, 3), compiler_options=options)(x, w, b)
+        want = jax.jit(lambda *a: jnp.split(autocast.linear(*a, precision), 3, -1), compiler_options=options)(x, w, b)
+        grads = (jax.jit(jax.grad(by_blocks, (0, 1, 2)), compiler_options=options)(x, w, b),
+                 jax.jit(jax.grad(by_split, (0, 1, 2)), compiler_options=options)(x, w, b))
     # two orders of a fp32 sum of K = 24 products are each within K units of rounding of sum |x w| (+ |b|) of it
     magnitude = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)) + (
         0 if b is None else np.abs(np.asarray(b, np.float64)))
@@ -194,7 +202,8 @@ def test_column_blocks_are_the_linear_split_and_take_its_gradient(platform, prec
     jax.tree.map(np.testing.assert_array_equal, *grads)
 
 
-@pytest.mark.parametrize("platform,precision", [("cpu", "bf16"), ("gpu", "bf16"), ("gpu", "fp32")])
+@pytest.mark.parametrize("platform,precision", [("cpu", "bf16"), ("cpu-onednn", "bf16"), ("gpu", "bf16"),
+                                                ("gpu", "fp32")])
 def test_q_k_v_blocks_take_their_weight_gradients_from_a_gemm_each(platform, precision):
     """column_blocks' gradient as XLA:CPU compiles it (on every machine: XLA:GPU names its gemms otherwise): one dx
     gemm on the blocks' gradients together (10 rows of x's 24 columns) and a weight-gradient gemm per block (K rows
@@ -204,9 +213,9 @@ def test_q_k_v_blocks_take_their_weight_gradients_from_a_gemm_each(platform, pre
                     in enumerate([(2, 5, 24), (24, 48), (48,), (2, 5, 16), (2, 5, 16), (2, 5, 16)]))
     loss = lambda x, w, b: sum(jnp.vdot(block.astype(jnp.float32), g)
                                for block, g in zip(autocast.column_blocks(x, w, b, precision, 3), gs))
-    with autocast.compiling_for(platform):
+    with traced_for(platform):
         hlo = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, w, b).compile().as_text()
-    k = 32 if (platform, precision) == ("gpu", "bf16") else 24
+    k = 32 if (platform, precision) in (("gpu", "bf16"), ("cpu-onednn", "bf16")) else 24
     assert sorted(re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} dot\(", hlo)) == ["10,24"] + [f"{k},16"] * 3
 
 

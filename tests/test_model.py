@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import compiled_hlo
+from compiled_hlo import traced_for
 from jaxtrain import autocast, kernel_choice, model as M
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
@@ -170,7 +171,7 @@ def test_bf16_forward_close_to_fp32():
     assert 1e-4 < err < 0.01
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("platform", ["cpu", "cpu-onednn", "gpu"])
 @pytest.mark.parametrize("precision,bias", [("bf16", True), ("bf16", False), ("fp32", True)])
 def test_model_gradient_dots_follow_the_policy(precision, bias, platform):
     """Every dot takes the compute dtype's operands and accumulates in fp32. Traced for a CPU, every one returns
@@ -178,13 +179,16 @@ def test_model_gradient_dots_follow_the_policy(precision, bias, platform):
     to bf16 next returns bf16 itself (_rounding_dot_dtype): the head's forward, the forward of the four Linears per
     layer (a bias rides in the gemm as a row of weights: autocast.biased_matmul) and, in the backward pass, the
     gradient of the activations a weight multiplies (the head's, and four Linears' per layer); weight gradients
-    stay fp32, and so do the written-out attention's (on a GPU, cuDNN's kernel runs attention). Under fp32, every
-    dot is true fp32, on GPU/TPU too, whose default precision may use bf16 passes."""
+    stay fp32, and so do the written-out attention's (on a GPU, cuDNN's kernel runs attention). Traced for a CPU
+    whose dots are oneDNN's (autocast.onednn_dots), every one returns bf16: those too. Under fp32, every dot is true
+    fp32, on GPU/TPU too, whose default precision may use bf16 passes."""
     graphdef, params = _init(dataclasses.replace(SMALL, bias=bias), precision=precision)
-    with autocast.compiling_for(platform):  # M.apply, not this module's jitted apply: its trace cache ignores the platform
+    with traced_for(platform):  # M.apply, not this module's jitted apply: its trace cache ignores the platform
         hlo = jax.jit(jax.grad(lambda p, idx: M.apply(graphdef, p, idx).std())).lower(params, _idx()).as_text()
     dots = collections.Counter(compiled_hlo.dot_types(hlo))
-    if precision == "bf16":
+    if precision == "bf16" and platform == "cpu-onednn":
+        assert set(dots) == {("bf16", "bf16", "bf16")}
+    elif precision == "bf16":
         rounding_dots = 2 + 8 * SMALL.n_layer if platform == "gpu" else 0
         assert set(dots) - {("bf16", "bf16", "bf16")} == {("bf16", "bf16", "f32")}
         assert dots[("bf16", "bf16", "bf16")] == rounding_dots

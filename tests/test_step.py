@@ -251,7 +251,7 @@ def test_the_gpu_step_keeps_xlas_dot_merger_off_the_qkv_gemms_where_attention_is
     with its threshold 0; not for the written-out attention, not under fsdp > 1, and never over the user's
     XLA_FLAGS."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    bf16 = make(1, "--train.precision=bf16")[0]
+    bf16 = make(1, "--train.precision=bf16", "--model.cpu_dots=xla")[0]  # oneDNN's CPU dots: tests/test_cpu_dots.py
     dropout = make(1, "--train.precision=bf16", "--model.dropout=0.1")[0]
     fsdp = config.load(["--mesh.fsdp=2", "--data.batch_size=8", "--train.precision=bf16"])
     sol = {"xla_gpu_enable_analytical_sol_latency_estimator": False, "xla_allow_excess_precision": False}

@@ -64,7 +64,8 @@ def train(cfg: Config) -> None:
 # metrics.jsonl, and how it computes (over devices, with which kernels), not what (torchref/model.py's GPT).
 JAXTRAIN_ONLY = {"log.tensorboard": False, "log.sample_tokens": 0, "mesh.data": -1, "mesh.fsdp": 1,
                  "model.attention": "auto", "model.norm": "auto", "model.gelu_fwd": "xla", "model.gelu_grad": "xla",
-                 "model.head_lse": "xla", "model.qkv_grad": "xla", "model.remat": "none", "model.vocab_tiles": 1}
+                 "model.head_lse": "xla", "model.qkv_grad": "xla", "model.remat": "none", "model.vocab_tiles": 1,
+                 "model.cpu_dots": "auto"}
 
 
 def jaxtrain_only(cfg: Config) -> list[str]:

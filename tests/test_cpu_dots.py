@@ -1,0 +1,138 @@
+"""model.cpu_dots: which machines run the bf16 step's dots as XLA:CPU's oneDNN dots (kernel_choice.onednn_dots), the
+compile options that ask XLA for them (step.compiler_options), and the step traced for them: every dot writes its
+bf16 result. Where this jaxlib hands oneDNN bf16 dots whole (>= 0.11), the compiled step too, and a short run
+against the same run on XLA's default dots."""
+
+import collections
+import json
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+import pytest
+
+import compiled_hlo
+from jaxtrain import config, kernel_choice, run, step
+from jaxtrain.errors import UserError
+
+V = 64
+ONEDNN = {"xla_cpu_use_onednn": True, "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+          "xla_allow_excess_precision": False}  # by hand: XLA's names for oneDNN's dots, and every rounding kept
+JAXLIB_TAKES_BF16 = tuple(int(part) for part in jaxlib.__version__.split(".")[:2]) >= (0, 11)
+
+
+def tiny(*overrides) -> config.Config:
+    return config.load(["--data.batch_size=8", "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2",
+                        "--model.seq_len=16", f"--model.vocab_size={V}", "--optim.grad_accum_steps=2",
+                        "--train.precision=bf16", *overrides])
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Sets the machine onednn_dots sees: whether its CPU has AMX, and the jaxlib version."""
+    def set_machine(amx: bool, jaxlib_version: str):
+        monkeypatch.setattr(kernel_choice, "_cpu_has_amx", lambda: amx)
+        monkeypatch.setattr(jaxlib, "__version__", jaxlib_version)
+    return set_machine
+
+
+@pytest.mark.parametrize("cpu_dots,precision,platform,amx,jaxlib_version,want", [
+    ("auto", "bf16", "cpu", True, "0.11.0", True), ("auto", "bf16", "cpu", True, "0.12.0.1", True),
+    ("auto", "bf16", "cpu", True, "1.0.0", True), ("auto", "bf16", "cpu", True, "0.10.2", False),
+    ("auto", "bf16", "cpu", False, "0.12.0.1", False), ("auto", "fp32", "cpu", True, "0.12.0.1", False),
+    ("auto", "fp16", "cpu", True, "0.12.0.1", False), ("auto", "bf16", "gpu", True, "0.12.0.1", False),
+    ("xla", "bf16", "cpu", True, "0.12.0.1", False), ("onednn", "bf16", "cpu", False, "0.11.0", True)])
+def test_onednn_dots_where_they_run_on_amx(cpu_dots, precision, platform, amx, jaxlib_version, want, machine):
+    """auto picks oneDNN's dots for a bf16 step on a CPU with AMX under a jaxlib from 0.11, and nowhere else;
+    onednn wherever it can run; xla never: the cases written out by hand."""
+    machine(amx, jaxlib_version)
+    with compiled_hlo.traced_for(platform):
+        assert kernel_choice.onednn_dots(tiny(f"--model.cpu_dots={cpu_dots}").model, precision) == want
+
+
+@pytest.mark.parametrize("precision,platform,jaxlib_version", [
+    ("fp32", "cpu", "0.12.0.1"), ("fp16", "cpu", "0.12.0.1"), ("bf16", "gpu", "0.12.0.1"), ("bf16", "cpu", "0.10.2")])
+def test_onednn_dots_where_they_cannot_run_are_a_user_error(precision, platform, jaxlib_version, machine):
+    """Under fp32 or fp16, off a CPU, or on a jaxlib that converts bf16 dots to fp32 around oneDNN: refused, naming
+    what it needs and what was found."""
+    machine(True, jaxlib_version)
+    with compiled_hlo.traced_for(platform), pytest.raises(UserError) as refused:
+        kernel_choice.onednn_dots(tiny("--model.cpu_dots=onednn").model, precision)
+    assert str(refused.value) == (
+        f"model.cpu_dots=onednn needs train.precision=bf16 on a CPU and jaxlib >= 0.11 (Python >= 3.12), whose XLA "
+        f"hands oneDNN bf16 dots as they are (got {precision} on {platform}, jaxlib {jaxlib_version}); use "
+        f"model.cpu_dots=auto")
+
+
+def test_the_step_compiles_with_onednns_dots_where_they_are_picked_never_over_xla_flags(machine, monkeypatch):
+    """The step's compile options on an AMX CPU under jaxlib 0.12: oneDNN's dots and every rounding kept for
+    cpu_dots=auto; nothing for xla; and a flag the user's XLA_FLAGS set is left to them."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    machine(True, "0.12.0.1")
+    assert step.compiler_options(tiny()) == ONEDNN
+    assert step.compiler_options(tiny("--model.cpu_dots=xla")) == {}
+    assert step.compiler_options(tiny("--train.precision=fp32")) == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_onednn=false")
+    assert step.compiler_options(tiny()) == {k: v for k, v in ONEDNN.items() if k != "xla_cpu_use_onednn"}
+
+
+def _lowered_dots(cfg: config.Config, train: bool) -> collections.Counter:
+    """The (lhs, rhs, result) element types of the dots of cfg's train step (or eval step), as jit lowers it."""
+    abstract, window = jax.eval_shape(lambda: step.fresh_state(cfg, V)), jax.ShapeDtypeStruct((2, 4, 16), jnp.int32)
+    jitted = step.jit_train_step(cfg, 0) if train else step.jit_eval_step(cfg)
+    lowered = jitted.lower(abstract if train else abstract.params, window, window)
+    return collections.Counter(compiled_hlo.dot_types(lowered.as_text()))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_the_step_traced_for_onednn_writes_every_dot_in_bf16(train, machine):
+    """Traced for oneDNN's dots (the step's own jit: step.traced_for_dots), every dot of the train and eval steps
+    writes its bf16 result from bf16 operands, the weights' gradients and the attention's too (an fp32 result XLA
+    hands oneDNN on fp32 copies, off AMX's bf16 tiles); traced for XLA's default dots, every one writes fp32 and is
+    rounded after it."""
+    machine(True, "0.12.0.1")
+    assert set(_lowered_dots(tiny(), train)) == {("bf16", "bf16", "bf16")}
+    assert set(_lowered_dots(tiny("--model.cpu_dots=xla"), train)) == {("bf16", "bf16", "f32")}
+
+
+needs_jaxlib_0_11 = pytest.mark.skipif(not JAXLIB_TAKES_BF16, reason=(
+    f"needs jaxlib >= 0.11 (Python >= 3.12), whose XLA:CPU hands oneDNN bf16 dots whole; this is {jaxlib.__version__}"))
+
+
+@needs_jaxlib_0_11
+def test_the_compiled_step_runs_its_dots_in_bf16():
+    """The step compiled with cpu_dots=onednn: every dot in a oneDNN fusion, on bf16 operands with a bf16 result
+    (jaxlib 0.10.2 put converts to fp32 around them); with xla, no oneDNN fusion. XLA keeps oneDNN's smallest dots
+    (a few million multiply-adds: tiny()'s) on fp32 copies, so this model is a little larger: 512 tokens a
+    micro-batch, d_model 128."""
+    for cpu_dots, onednn in (("onednn", True), ("xla", False)):
+        cfg = config.load(["--data.batch_size=8", "--model.n_layer=1", "--model.d_model=128", "--model.n_head=2",
+                           "--model.seq_len=128", "--model.vocab_size=256", "--optim.grad_accum_steps=2",
+                           "--train.precision=bf16", f"--model.cpu_dots={cpu_dots}"])
+        abstract = jax.eval_shape(lambda: step.fresh_state(cfg, 256))
+        window = jax.ShapeDtypeStruct((2, 4, 128), jnp.int32)
+        hlo = step.jit_train_step(cfg, 0).lower(abstract, window, window).compile().as_text()
+        dots = [shapes for opcode, _, shapes in compiled_hlo.instructions(hlo) if opcode == "dot"]
+        assert len(dots) >= 20 and ("onednn" in hlo) == onednn  # 6 Linear dots a micro-step's layer, 3 the head's
+        if onednn:
+            assert all(shape.startswith("bf16[") for shapes in dots for shape in shapes), dots
+
+
+@needs_jaxlib_0_11
+def test_a_run_on_onednns_dots_follows_the_run_on_xlas(tmp_path):
+    """The tiny config's first 30 steps under cpu_dots=onednn and =xla: the same math summed in another order, so
+    the losses part only as bf16's roundings compound. Measured on a 2-core AMX Xeon (jax 0.12.0.1): a largest
+    gap of 1.4e-4 over the 30 losses (of about 4.2 to 2.9); the bound allows 35x that. A bias dropped from the
+    gemm, or a rounding, would move them by more."""
+    losses = {}
+    for cpu_dots in ("onednn", "xla"):
+        out = tmp_path / cpu_dots
+        run.main(["--config", "configs/tiny.yaml", "--train.steps=30", "--optim.warmup_steps=5",
+                  "--train.eval_every=0", "--log.sample_tokens=0", f"--run.out_dir={out}",
+                  f"--model.cpu_dots={cpu_dots}"])
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[cpu_dots] = np.array([line["loss"] for line in lines if "loss" in line])
+    assert len(losses["onednn"]) == 30
+    gap = np.max(np.abs(losses["onednn"] - losses["xla"]))
+    assert gap < 5e-3, gap
