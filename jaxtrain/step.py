@@ -189,15 +189,14 @@ def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
                                  skip_non_finite=cfg.train.nan_policy == "skip",
                                  loss_scale_growth_interval=cfg.train.loss_scale_growth_interval if fp16 else None,
                                  vocab_tiles=cfg.model.vocab_tiles, lse_in_head=cfg.model.head_lse == "pallas")
-    return jax.jit(traced_for_dots(train_step, cfg), donate_argnums=0, out_shardings=out_shardings,
+    onednn = kernel_choice.onednn_dots(cfg.model, cfg.train.precision)
+    return jax.jit(traced_for_dots(train_step, onednn), donate_argnums=0, out_shardings=out_shardings,
                    compiler_options=compiler_options(cfg))
 
 
-def traced_for_dots(fn: Callable, cfg: Config) -> Callable:
-    """fn, traced for the dots cfg's compile asks for (autocast.onednn_dots: which result dtypes and bias rows the
-    model writes), whenever jit traces it."""
-    onednn = kernel_choice.onednn_dots(cfg.model, cfg.train.precision)
-
+def traced_for_dots(fn: Callable, onednn: bool) -> Callable:
+    """fn, traced for the dots its compile asks for (`onednn`: kernel_choice.onednn_dots, autocast.onednn_dots:
+    which result dtypes and bias rows the model writes), whenever jit traces it."""
     @functools.wraps(fn)
     def traced(*args):
         with autocast.onednn_dots(onednn):
@@ -253,7 +252,8 @@ def jit_eval_step(cfg: Config) -> Callable:
     """The run's eval step for cfg's model (its resolved vocab_size), jitted with the train step's compile options:
     the same forward pass compiles the same way (on a GPU, q, k and v stay three gemms)."""
     graphdef = model.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
-    return jax.jit(traced_for_dots(make_eval_step(graphdef), cfg), compiler_options=compiler_options(cfg))
+    onednn = kernel_choice.onednn_dots(cfg.model, cfg.train.precision)
+    return jax.jit(traced_for_dots(make_eval_step(graphdef), onednn), compiler_options=compiler_options(cfg))
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:

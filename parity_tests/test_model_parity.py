@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxtrain import model, step
+from jaxtrain import kernel_choice, model, step
 from parity_tests.conftest import (FP32_CROSS_RTOL, FP32_SIDE_RTOL, assert_close, assert_named_close,
                                    from_torch_layout, jax_gpt, make_cfg, report, torch_grads, torch_layout)
 from torchref import run
@@ -88,9 +88,10 @@ def _logits_and_grads(graphdef, params, idx, targets):
 
 
 @functools.cache
-def _jitted(options: tuple):
-    """_logits_and_grads jitted with the XLA options (key, value) pairs the train step compiles with."""
-    return jax.jit(_logits_and_grads, static_argnums=0, compiler_options=dict(options))
+def _jitted(options: tuple, onednn: bool):
+    """_logits_and_grads jitted with the XLA options (key, value) pairs the train step compiles with, traced for the
+    dots they ask for (step.traced_for_dots)."""
+    return jax.jit(step.traced_for_dots(_logits_and_grads, onednn), static_argnums=0, compiler_options=dict(options))
 
 
 def jax_side(tied: bool, weights: dict, idx=None, untransposed_square=False, cfg=None):
@@ -104,7 +105,8 @@ def jax_side(tied: bool, weights: dict, idx=None, untransposed_square=False, cfg
         names = {n: (path, t and weights[n].shape[0] != weights[n].shape[1]) for n, (path, t) in names.items()}
     params = from_torch_layout(template, weights, names)
     x, y = batch()
-    logits, grads = _jitted(tuple(step.compiler_options(cfg).items()))(
+    onednn = kernel_choice.onednn_dots(cfg.model, cfg.train.precision)
+    logits, grads = _jitted(tuple(step.compiler_options(cfg).items()), onednn)(
         graphdef, params, jnp.asarray(x if idx is None else idx, jnp.int32), jnp.asarray(y, jnp.int32))
     return np.asarray(logits, np.promote_types(logits.dtype, np.float32)), torch_layout(grads, names)
 
@@ -144,8 +146,12 @@ def test_logits_and_gradients_match(tied, emb):
 
 
 def bf16_sides(residual_dtype: str) -> dict[str, tuple]:
-    """{backend: (logits, gradients)} of the tied model at unit scale under bf16, the stream in `residual_dtype`."""
-    cfg = make_cfg("--train.precision=bf16", f"--model.residual_dtype={residual_dtype}")
+    """{backend: (logits, gradients)} of the tied model at unit scale under bf16, the stream in `residual_dtype`. On
+    XLA's default CPU dots, which sum these small dots' fp32 products in torch's order: oneDNN's (model.cpu_dots=auto
+    on an AMX CPU under jaxlib >= 0.11) sum them in another, and where that flips a bf16 rounding the bf16 stream
+    carries it through the backward pass (1 bf16 unit at the head's input gradient, 968 of c_attn's 3,072 weight
+    gradients in layer 0, logits equal; tests/test_cpu_dots.py bounds that path)."""
+    cfg = make_cfg("--train.precision=bf16", f"--model.residual_dtype={residual_dtype}", "--model.cpu_dots=xla")
     return {"jaxtrain": jax_side(True, parity_weights(True), cfg=cfg),
             "torchref": torch_side(True, parity_weights(True), cfg=cfg)}
 
