@@ -272,10 +272,11 @@ def test_the_gpu_step_keeps_xlas_dot_merger_off_the_qkv_gemms_where_attention_is
 def test_a_low_precision_gpu_step_keeps_every_rounding_it_writes(precision, monkeypatch):
     """XLA:GPU's default may drop a bf16 or fp16 rounding that an fp32 consumer follows, where torch's autocast
     keeps each: a bf16 or fp16 step compiles for a GPU with xla_allow_excess_precision=false, under any mesh; not
-    an fp32 one (nothing to round), not off a GPU (XLA:CPU kept them), and never over the user's XLA_FLAGS."""
+    an fp32 one (nothing to round), not off a GPU on XLA's default dots (XLA:CPU kept them; its oneDNN dots:
+    tests/test_cpu_dots.py), and never over the user's XLA_FLAGS."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    cfgs = [config.load([f"--train.precision={precision}", f"--mesh.fsdp={n}", "--data.batch_size=8"])
-            for n in (1, 2)]
+    cfgs = [config.load([f"--train.precision={precision}", f"--mesh.fsdp={n}", "--data.batch_size=8",
+                         "--model.cpu_dots=xla"]) for n in (1, 2)]
     kept = precision != "fp32"
     assert all("xla_allow_excess_precision" not in step.compiler_options(cfg) for cfg in cfgs)  # this CPU
     with autocast.compiling_for("gpu"):
