@@ -57,22 +57,23 @@ def ones_width(tma_kernel: bool) -> int:
 
 # The first jaxlib whose XLA:CPU hands oneDNN a bf16 dot's bf16 operands and result as they are: 0.10.2 converts them
 # to fp32 around it (c_fc's dot 48 ms, against 4.3 on 0.11.0 and 4.4 on 0.12.0.1: benchmarks/NOTES.md, CPU step 15),
-# and its oneDNN fp32 dots crashed a run (CPU step 6).
+# and its oneDNN fp32 dots crashed a run (CPU step 6; 0.12.0.1's ran it).
 ONEDNN_BF16_JAXLIB = (0, 11)
 
 
 def onednn_dots(cfg: ModelConfig, precision: str) -> bool:
-    """Whether XLA:CPU runs the step's dots as oneDNN's (model.cpu_dots), each writing its bf16 result
-    (autocast.onednn_dots): auto where that runs on AMX's bf16 tiles (a CPU with AMX, bf16, a jaxlib from
-    ONEDNN_BF16_JAXLIB), where XLA's default dots (YNNPACK) reach a quarter of oneDNN's rate on the Linears' shapes.
-    A CPU without AMX keeps XLA's default: oneDNN's avx512 bf16 dots there are unmeasured."""
-    jaxlib_takes_bf16 = tuple(int(part) for part in jaxlib.__version__.split(".")[:2]) >= ONEDNN_BF16_JAXLIB
-    if cfg.cpu_dots == "onednn" and not (precision == "bf16" and backend() == "cpu" and jaxlib_takes_bf16):
-        raise UserError(f"model.cpu_dots=onednn needs train.precision=bf16 on a CPU and jaxlib >= 0.11 (Python >= "
-                        f"3.12), whose XLA hands oneDNN bf16 dots as they are (got {precision} on {backend()}, "
-                        f"jaxlib {jaxlib.__version__}); use model.cpu_dots=auto")
-    auto = precision == "bf16" and backend() == "cpu" and jaxlib_takes_bf16 and _cpu_has_amx()
-    return cfg.cpu_dots == "onednn" or (cfg.cpu_dots == "auto" and auto)
+    """Whether XLA:CPU runs the step's dots as oneDNN's (model.cpu_dots), under bf16 each writing its bf16 result
+    (autocast.onednn_dots): auto on a CPU with AMX under a jaxlib from ONEDNN_BF16_JAXLIB, for bf16 (AMX's bf16
+    tiles, where XLA's default dots (YNNPACK) reach a quarter of oneDNN's rate on the Linears' shapes) and fp32
+    (oneDNN's avx512 fp32 dots: the step 24% faster there). Not fp16 (no AMX-FP16 to measure on), nor a CPU without
+    AMX, whose oneDNN dots are unmeasured under a jaxlib that takes them."""
+    jaxlib_takes_them = tuple(int(part) for part in jaxlib.__version__.split(".")[:2]) >= ONEDNN_BF16_JAXLIB
+    possible = precision in ("bf16", "fp32") and backend() == "cpu" and jaxlib_takes_them
+    if cfg.cpu_dots == "onednn" and not possible:
+        raise UserError(f"model.cpu_dots=onednn needs train.precision=bf16 or fp32 on a CPU and jaxlib >= 0.11 "
+                        f"(Python >= 3.12), whose XLA hands oneDNN bf16 dots as they are (got {precision} on "
+                        f"{backend()}, jaxlib {jaxlib.__version__}); use model.cpu_dots=auto")
+    return cfg.cpu_dots == "onednn" or (cfg.cpu_dots == "auto" and possible and _cpu_has_amx())
 
 
 @functools.cache

@@ -233,7 +233,8 @@ def compiler_options(cfg: Config) -> dict:
     avoids.
 
     On a CPU, the dots as oneDNN's where kernel_choice.onednn_dots picks them: configs/small.yaml's bf16 step on a
-    2-core AMX Xeon 2.15 s against 2.85 with XLA's default dots (benchmarks/NOTES.md, CPU step 15)."""
+    2-core AMX Xeon 2.15 s against 2.85 with XLA's default dots, its fp32 step 5.5 against 6.8 (benchmarks/NOTES.md,
+    CPU step 15)."""
     onednn = kernel_choice.onednn_dots(cfg.model, cfg.train.precision)
     options = autocast.rounding_options(autocast.backend(), cfg.train.precision, cfg.model.residual_dtype == "bf16",
                                         onednn)

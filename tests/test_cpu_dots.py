@@ -40,39 +40,42 @@ def machine(monkeypatch):
 @pytest.mark.parametrize("cpu_dots,precision,platform,amx,jaxlib_version,want", [
     ("auto", "bf16", "cpu", True, "0.11.0", True), ("auto", "bf16", "cpu", True, "0.12.0.1", True),
     ("auto", "bf16", "cpu", True, "1.0.0", True), ("auto", "bf16", "cpu", True, "0.10.2", False),
-    ("auto", "bf16", "cpu", False, "0.12.0.1", False), ("auto", "fp32", "cpu", True, "0.12.0.1", False),
+    ("auto", "bf16", "cpu", False, "0.12.0.1", False), ("auto", "fp32", "cpu", True, "0.12.0.1", True),
+    ("auto", "fp32", "cpu", True, "0.10.2", False), ("auto", "fp32", "cpu", False, "0.12.0.1", False),
     ("auto", "fp16", "cpu", True, "0.12.0.1", False), ("auto", "bf16", "gpu", True, "0.12.0.1", False),
-    ("xla", "bf16", "cpu", True, "0.12.0.1", False), ("onednn", "bf16", "cpu", False, "0.11.0", True)])
+    ("xla", "bf16", "cpu", True, "0.12.0.1", False), ("onednn", "bf16", "cpu", False, "0.11.0", True),
+    ("onednn", "fp32", "cpu", False, "0.12.0.1", True)])
 def test_onednn_dots_where_they_run_on_amx(cpu_dots, precision, platform, amx, jaxlib_version, want, machine):
-    """auto picks oneDNN's dots for a bf16 step on a CPU with AMX under a jaxlib from 0.11, and nowhere else;
-    onednn wherever it can run; xla never: the cases written out by hand."""
+    """auto picks oneDNN's dots for a bf16 or fp32 step on a CPU with AMX under a jaxlib from 0.11, and nowhere
+    else; onednn wherever it can run; xla never: the cases written out by hand."""
     machine(amx, jaxlib_version)
     with compiled_hlo.traced_for(platform):
         assert kernel_choice.onednn_dots(tiny(f"--model.cpu_dots={cpu_dots}").model, precision) == want
 
 
 @pytest.mark.parametrize("precision,platform,jaxlib_version", [
-    ("fp32", "cpu", "0.12.0.1"), ("fp16", "cpu", "0.12.0.1"), ("bf16", "gpu", "0.12.0.1"), ("bf16", "cpu", "0.10.2")])
+    ("fp16", "cpu", "0.12.0.1"), ("bf16", "gpu", "0.12.0.1"), ("bf16", "cpu", "0.10.2"), ("fp32", "cpu", "0.10.2")])
 def test_onednn_dots_where_they_cannot_run_are_a_user_error(precision, platform, jaxlib_version, machine):
-    """Under fp32 or fp16, off a CPU, or on a jaxlib that converts bf16 dots to fp32 around oneDNN: refused, naming
-    what it needs and what was found."""
+    """Under fp16, off a CPU, or on a jaxlib that converts bf16 dots to fp32 around oneDNN: refused, naming what it
+    needs and what was found."""
     machine(True, jaxlib_version)
     with compiled_hlo.traced_for(platform), pytest.raises(UserError) as refused:
         kernel_choice.onednn_dots(tiny("--model.cpu_dots=onednn").model, precision)
     assert str(refused.value) == (
-        f"model.cpu_dots=onednn needs train.precision=bf16 on a CPU and jaxlib >= 0.11 (Python >= 3.12), whose XLA "
-        f"hands oneDNN bf16 dots as they are (got {precision} on {platform}, jaxlib {jaxlib_version}); use "
-        f"model.cpu_dots=auto")
+        f"model.cpu_dots=onednn needs train.precision=bf16 or fp32 on a CPU and jaxlib >= 0.11 (Python >= 3.12), "
+        f"whose XLA hands oneDNN bf16 dots as they are (got {precision} on {platform}, jaxlib {jaxlib_version}); "
+        f"use model.cpu_dots=auto")
 
 
 def test_the_step_compiles_with_onednns_dots_where_they_are_picked_never_over_xla_flags(machine, monkeypatch):
-    """The step's compile options on an AMX CPU under jaxlib 0.12: oneDNN's dots and every rounding kept for
-    cpu_dots=auto; nothing for xla; and a flag the user's XLA_FLAGS set is left to them."""
+    """The step's compile options on an AMX CPU under jaxlib 0.12: oneDNN's dots and (under bf16) every rounding kept
+    for cpu_dots=auto; nothing for xla; and a flag the user's XLA_FLAGS set is left to them."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     machine(True, "0.12.0.1")
     assert step.compiler_options(tiny()) == ONEDNN
     assert step.compiler_options(tiny("--model.cpu_dots=xla")) == {}
-    assert step.compiler_options(tiny("--train.precision=fp32")) == {}
+    assert step.compiler_options(tiny("--train.precision=fp32")) == {
+        k: v for k, v in ONEDNN.items() if k != "xla_allow_excess_precision"}  # fp32 writes no rounding
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_onednn=false")
     assert step.compiler_options(tiny()) == {k: v for k, v in ONEDNN.items() if k != "xla_cpu_use_onednn"}
 
@@ -101,38 +104,41 @@ needs_jaxlib_0_11 = pytest.mark.skipif(not JAXLIB_TAKES_BF16, reason=(
 
 
 @needs_jaxlib_0_11
-def test_the_compiled_step_runs_its_dots_in_bf16():
-    """The step compiled with cpu_dots=onednn: every dot in a oneDNN fusion, on bf16 operands with a bf16 result
-    (jaxlib 0.10.2 put converts to fp32 around them); with xla, no oneDNN fusion. XLA keeps oneDNN's smallest dots
-    (a few million multiply-adds: tiny()'s) on fp32 copies, so this model is a little larger: 512 tokens a
-    micro-batch, d_model 128."""
+@pytest.mark.parametrize("precision,dtype", [("bf16", "bf16"), ("fp32", "f32")])
+def test_the_compiled_step_runs_its_dots_in_onednn(precision, dtype):
+    """The step compiled with cpu_dots=onednn: every dot in a oneDNN fusion, under bf16 on bf16 operands with a
+    bf16 result (jaxlib 0.10.2 put converts to fp32 around them); with xla, no oneDNN fusion. XLA keeps oneDNN's
+    smallest dots (a few million multiply-adds: tiny()'s) on fp32 copies, so this model is a little larger: 512
+    tokens a micro-batch, d_model 128."""
     for cpu_dots, onednn in (("onednn", True), ("xla", False)):
         cfg = config.load(["--data.batch_size=8", "--model.n_layer=1", "--model.d_model=128", "--model.n_head=2",
                            "--model.seq_len=128", "--model.vocab_size=256", "--optim.grad_accum_steps=2",
-                           "--train.precision=bf16", f"--model.cpu_dots={cpu_dots}"])
+                           f"--train.precision={precision}", f"--model.cpu_dots={cpu_dots}"])
         abstract = jax.eval_shape(lambda: step.fresh_state(cfg, 256))
         window = jax.ShapeDtypeStruct((2, 4, 128), jnp.int32)
         hlo = step.jit_train_step(cfg, 0).lower(abstract, window, window).compile().as_text()
         dots = [shapes for opcode, _, shapes in compiled_hlo.instructions(hlo) if opcode == "dot"]
-        assert len(dots) >= 20 and ("onednn" in hlo) == onednn  # 6 Linear dots a micro-step's layer, 3 the head's
+        # 6 Linear dots a micro-step's layer, 3 the head's (the HLO's metadata names this test: "%onednn_fusion")
+        assert len(dots) >= 20 and ("%onednn_fusion" in hlo) == onednn
         if onednn:
-            assert all(shape.startswith("bf16[") for shapes in dots for shape in shapes), dots
+            assert all(shape.startswith(f"{dtype}[") for shapes in dots for shape in shapes), dots
 
 
 @needs_jaxlib_0_11
-def test_a_run_on_onednns_dots_follows_the_run_on_xlas(tmp_path):
+@pytest.mark.parametrize("precision,bound", [("bf16", 5e-3), ("fp32", 2e-5)])
+def test_a_run_on_onednns_dots_follows_the_run_on_xlas(precision, bound, tmp_path):
     """The tiny config's first 30 steps under cpu_dots=onednn and =xla: the same math summed in another order, so
-    the losses part only as bf16's roundings compound. Measured on a 2-core AMX Xeon (jax 0.12.0.1): a largest
-    gap of 1.4e-4 over the 30 losses (of about 4.2 to 2.9); the bound allows 35x that. A bias dropped from the
-    gemm, or a rounding, would move them by more."""
+    the losses part only as the roundings compound. Measured on a 2-core AMX Xeon (jax 0.12.0.1), the largest gap
+    over the 30 losses (of about 4.2 to 2.9): bf16 1.4e-4, the bound 35x that; fp32 4.8e-7, the bound 40x. A bias
+    dropped from the gemm, or a rounding, would move them by more."""
     losses = {}
     for cpu_dots in ("onednn", "xla"):
         out = tmp_path / cpu_dots
         run.main(["--config", "configs/tiny.yaml", "--train.steps=30", "--optim.warmup_steps=5",
                   "--train.eval_every=0", "--log.sample_tokens=0", f"--run.out_dir={out}",
-                  f"--model.cpu_dots={cpu_dots}"])
+                  f"--model.cpu_dots={cpu_dots}", f"--train.precision={precision}"])
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[cpu_dots] = np.array([line["loss"] for line in lines if "loss" in line])
     assert len(losses["onednn"]) == 30
     gap = np.max(np.abs(losses["onednn"] - losses["xla"]))
-    assert gap < 5e-3, gap
+    assert gap < bound, gap

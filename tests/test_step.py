@@ -235,7 +235,7 @@ def test_the_gpu_step_drops_xlas_sol_latency_estimator_under_data_parallelism_on
     with mesh.fsdp=1; left to XLA under fsdp > 1, off a GPU, and where the user's XLA_FLAGS set it. This fp32 model
     has no cuDNN attention, so XLA's dot merger stays (the next test)."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    cfg = make(1)[0]
+    cfg = make(1, "--model.cpu_dots=xla")[0]  # oneDNN's CPU dots: tests/test_cpu_dots.py
     fsdp = config.load(["--mesh.fsdp=2", "--data.batch_size=8", "--train.precision=fp32"])
     assert step.compiler_options(cfg) == {}  # this CPU
     with autocast.compiling_for("gpu"):
