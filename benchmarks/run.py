@@ -137,8 +137,8 @@ BF16_MATMUL_FLAGS = {"amx_bf16": "AMX", "avx512_bf16": "AVX-512 bf16"}
 
 def cpu_in_words(cpuinfo: str, cores: int) -> str:
     """'<model name> (<cores> cores, <its bf16 matmul features>)', from /proc/cpuinfo's text."""
-    fields = {key.strip(): value.strip() for key, value in
-              (line.split(":", 1) for line in cpuinfo.split("\n\n")[0].splitlines() if ":" in line)}
+    from jaxtrain.kernel_choice import cpuinfo_fields
+    fields = cpuinfo_fields(cpuinfo)
     flags = fields.get("flags", "").split()
     features = [name for flag, name in BF16_MATMUL_FLAGS.items() if flag in flags] or ["no bf16 matmul units"]
     return f"{fields.get('model name', 'CPU')} ({cores} cores, {', '.join(features)})"

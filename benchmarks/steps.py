@@ -105,7 +105,7 @@ def jax_matmul(cfg, precision: str, calls: int = 20) -> Timed:
 
     from jaxtrain import kernel_choice
     from jaxtrain import step as step_lib
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
+    cfg = with_precision(cfg, precision)
     m, k, n = matmul_shape(cfg)
     dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
     a = jax.random.normal(jax.random.key(0), (m, k), dtype)

@@ -81,6 +81,12 @@ def _cpu_has_amx() -> bool:
     """Whether this machine's CPU has AMX's bf16 tiles (Linux's /proc/cpuinfo flags; elsewhere taken as not)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in cpuinfo)
+            return "amx_bf16" in cpuinfo_fields(cpuinfo.read()).get("flags", "").split()
     except OSError:
         return False
+
+
+def cpuinfo_fields(cpuinfo: str) -> dict[str, str]:
+    """The first processor's `key: value` fields of /proc/cpuinfo's text ("model name", "flags", ...)."""
+    return {key.strip(): value.strip() for key, value in
+            (line.split(":", 1) for line in cpuinfo.split("\n\n")[0].splitlines() if ":" in line)}

@@ -189,9 +189,13 @@ def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
                                  skip_non_finite=cfg.train.nan_policy == "skip",
                                  loss_scale_growth_interval=cfg.train.loss_scale_growth_interval if fp16 else None,
                                  vocab_tiles=cfg.model.vocab_tiles, lse_in_head=cfg.model.head_lse == "pallas")
+    return _jit_as_the_step(train_step, cfg, donate_argnums=0, out_shardings=out_shardings)
+
+
+def _jit_as_the_step(fn: Callable, cfg: Config, **jit_kwargs) -> Callable:
+    """jax.jit of fn, traced for the dots cfg picks (traced_for_dots) and compiled with the step's options."""
     onednn = kernel_choice.onednn_dots(cfg.model, cfg.train.precision)
-    return jax.jit(traced_for_dots(train_step, onednn), donate_argnums=0, out_shardings=out_shardings,
-                   compiler_options=compiler_options(cfg))
+    return jax.jit(traced_for_dots(fn, onednn), compiler_options=compiler_options(cfg), **jit_kwargs)
 
 
 def traced_for_dots(fn: Callable, onednn: bool) -> Callable:
@@ -253,8 +257,7 @@ def jit_eval_step(cfg: Config) -> Callable:
     """The run's eval step for cfg's model (its resolved vocab_size), jitted with the train step's compile options:
     the same forward pass compiles the same way (on a GPU, q, k and v stay three gemms)."""
     graphdef = model.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
-    onednn = kernel_choice.onednn_dots(cfg.model, cfg.train.precision)
-    return jax.jit(traced_for_dots(make_eval_step(graphdef), onednn), compiler_options=compiler_options(cfg))
+    return _jit_as_the_step(make_eval_step(graphdef), cfg)
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
