@@ -17,7 +17,7 @@ _CALLED = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.-]+)")
 def instructions(hlo: str) -> list[tuple[str, bool, list[str]]]:
     """(opcode, whether it runs in a loop, the shapes of its result (one per array of a tuple, as "f32[384,256]"))
     of every instruction."""
-    bodies = dict(_COMPUTATION.findall(hlo))
+    bodies = dict(computations(hlo))
     looped = set(re.findall(r"body=%([\w.-]+)", hlo))
     while True:
         called = {c for name in looped for c in _CALLED.findall(bodies[name])}
@@ -26,6 +26,11 @@ def instructions(hlo: str) -> list[tuple[str, bool, list[str]]]:
         looped |= called
     return [(op.removesuffix("-start"), name in looped, re.findall(r"\w+\[[\d,]*\]", result))
             for name, body in bodies.items() for result, op in _INSTRUCTION.findall(body)]
+
+
+def computations(hlo: str) -> list[tuple[str, str]]:
+    """(name, body text) of every computation of a compiled program: the entry, fused computations, reducers."""
+    return _COMPUTATION.findall(hlo)
 
 
 def dot_types(hlo: str) -> list[tuple[str, str, str]]:
