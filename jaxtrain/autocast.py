@@ -340,11 +340,12 @@ def _gelu_fwd(x):
 
 
 def _gelu_bwd(x, dy):
-    """On a CPU x passes an optimization barrier first: else XLA:CPU's CSE takes this erf(x) for the forward's and
-    the forward writes the fp32 erf, 4 bytes an element of c_fc's (B, T, 4D) output, for this pass to read back.
-    Recomputed from x instead: configs/small.yaml's bf16 step 8% faster on the AMX Xeon, 0.3 GB less peak memory
-    (benchmarks/NOTES.md, CPU step 16). A GPU's measured program is left as it was."""
-    if backend() == "cpu":
+    """On a CPU whose dots are oneDNN's (onednn_dots) x passes an optimization barrier first: else XLA:CPU's CSE
+    takes this erf(x) for the forward's, and the forward writes the fp32 erf, 4 bytes an element of c_fc's (B, T, 4D)
+    output, for this pass to read back. Recomputed from x there: configs/small.yaml's bf16 step 8% faster on the AMX
+    Xeon, 0.3 GB less peak memory; with XLA's default dots 4% slower, so those keep the merged erf, as does a GPU's
+    measured program (benchmarks/NOTES.md, CPU step 16)."""
+    if backend() == "cpu" and _onednn_dots:
         x = jax.lax.optimization_barrier(x)
     return (gelu_grad(x, dy),)
 

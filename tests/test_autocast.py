@@ -309,13 +309,14 @@ def test_gelu_fp32_is_the_formula_and_jax_nn_gelus():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gelus_backward_on_a_cpu_computes_its_own_erf(dtype):
-    """The compiled value and gradient evaluate erf in two fused computations, the forward's and the backward's:
-    XLA:CPU's CSE, left to itself, evaluates it once and the forward writes it in fp32 for the backward to read
-    (one computation holds erf; measured on jaxlib 0.10.2 and 0.12.0.1)."""
+@pytest.mark.parametrize("platform, erfs", [("cpu-onednn", 2), ("cpu", 1)])
+def test_gelus_backward_computes_its_own_erf_where_the_cpus_dots_are_onednns(platform, erfs, dtype):
+    """Traced for oneDNN's CPU dots, the compiled value and gradient evaluate erf in two fused computations, the
+    forward's and the backward's; for XLA's default dots in one: its CSE merges them, and the forward writes erf in
+    fp32 for the backward to read (measured on jaxlib 0.10.2 and 0.12.0.1)."""
     x, w = (jax.random.normal(jax.random.key(seed), (64, 256), dtype) for seed in (0, 1))
     loss = jax.value_and_grad(lambda x, w: (autocast.gelu(x) * w).astype(jnp.float32).sum())
-    with traced_for("cpu"):
+    with traced_for(platform):
         hlo = jax.jit(loss).lower(x, w).compile().as_text()
     with_erf = [name for name, body in compiled_hlo.computations(hlo) if re.search(r" erf\(", body)]
-    assert len(with_erf) == 2, with_erf
+    assert len(with_erf) == erfs, with_erf
