@@ -113,6 +113,11 @@ def onednn_dots(on: bool):
         _onednn_dots = previous
 
 
+def _cpu_dots_are_onednns() -> bool:
+    """Whether the model is traced for a CPU whose dots are oneDNN's (onednn_dots)."""
+    return backend() == "cpu" and _onednn_dots
+
+
 def rounding_options(platform: str, precision: str = "bf16", bf16_stream: bool = False, onednn: bool = False) -> dict:
     """XLA compile options under which a compile for `platform` keeps every rounding to bf16 or fp16 that the traced
     program writes, as torch's autocast does (none for an fp32 program: it writes none). On a GPU XLA drops a
@@ -286,7 +291,7 @@ def _column_split(w, b, parts: int) -> list[tuple]:
 def bias_row_applies(precision: str) -> bool:
     """Whether biased_matmul adds the bias as the gemm's last row of weights: on a GPU under bf16 or fp16, where
     the mesh keeps each weight whole, and on a CPU whose dots are oneDNN's (onednn_dots)."""
-    on_its_gemm = backend() == "gpu" or (backend() == "cpu" and _onednn_dots)
+    on_its_gemm = backend() == "gpu" or _cpu_dots_are_onednns()
     return precision != "fp32" and on_its_gemm and mesh.weight_shards() == 1
 
 
@@ -345,7 +350,7 @@ def _gelu_bwd(x, dy):
     output, for this pass to read back. Recomputed from x there: configs/small.yaml's bf16 step 8% faster on the AMX
     Xeon, 0.3 GB less peak memory; with XLA's default dots 4% slower, so those keep the merged erf, as does a GPU's
     measured program (benchmarks/NOTES.md, CPU step 16)."""
-    if backend() == "cpu" and _onednn_dots:
+    if _cpu_dots_are_onednns():
         x = jax.lax.optimization_barrier(x)
     return (gelu_grad(x, dy),)
 
