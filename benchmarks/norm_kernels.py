@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtrain import autocast, fused_norm
 from jaxtrain.cmdline import positive_int
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
-from jaxtrain.model import LN_EPS
+from jaxtrain.layer_norm import LN_EPS
 
 LOW = jnp.bfloat16
 

@@ -31,13 +31,13 @@ from jax.experimental import pallas as pl
 
 from jaxtrain import autocast, mesh
 from jaxtrain.first_use import ImportedOnFirstUse
+from jaxtrain.layer_norm import LN_EPS
 
 # Pallas's Triton backend, imported at a kernel's trace (first_use.py). Deprecated since jax 0.11.0 ("will be
 # removed in a future JAX version"): a jax without it runs XLA's ops.
 TRITON = "jax.experimental.pallas.triton"
 pl_triton = ImportedOnFirstUse(TRITON)
 
-LN_EPS = 1e-5  # torch.nn.LayerNorm's default; model.LayerNorm's too
 # Rows a kernel instance holds (the backward writes one partial-sum row of dw and db per instance) and its warps:
 # the fastest of six settings on an H100 (benchmarks.norm_kernels, 32768 rows of 768, 2026-11-27: forward 123 us
 # and backward 195, against 136 and 213 for the 8 rows and 8 warps set before; the whole GPT-2 step the same within

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from jaxtrain import runfolder
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
-from jaxtrain.model import LN_EPS
+from jaxtrain.layer_norm import LN_EPS
 from jaxtrain.prepare import GPT2_EOT_ID
 from jaxtrain.torch_format import folder_into_place
 

@@ -33,9 +33,10 @@ from jaxtrain.autocast import (BIAS_ROW_GEMM, COMPUTE_DTYPES, backend, column_bl
                                row_major)
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
-from jaxtrain.fused_norm import LN_EPS, residual_norm
+from jaxtrain.fused_norm import residual_norm
 from jaxtrain import kernel_choice, qkv_grad
 from jaxtrain.gelu_gemm import gelu_linear, mlp
+from jaxtrain.layer_norm import layer_norm
 from jaxtrain.mesh import batch_sharded, weight_shards
 
 INIT_STD = 0.02  # nanoGPT's (GPT-2's) init scale for every weight
@@ -103,11 +104,7 @@ class LayerNorm(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d,), jnp.float32)) if bias else None
 
     def __call__(self, x):
-        x = x.astype(jnp.float32)
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)  # biased, as torch; two-pass for accuracy
-        y = (x - mean) * jax.lax.rsqrt(var + LN_EPS) * self.weight[...]
-        return y if self.bias is None else y + self.bias[...]
+        return layer_norm(x, self.weight[...], None if self.bias is None else self.bias[...])
 
 
 class Embed(nnx.Module):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import autocast, config, fused_norm, kernel_choice, model
+from jaxtrain import autocast, config, fused_norm, kernel_choice, layer_norm, model
 
 EPS32 = 2.0 ** -24  # fp32's unit roundoff
 
@@ -30,7 +30,7 @@ def _xla_residual_norm(x, delta, w, b, low, pad):
     x = x if delta is None else x + delta.astype(x.dtype)
     x_sum, x = x, x.astype(jnp.float32)
     mean = x.mean(-1, keepdims=True)
-    h = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + model.LN_EPS) * w
+    h = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + layer_norm.LN_EPS) * w
     h = h if b is None else h + b
     return x_sum, autocast.with_ones_column(h, low, pad) if pad else h.astype(low)
 
@@ -67,7 +67,7 @@ def test_forward_is_the_float64_formula_rounded_once(with_delta, with_bias, pad)
     np.testing.assert_array_equal(x_sum, x32)  # the fp32 sum, rounded once (numpy's)
     x64 = x32.astype(np.float64)
     mean = x64.mean(1, keepdims=True)
-    want = (x64 - mean) / np.sqrt(((x64 - mean) ** 2).mean(1, keepdims=True) + model.LN_EPS) * np.asarray(w)
+    want = (x64 - mean) / np.sqrt(((x64 - mean) ** 2).mean(1, keepdims=True) + layer_norm.LN_EPS) * np.asarray(w)
     want = want + (0 if b is None else np.asarray(b))
     got = np.asarray(h[:, :96], np.float64)
     # The fp32 LayerNorm is within ~d * 2^-24 relative of the float64 one, far below bf16's half spacing (2^-9):
@@ -93,7 +93,7 @@ def test_a_bf16_stream_is_added_rounded_then_normalized(with_delta):
     np.testing.assert_array_equal(np.asarray(x_sum), want_sum)
     x64 = want_sum.astype(np.float64)
     mean = x64.mean(1, keepdims=True)
-    want = (x64 - mean) / np.sqrt(((x64 - mean) ** 2).mean(1, keepdims=True) + model.LN_EPS) * np.asarray(w)
+    want = (x64 - mean) / np.sqrt(((x64 - mean) ** 2).mean(1, keepdims=True) + layer_norm.LN_EPS) * np.asarray(w)
     want = want + np.asarray(b)
     assert np.all(np.abs(np.asarray(h, np.float64) - want) <= _ulp_bf16(want))  # as the fp32 stream's test
 
