@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtrain import autocast, fused_norm
 from jaxtrain.cmdline import positive_int
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
-from jaxtrain.layer_norm import LN_EPS
+from jaxtrain.layer_norm import layer_norm
 
 LOW = jnp.bfloat16
 
@@ -41,9 +41,7 @@ def xla_residual_norm(x, delta, w, b):
     """model.Block's XLA path, as the next Linear receives it: x + delta, LayerNorm in fp32, bf16 with the ones
     column (autocast.biased_matmul pads its input so)."""
     x = x + delta.astype(jnp.float32)
-    mean = x.mean(-1, keepdims=True)
-    h = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + LN_EPS) * w + b
-    return x, autocast.with_ones_column(h, LOW)
+    return x, autocast.with_ones_column(layer_norm(x, w, b), LOW)
 
 
 def kernel_residual_norm(x, delta, w, b):
