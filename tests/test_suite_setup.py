@@ -1,6 +1,6 @@
 """The suite's own plumbing: how many xdist workers `-n auto` starts (conftest.py), test_fuzz's closing count,
-which reaches the terminal from xdist's workers (tests/conftest.py), and the dependency floors CI tests
-(.ci/floors.txt)."""
+which reaches the terminal from xdist's workers (tests/conftest.py), the dependency floors CI tests
+(.ci/floors.txt) and CI's exit (.ci/run's trap)."""
 
 import os
 import subprocess
@@ -66,3 +66,27 @@ def test_each_dependency_floor_is_the_version_ci_tests():
     pinned = _floors_file()
     assert pinned.pop("jaxlib") == floors["jax"]
     assert pinned == floors
+
+
+def _ci_exit_trap() -> str:
+    """.ci/run's `trap '...' EXIT` line, verbatim."""
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        (line,) = [line for line in f if line.startswith("trap ") and line.rstrip().endswith(" EXIT")]
+    return line
+
+
+def test_ci_exits_zero_with_its_venvs_removed_whatever_the_floors_install_did(tmp_path):
+    """.ci/run's exit trap, under its own `set -euo pipefail`: a run that passed exits 0 and removes its scratch
+    folder whether the floors' background install finished long ago, is still running (it is stopped) or never
+    started; a failed run keeps its exit code."""
+    cases = {"finished": "(true) & floors_install=$!; wait $floors_install",
+             "running": "(sleep 60) & floors_install=$!",
+             "never started": ""}
+    for name, setup in cases.items():
+        for code in (0, 3):
+            scratch = tmp_path / f"{name}-{code}".replace(" ", "-")
+            scratch.mkdir()
+            script = f'set -euo pipefail\nscratch={scratch}\n{_ci_exit_trap()}{setup}\nexit {code}\n'
+            proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+            assert proc.returncode == code, (name, proc.returncode, proc.stderr)
+            assert not scratch.exists(), name
