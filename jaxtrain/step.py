@@ -14,6 +14,7 @@ one that feeding it the k gradients one by one gives (tests/test_step.py).
 
 import functools
 import os
+import warnings
 from typing import Callable, NamedTuple
 
 import jax
@@ -212,6 +213,21 @@ SOL_ESTIMATOR = "xla_gpu_enable_analytical_sol_latency_estimator"
 DOT_MERGER = "xla_gpu_dot_merger_threshold_mb"
 # XLA:CPU's dots as oneDNN's (kernel_choice.onednn_dots); its other ops stay XLA's (YNNPACK's, Eigen's)
 ONEDNN_DOTS = {"xla_cpu_use_onednn": True, "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+# jax's warning at each compile of a program holding oneDNN's dots while its persistent compilation cache is on
+# ("... JaxRuntimeError: UNIMPLEMENTED: ToProto is not implemented for thunk kind: onednn-fusion")
+UNCACHEABLE_ONEDNN = r"Error writing persistent compilation cache entry .*onednn-fusion"
+
+
+def uncached_dots_note(cfg: Config) -> str | None:
+    """Where the step's dots are oneDNN's and jax's persistent compilation cache is on: one line saying that the
+    step compiles each run, and what caches it, said in place of jax's warning at each compile, which is silenced
+    from here on. None elsewhere."""
+    if not (jax.config.jax_compilation_cache_dir and kernel_choice.onednn_dots(cfg.model, cfg.train.precision)):
+        return None
+    warnings.filterwarnings("ignore", message=UNCACHEABLE_ONEDNN, category=UserWarning)
+    return (f"note: XLA cannot store a step whose dots are oneDNN's (model.cpu_dots={cfg.model.cpu_dots}) in jax's "
+            f"persistent compilation cache ({jax.config.jax_compilation_cache_dir}): it compiles each run; "
+            f"--model.cpu_dots=xla caches it, with XLA's default dots, slower on this CPU")
 
 
 def compiler_options(cfg: Config) -> dict:

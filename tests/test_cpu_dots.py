@@ -5,6 +5,7 @@ against the same run on XLA's default dots."""
 
 import collections
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,45 @@ def test_the_step_compiles_with_onednns_dots_where_they_are_picked_never_over_xl
         k: v for k, v in ONEDNN.items() if k != "xla_allow_excess_precision"}  # fp32 writes no rounding
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_onednn=false")
     assert step.compiler_options(tiny()) == {k: v for k, v in ONEDNN.items() if k != "xla_cpu_use_onednn"}
+
+
+def _warnings_of_a_onednn_compile(note_first: config.Config | None) -> list[str]:
+    """The warnings of one compile of a bf16 dot as oneDNN's, every jit compile offered to jax's persistent cache;
+    step.uncached_dots_note(note_first) called just before it, where given. Filters restored after."""
+    a = jnp.ones((64, 64), jnp.bfloat16)
+    previous = jax.config.jax_persistent_cache_min_compile_time_secs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        try:
+            if note_first is not None:
+                step.uncached_dots_note(note_first)
+            jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.bfloat16)).lower(a).compile(ONEDNN)
+        finally:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
+    return [str(w.message) for w in caught]
+
+
+def test_a_persistent_cache_gets_one_note_in_place_of_jaxs_warning_at_each_compile(machine):
+    """jax's persistent compilation cache on (this suite's: conftest.py), oneDNN's dots picked: XLA cannot store the
+    step, jax warns at each compile; uncached_dots_note says it once, with what caches it, and silences the warning.
+    No note for XLA's dots, nor without the cache."""
+    assert jax.config.jax_compilation_cache_dir
+    machine(True, "0.12.0.1")
+    unsilenced = _warnings_of_a_onednn_compile(None)
+    assert any("ToProto is not implemented for thunk kind: onednn-fusion" in w for w in unsilenced), unsilenced
+    assert _warnings_of_a_onednn_compile(tiny()) == []
+    assert step.uncached_dots_note(tiny()) == (
+        "note: XLA cannot store a step whose dots are oneDNN's (model.cpu_dots=auto) in jax's persistent compilation "
+        f"cache ({jax.config.jax_compilation_cache_dir}): it compiles each run; --model.cpu_dots=xla caches it, with "
+        "XLA's default dots, slower on this CPU")
+    assert step.uncached_dots_note(tiny("--model.cpu_dots=xla")) is None
+    cache = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        assert step.uncached_dots_note(tiny()) is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", cache)
 
 
 def _lowered_dots(cfg: config.Config, train: bool) -> collections.Counter:
