@@ -227,7 +227,7 @@ def uncached_dots_note(cfg: Config) -> str | None:
     warnings.filterwarnings("ignore", message=UNCACHEABLE_ONEDNN, category=UserWarning)
     return (f"note: XLA cannot store a step whose dots are oneDNN's (model.cpu_dots={cfg.model.cpu_dots}) in jax's "
             f"persistent compilation cache ({jax.config.jax_compilation_cache_dir}): it compiles each run; "
-            f"--model.cpu_dots=xla caches it, with XLA's default dots, slower on this CPU")
+            "--model.cpu_dots=xla caches it, on XLA's default dots instead")
 
 
 def compiler_options(cfg: Config) -> dict:

@@ -109,8 +109,8 @@ def test_a_persistent_cache_gets_one_note_in_place_of_jaxs_warning_at_each_compi
     assert _warnings_of_a_onednn_compile(tiny()) == []
     assert step.uncached_dots_note(tiny()) == (
         "note: XLA cannot store a step whose dots are oneDNN's (model.cpu_dots=auto) in jax's persistent compilation "
-        f"cache ({jax.config.jax_compilation_cache_dir}): it compiles each run; --model.cpu_dots=xla caches it, with "
-        "XLA's default dots, slower on this CPU")
+        f"cache ({jax.config.jax_compilation_cache_dir}): it compiles each run; --model.cpu_dots=xla caches it, on "
+        "XLA's default dots instead")
     assert step.uncached_dots_note(tiny("--model.cpu_dots=xla")) is None
     cache = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", None)
