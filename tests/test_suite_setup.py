@@ -5,6 +5,7 @@ which reaches the terminal from xdist's workers (tests/conftest.py), the depende
 import os
 import subprocess
 import sys
+import time
 import tomllib
 
 from packaging.requirements import Requirement
@@ -79,8 +80,9 @@ def test_ci_exits_zero_with_its_venvs_removed_whatever_the_floors_install_did(tm
     """.ci/run's exit trap, under its own `set -euo pipefail`: a run that passed exits 0 and removes its scratch
     folder whether the floors' background install finished long ago, is still running (it is stopped) or never
     started; a failed run keeps its exit code."""
+    pid_file = tmp_path / "install.pid"
     cases = {"finished": "(true) & floors_install=$!; wait $floors_install",
-             "running": "(sleep 60) & floors_install=$!",
+             "running": f"(sleep 60 >/dev/null 2>&1) & floors_install=$!; echo $floors_install > {pid_file}",
              "never started": ""}
     for name, setup in cases.items():
         for code in (0, 3):
@@ -90,3 +92,17 @@ def test_ci_exits_zero_with_its_venvs_removed_whatever_the_floors_install_did(tm
             proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
             assert proc.returncode == code, (name, proc.returncode, proc.stderr)
             assert not scratch.exists(), name
+            if name == "running":
+                assert not _alive(int(pid_file.read_text())), "the install CI left running"
+
+
+def _alive(pid: int, within_s: float = 5.0) -> bool:
+    """Whether process `pid` still runs `within_s` seconds on (a killed orphan takes a moment to be reaped)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.05)
+    return True
