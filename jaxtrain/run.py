@@ -94,8 +94,6 @@ class Trainer:
             checkpoint_kind.check_torch_source(cfg.init.from_, "init.from")
             checkpoint_kind.check_n_head(cfg.init.from_, cfg.model.n_head)
         self.data_seed = self._data_seed()
-        if (note := step_lib.uncached_dots_note(cfg)) and self.is_main:
-            print(note, file=sys.stderr)
         self.jit_train_step = step_lib.jit_train_step(
             cfg, self.data_seed, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
         self.eval_step = step_lib.jit_eval_step(cfg)

@@ -14,6 +14,7 @@ one that feeding it the k gradients one by one gives (tests/test_step.py).
 
 import functools
 import os
+import sys
 import warnings
 from typing import Callable, NamedTuple
 
@@ -194,9 +195,17 @@ def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
 
 
 def _jit_as_the_step(fn: Callable, cfg: Config, **jit_kwargs) -> Callable:
-    """jax.jit of fn, traced for the dots cfg picks (traced_for_dots) and compiled with the step's options."""
+    """jax.jit of fn, traced for the dots cfg picks (traced_for_dots) and compiled with the step's options; where
+    those cannot be cached, process 0 says so once (uncached_dots_note): a run, a dry run and a benchmark alike."""
     onednn = kernel_choice.onednn_dots(cfg.model, cfg.train.precision)
+    if (note := uncached_dots_note(cfg)) and jax.process_index() == 0:
+        _print_once(note)
     return jax.jit(traced_for_dots(fn, onednn), compiler_options=compiler_options(cfg), **jit_kwargs)
+
+
+@functools.cache
+def _print_once(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def traced_for_dots(fn: Callable, onednn: bool) -> Callable:

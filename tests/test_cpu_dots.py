@@ -120,6 +120,18 @@ def test_a_persistent_cache_gets_one_note_in_place_of_jaxs_warning_at_each_compi
         jax.config.update("jax_compilation_cache_dir", cache)
 
 
+def test_every_step_jitted_for_onednns_dots_under_the_cache_says_so_once(machine, capsys):
+    """The note comes from where the steps are jitted (step._jit_as_the_step), so that a run, a dry run and a
+    benchmark all say it: once a process for the train and eval steps together, and not for XLA's dots."""
+    machine(True, "0.12.0.1")
+    step._print_once.cache_clear()
+    step.jit_train_step(tiny(), 0), step.jit_eval_step(tiny())
+    assert capsys.readouterr().err.count("note: XLA cannot store a step whose dots are oneDNN's") == 1
+    step._print_once.cache_clear()
+    step.jit_train_step(tiny("--model.cpu_dots=xla"), 0), step.jit_eval_step(tiny("--model.cpu_dots=xla"))
+    assert capsys.readouterr().err == ""
+
+
 def _lowered_dots(cfg: config.Config, train: bool) -> collections.Counter:
     """The (lhs, rhs, result) element types of the dots of cfg's train step (or eval step), as jit lowers it."""
     abstract, window = jax.eval_shape(lambda: step.fresh_state(cfg, V)), jax.ShapeDtypeStruct((2, 4, 16), jnp.int32)
