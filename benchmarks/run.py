@@ -130,18 +130,12 @@ def describe_device(cfg, peak_tflops: float | None) -> tuple[str, int, float | N
     return kind, n_params, peak
 
 
-# The CPU features bf16 matmuls run on, as /proc/cpuinfo's flags name them: torch's oneDNN takes AMX's tiles where
-# the CPU has them, and the bf16 rows' ratio differs with them (benchmarks/NOTES.md, CPU step 12).
-BF16_MATMUL_FLAGS = {"amx_bf16": "AMX", "avx512_bf16": "AVX-512 bf16"}
-
-
 def cpu_in_words(cpuinfo: str, cores: int) -> str:
-    """'<model name> (<cores> cores, <its bf16 matmul features>)', from /proc/cpuinfo's text."""
-    from jaxtrain.kernel_choice import cpuinfo_fields
-    fields = cpuinfo_fields(cpuinfo)
-    flags = fields.get("flags", "").split()
-    features = [name for flag, name in BF16_MATMUL_FLAGS.items() if flag in flags] or ["no bf16 matmul units"]
-    return f"{fields.get('model name', 'CPU')} ({cores} cores, {', '.join(features)})"
+    """'<model name> (<cores> cores, <its bf16 matmul units>)', from /proc/cpuinfo's text: torch's oneDNN runs bf16
+    matmuls on them, and the bf16 rows' ratio differs with them (benchmarks/NOTES.md, CPU step 12)."""
+    from jaxtrain.kernel_choice import bf16_matmul_units, cpuinfo_fields
+    units = bf16_matmul_units(cpuinfo) or ["no bf16 matmul units"]
+    return f"{cpuinfo_fields(cpuinfo).get('model name', 'CPU')} ({cores} cores, {', '.join(units)})"
 
 
 def measure(base, keys: list[str], args) -> list[dict]:

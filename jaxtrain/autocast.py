@@ -33,9 +33,9 @@ def _dot_f32acc(a, b, out=jnp.float32):
 def _rounding_dot_dtype(low, gpu_too: bool = True):
     """The result dtype for a dot whose fp32 result is rounded to `low` next: `low` itself where the dot rounds its
     fp32 accumulator once on the way out, the same value: XLA:CPU's oneDNN dots (onednn_dots), which take a dot
-    with an fp32 result on fp32 copies of its operands, off AMX's bf16 tiles; and where `gpu_too`, a GPU's or TPU's
-    gemm (XLA:GPU otherwise writes the fp32 result and rounds it in a pass of its own: benchmarks/NOTES.md). fp32
-    for XLA:CPU's default dots, which would run a `low`-result dot on fp32 copies of its operands instead of in
+    with an fp32 result on fp32 copies of its operands, off the CPU's bf16 units; and where `gpu_too`, a GPU's or
+    TPU's gemm (XLA:GPU otherwise writes the fp32 result and rounds it in a pass of its own: benchmarks/NOTES.md).
+    fp32 for XLA:CPU's default dots, which would run a `low`-result dot on fp32 copies of its operands instead of in
     `low` (row_major), and the rounding comes after; and, not `gpu_too`, for the dots whose fp32 result a GPU's
     measured program writes and rounds after (the weights' gradients, the written-out attention's)."""
     if backend() == "cpu":
@@ -104,7 +104,7 @@ def onednn_dots(on: bool):
     """Trace with XLA:CPU's dots taken to be oneDNN's (kernel_choice.onednn_dots, which step.compiler_options asks
     XLA for): there a bf16 dot writes its bf16 result (_rounding_dot_dtype) and a Linear's bias rides in its gemm
     (bias_row_applies), since XLA hands oneDNN a dot with an fp32 result or an add after it on fp32 copies of its
-    operands, off AMX's bf16 tiles. step.py's jitted functions set it as they are traced."""
+    operands, off the CPU's bf16 units. step.py's jitted functions set it as they are traced."""
     global _onednn_dots
     previous, _onednn_dots = _onednn_dots, on
     try:

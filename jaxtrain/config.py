@@ -91,10 +91,10 @@ class ModelConfig:
     # residual add rounds to bf16 and the stream and its gradient move half the bytes, as llm.c trains (torchref does
     # the same; only under train.precision=bf16; LayerNorms still compute in fp32)
     residual_dtype: Literal["fp32", "bf16"] = "fp32"
-    # the dots on a CPU: auto: oneDNN's where the CPU has AMX and jaxlib >= 0.11 hands oneDNN bf16 dots whole, under
-    # bf16 (AMX's tiles; each dot writes its bf16 result, a Linear's bias a row of its weights, as on a GPU) and fp32;
-    # XLA's default (YNNPACK) elsewhere; xla: always XLA's default; onednn: always oneDNN's (a CPU under bf16 or fp32
-    # with jaxlib >= 0.11 only). The same math either way, summed in another order
+    # the dots on a CPU: auto: oneDNN's where the CPU has bf16 matmul units (AMX, AVX-512 bf16) and jaxlib >= 0.11
+    # hands oneDNN bf16 dots whole, under bf16 (each dot writes its bf16 result, a Linear's bias a row of its weights,
+    # as on a GPU) and fp32; XLA's default (YNNPACK) elsewhere; xla: always XLA's default; onednn: always oneDNN's (a
+    # CPU under bf16 or fp32 with jaxlib >= 0.11 only). The same math either way, summed in another order
     cpu_dots: Literal["auto", "xla", "onednn"] = "auto"
     # recompute each block's activations in the backward pass instead of keeping them: full keeps only each block's
     # input; dots keeps the outputs of its weight matmuls too (less memory than none, less recompute than full)

@@ -61,29 +61,42 @@ def ones_width(tma_kernel: bool) -> int:
 ONEDNN_BF16_JAXLIB = (0, 11)
 
 
+# The CPU features oneDNN runs bf16 matmuls on, as /proc/cpuinfo's flags name them (benchmarks.run names the machine
+# by them too): AMX's bf16 tiles (Intel Xeon from Sapphire Rapids on) and AVX-512's bf16 dot products (AMD from Zen 4,
+# Intel from Cooper Lake), brg_matmul:avx512_core_bf16 in ONEDNN_VERBOSE's words.
+BF16_MATMUL_FLAGS = {"amx_bf16": "AMX", "avx512_bf16": "AVX-512 bf16"}
+
+
 def onednn_dots(cfg: ModelConfig, precision: str) -> bool:
     """Whether XLA:CPU runs the step's dots as oneDNN's (model.cpu_dots), under bf16 each writing its bf16 result
-    (autocast.onednn_dots): auto on a CPU with AMX under a jaxlib from ONEDNN_BF16_JAXLIB, for bf16 (AMX's bf16
-    tiles, where XLA's default dots (YNNPACK) reach a quarter of oneDNN's rate on the Linears' shapes) and fp32
-    (oneDNN's avx512 fp32 dots: the step 24% faster there). Not fp16 (no AMX-FP16 to measure on), nor a CPU without
-    AMX, whose oneDNN dots are unmeasured under a jaxlib that takes them."""
+    (autocast.onednn_dots): auto on a CPU with bf16 matmul units (BF16_MATMUL_FLAGS) under a jaxlib from
+    ONEDNN_BF16_JAXLIB, for bf16 and fp32. Measured on configs/small.yaml (benchmarks/NOTES.md, CPU steps 15 and 19):
+    on an AMX Xeon, where XLA's default dots (YNNPACK) reach a quarter of oneDNN's rate on the Linears' shapes, the
+    bf16 step 33% faster and the fp32 one 24%; on an AMD EPYC (Zen 4, AVX-512 bf16) 4% and 24%. Not fp16 (no fp16
+    units to measure on), nor a CPU without bf16 units, whose oneDNN bf16 dots would be emulated: unmeasured."""
     jaxlib_takes_them = tuple(int(part) for part in jaxlib.__version__.split(".")[:2]) >= ONEDNN_BF16_JAXLIB
     possible = precision in ("bf16", "fp32") and backend() == "cpu" and jaxlib_takes_them
     if cfg.cpu_dots == "onednn" and not possible:
         raise UserError(f"model.cpu_dots=onednn needs train.precision=bf16 or fp32 on a CPU and jaxlib >= 0.11 "
                         f"(Python >= 3.12), whose XLA hands oneDNN bf16 dots as they are (got {precision} on "
                         f"{backend()}, jaxlib {jaxlib.__version__}); use model.cpu_dots=auto")
-    return cfg.cpu_dots == "onednn" or (cfg.cpu_dots == "auto" and possible and _cpu_has_amx())
+    return cfg.cpu_dots == "onednn" or (cfg.cpu_dots == "auto" and possible and _cpu_has_bf16_matmul_units())
 
 
 @functools.cache
-def _cpu_has_amx() -> bool:
-    """Whether this machine's CPU has AMX's bf16 tiles (Linux's /proc/cpuinfo flags; elsewhere taken as not)."""
+def _cpu_has_bf16_matmul_units() -> bool:
+    """Whether this machine's CPU has one of BF16_MATMUL_FLAGS (Linux's /proc/cpuinfo; elsewhere taken as not)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return "amx_bf16" in cpuinfo_fields(cpuinfo.read()).get("flags", "").split()
+            return bool(bf16_matmul_units(cpuinfo.read()))
     except OSError:
         return False
+
+
+def bf16_matmul_units(cpuinfo: str) -> list[str]:
+    """The names of the BF16_MATMUL_FLAGS that /proc/cpuinfo's text lists for its first processor."""
+    flags = cpuinfo_fields(cpuinfo).get("flags", "").split()
+    return [name for flag, name in BF16_MATMUL_FLAGS.items() if flag in flags]
 
 
 def cpuinfo_fields(cpuinfo: str) -> dict[str, str]:

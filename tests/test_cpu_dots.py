@@ -4,6 +4,7 @@ bf16 result. Where this jaxlib hands oneDNN bf16 dots whole (>= 0.11), the compi
 against the same run on XLA's default dots."""
 
 import collections
+import io
 import json
 import warnings
 
@@ -31,14 +32,15 @@ def tiny(*overrides) -> config.Config:
 
 @pytest.fixture
 def machine(monkeypatch):
-    """Sets the machine onednn_dots sees: whether its CPU has AMX, and the jaxlib version."""
-    def set_machine(amx: bool, jaxlib_version: str):
-        monkeypatch.setattr(kernel_choice, "_cpu_has_amx", lambda: amx)
+    """Sets the machine onednn_dots sees: whether its CPU has bf16 matmul units (AMX, AVX-512 bf16), and the jaxlib
+    version."""
+    def set_machine(bf16_units: bool, jaxlib_version: str):
+        monkeypatch.setattr(kernel_choice, "_cpu_has_bf16_matmul_units", lambda: bf16_units)
         monkeypatch.setattr(jaxlib, "__version__", jaxlib_version)
     return set_machine
 
 
-@pytest.mark.parametrize("cpu_dots,precision,platform,amx,jaxlib_version,want", [
+@pytest.mark.parametrize("cpu_dots,precision,platform,bf16_units,jaxlib_version,want", [
     ("auto", "bf16", "cpu", True, "0.11.0", True), ("auto", "bf16", "cpu", True, "0.12.0.1", True),
     ("auto", "bf16", "cpu", True, "1.0.0", True), ("auto", "bf16", "cpu", True, "0.10.2", False),
     ("auto", "bf16", "cpu", False, "0.12.0.1", False), ("auto", "fp32", "cpu", True, "0.12.0.1", True),
@@ -46,12 +48,30 @@ def machine(monkeypatch):
     ("auto", "fp16", "cpu", True, "0.12.0.1", False), ("auto", "bf16", "gpu", True, "0.12.0.1", False),
     ("xla", "bf16", "cpu", True, "0.12.0.1", False), ("onednn", "bf16", "cpu", False, "0.11.0", True),
     ("onednn", "fp32", "cpu", False, "0.12.0.1", True)])
-def test_onednn_dots_where_they_run_on_amx(cpu_dots, precision, platform, amx, jaxlib_version, want, machine):
-    """auto picks oneDNN's dots for a bf16 or fp32 step on a CPU with AMX under a jaxlib from 0.11, and nowhere
-    else; onednn wherever it can run; xla never: the cases written out by hand."""
-    machine(amx, jaxlib_version)
+def test_onednn_dots_where_the_cpu_has_bf16_units(cpu_dots, precision, platform, bf16_units, jaxlib_version, want,
+                                                  machine):
+    """auto picks oneDNN's dots for a bf16 or fp32 step on a CPU with bf16 matmul units under a jaxlib from 0.11,
+    and nowhere else; onednn wherever it can run; xla never: the cases written out by hand."""
+    machine(bf16_units, jaxlib_version)
     with compiled_hlo.traced_for(platform):
         assert kernel_choice.onednn_dots(tiny(f"--model.cpu_dots={cpu_dots}").model, precision) == want
+
+
+@pytest.mark.parametrize("flags,want", [
+    ("fpu avx2 avx512f avx512_bf16 avx512_vnni", True),  # an AMD EPYC (Zen 4), as this project's /proc/cpuinfo
+    ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", True), ("fpu amx_bf16", True),  # Intel Xeons with AMX
+    ("fpu avx2 avx512f avx512_vnni", False), ("fpu avx2 amx_tile", False), ("", False)])
+def test_the_cpus_bf16_units_are_read_from_its_first_processors_flags(flags, want, monkeypatch):
+    """Where /proc/cpuinfo's first processor lists amx_bf16 or avx512_bf16, the CPU has bf16 matmul units (what
+    auto's oneDNN dots need); a second processor's flags are not read, and no /proc/cpuinfo means none."""
+    cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: fpu avx512_bf16 amx_bf16\n"
+    monkeypatch.setattr(kernel_choice, "open", lambda path: io.StringIO(cpuinfo), raising=False)
+    assert kernel_choice._cpu_has_bf16_matmul_units.__wrapped__() == want
+
+    def missing(path):
+        raise FileNotFoundError(path)
+    monkeypatch.setattr(kernel_choice, "open", missing, raising=False)
+    assert kernel_choice._cpu_has_bf16_matmul_units.__wrapped__() is False
 
 
 @pytest.mark.parametrize("precision,platform,jaxlib_version", [
@@ -69,8 +89,8 @@ def test_onednn_dots_where_they_cannot_run_are_a_user_error(precision, platform,
 
 
 def test_the_step_compiles_with_onednns_dots_where_they_are_picked_never_over_xla_flags(machine, monkeypatch):
-    """The step's compile options on an AMX CPU under jaxlib 0.12: oneDNN's dots and (under bf16) every rounding kept
-    for cpu_dots=auto; nothing for xla; and a flag the user's XLA_FLAGS set is left to them."""
+    """The step's compile options on a CPU with bf16 matmul units under jaxlib 0.12: oneDNN's dots and (under bf16)
+    every rounding kept for cpu_dots=auto; nothing for xla; and a flag the user's XLA_FLAGS set is left to them."""
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     machine(True, "0.12.0.1")
     assert step.compiler_options(tiny()) == ONEDNN
@@ -144,8 +164,8 @@ def _lowered_dots(cfg: config.Config, train: bool) -> collections.Counter:
 def test_the_step_traced_for_onednn_writes_every_dot_in_bf16(train, machine):
     """Traced for oneDNN's dots (the step's own jit: step.traced_for_dots), every dot of the train and eval steps
     writes its bf16 result from bf16 operands, the weights' gradients and the attention's too (an fp32 result XLA
-    hands oneDNN on fp32 copies, off AMX's bf16 tiles); traced for XLA's default dots, every one writes fp32 and is
-    rounded after it."""
+    hands oneDNN on fp32 copies, off the CPU's bf16 units); traced for XLA's default dots, every one writes fp32
+    and is rounded after it."""
     machine(True, "0.12.0.1")
     assert set(_lowered_dots(tiny(), train)) == {("bf16", "bf16", "bf16")}
     assert set(_lowered_dots(tiny("--model.cpu_dots=xla"), train)) == {("bf16", "bf16", "f32")}
