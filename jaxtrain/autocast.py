@@ -348,8 +348,8 @@ def _gelu_bwd(x, dy):
     """On a CPU whose dots are oneDNN's (onednn_dots) x passes an optimization barrier first: else XLA:CPU's CSE
     takes this erf(x) for the forward's, and the forward writes the fp32 erf, 4 bytes an element of c_fc's (B, T, 4D)
     output, for this pass to read back. Recomputed from x there: configs/small.yaml's bf16 step 8% faster on the AMX
-    Xeon, 0.3 GB less peak memory (the Zen 4 EPYC: the same speed, 0.3 GB less); with XLA's default dots 4% slower, so those keep the merged erf, as does a GPU's
-    measured program (benchmarks/NOTES.md, CPU step 16)."""
+    Xeon, 0.3 GB less peak memory (the Zen 4 EPYC: the same speed, 0.3 GB less); with XLA's default dots 4%
+    slower, so those keep the merged erf, as does a GPU's measured program (benchmarks/NOTES.md, CPU steps 16, 19)."""
     if _cpu_dots_are_onednns():
         x = jax.lax.optimization_barrier(x)
     return (gelu_grad(x, dy),)
