@@ -12,6 +12,7 @@ import jax
 import pytest
 import yaml
 
+import processes
 from benchmarks import device_check, profile, run as bench
 from jaxtrain import hopper_gemm
 
@@ -193,14 +194,6 @@ def _stage(name, code, expect_s=0, cap_s=30, **kw):
     return device_check.Stage(name, f"{name} stage", ("-c", code, "--model.norm={norm}"), expect_s, cap_s, **kw)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()  # a zombie has ended: nobody reaps it in some containers
-    except FileNotFoundError:
-        return False
-
-
 def test_a_stage_past_its_cap_is_stopped_with_the_processes_it_started(tmp_path):
     pid_file = tmp_path / "child.pid"
     code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
@@ -210,10 +203,7 @@ def test_a_stage_past_its_cap_is_stopped_with_the_processes_it_started(tmp_path)
                                       str(tmp_path), budget_s=60)
     assert time.monotonic() - t0 < 30  # 3 s of cap, not 60 s of sleep (the bound: process start-up on 2 busy cores)
     assert results[0]["outcome"] == "stopped at its cap of 3s" and results[1]["outcome"] == "passed"
-    deadline = time.monotonic() + 5
-    while _alive(int(pid_file.read_text())) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(int(pid_file.read_text()))
+    assert processes.ended_within(int(pid_file.read_text()))
     log = (tmp_path / "session.log").read_text()
     assert "started" in log and "next ran" in log and "===== slow: stopped at its cap of 3s" in log
 

@@ -5,12 +5,13 @@ which reaches the terminal from xdist's workers (tests/conftest.py), the depende
 import os
 import subprocess
 import sys
-import time
 import tomllib
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+
+import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,16 +94,5 @@ def test_ci_exits_zero_with_its_venvs_removed_whatever_the_floors_install_did(tm
             assert proc.returncode == code, (name, proc.returncode, proc.stderr)
             assert not scratch.exists(), name
             if name == "running":
-                assert not _alive(int(pid_file.read_text())), "the install CI left running"
+                assert processes.ended_within(int(pid_file.read_text())), "the install CI left running"
 
-
-def _alive(pid: int, within_s: float = 5.0) -> bool:
-    """Whether process `pid` still runs `within_s` seconds on (a killed orphan takes a moment to be reaped)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        time.sleep(0.05)
-    return True
