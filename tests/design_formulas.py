@@ -6,6 +6,10 @@ formulas fails when the trainer's rule changes.
 
 import math
 
+# Host float64 arithmetic against the same formula written another way: ~1e-16 per operation, so 1e-12 leaves
+# thousands of operations of headroom and still catches any change of rule.
+FP64 = 1e-12
+
 
 def lr_at(t: int, lr: float, min_lr: float, warmup: int, decay: int, init: float) -> float:
     """LR applied at optimizer step t: linear warmup init -> lr over `warmup` steps, cosine lr -> min_lr at step

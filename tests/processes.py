@@ -1,6 +1,8 @@
-"""Whether a process a test started, or had started, has ended: for the tests that stop processes (a stage past its
-cap, CI's background install) and check that nothing they started is left running."""
+"""The processes tests start: whether one has ended (for the tests that stop processes, a stage past its cap or
+CI's background install, and check that nothing they started is left running), and the environment of a run of
+several processes on this machine, whose coordinator listens on 127.0.0.1 only."""
 
+import socket
 import time
 
 
@@ -19,3 +21,19 @@ def ended_within(pid: int, seconds: float = 5.0) -> bool:
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not alive(pid)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def coordinator_env(processes: int) -> dict[str, str]:
+    """The variables that make `processes` jaxtrain processes on this machine one run (each adds its JAX_PROCESS_ID):
+    the coordinator on a free port of 127.0.0.1, bound there too, where jax would bind every interface ([::]) unless
+    JAX_COORDINATOR_BIND_ADDRESS says otherwise (jax._src.distributed, 0.10 to 0.12)."""
+    address = f"127.0.0.1:{free_port()}"
+    return {"JAX_COORDINATOR_ADDRESS": address, "JAX_COORDINATOR_BIND_ADDRESS": address,
+            "JAX_NUM_PROCESSES": str(processes)}

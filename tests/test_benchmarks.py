@@ -11,6 +11,7 @@ import tempfile
 
 import pytest
 
+from design_formulas import FP64
 from benchmarks import run as bench
 from jaxtrain import config
 
@@ -30,7 +31,7 @@ def test_table_rates_and_ratios():
             _row("jax-bf16-k1", [1.0]), _row("jax-bf16-k4", [1.25]), _row("matmul-jax-bf16", [2 * 64 * 32 * 128 / 1e6])]
     text = bench.table(rows, cfg, n_params=10_000, peak=None)
     assert rows[0]["median"] == 128 / 1.0 and rows[0]["low"] == 64 and rows[0]["high"] == 256
-    assert rows[5]["median"] == pytest.approx(1e6)  # FLOP/s of the matmul row: 2mkn / seconds
+    assert rows[5]["median"] == pytest.approx(1e6, rel=FP64)  # FLOP/s of the matmul row: 2mkn / seconds
     assert "jaxtrain bf16 / best torch bf16: 0.25" in text  # 128 tokens/s against torch eager's 512
     assert "accumulation k=4 costs 20.0% of k=1's tokens/s" in text
     assert "| torch-bf16 | 512 (512-512) | 250.0 |" in text and "| 0.25 |" in text  # jaxtrain / this
@@ -191,8 +192,8 @@ def test_rates_are_work_over_the_median_time():
     flops = 2 * 64 * 32 * 128  # the matmul's 2mkn
     assert (matmul_row["median"], matmul_row["low"], matmul_row["high"]) == (flops / 2.5, flops / 4, flops)
     flops_per_token = 6 * (10_000 - 16 * 32) + 12 * 1 * 32 * 16  # nanoGPT's: 6N (wpe not in N) + 12 L d T
-    assert jax_row["mfu_peak"] == pytest.approx(64 * flops_per_token / 1e6)
-    assert jax_row["mfu_ceiling"] == pytest.approx(64 * flops_per_token / (flops / 2.5))
+    assert jax_row["mfu_peak"] == pytest.approx(64 * flops_per_token / 1e6, rel=FP64)
+    assert jax_row["mfu_ceiling"] == pytest.approx(64 * flops_per_token / (flops / 2.5), rel=FP64)
 
 
 def test_row_configs_are_validated_before_any_process_starts(monkeypatch):
@@ -221,11 +222,11 @@ def test_json_carries_the_save_table(tmp_path, monkeypatch, capsys):
     out = tmp_path / "save.json"
     bench.main([*TINY, "--synthetic", "--only", "save", "--rounds", "1", "--steps", "4", "--json", str(out)])
     saves = json.loads(out.read_text())["save"]
-    assert saves["step_ms"] == pytest.approx(2000) and saves["pairs"] == 2
+    assert saves["step_ms"] == pytest.approx(2000, rel=FP64) and saves["pairs"] == 2
     expected = [["async (checkpoint.async_save=true)", 200, 600, 0.30],
                 ["sync (checkpoint.async_save=false)", 600, 900, 0.45]]
     assert [[r["save"], r["loop_waits_ms"], r["costs_ms"], r["of_step"]] for r in saves["rows"]] == [
-        [name, pytest.approx(held), pytest.approx(cost), pytest.approx(share)]
+        [name, pytest.approx(held, rel=FP64), pytest.approx(cost, rel=FP64), pytest.approx(share, rel=FP64)]
         for name, held, cost, share in expected]
     printed = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
                if line.startswith(("| async", "| sync"))]
@@ -272,8 +273,8 @@ def test_profile_puts_each_instructions_kernels_beside_its_roofline():
                types.SimpleNamespace(events=[event("custom-call.15", 5), event("custom-call.15", 5),
                                              event("fusion.no_such", 3)])]
     ms, kernels = profile.by_instruction(streams, steps=2)
-    assert ms == pytest.approx({"custom-call.15": 0.010, "fusion.no_such": 0.0015})
-    assert kernels == pytest.approx({"custom-call.15": 2, "fusion.no_such": 0.5})
+    assert ms == pytest.approx({"custom-call.15": 0.010, "fusion.no_such": 0.0015}, rel=FP64)
+    assert kernels == pytest.approx({"custom-call.15": 2, "fusion.no_such": 0.5}, rel=FP64)
     with open(os.path.join(os.path.dirname(__file__), "data", "roofline_tiny_h100.hlo.txt")) as f:
         hlo = f.read()
     target = ("h100", 989e12, 3.35e12)
@@ -281,14 +282,14 @@ def test_profile_puts_each_instructions_kernels_beside_its_roofline():
     flops = 2 * 64 * 192 * 64 * 2  # two launches a step
     moved = (64 * 64 * 2 + 64 * 192 * 2 + 64 * 192 * 4) * 2
     roof_ms = max(flops / 989e12, moved / 3.35e12) * 1e3
-    assert (gemm["op"], gemm["category"], gemm["kernels"]) == ("custom-call.15", "matmul", pytest.approx(2))
+    assert (gemm["op"], gemm["category"], gemm["kernels"]) == ("custom-call.15", "matmul", pytest.approx(2, rel=FP64))
     # the same arithmetic in another order: fp64 rounding apart
-    assert gemm["roofline_ms"] == pytest.approx(roof_ms, rel=1e-12)
-    assert gemm["ratio"] == pytest.approx(0.010 / roof_ms, rel=1e-12)
-    assert gemm["tflops"] == pytest.approx(flops / 0.010e-3 / 1e12, rel=1e-12)
-    assert gemm["gbps"] == pytest.approx(moved / 0.010e-3 / 1e9, rel=1e-12)
-    assert unknown == dict(op="fusion.no_such", category="not in the roofline", kernels=pytest.approx(0.5),
-                           ms=pytest.approx(0.0015), roofline_ms=None, ratio=None, tflops=None, gbps=None)
+    assert gemm["roofline_ms"] == pytest.approx(roof_ms, rel=FP64)
+    assert gemm["ratio"] == pytest.approx(0.010 / roof_ms, rel=FP64)
+    assert gemm["tflops"] == pytest.approx(flops / 0.010e-3 / 1e12, rel=FP64)
+    assert gemm["gbps"] == pytest.approx(moved / 0.010e-3 / 1e9, rel=FP64)
+    assert unknown == dict(op="fusion.no_such", category="not in the roofline", kernels=pytest.approx(0.5, rel=FP64),
+                           ms=pytest.approx(0.0015, rel=FP64), roofline_ms=None, ratio=None, tflops=None, gbps=None)
     text = profile.against_roofline(ms, kernels, hlo, target, top=5).splitlines()
     assert text[1] == "by HLO instruction, against the roofline (h100: 989 TFLOP/s, 3.35 TB/s):"
     assert text[4].startswith("| custom-call.15 | matmul | 2 | 0.01 | 0.00 | ")

@@ -722,7 +722,7 @@ def launched(tmp_path_factory, tokens, jax_run, torch_run) -> dict:
 @pytest.mark.parametrize("name", COMMAND_LINES)
 def test_command_line_refuses_in_one_line(name, launched):
     (proc, tmp, before), (backend, _, named) = launched[name], COMMAND_LINES[name]
-    _, stderr = proc.communicate()
+    _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 2, stderr
     assert_untouched(before, tmp)
     assert "Traceback" not in stderr and named in stderr, stderr

@@ -6,7 +6,6 @@ params and the update are the same; only the order of the cross-device sums diff
 
 import functools
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from jax.sharding import Mesh
 
 import compiled_hlo
+from processes import coordinator_env
 
 from parity_tests.runs import read_metrics
 from jaxtrain import config, mesh, run
@@ -155,21 +155,14 @@ def test_batch_must_split_over_devices(tmp_path, cache_dir):
     assert proc.returncode == 2 and "does not split over 8 devices" in proc.stderr
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_on_localhost(tmp_path, cache_dir, one_device_losses):
     """Two hosts of two devices each: every process loads only its rows of the batch."""
-    out_dir, port = str(tmp_path / "hosts"), free_port()
+    out_dir, hosts = str(tmp_path / "hosts"), coordinator_env(2)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
          "--mesh.fsdp=2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                 JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+        env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", **hosts, JAX_PROCESS_ID=str(i)))
         for i in range(2)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs

@@ -255,9 +255,12 @@ def test_cudnn_attention_matches_the_written_out_one():
                                          seed=0)
     graphdef_cudnn = M.graphdef(dataclasses.replace(cfg, attention="cudnn"), vocab_size=V, precision="bf16")
     idx = _idx(B=4, T=128)
-    # Both take bf16 q, k, v and accumulate in fp32; they differ in where probabilities are rounded to bf16.
-    assert _rel_err(apply(graphdef_cudnn, params, idx).astype(jnp.float32),
-                    apply(graphdef_xla, params, idx).astype(jnp.float32)) < 0.01
+    # Both take bf16 q, k, v and accumulate in fp32; they differ in where probabilities are rounded to bf16. The
+    # logits alone are rounded to bf16 on each side (2^-9 relative), so they may differ by ~2^-8 = 0.004 before the
+    # probabilities' roundings: 0.01 is 2.5x that (derived; the assert prints the measured value on a GPU).
+    err = _rel_err(apply(graphdef_cudnn, params, idx).astype(jnp.float32),
+                   apply(graphdef_xla, params, idx).astype(jnp.float32))
+    assert err < 0.01, f"cuDNN's attention against the written-out one: relative error {err:.2e}"
 
 
 def _grad_fn(remat: str, precision: str = "fp32"):

@@ -15,7 +15,7 @@ import fsspec
 import pytest
 from hypothesis import given, strategies as st
 
-from test_mesh import free_port
+from processes import coordinator_env
 from test_run import files_but_the_lock, small_args
 from jaxtrain import cmdline, config, runfolder
 from jaxtrain.errors import UserError
@@ -170,7 +170,7 @@ def test_two_processes_refuse_a_journal_without_a_stamp_each_in_one_line(tmp_pat
     timeout. Each reads it at the start and refuses."""
     (tmp_path / ".fresh-in-progress").write_text("garbage")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
+               **coordinator_env(2))
     procs = [subprocess.Popen([sys.executable, "-m", "jaxtrain.run", *small_args(str(tmp_path), cache_dir),
                                "--mesh.fsdp=2", "--run.fresh=true"], cwd=REPO, stderr=subprocess.PIPE, text=True,
                               env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]

@@ -7,12 +7,14 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from test_mesh import SMALL, free_port
+from processes import coordinator_env
+from test_mesh import SMALL
 from test_run import final_params, read_metrics, small_args, without_timing
 from jaxtrain import config, preemption, run
 
@@ -32,14 +34,19 @@ def start(out_dir, cache_dir, *extra, env=None):
     return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env), cmd
 
 
-def wait_for(proc, words: str) -> str:
-    """stderr up to the first line holding `words`."""
-    seen = ""
-    for line in proc.stderr:
-        seen += line
-        if words in line:
-            return seen
-    raise AssertionError(f"never printed {words!r}:\n{seen}")
+def wait_for(proc, words: str, timeout_s: float = 600) -> str:
+    """stderr up to the first line holding `words`; a process that has not printed it within `timeout_s` is killed
+    (its stderr then ends) and the test fails."""
+    seen, killer = "", threading.Timer(timeout_s, proc.kill)
+    killer.start()
+    try:
+        for line in proc.stderr:
+            seen += line
+            if words in line:
+                return seen
+    finally:
+        killer.cancel()
+    raise AssertionError(f"never printed {words!r} (or not within {timeout_s} s):\n{seen}")
 
 
 def train_steps(out_dir) -> list[int]:
@@ -135,9 +142,8 @@ def wait_for_a_logged_step(out_dir, timeout_s: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-def two_processes(out_dir, cache_dir, port, *extra):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2")
+def two_processes(out_dir, cache_dir, *extra):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", **coordinator_env(2))
     cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}",
            f"--data.cache_dir={cache_dir}", "--mesh.fsdp=2", "--train.steps=60", "--checkpoint.every=30",
            "--train.eval_every=30", *extra]
@@ -151,17 +157,17 @@ def test_sigterm_to_one_host_saves_the_same_step_on_both(tmp_path, cache_dir):
     """Two processes on localhost; SIGTERM reaches process 1 only (a preemption notice to one host): both agree,
     save the same step and exit 0; started again, the pair finishes exactly like a pair never stopped."""
     straight_dir, out_dir = str(tmp_path / "straight2"), str(tmp_path / "stopped2")
-    for p in two_processes(straight_dir, cache_dir, free_port()):
+    for p in two_processes(straight_dir, cache_dir):
         assert p.wait(timeout=600) == 0, p.stderr.read()
-    procs = two_processes(out_dir, cache_dir, free_port())
+    procs = two_processes(out_dir, cache_dir)
     wait_for_a_logged_step(out_dir)  # both past start-up: a signal there would stop them before the first step
     procs[1].send_signal(signal.SIGTERM)
-    errs = [p.stderr.read() for p in procs]
-    assert [p.wait(timeout=600) for p in procs] == [0, 0], errs
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
     saved = {int(e.split("saved step ")[1].split(";")[0]) for e in errs if "saved step " in e}
     assert len(saved) == 1 and all("saved step" in e for e in errs), errs
     assert os.path.isdir(os.path.join(out_dir, "checkpoints", str(saved.pop())))
-    for p in two_processes(out_dir, cache_dir, free_port()):
+    for p in two_processes(out_dir, cache_dir):
         assert p.wait(timeout=600) == 0, p.stderr.read()
     assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(straight_dir))
 
@@ -258,7 +264,7 @@ def test_a_signal_to_one_host_after_the_last_save_lets_both_end(tmp_path, cache_
     """SIGTERM to process 1 while process 0 prints the end-of-run sample: process 1 says the run is saved and ends
     with process 0, both exit 0 at once. It died at once, and process 0, left alone at JAX's shutdown barrier,
     aborted (SIGABRT) some 85 s later: a finished run reported failed."""
-    procs = two_processes(str(tmp_path / "run"), cache_dir, free_port(), "--log.sample_tokens=400")
+    procs = two_processes(str(tmp_path / "run"), cache_dir, "--log.sample_tokens=400")
     wait_for(procs[0], "done: steps")
     procs[1].send_signal(signal.SIGTERM)
     t0 = time.monotonic()

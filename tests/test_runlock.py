@@ -11,7 +11,7 @@ import types
 import pytest
 from etils import epath
 
-from test_mesh import free_port
+from processes import coordinator_env
 from test_preemption import LONG, start, wait_for_a_logged_step
 from test_run import read_metrics, small_args, without_timing
 from jaxtrain import config, run, runlock
@@ -256,7 +256,7 @@ def test_a_refused_start_of_several_processes_is_one_line_on_each(tmp_path, cach
     out_dir = str(tmp_path / "held")
     holder = hold(out_dir)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
+               **coordinator_env(2))
     start = ["-m", "jaxtrain.run"] if checked else ["-c", UNCHECKED]
     try:
         procs = [subprocess.Popen([sys.executable, *start, *small_args(out_dir, cache_dir), "--mesh.fsdp=2"],
@@ -293,7 +293,7 @@ def test_a_second_launch_on_the_live_runs_coordinator_is_refused_and_the_run_goe
     lease, after the join."""
     out_dir = str(tmp_path / "live") if where == "local" else f"{request.getfixturevalue('gcs')()}/live"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
+               **coordinator_env(2))
     cmd = [sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, "--train.steps=100000",
                                                              "--checkpoint.every=1000", "--run.lock_timeout_s=4"),
            "--mesh.fsdp=2"]  # a run that outlives the second launch whatever the load: the test stops it

@@ -16,8 +16,9 @@ import sys
 import numpy as np
 import pytest
 
+from processes import coordinator_env
+from test_mesh import losses
 from jaxtrain import config, prepare, run
-from test_mesh import free_port, losses
 
 STEPS, HALF = 8, 4
 SMALL = ["--config", "configs/tiny.yaml", "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2",
@@ -35,12 +36,11 @@ def launch(out_dir: str, cache_dir: str, steps: int, processes: int, devices: in
     that it resumes from step `resumes_at` where that checkpoint exists."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     resumes = os.path.isdir(os.path.join(out_dir, "checkpoints", str(resumes_at)))
-    port = free_port()
+    hosts = coordinator_env(processes)
     args = [sys.executable, "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
             f"--train.steps={steps}", f"--mesh.fsdp={fsdp}", *extra]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(
-        env, **({"JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": str(processes),
-                 "JAX_PROCESS_ID": str(i)} if processes > 1 else {}))) for i in range(processes)]
+        env, **({**hosts, "JAX_PROCESS_ID": str(i)} if processes > 1 else {}))) for i in range(processes)]
     try:
         outputs = [p.communicate(timeout=600)[0] for p in procs]
     finally:  # a process left waiting for the others would wait for good
@@ -137,10 +137,10 @@ def test_one_host_with_other_data_stops_every_host_in_one_line(tmp_path, cache_d
     before = sorted(os.listdir(out_dir))
     args = [sys.executable, "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
             f"--train.steps={STEPS}", "--mesh.fsdp=4"]
-    env, port = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2"), free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", **coordinator_env(2))
     procs = [subprocess.Popen(args + ([f"--data.path={other_data}"] if i else []), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=dict(
-        env, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+        env, JAX_PROCESS_ID=str(i)))
         for i in range(2)]
     try:
         outputs = [p.communicate(timeout=600)[0] for p in procs]

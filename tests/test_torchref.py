@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from design_formulas import TOP1_HITS, TOP1_LOGITS, TOP1_TARGETS
+from design_formulas import FP64, TOP1_HITS, TOP1_LOGITS, TOP1_TARGETS
 from test_run import files_but_the_lock, read_metrics
 from jaxtrain import config
 from jaxtrain.errors import UserError
@@ -83,14 +83,14 @@ def straight_run(token_dir, tmp_path_factory):
 def test_schedule_values(token_dir, tmp_path):
     cfg = tiny_cfg(token_dir, tmp_path, "--optim.lr=1e-3", "--optim.min_lr=1e-4", "--optim.warmup_steps=10",
                    "--train.steps=100")
-    assert get_lr(0, cfg) == pytest.approx(1e-3 / 11)  # lr / (W + 1): step 0 is never a no-op
-    assert get_lr(5, cfg) == pytest.approx(1e-3 * 6 / 11)
-    assert get_lr(10, cfg) == pytest.approx(1e-3)
-    assert get_lr(55, cfg) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half way down the cosine
-    assert get_lr(100, cfg) == pytest.approx(1e-4)
-    assert get_lr(150, cfg) == pytest.approx(1e-4)
+    assert get_lr(0, cfg) == pytest.approx(1e-3 / 11, rel=FP64)  # lr / (W + 1): step 0 is never a no-op
+    assert get_lr(5, cfg) == pytest.approx(1e-3 * 6 / 11, rel=FP64)
+    assert get_lr(10, cfg) == pytest.approx(1e-3, rel=FP64)
+    assert get_lr(55, cfg) == pytest.approx(1e-4 + 0.9e-3 * 0.5, rel=FP64)  # half way down the cosine
+    assert get_lr(100, cfg) == pytest.approx(1e-4, rel=FP64)
+    assert get_lr(150, cfg) == pytest.approx(1e-4, rel=FP64)
     no_warmup = tiny_cfg(token_dir, tmp_path, "--optim.lr=1e-3", "--optim.warmup_steps=0", "--train.steps=100")
-    assert get_lr(0, no_warmup) == pytest.approx(1e-3)
+    assert get_lr(0, no_warmup) == pytest.approx(1e-3, rel=FP64)
 
 
 def test_scheduler_applies_the_schedule_per_optimizer_step(token_dir, tmp_path):
@@ -103,7 +103,7 @@ def test_scheduler_applies_the_schedule_per_optimizer_step(token_dir, tmp_path):
         applied.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert applied == pytest.approx([get_lr(t, cfg) for t in range(10)])
+    assert applied == pytest.approx([get_lr(t, cfg) for t in range(10)], rel=FP64)
     resumed = lr_scheduler(configure_optimizer(model, cfg), cfg, step=4)
     assert resumed.optimizer.param_groups[1]["lr"] == applied[4]
 
@@ -168,7 +168,7 @@ def test_metrics_lines(straight_run):
     assert all(set(r) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"} for r in train)
     assert all(r["mfu"] is None for r in train)  # CPU: peak unknown
     assert [r["tokens"] for r in train] == [8 * 16 * s for s in range(1, 7)]
-    assert train[0]["lr"] == pytest.approx(1e-3 / 3)
+    assert train[0]["lr"] == pytest.approx(1e-3 / 3, rel=FP64)
     assert [r["step"] for r in evals] == [3, 6]
     assert all(set(r) == {"step", "eval_loss", "eval_accuracy"} and 0 <= r["eval_accuracy"] <= 1 for r in evals)
     assert os.path.exists(os.path.join(straight_run, "config.yaml"))

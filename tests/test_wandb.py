@@ -73,14 +73,16 @@ def test_a_run_stopped_by_ctrl_c_and_resumed_is_one_wandb_run_with_each_step_onc
     cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, *STEPS_300, *WANDB)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for(proc, "compiled the train step")
+    deadline = time.monotonic() + 600
     while proc.poll() is None and logged_lines(out_dir) <= 100:  # past the first checkpoint: a real resume
+        assert time.monotonic() < deadline, f"fewer than 101 lines in {out_dir}/metrics.jsonl after 600 s"
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)
-    err = proc.stderr.read()
-    assert proc.wait() == 0 and "Traceback" not in err, err
+    err = proc.communicate(timeout=600)[1]
+    assert proc.returncode == 0 and "Traceback" not in err, err
     saved = int(err.split("saved step ")[1].split(";")[0])
     assert 100 <= saved < 300, saved
-    resumed = subprocess.run(cmd, capture_output=True, text=True)
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0 and f"resuming from step {saved}" in resumed.stderr, resumed.stderr
 
     runs = wandb_records(out_dir)

@@ -9,6 +9,7 @@ import sys
 import pytest
 from hypothesis import given, strategies as st
 
+from design_formulas import FP64
 from benchmarks import xla_flags
 from jaxtrain.errors import UserError
 
@@ -113,9 +114,9 @@ def test_gpu_collectives_sets_each_transfer_against_the_compute_under_it():
     exposed), and the loop's all-gather 3 times with nothing under it (6 ms); compute: the two fusions."""
     got = xla_flags.gpu_collectives(SCHEDULED_GPU, peak=1e15, bandwidth=8.192e6, link=1.792e6, devices=8)
     assert got["collectives"] == 2 + 3
-    assert got["transfer_ms"] == pytest.approx(5 * 2.0)
-    assert got["exposed_ms"] == pytest.approx(1.0 + 2.0 + 3 * 2.0)
-    assert got["compute_ms"] == pytest.approx(2.0) and got["tflop"] == 0
+    assert got["transfer_ms"] == pytest.approx(5 * 2.0, rel=FP64)
+    assert got["exposed_ms"] == pytest.approx(1.0 + 2.0 + 3 * 2.0, rel=FP64)
+    assert got["compute_ms"] == pytest.approx(2.0, rel=FP64) and got["tflop"] == 0
 
 
 def test_tpu_collectives_counts_those_in_async_collective_fusions():
