@@ -67,7 +67,7 @@ for name, f in (("one read (loss.logsumexp)", loss.logsumexp), ("two reads (jax.
     print(f"{name}: {ms:.3f} ms, {x.nbytes / ms / 1e6:.1f} GB/s of one read of the logits")
 """
 BUDGET_S = 580  # no stage runs past it; the device tool's timeout_s of 600 adds the wheels' install and slack
-WHEELS = ("draccus", "mergedeep", "toml")  # jaxtrain's needs that the device image lacks (KINDS.md's package list)
+WHEELS = ("draccus", "mergedeep", "toml")  # draccus and its needs: the device image lacks them (KINDS.md)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""The command line, `--config FILE.yaml [--section.key=value ...]`, read into one raw mapping of sections: the
-YAML file's, with each override parsed as a YAML value and merged over it. Malformed flags, files that are not
-UTF-8 and YAML errors become one-line `UserError`s; config.load checks the keys and values that come out.
-Pure Python: torchref imports jaxtrain.config, which imports this module.
+"""The command line, `--config FILE.yaml [--section.key=value ...]`, read into one raw mapping of sections: the YAML
+file's, each override parsed as a YAML value (a text key's kept as typed) in place of its key's value. Malformed
+flags, files that are not UTF-8 and YAML errors become one-line `UserError`s; config.load checks the keys and values
+that come out. Pure Python: torchref imports jaxtrain.config, which imports this module.
 """
 
 import argparse
@@ -10,7 +10,6 @@ import math
 import os
 import re
 
-import mergedeep
 import yaml
 
 from jaxtrain import runfolder
@@ -31,13 +30,20 @@ def yaml_name(field) -> str:
     return field.metadata.get("yaml", field.name)
 
 
-def read(argv: list[str]) -> dict:
+def read(argv: list[str], text_keys: frozenset[str] = frozenset()) -> dict:
     """{section: {key: value}} from `--config PATH` and the overrides, which win. One command line reads one YAML
-    file: a second --config is refused, not read over the first (which would drop the first's keys unsaid)."""
+    file: a second --config is refused, not read over the first (which would drop the first's keys unsaid).
+    An override replaces its key's whole value (`--optim.groups={}` leaves no group of the file's). `text_keys`
+    ("run.out_dir", ...): the keys that hold free text, whose unquoted overrides are kept as typed."""
     args = _split_args(argv)
     path = one_config([value for key, value in args if key == "config"])
     raw = _read_yaml(path) if path is not None else {}
-    return mergedeep.merge(raw, _parse_overrides([(key, value) for key, value in args if key != "config"]))
+    for section, values in _parse_overrides([(k, v) for k, v in args if k != "config"], text_keys).items():
+        if raw.get(section) is None:  # absent, or `optim:` with nothing under it
+            raw[section] = {}
+        if isinstance(raw[section], dict):  # else config.from_dict refuses the file's section, not a mapping
+            raw[section].update(values)
+    return raw
 
 
 def one_config(paths: list[str]) -> str | None:
@@ -139,28 +145,35 @@ def _split_args(argv: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _parse_overrides(pairs: list[tuple[str, str]]) -> dict:
+def _parse_overrides(pairs: list[tuple[str, str]], text_keys: frozenset[str]) -> dict:
     """[('optim.lr', '3e-4')] -> {'optim': {'lr': 3e-4}}; values are parsed as YAML scalars."""
     tree = {}
     for key, value in pairs:
         section, name = key.split(".")
-        tree.setdefault(section, {})[name] = _override_value(key, value)
+        tree.setdefault(section, {})[name] = _override_value(key, value, key in text_keys)
     return tree
 
 
-def _override_value(key: str, value: str):
+def _override_value(key: str, value: str, text_key: bool):
     """The value as YAML reads it, except text: unquoted text is kept as typed, since YAML would strip the blanks
     around it (`--log.sample_prompt="def "` continues "def ", space included) and read a blank value, or one that
-    starts a comment (`--log.sample_prompt="# "`), as null (a silent default for data.path). Quoted text is YAML's:
-    `--run.out_dir="'yes'"` is the text yes."""
+    starts a comment (`--log.sample_prompt="# "`), as null (a silent default for data.path). For a key that holds
+    text (`text_key`) that is any unquoted scalar but null: YAML would read `--run.out_dir=017` as the number 15,
+    and `12:30` as 750, so the run would write elsewhere unsaid; a lone ~ is the home folder there, not YAML's null.
+    A list or a mapping stays YAML's, which config.load refuses for a text key.
+    Quoted text is YAML's: `--run.out_dir="'yes'"` is the text yes."""
     if not value.strip() or value.lstrip().startswith("#"):
         return value
+    quoted = value.lstrip().startswith(("'", '"'))
     try:
         parsed = yaml.safe_load(value)
     except (yaml.YAMLError, RecursionError) as e:
+        if text_key and not quoted:  # text that holds YAML syntax: `--log.sample_prompt=def f(x): [`
+            return value
         raise UserError(f"--{key}={value!r} is not a valid YAML value ({_yaml_problem(e)}); quote a text "
                         f"value that holds YAML syntax: --{key}='\"...\"'") from None
-    return value if isinstance(parsed, str) and not value.lstrip().startswith(("'", '"')) else parsed
+    scalar = not isinstance(parsed, (list, dict)) and (parsed is not None or value.strip() == "~")
+    return value if not quoted and (isinstance(parsed, str) or (text_key and scalar)) else parsed
 
 
 # argparse types for the tools' own flags (benchmarks, the parity report): a bad value ends in argparse's usage

@@ -40,18 +40,18 @@ from jaxtrain.errors import UserError
 class RunConfig:
     out_dir: str = "out/run"  # metrics.jsonl, config.yaml, checkpoints/<step>/
     seed: int = 0  # params init, data order and dropout all derive from it
-    fresh: bool = False  # start at step 0; the earlier run's files are moved to <name>.before-fresh-<time>
+    fresh: bool = False  # start at step 0; the earlier run's checkpoints and logs move to <name>.before-fresh-<time>
     dry_run: bool = False  # compile the train step and print its memory per device; train nothing (jaxtrain/dryrun.py)
-    dry_run_devices: Optional[int] = None  # devices to compile for (target_device's, or fake CPUs); None: this host's
+    dry_run_devices: Optional[int] = None  # devices to compile for (target_device's, or fake CPUs); null: this host's
     # the dry run compiles for these devices ahead of time, on any host (v4, v5e, v5p, v6e, a100-40gb, a100-80gb,
-    # h100, h200; their jax compiler installed: jaxtrain/target_devices.py); None: this host's devices
+    # h100, h200; their jax compiler installed: jaxtrain/target_devices.py); null: this host's devices
     target_device: Optional[Literal["v4", "v5e", "v5p", "v6e", "a100-40gb", "a100-80gb", "h100", "h200"]] = None
     lock_timeout_s: float = 60.0  # gs:// run folders: a lock not renewed this long belongs to a dead run (runlock.py)
 
 
 @dataclasses.dataclass
 class ModelConfig:
-    vocab_size: Optional[int] = None  # None: the data's vocab size (meta.json); may be padded up, never down
+    vocab_size: Optional[int] = None  # null: the data's vocab size (meta.json); may be padded up, never down
     seq_len: int = 128  # context length T (nanoGPT's block_size)
     n_layer: int = 4
     n_head: int = 4
@@ -104,9 +104,9 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    path: Optional[str] = None  # folder with train.bin, val.bin, meta.json; None: the embedded stdlib corpus
+    path: Optional[str] = None  # folder with train.bin, val.bin, meta.json; null: the embedded stdlib corpus
     batch_size: int = 32  # global sequences per optimizer step (all micro-steps, all devices)
-    cache_dir: Optional[str] = None  # where the embedded corpus is prepared; None: ~/.cache/jaxtrain
+    cache_dir: Optional[str] = None  # where the embedded corpus is prepared; null: ~/.cache/jaxtrain
 
 
 # LR(t) after the warmup (optim.py): cosine or linear from lr to min_lr at decay_steps; constant lr; cosine with
@@ -121,8 +121,8 @@ class OptimConfig:
     lr: float = 1e-3  # peak learning rate, reached at the end of warmup
     min_lr: float = 1e-4  # end of the decay, and flat after decay_steps
     warmup_steps: int = 100  # optimizer steps of linear warmup
-    warmup_init_lr: Optional[float] = None  # LR at step 0; None: lr / (warmup_steps + 1), as nanoGPT
-    decay_steps: Optional[int] = None  # step where the cosine reaches min_lr, warmup included; None: train.steps
+    warmup_init_lr: Optional[float] = None  # LR at step 0; null: lr / (warmup_steps + 1), as nanoGPT
+    decay_steps: Optional[int] = None  # step where the cosine reaches min_lr, warmup included; null: train.steps
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -169,11 +169,11 @@ class LogConfig:
     every: int = 1  # optimizer steps between metrics.jsonl lines
     tensorboard: bool = True  # also write TensorBoard events to <out_dir>/tb
     progress: bool = True  # progress bar on stderr
-    peak_tflops: Optional[float] = None  # per-device peak for MFU; None: looked up from the device kind (CPU: unknown, mfu null)
+    peak_tflops: Optional[float] = None  # per-device peak for MFU; null: looked up from the device kind (CPU: unknown, mfu null)
     wandb: bool = False  # also log to Weights & Biases, one W&B run per run folder (pip install 'jaxtrain[wandb]')
     wandb_project: str = "jaxtrain"  # W&B project (the entity: WANDB_ENTITY, else your default)
-    wandb_name: Optional[str] = None  # W&B run name; None: the run folder's name
-    wandb_mode: Optional[Literal["online", "offline"]] = None  # None: WANDB_MODE, else online (offline if that fails)
+    wandb_name: Optional[str] = None  # W&B run name; null: the run folder's name
+    wandb_mode: Optional[Literal["online", "offline"]] = None  # null: WANDB_MODE, else online (offline if that fails)
     sample_tokens: int = 0  # print this many tokens the model writes after sample_prompt at the end of training; 0: no
     sample_prompt: str = "\n"  # the text the end-of-training sample continues (jaxtrain.sample's defaults draw it)
 
@@ -239,7 +239,7 @@ def load(argv: list[str]) -> Config:
     if "-h" in argv or "--help" in argv:
         print(usage())
         raise SystemExit(0)
-    cfg = _home_expanded(from_dict(cmdline.read(argv)))
+    cfg = _home_expanded(from_dict(cmdline.read(argv, text_keys())))
     config_checks.validate(cfg)
     if cmdline.given(argv, "run.out_dir") is None:
         runfolder.note_moved_run(cmdline.given(argv, "config"), cfg.run.out_dir)
@@ -270,7 +270,8 @@ def usage() -> str:
         for f in dataclasses.fields(section.type):
             name = cmdline.yaml_name(f)
             default = getattr(section.type(), f.name)
-            default = default if not isinstance(default, str) or default.isprintable() else repr(default)
+            default = ("null" if default is None else  # as an override spells it
+                       default if not isinstance(default, str) or default.isprintable() else repr(default))
             lines.append(f"    {f'--{section.name}.{name}={default}':<34} {comments.get(f.name, '')}".rstrip())
     return "\n".join(lines)
 
@@ -347,6 +348,9 @@ def _check_mapping(key: str, value, entry_type) -> None:
         _check_keys(entry, entry_type, (f"{key}[{name!r}]",))
 
 
+TEXT_TYPES = (str, Optional[str])
+
+
 def _check_scalar(key: str, value, field_type) -> None:
     """One plain value of a kind the field takes. draccus would pass null into any field, read a boolean as a
     number and turn a list or a mapping into a path string, so these are refused before it sees them."""
@@ -358,6 +362,15 @@ def _check_scalar(key: str, value, field_type) -> None:
     elif isinstance(value, bool) and bool not in (field_type, *typing.get_args(field_type)):
         raise UserError(f"{key} got the boolean {str(value).lower()} (YAML reads true/false/yes/no/on/off as "
                         f"booleans); give a {_type_name(field_type)} (quoted, if you mean that text)")
+    elif field_type in TEXT_TYPES and not isinstance(value, str):  # the command line keeps text as typed
+        raise UserError(f"{key} takes text, but the YAML file's value reads as the number {value!r} (YAML reads "
+                        f"017 as 15, 1_000 as 1000, 12:30 as 750); quote it there to keep it as written")
+
+
+def text_keys() -> frozenset[str]:
+    """section.key of each key that holds free text (a path, a name, a prompt), not one of a few choices."""
+    return frozenset(f"{section.name}.{cmdline.yaml_name(f)}" for section in dataclasses.fields(Config)
+                     for f in dataclasses.fields(section.type) if f.type in TEXT_TYPES)
 
 
 def _type_name(field_type) -> str:

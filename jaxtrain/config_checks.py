@@ -22,6 +22,7 @@ DECAYING_SCHEDULES = ("cosine", "linear", "cosine_with_restarts")
 
 # optax, MultiSteps and the train state count steps in int32: a larger count would wrap around.
 INT32_MAX = 2**31 - 1
+PATH_KEYS = {"run.out_dir", "data.path", "data.cache_dir", "init.from"}  # the text keys that name a folder
 FLOAT32_SMALLEST_NORMAL = 2.0**-126
 # hopper_gemm's kernels tile their gemm in multiples of this many rows, columns and k (their epilogue's tiles)
 HOPPER_GEMM_TILE = 64
@@ -72,6 +73,11 @@ def _check_ranges(cfg) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise UserError(f"{key} must be >= 0, got {value}")
+    prompt_tokens = len(cfg.log.sample_prompt.encode())  # at most: a byte-level or BPE token is a byte or more
+    if cfg.log.sample_tokens > INT32_MAX - prompt_tokens:  # the sample's positions are int32 (jaxtrain.sample)
+        raise UserError(f"log.sample_tokens={cfg.log.sample_tokens} after a prompt of up to {prompt_tokens} tokens "
+                        f"runs past the int32 positions of the sample ({INT32_MAX}); ask for at most "
+                        f"{INT32_MAX - prompt_tokens}, or 0 for no sample")
     if m.d_model % m.n_head:
         raise UserError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}; "
                         f"choose n_head among the divisors of d_model (e.g. {_divisors_near(m.d_model, m.n_head)})")
@@ -150,17 +156,18 @@ def _check_float32(cfg) -> None:
 
 
 def _check_text(cfg) -> None:
-    """Paths not empty (`--run.out_dir=` would write into the current folder) and free of control characters (a
-    newline in a path is a paste gone wrong, and would split every message that names it)."""
+    """Paths and names not empty (`--run.out_dir=` would write into the current folder) and free of control
+    characters (a newline in a path is a paste gone wrong, and would split every message that names it)."""
     for key, value in _values(cfg):
         if key == "log.sample_prompt":  # text to continue, not a path: any characters, new lines included
             if not value:
                 raise UserError(f"{key} is empty: the sample needs text to continue; leave it out for a new line")
             continue
+        kind = "folder" if key in PATH_KEYS else "name"
         if isinstance(value, str) and not value.strip():
-            raise UserError(f"{key} is empty; give it a folder, or leave it out for its default")
+            raise UserError(f"{key} is empty; give it a {kind}, or leave it out for its default")
         if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise UserError(f"{key}={value!r} holds a control character; give a plain folder name")
+            raise UserError(f"{key}={value!r} holds a control character; give a plain {kind}")
 
 
 def _check_vocab_tiles(cfg) -> None:

@@ -43,6 +43,88 @@ def test_override_text_is_kept_as_typed(yaml_path, typed, read):
     assert config.load(["--config", yaml_path, f"--log.sample_prompt={typed}"]).log.sample_prompt == read
 
 
+# Text that YAML alone reads as something else: octal, a number with underscores, hex, base 60, a float's zeros,
+# a date, booleans.
+NOT_TEXT_TO_YAML = st.one_of(st.from_regex(r"0[0-7]{1,4}", fullmatch=True),
+                             st.from_regex(r"[1-9](_[0-9]{3}){1,2}", fullmatch=True),
+                             st.from_regex(r"0x[0-9A-F]{1,4}", fullmatch=True),
+                             st.from_regex(r"[1-5][0-9]?:[0-5][0-9]", fullmatch=True),
+                             st.from_regex(r"[1-9]\.[0-9]0", fullmatch=True),
+                             st.from_regex(r"20[0-9]{2}-0[1-9]-[12][0-9]", fullmatch=True),
+                             st.sampled_from(["yes", "no", "on", "off", "True", "FALSE", "1.5e+3", "-7"]))
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=100)
+@given(key=st.sampled_from(["run.out_dir", "log.wandb_name", "log.wandb_project", "log.sample_prompt"]),
+       typed=NOT_TEXT_TO_YAML)
+@example(key="run.out_dir", typed="017").via("YAML's 15: the run wrote into ./15")
+@example(key="log.wandb_name", typed="12:30").via("YAML's 750")
+def test_an_unquoted_override_of_a_text_key_is_kept_as_typed(key, typed):
+    assert not isinstance(yaml.safe_load(typed), str)  # the case: YAML alone would change it
+    section, name = key.split(".")
+    assert getattr(getattr(config.load([f"--{key}={typed}"]), section), name) == typed
+
+
+@pytest.mark.parametrize("typed, read", [("null", None), ("~", os.path.expanduser("~")), ("'017'", "017")])
+def test_a_text_keys_null_home_and_quotes_stay_as_they_were(yaml_path, typed, read):
+    """null resets an optional text key; a lone ~ is the home folder there, not YAML's null; quotes are YAML's."""
+    assert config.load(["--config", yaml_path, f"--init.from={typed}"]).init.from_ == read
+
+
+@pytest.mark.parametrize("typed", ["[1, 2]", "{a: 1}", "- x"])
+def test_a_list_or_a_mapping_for_a_text_key_is_refused(yaml_path, typed):
+    with pytest.raises(UserError, match="^run.out_dir takes a single value"):
+        config.load(["--config", yaml_path, f"--run.out_dir={typed}"])
+
+
+@pytest.mark.parametrize("written, number", [("017", "15"), ("1_000", "1000"), ("12:30", "750"), ("1.50", "1.5")])
+def test_a_yaml_file_number_for_a_text_key_is_refused_not_turned_into_other_text(tmp_path, written, number):
+    """In a file YAML has read the value before config sees it: a number where text belongs is refused, naming the
+    quotes that keep it; quoted, it is the text as written."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"log: {{wandb_name: {written}}}\n")
+    with pytest.raises(UserError, match=f"^log.wandb_name takes text, but the YAML file's value reads as the number "
+                                        f"{number} .*; quote it there"):
+        config.load(["--config", str(path)])
+    path.write_text(f"log: {{wandb_name: '{written}'}}\n")
+    assert config.load(["--config", str(path)]).log.wandb_name == written
+
+
+def test_an_override_replaces_its_keys_whole_value(tmp_path):
+    """optim.groups from the command line replaces the file's groups: `{}` clears them, and a new pattern is not
+    added beside the file's (where it could clash with a pattern the user never wrote on this command line)."""
+    path = tmp_path / "g.yaml"
+    path.write_text("optim: {lr: 3e-4, groups: {'wte|wpe': {lr_scale: 0.1}}}\nrun: {out_dir: /tmp/x}\n")
+    assert set(config.load(["--config", str(path)]).optim.groups) == {"wte|wpe"}
+    cleared = config.load(["--config", str(path), "--optim.groups={}"])
+    assert cleared.optim.groups == {} and cleared.optim.lr == 3e-4  # the section's other keys stay the file's
+    replaced = config.load(["--config", str(path), "--optim.groups={wte: {lr_scale: 0.5}}"]).optim.groups
+    assert list(replaced) == ["wte"] and replaced["wte"].lr_scale == 0.5
+
+
+@pytest.mark.parametrize("prompt, tokens, accepted", [
+    ("\n", 2**31 - 2, True), ("\n", 2**31 - 1, False),  # one byte of prompt: positions 0 .. 2**31 - 1
+    ("abc", 2**31 - 4, True), ("abc", 2**31 - 3, False),
+])
+def test_the_end_of_run_samples_length_is_checked_before_training(yaml_path, prompt, tokens, accepted):
+    """log.sample_tokens after the prompt must fit int32 positions: refused when the run starts, not after it
+    trained, in another command's words (--max_new_tokens)."""
+    args = ["--config", yaml_path, f"--log.sample_prompt={prompt}", f"--log.sample_tokens={tokens}"]
+    if accepted:
+        assert config.load(args).log.sample_tokens == tokens
+    else:
+        with pytest.raises(UserError, match=f"^log.sample_tokens={tokens} after a prompt of up to {len(prompt)} "
+                                            f"tokens runs past"):
+            config.load(args)
+
+
+@pytest.mark.parametrize("key, noun", [("log.wandb_name", "name"), ("log.wandb_project", "name"),
+                                       ("run.out_dir", "folder"), ("data.cache_dir", "folder")])
+def test_an_empty_text_key_is_named_for_what_it_holds(yaml_path, key, noun):
+    with pytest.raises(UserError, match=f"^{key} is empty; give it a {noun}, or leave it out for its default$"):
+        config.load(["--config", yaml_path, f"--{key}= "])
+
+
 def test_an_override_that_starts_like_a_yaml_comment_is_not_a_silent_default(yaml_path):
     """YAML reads `#1` as a comment, null: data.path's default, the embedded corpus, trained on without a word."""
     with pytest.raises(UserError, match="data.path='#1' is not a folder"):
@@ -293,7 +375,23 @@ def test_help_lists_every_key(capsys):
         config.load(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0
-    assert "--optim.grad_accum_steps=1" in out and "--init.from=None" in out and "--data.batch_size=32" in out
+    assert "--optim.grad_accum_steps=1" in out and "--init.from=null" in out and "--data.batch_size=32" in out
+
+
+def test_each_default_help_prints_loads_back_as_that_default(capsys):
+    """`--help` prints each key as an override; copied back, it is the default (None was printed, which a number
+    refused and a text key took as the text 'None')."""
+    with pytest.raises(SystemExit):
+        config.load(["--help"])
+    flags = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("--")]
+    defaults = config.Config()
+    for flag in flags:
+        if flag.startswith(("--log.sample_prompt=", "--optim.groups=")):  # a new line, printed as '\n'; a mapping
+            continue
+        section, name = flag[2:].split("=")[0].split(".")
+        field = "from_" if name == "from" else name
+        loaded = getattr(getattr(config.load([flag]), section), field)
+        assert loaded == getattr(getattr(defaults, section), field), flag
 
 
 def test_help_gives_each_key_the_comment_config_py_writes_for_it(capsys):

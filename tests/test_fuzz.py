@@ -100,6 +100,8 @@ def assert_untouched(before: dict, root: str) -> None:
 
 FIELDS = {f"{s.name}.{cmdline.yaml_name(f)}": f.type
           for s in dataclasses.fields(config.Config) for f in dataclasses.fields(s.type)}
+# Free text (paths, names, the prompt): an unquoted override of one is kept as typed, whatever YAML would read.
+TEXT = sorted(k for k, t in FIELDS.items() if t in (str, typing.Optional[str]))
 # configs/tiny.yaml has d_model 128, n_head 4, batch_size 32, lr 1e-3, min_lr 1e-4; valid values keep them consistent.
 BASE = ["--config", "configs/tiny.yaml", "--train.steps=8", "--optim.warmup_steps=2"]
 
@@ -170,7 +172,7 @@ VALID = {
     "checkpoint.async_save": _BOOL,
     "mesh.data": st.just("-1") | _ints(1, 4096), "mesh.fsdp": _ints(1, 4096),
     "log.every": _ints(1, INT32_MAX), "log.tensorboard": _BOOL, "log.progress": _BOOL,
-    "log.peak_tflops": _NULL | _floats(1e-3, 1e6), "log.sample_tokens": _ints(0, INT32_MAX),
+    "log.peak_tflops": _NULL | _floats(1e-3, 1e6), "log.sample_tokens": _ints(0, INT32_MAX - 16),  # _text()'s prompt
     "log.sample_prompt": _text(), "init.from": _NULL | _text(), "init.reseed": _BOOL,
 }
 # Keys whose valid values no other key's range depends on: extras beside an invalid override.
@@ -203,7 +205,7 @@ OUT_OF_RANGE = {
     "train.eval_batches": _NEGATIVE, "checkpoint.every": _NEGATIVE, "checkpoint.max_to_keep": _NEGATIVE,
     "mesh.data": st.just("0") | st.integers(-10**6, -2).map(str), "mesh.fsdp": _NEGATIVE,
     "log.every": _NEGATIVE, "log.peak_tflops": _floats(-1e6, 0.0),
-    "log.sample_tokens": st.integers(-10**6, -1).map(str),
+    "log.sample_tokens": st.integers(-10**6, -1).map(str) | st.just(str(INT32_MAX)),  # no room for a prompt
 }
 NON_FINITE = st.sampled_from(["nan", ".nan", "NaN", "inf", "-inf", ".inf", "-.Inf", "1e400", "-1e999", "infinity"])
 BAD_YAML = st.sampled_from(["[", "{", "[1,", "'a", '"a', "*a", "&", "!!python/object:os.system x", "!include x", "@x",
@@ -221,22 +223,22 @@ def _kinds(field_type) -> tuple:
 
 
 def wrong_type(key: str):
-    """A value of another kind than the field's: text for a number, a list, a boolean for a path, null, ..."""
+    """A value of another kind than the field's: text for a number, a list, a word outside a Literal's choices, null
+    where the field takes none (for a text key any other unquoted scalar is its text, cmdline._override_value)..."""
     field_type = FIELDS[key]
     if typing.get_origin(field_type) is dict:  # a mapping of sections: anything else, or entries that are not
         return st.sampled_from(["[1, 2]", "[]", "- x", "3", "text", "true", "null", "{a: 1}", "{a: [1]}", "{a: x}"])
-    kinds, options = _kinds(field_type), [CONTAINERS]
-    if type(None) not in typing.get_args(field_type):  # "#comment" is YAML's null, but a text field's text as typed
-        options.append(st.sampled_from(["null", "~"] + ([] if str in kinds else ["#comment"])))
+    kinds = _kinds(field_type)
+    options = [CONTAINERS.filter(lambda v: v != "2024-01-01")] if key in TEXT else [CONTAINERS]
+    if type(None) not in typing.get_args(field_type):  # "#comment" and "~" are YAML's null, a text key's text
+        options.append(st.sampled_from(["null"] + ([] if key in TEXT else ["~", "#comment"])))
     if bool in kinds:
         options += [_WORDS, _ints(-5, 5), _floats(-5.0, 5.0)]
     elif int in kinds or float in kinds:  # a word is never a number: "inf", "nan" and "infinity" are not finite
         options += [_WORDS, st.sampled_from(YAML_BOOLS)]
         if int in kinds:
             options.append(st.sampled_from(["1.5", "-0.5", "1e3", "2.0"]))
-    elif str in kinds:
-        options.append(st.sampled_from(YAML_BOOLS))
-    else:
+    elif key not in TEXT:
         options += [_WORDS.filter(lambda w: w not in typing.get_args(field_type)), _ints(-5, 5)]
     return st.one_of(options)
 
@@ -297,7 +299,8 @@ def invalid_override(draw):
     if kind == "malformed":
         args = draw(MALFORMED)
         return kind, args, repr(args[0])
-    keys = {"out of range": OUT_OF_RANGE, "nan/inf/huge": NUMERIC}.get(kind, FIELDS)
+    keys = {"out of range": OUT_OF_RANGE, "nan/inf/huge": NUMERIC,
+            "bad YAML value": [k for k in FIELDS if k not in TEXT]}.get(kind, FIELDS)
     key = draw(st.sampled_from(sorted(keys)))
     values = {"wrong type": wrong_type, "out of range": OUT_OF_RANGE.get, "nan/inf/huge": non_finite_or_huge,
               "empty": _empty, "bad YAML value": lambda _: BAD_YAML}
