@@ -129,6 +129,9 @@ def tokenizer_name(data_cfg: DataConfig) -> str | None:
 
 
 def _read_meta(path: str) -> dict:
+    if os.path.isfile(path):
+        raise UserError(f"data folder {path!r} is a file; give the folder prepare wrote (train.bin, val.bin, "
+                        f"meta.json); {_PREPARE_HINT}")
     if not os.path.isdir(path):
         raise UserError(f"data folder {path!r} not found; {_PREPARE_HINT}")
     meta_path = os.path.join(path, "meta.json")

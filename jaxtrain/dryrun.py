@@ -1,14 +1,15 @@
 """`--run.dry_run=true`: whether a config fits its devices, known before a pod spends half an hour starting.
 
 The train step is lowered and compiled ahead of time for the configured mesh from abstract shapes (nothing is
-allocated, no data is read, no checkpoint touched), on this machine's devices or on `run.dry_run_devices` of them.
-Per device it prints the bytes of params, AdamW's moments, MultiSteps' gradient accumulator (from the shardings) and
-the step's temporaries (XLA's `memory_analysis()` of the compiled step), and, with `run.target_device`, whether
-that total fits the device's memory. What it proves: the mesh and batch split, and the sharded state's exact size.
-The temporaries are the buffer assignment of the compiler that compiled the step: where jax's compiler for the
-target is installed (the CUDA plugin, libtpu; no accelerator needed), the target's own, for compile-only devices
-(target_devices.py); otherwise XLA:CPU's on fake CPU devices, an estimate (other fusions, no cuDNN attention, no
-memory-aware scheduling) that overstates a GPU's or TPU's severalfold. It does not run a step.
+allocated, no checkpoint touched, no data read where model.vocab_size is given: else the data's meta.json, or the
+embedded corpus prepared), on this machine's devices or on `run.dry_run_devices` of them. Per device it prints the
+bytes of params, AdamW's moments, MultiSteps' gradient accumulator (from the shardings) and the step's temporaries
+(XLA's `memory_analysis()` of the compiled step), and, with `run.target_device`, whether that total fits the device's
+memory. What it proves: the mesh and batch split, and the sharded state's exact size. The temporaries are the buffer
+assignment of the compiler that compiled the step: where jax's compiler for the target is installed (the CUDA plugin,
+libtpu; no accelerator needed), the target's own, for compile-only devices (target_devices.py); otherwise XLA:CPU's on
+fake CPU devices, an estimate (other fusions, no cuDNN attention, no memory-aware scheduling) that overstates a GPU's
+or TPU's severalfold. It does not run a step.
 """
 
 import dataclasses

@@ -141,7 +141,8 @@ def check_writable(folder: str, flag: str) -> None:
     results at the end. `flag` names the setting to change, as "--run.out_dir"."""
     problem = unwritable(folder)
     if problem:
-        raise UserError(f"{flag.lstrip('-')}={folder!r} {problem}; choose another {flag}")
+        shown = f"{flag.lstrip('-')}={folder!r}" if "." in flag else f"{flag} {folder!r}"  # config key, tool flag
+        raise UserError(f"{shown} {problem}; choose another {flag}")
 
 
 def check_given(path: str, flag: str, wanted: str) -> None:

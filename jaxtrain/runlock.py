@@ -55,7 +55,10 @@ def check_free(out_dir: str, timeout_s: float) -> int | None:
     path = os.path.join(out_dir, NAME)
     if runfolder.is_url(out_dir) or not os.path.exists(path):
         return None
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:  # a lock file this user may not read (another user's run left it)
+        raise _unwritable(out_dir, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -63,6 +66,11 @@ def check_free(out_dir: str, timeout_s: float) -> int | None:
     finally:
         os.close(fd)
     return None
+
+
+def _unwritable(out_dir: str, e: OSError) -> UserError:
+    return UserError(f"run.out_dir={out_dir!r} cannot be created or written ({e.strerror}: {e.filename}); choose "
+                     f"another --run.out_dir")
 
 
 def _holder() -> str:
@@ -122,8 +130,7 @@ class FileLock:
             os.makedirs(out_dir, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise UserError(f"run.out_dir={out_dir!r} cannot be created or written ({e.strerror}: {e.filename}); "
-                            f"choose another --run.out_dir") from None
+            raise _unwritable(out_dir, e) from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

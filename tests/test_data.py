@@ -452,8 +452,15 @@ def _write_text(path, name, text):
         f.write(text)
 
 
+def _replace_with_a_file(path):
+    shutil.rmtree(path)
+    with open(path, "w") as f:
+        f.write("x")
+
+
 BAD_FOLDERS = {
     "missing folder": (lambda p: os.rename(p, p + "-moved"), 8, ["not found", "jaxtrain.data prepare"]),
+    "a file": (_replace_with_a_file, 8, ["is a file", "give the folder prepare wrote", "prepare"]),
     "missing train.bin": (lambda p: os.remove(os.path.join(p, "train.bin")), 8, ["train.bin not found", "prepare"]),
     "missing meta.json": (lambda p: os.remove(os.path.join(p, "meta.json")), 8, ["meta.json is missing", "prepare"]),
     "meta not json": (lambda p: _write_text(p, "meta.json", "{"), 8, ["not valid JSON"]),

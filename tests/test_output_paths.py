@@ -253,7 +253,7 @@ def test_prepare_out_is_a_file(tmp_path, a_file):
     text = tmp_path / "in.txt"
     text.write_text("hello\n" * 100)
     _one_error_line(_cli("jaxtrain.data", "prepare", "--input", str(text), "--out", str(a_file), "--tokenizer",
-                         "bytes"), f"out='{a_file}' is a file; choose another --out")
+                         "bytes"), f"--out '{a_file}' is a file; choose another --out")
     assert a_file.read_text() == "not a folder"
 
 
@@ -261,7 +261,7 @@ def test_convert_dst_under_a_file_is_refused_before_the_source_is_read(tmp_path,
     """The source does not exist either: the destination is checked first, so the user learns both in turn
     without reading a checkpoint for nothing."""
     _one_error_line(_cli("jaxtrain.convert", "to-torch", str(tmp_path / "no-such-step"), str(a_file / "dst")),
-                    f"DST='{a_file}/dst' lies under {a_file}, which is a file")
+                    f"DST '{a_file}/dst' lies under {a_file}, which is a file")
 
 
 @pytest.mark.parametrize("tool,flags,words", [

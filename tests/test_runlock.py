@@ -3,6 +3,7 @@ touches nothing; the first finishes as if alone; a killed run leaves no lock beh
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,6 +52,19 @@ def test_a_run_folder_that_cannot_be_created_is_one_line(out_dir, why):
         runlock.take(out_dir)
     assert str(e.value) == (f"run.out_dir='{out_dir}' cannot be created or written ({why}: {out_dir}); choose another "
                             f"--run.out_dir")
+
+
+def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path):
+    """check_free opens a run folder's lock file to read who holds it; where that fails (another user's, unreadable;
+    here a socket, which the kernel opens to nobody, root included) the start is refused as take() refuses, not
+    with a traceback."""
+    lock = tmp_path / runlock.NAME
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(lock))
+        with pytest.raises(UserError) as e:
+            runlock.check_free(str(tmp_path), 1.0)
+    assert str(e.value) == (f"run.out_dir='{tmp_path}' cannot be created or written (No such device or address: "
+                            f"{lock}); choose another --run.out_dir")
 
 
 def test_a_start_that_fails_before_writing_leaves_the_folders_as_they_were(tmp_path, cache_dir):
