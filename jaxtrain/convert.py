@@ -40,7 +40,8 @@ def to_torch(step_dir: str, out_dir: str) -> None:
     torch_format.check_new_folder(out_dir)
     checkpoint_kind.check_jaxtrain_step(step_dir, "to-torch")
     state, cfg, meta = restore_step(step_dir)
-    torch_format.export(state, cfg, out_dir, meta.get("data_seed", cfg.run.seed), meta.get("data_fingerprint"))
+    torch_format.export(state, cfg, out_dir, meta.get("data_seed", cfg.run.seed), meta.get("data_fingerprint"),
+                        meta.get("tokens"))
     print(f"wrote {out_dir} (step {int(state.step)}) from {step_dir}", file=sys.stderr)
 
 

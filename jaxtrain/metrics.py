@@ -55,14 +55,18 @@ def peak_flops(cfg: Config, device_name: str) -> float | None:
     return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in device_name), None)
 
 
-def kept_lines(path, step: int) -> list[str]:
-    """The lines of metrics.jsonl (a path or URL) up to `step`, unchanged: what a run resumed at `step` keeps, in
-    both backends (torchref imports this). A damaged line is dropped, with a warning."""
+def kept_lines(path, resumed_step: int | None) -> list[str]:
+    """The lines of metrics.jsonl (a path or URL) up to `resumed_step`, unchanged: what a run resumed there keeps,
+    in both backends (torchref imports this). A start that resumed nothing (None: from scratch, or from init.from's
+    checkpoint) keeps none: what is there was left by an attempt that saved no checkpoint. A damaged line is
+    dropped, with a warning."""
+    if resumed_step is None:
+        return []
     logged, damaged = _logged(path)
     if damaged:
         print(f"warning: {path}: dropped {len(damaged)} damaged line(s) (line {damaged[0]} first), which are not "
               f"metrics records in UTF-8 JSON: what a crash can leave at the end of the file", file=sys.stderr)
-    return [line if line.endswith("\n") else line + "\n" for at, line in logged if at <= step]
+    return [line if line.endswith("\n") else line + "\n" for at, line in logged if at <= resumed_step]
 
 
 def last_step(path) -> int | None:
@@ -120,17 +124,18 @@ def train_line(step: int, loss: float, lr: float, grad_norm: float, tokens: int,
 
 
 class MetricsLogger:
-    """Writes metrics for steps start_step+1 .. cfg.train.steps. Only the main process writes. `start_tokens`: the
+    """Writes metrics for steps start_step+1 .. cfg.train.steps. Only the main process writes. `resumed`: whether
+    start_step is the run folder's own checkpoint (else a start from scratch or from init.from). `start_tokens`: the
     tokens trained up to start_step (the resumed checkpoint's count, init.from's training state's); None: from
     metrics.jsonl's last line kept, or start_step windows of this config's size where there is none."""
 
-    def __init__(self, cfg: Config, *, start_step: int, flops_per_token: float, n_devices: int,
+    def __init__(self, cfg: Config, *, start_step: int, resumed: bool, flops_per_token: float, n_devices: int,
                  device_kind: str, is_main: bool, start_tokens: int | None = None):
         self.cfg, self.is_main = cfg, is_main
         # The lines past start_step, left by a run that went on after its last checkpoint, are dropped: the
         # resumed run writes them again.
         path = runfolder.path(cfg.run.out_dir, "metrics.jsonl")
-        kept = kept_lines(path, start_step) if is_main else []
+        kept = kept_lines(path, start_step if resumed else None) if is_main else []
         last_jsonl_step = last_step(path) if is_main and cfg.log.wandb else None
         train_lines = [record for record in map(json.loads, kept) if "loss" in record]
         last = train_lines[-1] if train_lines else None

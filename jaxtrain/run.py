@@ -281,7 +281,7 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
             config_lib.save(cfg, cfg.run.out_dir)
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         logger = metrics_lib.MetricsLogger(
-            cfg, start_step=start, start_tokens=trainer.tokens_before_start(),
+            cfg, start_step=start, resumed=trainer.resumed is not None, start_tokens=trainer.tokens_before_start(),
             flops_per_token=metrics_lib.flops_per_token(cfg, n_params),
             n_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind, is_main=trainer.is_main)
         state, summary = loop(trainer, state, start, logger, agreed)

@@ -46,9 +46,10 @@ WTE = "transformer.wte.weight"  # its rows are the vocab size, whatever the conf
 
 
 def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None = None,
-           data_fingerprint: str | None = None) -> None:
+           data_fingerprint: str | None = None, tokens: int | None = None) -> None:
     """Write `state` (trained with `cfg`, on batches of `data_seed`, default run.seed, of the data
-    `data_fingerprint` names: data.TokenData.fingerprint) as a torch-format folder.
+    `data_fingerprint` names: data.TokenData.fingerprint, `tokens` of them: the checkpoint's count, default its
+    steps' windows of cfg's size) as a torch-format folder.
     Written under a temporary name and renamed into place, so out_dir either holds a complete checkpoint or does not
     exist."""
     if int(state.opt_state.mini_step) != 0:
@@ -63,8 +64,12 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
     lr_scales = [s.lr_scale for s, _ in param_groups.torch_order(optim.param_settings(cfg, state.params))]
     moments = {f"{name}.{key}": x for field, key in MOMENTS
                for name, x in _torch_arrays(getattr(adam, field), names).items()}
+    # Random windows have no padding, so every update trained on batch_size x seq_len tokens; a run started from
+    # init.from's state at another batch size has counted others, which its checkpoint keeps.
+    tokens = step * cfg.data.batch_size * cfg.model.seq_len if tokens is None else tokens
     trainer_state = _trainer_state(step, step - int(adam.count), "lm_head.weight" not in names, cfg, lr_scales,
-                                   cfg.run.seed if data_seed is None else data_seed, data_fingerprint)
+                                   {"seed": cfg.run.seed if data_seed is None else data_seed, "next_step": step,
+                                    "tokens": tokens}, data_fingerprint)
     if cfg.train.precision == "fp16":  # GradScaler's state, as torchref's checkpoints hold it
         scaler = optim.loss_scale(state.opt_state)
         trainer_state["loss_scale"] = {"scale": float(scaler.scale), "growth_tracker": int(scaler.good_steps)}
@@ -178,7 +183,7 @@ def check_new_folder(out_dir: str) -> None:
     runfolder.check_writable(out_dir, "DST")
 
 
-def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, lr_scales: list[float], data_seed: int,
+def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, lr_scales: list[float], data: dict,
                    data_fingerprint: str | None) -> dict:
     """What torchref resumes from besides the tensors. LambdaLR, stepped once per applied update, stands at
     last_epoch = step - skipped with the next update's LR; jaxtrain has no torch RNG state to give, hence the
@@ -193,8 +198,7 @@ def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, lr_scales: 
         "lr_scheduler": {"last_epoch": updates, "_step_count": updates + 1,
                          "base_lrs": [cfg.optim.lr * s for s in lr_scales], "_last_lr": [next_lr * s for s in lr_scales]},
         "tied_embeddings": tied,
-        # Random windows have no padding, so every update trained on batch_size x seq_len tokens.
-        "data": {"seed": data_seed, "next_step": step, "tokens": step * cfg.data.batch_size * cfg.model.seq_len},
+        "data": data,
         "data_fingerprint": data_fingerprint,
         "rng": {"torch": None, "cuda": None},
         "config_hash": same_run.config_hash(cfg),

@@ -257,12 +257,14 @@ def test_export_leaves_a_folder_named_like_its_temporary_one_alone(tmp_path):
 
 def test_convert_cli_round_trip(tmp_path, capsys):
     """A jaxtrain run folder -> torch format -> a new run folder whose checkpoint restores the same state."""
-    # data seed 7: the run continues another's batch order (data.continued_seed)
-    step_dir = _saved_run(tmp_path, data_seed=7, data_fingerprint="f" * 64)
-    cfg, state = make_cfg(True), trained(True)[1]
+    # data seed 7: the run continues another's batch order (data.continued_seed); 12,345 tokens: it began from
+    # init.from's state at another batch size, so its count is no multiple of its own windows
+    step_dir = _saved_run(tmp_path, data_seed=7, data_fingerprint="f" * 64, tokens=12_345)
+    state = trained(True)[1]
     convert.main(["to-torch", step_dir, str(tmp_path / "torch")])
     trainer_state = torch_format.read_trainer_state(str(tmp_path / "torch"))
     assert trainer_state["data"]["seed"] == 7 and trainer_state["data_fingerprint"] == "f" * 64
+    assert trainer_state["data"]["tokens"] == 12_345  # was STEPS windows of this config: the count lost
     convert.main(["from-torch", str(tmp_path / "torch"), str(tmp_path / "back")])
     back = config.load(["--config", str(tmp_path / "back" / "config.yaml")])
     assert back.run.out_dir == str(tmp_path / "back") and back.model.vocab_size == V and back.run.seed == 7
@@ -271,7 +273,7 @@ def test_convert_cli_round_trip(tmp_path, capsys):
     resumed = restorer.resume(target)
     restorer.close()
     assert resumed.step == STEPS and resumed.data_seed == 7
-    assert resumed.tokens == STEPS * cfg.data.batch_size * cfg.model.seq_len  # to-torch's count, carried back
+    assert resumed.tokens == 12_345  # the checkpoint's count, through to-torch and back
     assert json.load(open(tmp_path / "back" / "checkpoints" / str(STEPS) / "meta" / "metadata"))["data_fingerprint"] \
         == "f" * 64
     assert_same_state(resumed.state, state, target)
@@ -376,12 +378,12 @@ def test_a_url_or_the_current_folder_is_refused_before_anything_is_read(command,
     assert os.listdir(tmp_path) == []
 
 
-def _saved_run(tmp_path, data_seed: int = 0, data_fingerprint: str | None = None) -> str:
+def _saved_run(tmp_path, data_seed: int = 0, data_fingerprint: str | None = None, tokens: int | None = None) -> str:
     """A jaxtrain run folder holding trained(True)'s state as its one checkpoint; returns the step folder."""
     _, state = trained(True)
     cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false")
     saver = checkpoint.Checkpointer(cfg, data_fingerprint=data_fingerprint)
-    saver.save(state, data_seed=data_seed)
+    saver.save(state, data_seed=data_seed, tokens=tokens)
     saver.close()
     return str(tmp_path / "run" / "checkpoints" / str(STEPS))
 

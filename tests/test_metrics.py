@@ -22,8 +22,8 @@ def test_tokens_per_s_covers_the_steps_since_the_last_line_and_leaves_out_eval_a
     monkeypatch.setattr(metrics.time, "perf_counter", clock)
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=2", "--log.tensorboard=false", "--log.progress=false",
                        "--train.steps=4", "--optim.warmup_steps=1", "--model.vocab_size=256"])
-    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1.0, n_devices=1, device_kind="cpu",
-                                   is_main=True)
+    logger = metrics.MetricsLogger(cfg, start_step=0, resumed=False, flops_per_token=1.0, n_devices=1,
+                                   device_kind="cpu", is_main=True)
     for step, at in [(1, 1.0), (2, 3.0)]:  # 100 tokens in 1 s, then 100 in 2 s: 200 / 3 s
         clock.now = at
         logger.train(step, 1.0, 1e-3, 1.0, 100)
@@ -44,8 +44,8 @@ def test_the_summary_mfu_is_over_the_whole_run_not_its_last_line(tmp_path, monke
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.tensorboard=false", "--log.progress=false",
                        "--train.steps=2", "--optim.warmup_steps=1", "--model.vocab_size=256",
                        "--log.peak_tflops=0.5"])
-    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1e10, n_devices=2, device_kind="cpu",
-                                   is_main=True)
+    logger = metrics.MetricsLogger(cfg, start_step=0, resumed=False, flops_per_token=1e10, n_devices=2,
+                                   device_kind="cpu", is_main=True)
     for step, at, tokens in [(1, 1.0, 100), (2, 5.0, 300)]:  # the last line: 300 tokens in 4 s
         clock.now = at
         line = logger.train(step, 1.0, 1e-3, 1.0, tokens)
@@ -72,8 +72,8 @@ def test_wandb_start_up_is_not_training_time(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics.wandb_log, "WandbLog", SlowWandb)
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=1", "--log.tensorboard=false", "--log.progress=false",
                        "--log.wandb=true", "--train.steps=1", "--optim.warmup_steps=0", "--model.vocab_size=256"])
-    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1.0, n_devices=1, device_kind="cpu",
-                                   is_main=True)
+    logger = metrics.MetricsLogger(cfg, start_step=0, resumed=False, flops_per_token=1.0, n_devices=1,
+                                   device_kind="cpu", is_main=True)
     clock.now += 2.0
     assert logger.train(1, 1.0, 1e-3, 1.0, 100)["tokens_per_s"] == 50.0  # 100 tokens in the step's 2 s
 
@@ -99,8 +99,8 @@ def test_the_progress_bar_shows_each_step_with_its_own_loss(tmp_path, monkeypatc
     monkeypatch.setattr(metrics, "tqdm", Bar)
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.tensorboard=false", "--train.steps=2",
                        "--optim.warmup_steps=1", "--model.vocab_size=256"])
-    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1.0, n_devices=1, device_kind="cpu",
-                                   is_main=True)
+    logger = metrics.MetricsLogger(cfg, start_step=0, resumed=False, flops_per_token=1.0, n_devices=1,
+                                   device_kind="cpu", is_main=True)
     logger.train(1, 2.5, 1e-3, 1.0, 100)
     logger.train(2, 1.25, 1e-3, 1.0, 100)
     assert drawn == [(1, "2.5000"), (2, "1.2500")]
@@ -109,8 +109,8 @@ def test_the_progress_bar_shows_each_step_with_its_own_loss(tmp_path, monkeypatc
 def test_lines_come_every_log_every_steps_and_at_the_last(tmp_path):
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=2", "--log.tensorboard=false", "--log.progress=false",
                        "--train.steps=5", "--optim.warmup_steps=1", "--model.vocab_size=256"])
-    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1.0, n_devices=1, device_kind="cpu",
-                                   is_main=True)
+    logger = metrics.MetricsLogger(cfg, start_step=0, resumed=False, flops_per_token=1.0, n_devices=1,
+                                   device_kind="cpu", is_main=True)
     for step in range(1, 6):
         logger.train(step, 1.0, 1e-3, 1.0, 100)
     logger.close()
@@ -124,8 +124,8 @@ def test_a_value_that_is_not_finite_is_written_null_and_shown_as_itself(tmp_path
 
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=1", "--log.progress=false", "--train.steps=2",
                        "--optim.warmup_steps=1", "--model.vocab_size=256"])
-    logger = metrics.MetricsLogger(cfg, start_step=0, flops_per_token=1.0, n_devices=1, device_kind="cpu",
-                                   is_main=True)
+    logger = metrics.MetricsLogger(cfg, start_step=0, resumed=False, flops_per_token=1.0, n_devices=1,
+                                   device_kind="cpu", is_main=True)
     logger.train(1, float("nan"), 1e-3, float("inf"), 100)
     logger.eval(1, float("-inf"), 0.25)
     logger.train(2, 2.5, 1e-3, 0.5, 100)
@@ -152,6 +152,27 @@ def test_a_resumed_run_keeps_the_lines_up_to_its_step_and_drops_a_cut_last_line(
     assert metrics.kept_lines(str(tmp_path / "none.jsonl"), 3) == []
 
 
+@pytest.mark.parametrize("backend", ["jaxtrain", "torchref"])
+def test_a_start_that_resumed_nothing_begins_metrics_jsonl_empty(tmp_path, backend):
+    """A start from init.from's checkpoint at step 2 (or from scratch) into a folder an attempt that saved no
+    checkpoint wrote lines into: both backends drop them all (jaxtrain kept those up to init.from's step, as if they
+    were this run's history, where torchref dropped them); resumed at step 2, both keep steps 1 and 2."""
+    path = tmp_path / "metrics.jsonl"
+    cfg = config.load([f"--run.out_dir={tmp_path}", "--log.tensorboard=false", "--log.progress=false",
+                       "--train.steps=4", "--optim.warmup_steps=1", "--model.vocab_size=256"])
+    lines = [f'{{"step": {s}, "loss": 99.0, "tokens": {100 * s}}}\n' for s in (1, 2, 3)]
+    for resumed, kept in ((False, []), (True, lines[:2])):
+        path.write_text("".join(lines))
+        if backend == "jaxtrain":
+            metrics.MetricsLogger(cfg, start_step=2, resumed=resumed, flops_per_token=1.0, n_devices=1,
+                                  device_kind="cpu", is_main=True, start_tokens=200).close()
+        else:
+            from torchref.run import MetricsLog
+            with MetricsLog(cfg, 2 if resumed else None, 1.0, None):
+                pass
+        assert path.read_text() == "".join(kept), resumed
+
+
 def test_a_resumed_run_counts_tokens_on_from_its_last_line(tmp_path):
     """Resumed at step 5 with lines every 2 steps, the last kept at 4: its tokens (a run begun from init.from's state
     of another batch size has no multiple of this one) and step 5's window of 4 x 32."""
@@ -160,8 +181,8 @@ def test_a_resumed_run_counts_tokens_on_from_its_last_line(tmp_path):
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=2", "--log.tensorboard=false",
                        "--log.progress=false", "--train.steps=8", "--optim.warmup_steps=1", "--model.vocab_size=256",
                        "--data.batch_size=4", "--model.seq_len=32"])
-    logger = metrics.MetricsLogger(cfg, start_step=5, flops_per_token=1.0, n_devices=1, device_kind="cpu",
-                                   is_main=True)
+    logger = metrics.MetricsLogger(cfg, start_step=5, resumed=True, flops_per_token=1.0, n_devices=1,
+                                   device_kind="cpu", is_main=True)
     line = logger.train(6, 1.0, 1e-3, 1.0, 128)
     logger.close()
     assert line["tokens"] == 1256 + 128 + 128
@@ -190,8 +211,8 @@ def test_a_resumed_run_rewrites_metrics_jsonl_without_its_damaged_tail(tmp_path)
     path.write_bytes("".join(records).encode() + b"".join(DAMAGED))
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.tensorboard=false", "--log.progress=false",
                        "--train.steps=4", "--optim.warmup_steps=1", "--model.vocab_size=256"])
-    logger = metrics.MetricsLogger(cfg, start_step=2, flops_per_token=1.0, n_devices=1, device_kind="cpu",
-                                   is_main=True)
+    logger = metrics.MetricsLogger(cfg, start_step=2, resumed=True, flops_per_token=1.0, n_devices=1,
+                                   device_kind="cpu", is_main=True)
     logger.close()
     assert path.read_text() == "".join(records) and logger.tokens == 200
 
@@ -238,8 +259,8 @@ def test_tensorboard_events_read_back_by_tensorboard_and_never_go_back_in_step(t
     def log(start_step, last_step, loss_at):
         cfg = config.load([f"--run.out_dir={tmp_path}", "--log.every=1", "--log.progress=false",
                            f"--train.steps={last_step}", "--optim.warmup_steps=1", "--model.vocab_size=256"])
-        logger = metrics.MetricsLogger(cfg, start_step=start_step, flops_per_token=1.0, n_devices=1,
-                                       device_kind="cpu", is_main=True)
+        logger = metrics.MetricsLogger(cfg, start_step=start_step, resumed=start_step > 0, flops_per_token=1.0,
+                                       n_devices=1, device_kind="cpu", is_main=True)
         for step in range(start_step + 1, last_step + 1):
             logger.train(step, loss_at(step), 1e-3 * step, 0.5, 100)
         logger.eval(last_step, 2.5, 0.25)

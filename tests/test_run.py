@@ -301,10 +301,15 @@ def test_the_summary_gives_mfu_at_its_own_tokens_per_s(tmp_path, cache_dir):
 
 def test_a_new_run_from_a_training_state_counts_on_from_its_tokens(tmp_path, cache_dir):
     """init.from's full state trained 4 steps of 8 x 32 tokens; a new run from it at data.batch_size=16 counts on
-    from those 1,024 tokens (torchref does too), not from 4 of its own larger windows."""
+    from those 1,024 tokens (torchref does too), not from 4 of its own larger windows. Its folder held the lines of
+    an attempt that saved no checkpoint: the run's metrics.jsonl holds none of them (jaxtrain kept those up to
+    init.from's step 4, torchref none)."""
     first, new = str(tmp_path / "first"), str(tmp_path / "new")
     run.train(config.load(small_args(first, cache_dir, "--train.steps=4")))
     convert.main(["to-torch", f"{first}/checkpoints/4", str(tmp_path / "dst")])
+    os.makedirs(new)
+    with open(os.path.join(new, "metrics.jsonl"), "w") as f:
+        f.writelines(f'{{"step": {s}, "loss": 99.0, "tokens": 1}}\n' for s in (1, 2, 3))
     run.train(config.load(small_args(new, cache_dir, "--data.batch_size=16", f"--init.from={tmp_path / 'dst'}")))
     assert [line["tokens"] for line in read_metrics(new) if "loss" in line] == [4 * 8 * 32 + s * 16 * 32
                                                                                for s in (1, 2, 3, 4)]

@@ -99,7 +99,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
     scaler = loss_scaler(cfg, device, progress)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     flops_per_token = metrics.flops_per_token(cfg, model.num_params())  # jaxtrain's rule
-    log = MetricsLog(cfg, progress.step if resumed else 0, flops_per_token, metrics.peak_flops(cfg, device_name))
+    log = MetricsLog(cfg, progress.step if resumed else None, flops_per_token, metrics.peak_flops(cfg, device_name))
     bar = tqdm(total=cfg.train.steps, initial=progress.step, disable=not cfg.log.progress, unit="step")
     loss = eval_loss = eval_accuracy = None
     divergence = Divergence(cfg, lambda: checkpoint.latest_step(cfg.run.out_dir), "torchref", progress.skipped)
@@ -292,7 +292,7 @@ class MetricsLog:
     A resumed run first drops the lines past its checkpoint, so the file reads as if it had never stopped;
     any other start begins the file empty. log.wandb=true: the same lines to W&B (jaxtrain.wandb_log)."""
 
-    def __init__(self, cfg: Config, resumed_step: int, flops_per_token: float, peak_flops: float | None):
+    def __init__(self, cfg: Config, resumed_step: int | None, flops_per_token: float, peak_flops: float | None):
         self.path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
         self.cfg, self.flops_per_token, self.peak_flops = cfg, flops_per_token, peak_flops
         unread = jaxtrain_only(cfg)
@@ -300,11 +300,10 @@ class MetricsLog:
             print(f"torchref: {', '.join(unread)}: jaxtrain's (its TensorBoard events, end-of-run sample, devices "
                   f"and kernels), not read here; torchref trains the same math on one device, and metrics.jsonl "
                   f"holds the same lines", file=sys.stderr)
-        kept = metrics.kept_lines(self.path, resumed_step) if resumed_step else []
-        self.wandb = wandb_log.WandbLog(cfg, start_step=resumed_step, last_jsonl_step=metrics.last_step(self.path)) \
-            if cfg.log.wandb else None
-        with open(self.path, "w", encoding="utf-8") as f:
-            f.writelines(kept)
+        kept = metrics.kept_lines(self.path, resumed_step)
+        self.wandb = wandb_log.WandbLog(cfg, start_step=resumed_step or 0,
+                                        last_jsonl_step=metrics.last_step(self.path)) if cfg.log.wandb else None
+        runfolder.write_whole(runfolder.path(self.path), "".join(kept))  # a kill leaves the old file or the new
         self.tokens = self.seconds = 0  # since the last line
         self.total_tokens = self.total_seconds = 0
         self.started = time.perf_counter()
