@@ -31,11 +31,12 @@ from jaxtrain.config import Config
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets), matched in order as substrings of the device's name:
 # jax's device_kind and torch.cuda.get_device_name() alike, so both backends take MFU against the same peak (in fp32
-# runs too, as nanoGPT does). CPUs vary too much to list: log.peak_tflops sets any device's peak.
+# runs too, as nanoGPT does); a key that is part of another comes after it (L4 of L40, TPU v5 of TPU v5 lite: jax
+# names a v5e "TPU v5 lite" and a v5p "TPU v5"). CPUs vary too much to list: log.peak_tflops sets any device's peak.
 PEAK_TFLOPS = {
     "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0,
-    "L40S": 362.0, "L4": 121.0,
-    "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0,
+    "L40S": 362.0, "L40": 181.0, "L4": 121.0,
+    "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0, "TPU v6 lite": 918.0,
 }
 
 

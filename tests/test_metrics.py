@@ -220,7 +220,8 @@ def test_a_resumed_run_rewrites_metrics_jsonl_without_its_damaged_tail(tmp_path)
 @pytest.mark.parametrize("name,tflops", [
     ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
     ("NVIDIA H200 141GB HBM3e", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-40GB", 312), ("NVIDIA L4", 121),
-    ("NVIDIA L40S", 362), ("TPU v5 lite", 197), ("TPU v5p", 459), ("cpu", None)])
+    ("NVIDIA L40S", 362), ("NVIDIA L40", 181), ("TPU v5 lite", 197), ("TPU v5", 459), ("TPU v6 lite", 918),
+    ("TPU v4", 275), ("cpu", None)])
 def test_peak_flops_one_table_for_both_backends(name, tflops):
     """jax's device_kind and torch's get_device_name() both contain these names (vendor datasheet peaks, bf16
     dense); log.peak_tflops wins over the table."""
