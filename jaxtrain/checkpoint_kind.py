@@ -15,6 +15,7 @@ Pure Python (no jax, no torch): both backends and the converter ask it.
 """
 
 import json
+import math
 import os
 import re
 
@@ -24,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from jaxtrain.errors import UserError
 
 MODEL, OPTIMIZER, TRAINER_STATE = "model.safetensors", "optimizer.safetensors", "trainer_state.json"
+FORMAT = "jaxtrain-torch/1"  # trainer_state.json's "format"
 HF_CONFIG, C_ATTN = "config.json", "attn.c_attn.weight"
 JAXTRAIN_STEP, TORCH, HF = "jaxtrain step", "torch", "hf"
 JAXTRAIN_RUN, TORCHREF_RUN = "jaxtrain run", "torchref run"
@@ -49,6 +51,66 @@ def holds_training_state(path: str) -> bool:
     """Whether a torch-format folder holds a whole training state (optimizer and trainer state), not weights alone:
     what convert from-torch resumes, and what init.from continues from in both backends."""
     return all(os.path.exists(os.path.join(path, f)) for f in (OPTIMIZER, TRAINER_STATE))
+
+
+class DamagedTrainerState(UserError):
+    """trainer_state.json unreadable, or a field it lacks or holds wrong: `problem` says which, the message adds the
+    fix for a folder convert wrote or copied (torchref's own checkpoints take another: torchref/checkpoint.py)."""
+
+    def __init__(self, problem: str, fix: str = "the file is damaged, re-export the checkpoint"):
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem
+
+
+def read_trainer_state(path: str) -> dict:
+    """trainer_state.json of the torch-format folder `path`, checked for every field either backend reads, so that
+    a damaged one is one DamagedTrainerState in both, not a KeyError where the field is first used."""
+    file = os.path.join(path, TRAINER_STATE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DamagedTrainerState(f"{file} is missing or not valid JSON ({e})", f"re-export the checkpoint, or "
+                                  f"delete {OPTIMIZER} next to it to load the weights alone") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else None
+        raise DamagedTrainerState(f"{file} is not a {FORMAT} trainer state (format {found!r})",
+                                  "point at a torch-format folder")
+    for key, (kind, words) in {"step": (int, "an integer >= 0"), "tied_embeddings": (bool, "a boolean"),
+                               "data": (dict, "an object"), "config": (dict, "an object")}.items():
+        if not isinstance(state.get(key), kind) or (key == "step" and (state[key] < 0 or not _is_int(state[key]))):
+            _damaged(file, key, f"missing or not {words}", state.get(key))
+    data, step = state["data"], state["step"]
+    if not _is_int(data.get("seed")):
+        _damaged(file, "data.seed", "missing or not an integer", data.get("seed"))
+    if data.get("tokens") is not None and not (_is_int(data["tokens"]) and data["tokens"] >= 0):
+        _damaged(file, "data.tokens", "not an integer >= 0", data["tokens"])
+    if not (_is_int(state.get("skipped", 0)) and 0 <= state.get("skipped", 0) <= step):
+        _damaged(file, "skipped", f"not an integer from 0 to step ({step})", state.get("skipped"))
+    rng = state.get("rng") or {}  # torchref's RNG states, base64; null in jaxtrain's exports
+    if not isinstance(rng, dict) or any(not isinstance(rng.get(k), (str, type(None))) for k in ("torch", "cuda")):
+        _damaged(file, "rng", "not {torch: <base64> or null, cuda: <base64> or null}", state.get("rng"))
+    _check_loss_scale(file, state.get("loss_scale"))
+    return state
+
+
+def _check_loss_scale(file: str, scaler) -> None:
+    """fp16 runs' GradScaler state, {scale, growth_tracker}; null or absent otherwise."""
+    if scaler is None:
+        return
+    scale = scaler.get("scale") if isinstance(scaler, dict) else None
+    tracker = scaler.get("growth_tracker") if isinstance(scaler, dict) else None
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0
+            and _is_int(tracker) and tracker >= 0):
+        _damaged(file, "loss_scale", "not {scale: a finite number > 0, growth_tracker: an integer >= 0}", scaler)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _damaged(file: str, key: str, problem: str, found) -> None:
+    raise DamagedTrainerState(f"{file}: {key!r} is {problem} (got {found!r})")
 
 
 def model_keys_hint(names, tie_embeddings: bool, bias: bool) -> str:

@@ -56,7 +56,7 @@ def to_hf(src: str, out_dir: str) -> None:
     else:
         tensors = hf_format.read_tensors(src)
         if os.path.exists(os.path.join(src, torch_format.TRAINER_STATE)):  # with or without the optimizer's file
-            cfg = config_lib.from_dict(torch_format.read_trainer_state(src)["config"])
+            cfg = config_lib.from_dict(checkpoint_kind.read_trainer_state(src)["config"])
         elif not os.path.exists(os.path.join(src, hf_format.CONFIG)):
             raise UserError(f"to-hf SRC {src} holds weights alone, with neither {torch_format.TRAINER_STATE} (a "
                             f"checkpoint's, which holds its model config) nor {hf_format.CONFIG} (from-hf's) to say "
@@ -138,7 +138,7 @@ def from_torch(src: str, out_dir: str) -> None:
     if not checkpoint_kind.holds_training_state(src):
         raise UserError(f"{src} holds weights only (no {torch_format.OPTIMIZER} and {torch_format.TRAINER_STATE}), not "
                         f"a training state to resume; start a run from it with --init.from={src} instead")
-    trainer_state = torch_format.read_trainer_state(src)
+    trainer_state = checkpoint_kind.read_trainer_state(src)
     cfg = config_lib.from_dict(trainer_state["config"])
     # run.seed orders jaxtrain's batches: the run goes on with the data order the checkpoint was trained on.
     cfg.run.out_dir, cfg.run.seed, cfg.run.fresh = out_dir, trainer_state["data"]["seed"], False

@@ -137,7 +137,7 @@ class Trainer:
         if self.resumed is not None:
             return self.resumed.data_seed
         if cfg.init.from_ is not None and checkpoint_kind.holds_training_state(cfg.init.from_):
-            return data_lib.continued_seed(torch_format.read_trainer_state(cfg.init.from_)["data"]["seed"], cfg)
+            return data_lib.continued_seed(checkpoint_kind.read_trainer_state(cfg.init.from_)["data"]["seed"], cfg)
         return cfg.run.seed
 
     def tokens_before_start(self) -> int | None:
@@ -149,7 +149,7 @@ class Trainer:
         source = self.cfg.init.from_
         if source is None or not checkpoint_kind.holds_training_state(source):
             return None
-        return torch_format.read_trainer_state(source)["data"].get("tokens")
+        return checkpoint_kind.read_trainer_state(source)["data"].get("tokens")
 
     def compile(self, state) -> None:
         """Compile the train step ahead of the loop, so that step 1's throughput is not the compile time."""

@@ -35,12 +35,11 @@ from jaxtrain import param_groups
 from jaxtrain import runfolder
 from jaxtrain import same_run
 from jaxtrain import checkpoint_kind
-from jaxtrain.checkpoint_kind import MODEL, OPTIMIZER, TRAINER_STATE
+from jaxtrain.checkpoint_kind import FORMAT, MODEL, OPTIMIZER, TRAINER_STATE
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.step import TrainState
 
-FORMAT = "jaxtrain-torch/1"
 MOMENTS = (("mu", "exp_avg"), ("nu", "exp_avg_sq"))  # optax ScaleByAdamState field -> torch AdamW state key
 WTE = "transformer.wte.weight"  # its rows are the vocab size, whatever the config says
 
@@ -118,7 +117,7 @@ def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]
     params = _from_torch(template.params, weights, names)
     if not checkpoint_kind.holds_training_state(path):
         return template._replace(params=params), "weights"
-    trainer_state = read_trainer_state(path)
+    trainer_state = checkpoint_kind.read_trainer_state(path)
     step, skipped = trainer_state["step"], trainer_state.get("skipped", 0)
     moment_shapes = {f"{name}.{key}": shape for name, shape in shapes.items() for _, key in MOMENTS}
     moments = _read_tensors(os.path.join(path, OPTIMIZER), moment_shapes, cfg)
@@ -127,37 +126,6 @@ def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]
               for field, key in MOMENTS)
     opt_state = _at_window_boundary(template.opt_state, mu, nu, step, skipped, trainer_state.get("loss_scale"))
     return TrainState(params, opt_state), "full"
-
-
-def read_trainer_state(path: str) -> dict:
-    """trainer_state.json of the folder `path`, checked for the fields jaxtrain uses."""
-    file = os.path.join(path, TRAINER_STATE)
-    try:
-        with open(file, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{file} is missing or not valid JSON ({e}); re-export the checkpoint, or delete "
-                        f"{OPTIMIZER} next to it to load the weights alone") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        found = state.get("format") if isinstance(state, dict) else None
-        raise UserError(f"{file} is not a {FORMAT} trainer state (format {found!r}); point at a torch-format folder")
-    fields = {"step": int, "tied_embeddings": bool, "data": dict, "config": dict}
-    for key, kind in fields.items():
-        if not isinstance(state.get(key), kind) or (key == "step" and state[key] < 0):
-            _damaged(file, key, f"missing or not a {kind.__name__}", state.get(key))
-    if not _is_int(state["data"].get("seed")):
-        _damaged(file, "data.seed", "missing or not an integer", state["data"].get("seed"))
-    if not (_is_int(state.get("skipped", 0)) and 0 <= state.get("skipped", 0) <= state["step"]):
-        _damaged(file, "skipped", f"not an integer from 0 to step ({state['step']})", state.get("skipped"))
-    return state
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _damaged(file: str, key: str, problem: str, found) -> None:
-    raise UserError(f"{file}: {key!r} is {problem} (got {found!r}); the file is damaged, re-export the checkpoint")
 
 
 def vocab_size(path: str) -> int:

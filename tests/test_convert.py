@@ -18,7 +18,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file, save_file
 
-from jaxtrain import checkpoint, config, convert, mesh, model, optim, same_run, step, torch_format
+from jaxtrain import checkpoint, checkpoint_kind, config, convert, mesh, model, optim, same_run, step, torch_format
 from jaxtrain.errors import UserError
 
 V, STEPS = 64, 3
@@ -174,6 +174,15 @@ DAMAGE = {
                           _edit_trainer_state(lambda state: state.update(skipped=9))),
     "skipped negative": ("trainer_state.json", "'skipped' is not an integer from 0 to step",
                          _edit_trainer_state(lambda state: state.update(skipped=-1))),
+    "step a boolean": ("trainer_state.json", "'step' is missing or not an integer >= 0 (got True)",
+                       _edit_trainer_state(lambda state: state.update(step=True))),
+    "tokens negative": ("trainer_state.json", "'data.tokens' is not an integer >= 0 (got -1)",
+                        _edit_trainer_state(lambda state: state["data"].update(tokens=-1))),
+    "rng a list": ("trainer_state.json", "'rng' is not {torch: <base64> or null, cuda: <base64> or null} (got [1])",
+                   _edit_trainer_state(lambda state: state.update(rng=[1]))),
+    "loss scale 0": ("trainer_state.json", "'loss_scale' is not {scale: a finite number > 0, growth_tracker: an "
+                     "integer >= 0} (got {'scale': 0, 'growth_tracker': 0})",
+                     _edit_trainer_state(lambda state: state.update(loss_scale={"scale": 0, "growth_tracker": 0}))),
 }
 
 
@@ -262,7 +271,7 @@ def test_convert_cli_round_trip(tmp_path, capsys):
     step_dir = _saved_run(tmp_path, data_seed=7, data_fingerprint="f" * 64, tokens=12_345)
     state = trained(True)[1]
     convert.main(["to-torch", step_dir, str(tmp_path / "torch")])
-    trainer_state = torch_format.read_trainer_state(str(tmp_path / "torch"))
+    trainer_state = checkpoint_kind.read_trainer_state(str(tmp_path / "torch"))
     assert trainer_state["data"]["seed"] == 7 and trainer_state["data_fingerprint"] == "f" * 64
     assert trainer_state["data"]["tokens"] == 12_345  # was STEPS windows of this config: the count lost
     convert.main(["from-torch", str(tmp_path / "torch"), str(tmp_path / "back")])
@@ -326,7 +335,7 @@ def test_skipped_updates_cross_the_bridge(tmp_path):
     skipped_state = state._replace(opt_state=state.opt_state._replace(gradient_step=state.opt_state.gradient_step + 1))
     out = str(tmp_path / "torch")
     torch_format.export(skipped_state, cfg, out)
-    trainer_state = torch_format.read_trainer_state(out)
+    trainer_state = checkpoint_kind.read_trainer_state(out)
     assert (trainer_state["step"], trainer_state["skipped"]) == (STEPS + 1, 1)
     assert trainer_state["lr_scheduler"]["last_epoch"] == STEPS
     template = step.fresh_state(cfg, V)
@@ -347,7 +356,7 @@ def test_a_run_trained_with_cudnn_attention_converts_without_a_gpu(tmp_path):
     saver.save(state, data_seed=0)
     saver.close()
     convert.main(["to-torch", str(tmp_path / "run" / "checkpoints" / str(STEPS)), str(tmp_path / "torch")])
-    assert torch_format.read_trainer_state(str(tmp_path / "torch"))["config"]["model"]["attention"] == "cudnn"
+    assert checkpoint_kind.read_trainer_state(str(tmp_path / "torch"))["config"]["model"]["attention"] == "cudnn"
     convert.main(["from-torch", str(tmp_path / "torch"), str(tmp_path / "back")])
     back = config.load(["--config", str(tmp_path / "back" / "config.yaml")])
     assert back.model.attention == "cudnn"

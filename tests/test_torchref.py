@@ -304,6 +304,33 @@ def test_a_damaged_init_from_source_is_not_to_be_deleted(straight_run, token_dir
                                  "--init.from at another checkpoint")
 
 
+# trainer_state.json damaged in a field torchref reads (KeyError, TypeError and RuntimeError tracebacks before; the
+# reader is jaxtrain's now, checkpoint_kind.read_trainer_state): each, and what the error says of it.
+TRAINER_STATE_DAMAGE = {
+    "no data seed": (lambda s: s["data"].pop("seed"), "'data.seed' is missing or not an integer (got None)"),
+    "no step": (lambda s: s.pop("step"), "'step' is missing or not an integer >= 0 (got None)"),
+    "rng a list": (lambda s: s.update(rng=[1]), "'rng' is not {torch: <base64> or null"),
+    "rng not torch's": (lambda s: s["rng"].update(torch="AAAA"), "'rng' does not hold torch's RNG states ("),
+    "loss scale text": (lambda s: s.update(loss_scale={"scale": "x", "growth_tracker": 0}),
+                        "'loss_scale' is not {scale: a finite number > 0"),
+}
+
+
+@pytest.mark.parametrize("damage", TRAINER_STATE_DAMAGE)
+def test_a_damaged_trainer_state_is_one_line(straight_run, token_dir, tmp_path, damage):
+    edit, problem = TRAINER_STATE_DAMAGE[damage]
+    source = tmp_path / "source"
+    shutil.copytree(os.path.join(straight_run, "checkpoints", "6"), source)
+    state = json.loads((source / "trainer_state.json").read_text())
+    edit(state)
+    (source / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(UserError) as e:
+        run.train(tiny_cfg(token_dir, tmp_path / "run", f"--init.from={source}"))
+    assert str(e.value).startswith(f"{source}/trainer_state.json: ") and problem in str(e.value), str(e.value)
+    assert str(e.value).endswith("; the init.from checkpoint is damaged: copy or convert it again, or point "
+                                 "--init.from at another checkpoint")
+
+
 def test_fresh_run_sets_old_checkpoints_aside(straight_run, token_dir, tmp_path):
     out = str(tmp_path / "run")
     shutil.copytree(straight_run, out)

@@ -27,7 +27,6 @@ from jaxtrain.config import Config
 from jaxtrain.data import check_same_data
 from jaxtrain.errors import UserError
 
-FORMAT = "jaxtrain-torch/1"
 # LambdaLR's position, for readers of the file; a resume rebuilds the scheduler from `step` (optim.lr_scheduler),
 # so that init.from with a new optim.lr follows the new config's schedule from the checkpoint's step.
 SCHEDULER_KEYS = ("last_epoch", "_step_count", "base_lrs", "_last_lr")
@@ -189,7 +188,7 @@ def _adam_moments(model, optimizer) -> dict:
 def _trainer_state(progress: Progress, scheduler, tied: bool, cfg: Config, data_fingerprint: str) -> dict:
     cuda_rng = _b64(torch.cuda.get_rng_state()) if torch.cuda.is_available() else None
     return {
-        "format": FORMAT,
+        "format": checkpoint_kind.FORMAT,
         "step": progress.step,
         "lr_scheduler": {k: scheduler.state_dict()[k] for k in SCHEDULER_KEYS},
         "tied_embeddings": tied,
@@ -206,16 +205,17 @@ def _trainer_state(progress: Progress, scheduler, tied: bool, cfg: Config, data_
 
 def _restore_training(path: str, state: dict, model, optimizer) -> Progress:
     """Optimizer moments, RNG and data position, after the weights are in place."""
-    try:
-        step, data, rng = state["step"], state["data"], state["rng"]
-    except KeyError as e:
-        raise _Damaged(f"{os.path.join(path, 'trainer_state.json')} lacks {e}") from None
+    step, data, rng = state["step"], state["data"], state.get("rng") or {}  # fields read_trainer_state checked
     skipped = state.get("skipped", 0)  # absent before train.nan_policy existed: nothing was skipped
     _load_adam_moments(os.path.join(path, "optimizer.safetensors"), model, optimizer, step - skipped)
-    if rng.get("torch") is not None:  # null in jaxtrain's exports: jaxtrain has no torch RNG state to give
-        torch.set_rng_state(_unb64(rng["torch"]))
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(_unb64(rng["cuda"]))
+    try:  # null in jaxtrain's exports: jaxtrain has no torch RNG state to give
+        if rng.get("torch") is not None:
+            torch.set_rng_state(_unb64(rng["torch"]))
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(_unb64(rng["cuda"]))
+    except (ValueError, RuntimeError) as e:  # not base64, or not the bytes of an RNG state
+        raise _Damaged(f"{os.path.join(path, 'trainer_state.json')}: 'rng' does not hold torch's RNG states ({e})") \
+            from None
     scaler = state.get("loss_scale")  # fp16 runs: {"scale", "growth_tracker"}
     loss_scale = None if scaler is None else {"scale": scaler["scale"], "_growth_tracker": scaler["growth_tracker"]}
     return Progress(step=step, data_seed=data["seed"], tokens=data.get("tokens", 0), skipped=skipped,
@@ -249,15 +249,10 @@ def _read_tensors(file: str) -> dict:
 
 
 def _read_trainer_state(path: str) -> dict:
-    file = os.path.join(path, "trainer_state.json")
     try:
-        with open(file, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, ValueError) as e:
-        raise _Damaged(f"checkpoint file {file} is missing or unreadable ({e})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise _Damaged(f"{file} is not a {FORMAT} trainer state")
-    return state
+        return checkpoint_kind.read_trainer_state(path)
+    except checkpoint_kind.DamagedTrainerState as e:
+        raise _Damaged(e.problem) from None
 
 
 def _b64(t: torch.Tensor) -> str:
