@@ -2,7 +2,8 @@
 format, and to and from Hugging Face's GPT-2 folder (hf_format.py).
 
     python -m jaxtrain.convert to-torch out/tiny/checkpoints/400 out/tiny-torch
-    python -m torchref.run --config configs/tiny.yaml --init.from=out/tiny-torch      # continues at step 400
+    python -m torchref.run --config configs/tiny.yaml --init.from=out/tiny-torch \
+        --run.out_dir=out/tiny-torchref                                             # continues at step 400
     python -m jaxtrain.convert from-torch out/tiny-torch out/tiny-back
     python -m jaxtrain.run --config out/tiny-back/config.yaml                       # resumes at step 400
 
@@ -76,8 +77,11 @@ def _tokenizer_note(tokenizer: str | None, cfg: Config | None) -> str:
         return " and its tokenizer with AutoTokenizer.from_pretrained (GPT-2's BPE, as the run's data)"
     if tokenizer == "bytes":
         return "; no tokenizer files: the run's tokens are bytes (id = byte value: list(text.encode()))"
-    why = (f"the run's data folder {cfg.data.path}, whose meta.json names the tokenizer, is not here" if cfg else
-           "the folder does not say which data it was trained on")
+    if tokenizer is not None:  # a meta.json written by another tool than jaxtrain.data prepare
+        why = f"the run's data names the tokenizer {tokenizer!r}, and to-hf writes GPT-2's BPE files only"
+    else:
+        why = (f"the run's data folder {cfg.data.path}, whose meta.json names the tokenizer, is not here" if cfg else
+               "the folder does not say which data it was trained on")
     return f"; no tokenizer files: {why}"
 
 

@@ -109,12 +109,15 @@ def _write_json(path: str, content: dict) -> None:
 
 def read_config(src: str) -> dict:
     file = os.path.join(src, CONFIG)
+    fix = "point at a folder that GPT2LMHeadModel.save_pretrained wrote"
     try:
         with open(file, encoding="utf-8") as f:
-            return json.load(f)
+            config = json.load(f)
     except (OSError, ValueError) as e:
-        raise UserError(f"{file} is missing or not JSON ({e}); point at a folder that "
-                        f"GPT2LMHeadModel.save_pretrained wrote") from None
+        raise UserError(f"{file} is missing or not JSON ({e}); {fix}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{file} holds a JSON {type(config).__name__}, not an object of GPT-2's settings; {fix}")
+    return config
 
 
 def read_tensors(src: str) -> dict[str, np.ndarray]:

@@ -85,6 +85,36 @@ def test_a_gpt2_bpe_run_exports_its_tokenizer(tmp_path, cache_dir, capsys):
     assert (loaded.config.bos_token_id, loaded.config.eos_token_id) == (50256, 50256)  # GPT-2's, as its tokenizer's
 
 
+def test_a_run_on_a_tokenizer_to_hf_cannot_write_says_so(tmp_path, cache_dir, capsys):
+    """A data folder whose meta.json names a tokenizer neither GPT-2's BPE nor bytes (another tool wrote it): to-hf
+    writes the model and says why no tokenizer files came with it; it said the data folder was not here."""
+    (tmp_path / "a.txt").write_text("some text to train on, " * 400)
+    prepare.prepare([str(tmp_path / "a.txt")], str(tmp_path / "tokens"), "bytes", 0.5)
+    meta = json.loads((tmp_path / "tokens" / "meta.json").read_text())
+    (tmp_path / "tokens" / "meta.json").write_text(json.dumps({**meta, "tokenizer": "char"}))
+    out = tmp_path / "run"
+    run.train(config.load(small_args(out, cache_dir, "--train.steps=3", "--checkpoint.every=3", "--log.sample_tokens=0",
+                                     f"--data.path={tmp_path / 'tokens'}")))
+    capsys.readouterr()
+    convert.main(["to-hf", str(out / "checkpoints" / "3"), str(tmp_path / "hf")])
+    assert capsys.readouterr().err.endswith("; no tokenizer files: the run's data names the tokenizer 'char', and "
+                                            "to-hf writes GPT-2's BPE files only\n")
+
+
+@pytest.mark.parametrize("written, named", [("[\"gpt2\"]", "holds a JSON list, not an object of GPT-2's settings"),
+                                            ("{", "is missing or not JSON (")])
+def test_a_config_json_that_is_no_object_is_one_line(tmp_path, capsys, written, named):
+    source = hf_model(tmp_path)
+    with open(f"{source}/config.json", "w") as f:
+        f.write(written)
+    capsys.readouterr()  # transformers' progress bar
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(["from-hf", source, str(tmp_path / "jt")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and named in err and "Traceback" not in err, err
+    assert not (tmp_path / "jt").exists()
+
+
 def test_a_model_from_transformers_fine_tunes(tmp_path, cache_dir):
     """--init.from starts from exactly transformers' weights (checked against the HF file), and trains."""
     source = hf_model(tmp_path)
