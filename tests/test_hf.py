@@ -93,8 +93,8 @@ def test_a_run_on_a_tokenizer_to_hf_cannot_write_says_so(tmp_path, cache_dir, ca
     meta = json.loads((tmp_path / "tokens" / "meta.json").read_text())
     (tmp_path / "tokens" / "meta.json").write_text(json.dumps({**meta, "tokenizer": "char"}))
     out = tmp_path / "run"
-    run.train(config.load(small_args(out, cache_dir, "--train.steps=3", "--checkpoint.every=3", "--log.sample_tokens=0",
-                                     f"--data.path={tmp_path / 'tokens'}")))
+    run.train(config.load(small_args(out, cache_dir, "--train.steps=3", "--checkpoint.every=3",
+                                     "--log.sample_tokens=0", f"--data.path={tmp_path / 'tokens'}")))
     capsys.readouterr()
     convert.main(["to-hf", str(out / "checkpoints" / "3"), str(tmp_path / "hf")])
     assert capsys.readouterr().err.endswith("; no tokenizer files: the run's data names the tokenizer 'char', and "
