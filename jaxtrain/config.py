@@ -169,7 +169,7 @@ class LogConfig:
     every: int = 1  # optimizer steps between metrics.jsonl lines
     tensorboard: bool = True  # also write TensorBoard events to <out_dir>/tb
     progress: bool = True  # progress bar on stderr
-    peak_tflops: Optional[float] = None  # per-device peak for MFU; null: looked up from the device kind (CPU: unknown, mfu null)
+    peak_tflops: Optional[float] = None  # per-device peak for MFU; null: by the device kind (CPU: unknown, mfu null)
     wandb: bool = False  # also log to Weights & Biases, one W&B run per run folder (pip install 'jaxtrain[wandb]')
     wandb_project: str = "jaxtrain"  # W&B project (the entity: WANDB_ENTITY, else your default)
     wandb_name: Optional[str] = None  # W&B run name; null: the run folder's name

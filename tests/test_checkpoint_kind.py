@@ -30,7 +30,8 @@ def tiny_cfg(out_dir, *extra):
 def folders(tmp_path_factory):
     """{name: path}: a jaxtrain run with steps 9, 10 and 20 (the newest is neither the first nor the last in name
     order), its newest step, a torch-format export of that state, and a torchref-style run of exports at the same
-    steps; a Hugging Face folder that to-hf wrote of the export, and what from-hf makes of it."""
+    steps, with a save of step 30 a kill cut short (named as a jaxtrain run took it to resume from); a Hugging Face
+    folder that to-hf wrote of the export, and what from-hf makes of it."""
     root = tmp_path_factory.mktemp("kinds")
     cfg = tiny_cfg(root / "jaxtrain-run", "--checkpoint.max_to_keep=3")
     fresh = step.fresh_state(cfg, V)
@@ -41,6 +42,7 @@ def folders(tmp_path_factory):
     torch_format.export(fresh, cfg, str(root / "torch"))
     for at in STEPS:
         shutil.copytree(root / "torch", root / "torchref-run" / "checkpoints" / str(at))
+    shutil.copytree(root / "torch", root / "torchref-run" / "checkpoints" / ".tmp-30")  # a save a kill cut short
     convert.to_hf(str(root / "torch"), str(root / "hf"))
     convert.from_hf(str(root / "hf"), str(root / "from-hf"))
     return {"jaxtrain run": str(root / "jaxtrain-run"), "jaxtrain step": str(root / "jaxtrain-run/checkpoints/20"),
