@@ -30,8 +30,9 @@ class Bound:
     peak_rtol: float = 0.0
 
     def text(self) -> str:
-        parts = ([f"atol {self.atol:.0e}"] if self.atol else []) + ([f"rtol {self.rtol:.0e}"] if self.rtol else [])
-        parts += [f"{self.peak_rtol:.1e} x peak"] if self.peak_rtol else []
+        parts = [f"atol {_sci(self.atol)}"] if self.atol else []
+        parts += [f"rtol {_sci(self.rtol)}"] if self.rtol else []
+        parts += [f"{_sci(self.peak_rtol)} x peak"] if self.peak_rtol else []
         parts += [f"{self.floor_factor:g} x floor"] if self.floor_factor else []
         return " + ".join(parts) if parts else "exact"
 
@@ -39,6 +40,13 @@ class Bound:
         """The largest |a - b| allowed at each step, given the rounding floor's running max."""
         peak = np.abs(b).max(initial=0.0)
         return self.atol + self.rtol * np.abs(b) + self.peak_rtol * peak + self.floor_factor * envelope
+
+
+def _sci(x: float) -> str:
+    """x in e-notation to 3 significant digits, trailing zeros dropped (1e-05, 9.75e-03): a computed bound printed
+    to one digit read as another (0.00975 as 1e-02, beside a 0.0099 difference marked FAIL)."""
+    mantissa, exponent = f"{x:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
 
 
 @dataclasses.dataclass
@@ -368,6 +376,12 @@ FP16_GAP_RATIO = Bound(3.0, 0.0, "cross-backend fp16 gap / torchref's own fp16-v
 FP16_DECISIONS = {"loss_scale": Bound(0.0, 0.0, "the same overflow decisions from the same scale: exact"),
                   "skipped": Bound(0.0, 0.0, "the same windows skipped: exact")}
 LOW_PRECISION = {"bf16": (BF16, BF16_MEAN_LOSS, BF16_GAP_RATIO), "fp16": (BF16, BF16_MEAN_LOSS, FP16_GAP_RATIO)}
+
+
+def floor_factor(precision: str) -> float:
+    """The factor of the rounding floor in `precision`'s bounds: FLOOR_FACTOR in fp32, BF16_FLOOR_FACTOR in bf16 and
+    fp16."""
+    return FLOOR_FACTOR if precision == "fp32" else BF16_FLOOR_FACTOR
 PARAMS_RHO = 1e-3
 
 

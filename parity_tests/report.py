@@ -57,6 +57,7 @@ REPORT_SETS = {
     "train.steps": "give --steps",
     "model.dropout": "dropout masks cannot match across backends: the report runs without dropout",
     "train.eval_every": "the report evaluates once, at the end",
+    "log.every": "the report compares every step, so each backend logs each one",
 }
 
 
@@ -215,7 +216,7 @@ def compare(lines: dict, states: dict, precision: str, refs: dict) -> list[judgm
     # The params are judged by the gap ratio (their key bias by its floor, which compare_states applies).
     cross_states = judgment.compare_states(states["jaxtrain"], states["torchref"],
                                        {"params": None, "exp_avg": None, "exp_avg_sq": None}, floor_states,
-                                       judgment.BF16_FLOOR_FACTOR)
+                                       judgment.floor_factor(precision))
     own_p = judgment.compare_states(states["torchref"], states[refs["torchref"]], {"params": None})[0].max_abs
     rows.append(judgment.scalar_row(f"final params gap / torchref's {precision}-fp32 gap", cross_states[0].max_abs / own_p,
                                 gap_ratio))
@@ -368,15 +369,16 @@ def _floor_paragraph(precision: str, refs: dict) -> str:
                 "every bound is its constant part alone, and the key bias is held like the other params.")
     what = (f"in fp32 (how far {precision} alone moves it)" if precision != "fp32" else
             "with only the order of its fp32 sums changed (twice the accumulation: same batches, same math)")
+    factor = judgment.floor_factor(precision)
     return (f"**Rounding floor**: each backend run again {what}: `{'`, `'.join(refs.values())}`. The floor column is "
             f"the larger of the two backends' gaps to their reference, in the same statistic as the row. Training "
             f"amplifies rounding, so what two correct implementations may differ by grows with the run; a per-step "
-            f"bound marked `+ {judgment.FLOOR_FACTOR:g} x floor` allows, at step t, its constant part (rounding at equal "
-            f"params, sized on a run that does not amplify it) plus {judgment.FLOOR_FACTOR:g} times the largest floor up "
-            f"to step t; a final-tensor bound, its constant plus {judgment.FLOOR_FACTOR:g} times the floor of the same "
+            f"bound marked `+ {factor:g} x floor` allows, at step t, its constant part (rounding at equal "
+            f"params, sized on a run that does not amplify it) plus {factor:g} times the largest floor up "
+            f"to step t; a final-tensor bound, its constant plus {factor:g} times the floor of the same "
             f"entries. A different update rule moves the runs apart from the step where it acts, by an amount "
-            f"the rule sets, not rounding; it could hide only where it stays under {judgment.FLOOR_FACTOR:g}x what "
-            f"rounding alone has done by then (parity_tests/judgment.py, FLOOR_FACTOR).")
+            f"the rule sets, not rounding; it could hide only where it stays under {factor:g}x what "
+            f"rounding alone has done by then (parity_tests/judgment.py, floor_factor).")
 
 
 def _zero_gradient_paragraph() -> str:

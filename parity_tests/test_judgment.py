@@ -2,6 +2,7 @@
 key-bias rule for final params. Each expectation is worked out by hand in the comment beside it."""
 
 import numpy as np
+import pytest
 
 from parity_tests import judgment
 from parity_tests.judgment import Bound
@@ -57,7 +58,15 @@ def test_peak_rtol_is_a_fraction_of_the_columns_largest_value():
     bound = Bound(1e-9, 1e-3, "test", peak_rtol=2e-6)  # + 2e-9: 1e-6 + 3e-9, 5e-7 + 3e-9, 1e-8 + 3e-9, 3e-9, 3e-9
     assert judgment.compare_series("lr", STEPS, b + [1e-6, 5e-7, 1e-8, 2.9e-9, -2.9e-9], b, bound).passed
     assert judgment.compare_series("lr", STEPS, b + [0, 0, 0, 0, 3.1e-9], b, bound).first_bad == 5
-    assert bound.text() == "atol 1e-09 + rtol 1e-03 + 2.0e-06 x peak"
+    assert bound.text() == "atol 1e-09 + rtol 1e-03 + 2e-06 x peak"
+
+
+@pytest.mark.parametrize("atol, text", [(1e-5, "atol 1e-05"), (5e-3, "atol 5e-03"), (0.00975, "atol 9.75e-03"),
+                                        (3.45e-4, "atol 3.45e-04"), (1.2345e-6, "atol 1.23e-06")])
+def test_a_bound_reads_to_three_digits(atol, text):
+    """A computed bound (3 x 0.00325 = 0.00975) printed to one digit read as 1e-02, beside a 0.0099 difference
+    marked FAIL."""
+    assert Bound(atol, 0.0, "test").text() == text
 
 
 def test_the_lr_bound_holds_for_optaxs_float32_schedule_at_any_run_length():

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from jaxtrain import config
-from parity_tests import runs
+from parity_tests import judgment, runs
 
 
 def _contents(folder) -> dict:
@@ -55,7 +55,8 @@ def test_a_second_config_is_refused_not_read_over_the_first(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag,way", [
     ("--run.out_dir=USER", "give --out"), ("--init.from=USER", "fresh params"), ("--train.steps=9", "--steps"),
-    ("--train.precision=bf16", "--precision"), ("--model.dropout=0.1", "without dropout")])
+    ("--train.precision=bf16", "--precision"), ("--model.dropout=0.1", "without dropout"),
+    ("--log.every=10", "compares every step")])  # it judged the logged steps alone, and said "every step"
 def test_a_key_the_report_sets_is_refused_naming_the_way(tmp_path, capsys, flag, way):
     """Each run's own flags come first in its command, the report's after: --run.out_dir of the user's sent
     jaxtrain's run into the user's folder (resuming, or --run.fresh setting aside, a run there) and torchref's onto
@@ -71,6 +72,16 @@ def test_a_key_the_report_sets_is_refused_naming_the_way(tmp_path, capsys, flag,
     assert len(err) == 1 and err[0].startswith(f"error: {key} is the report's to set") and way in err[0], err
     assert err[0].endswith("; see python -m parity_tests.report --help"), err
     assert not (tmp_path / "mine").exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("precision, factor", [("fp32", "15"), ("bf16", "3"), ("fp16", "3")])
+def test_the_floor_paragraph_names_the_factor_its_bounds_use(precision, factor):
+    """bf16's and fp16's bounds take 3 x the floor, fp32's 15 x: the paragraph said 15 for all three."""
+    from parity_tests import report
+
+    paragraph = report._floor_paragraph(precision, {"jaxtrain": "jaxtrain ref", "torchref": "torchref ref"})
+    assert f"a per-step bound marked `+ {factor} x floor` allows" in paragraph
+    assert judgment.floor_factor(precision) == float(factor)
 
 
 def test_the_fp32_floor_runs_at_twice_the_accumulation_only_where_the_config_allows_it():
