@@ -278,20 +278,34 @@ def memory_bandwidth(target: str) -> float:
     return float(re.search(r"memory_bandwidth: (\d+)", target_devices.device_spec(target))[1])
 
 
+def local_target(device_kind: str) -> str:
+    """The GPU target of this machine's GPU, whose memory bandwidth its estimate takes (--target's was taken: an
+    H200's memory-bound kernels estimated at an H100's 3.35 TB/s)."""
+    target = gpu_target(device_kind)
+    if target is None:
+        known = ", ".join(target_devices.GPUS)
+        raise UserError(f"this machine's GPU, {device_kind}, has none of the XLA device specs ({known}), so its "
+                        f"memory bandwidth is unknown; estimate on a machine without a GPU, with --target")
+    return target
+
+
 def compile_step(cfg, target: str):
-    """(the compiled train step, the device in words): for the local GPU, else ahead of time for `target`."""
+    """(the compiled train step, the device in words, its GPU target): for the local GPU (its own target), else
+    ahead of time for `target`."""
     require_compiler(target)
     import jax
     from jaxtrain import autocast, checkpoint, dryrun, mesh as mesh_lib
     if jax.default_backend() == "gpu":
         devices = jax.devices()
         kind = devices[0].device_kind
+        target = local_target(kind)
     else:
         devices = target_devices.devices(target, 1)
         kind = f"{devices[0].device_kind} (compiled ahead of time on a {jax.default_backend()}, no GPU)"
     mesh = mesh_lib.make_mesh(cfg, devices)
     with autocast.compiling_for("gpu"):
-        return dryrun.compiled_step(cfg, checkpoint.abstract_state(cfg, cfg.model.vocab_size, mesh), mesh), kind
+        state = checkpoint.abstract_state(cfg, cfg.model.vocab_size, mesh)
+        return dryrun.compiled_step(cfg, state, mesh), kind, target
 
 
 def main(argv: list[str]) -> None:
@@ -307,11 +321,11 @@ def main(argv: list[str]) -> None:
     from jaxtrain import config as config_lib, metrics
     cfg = config_lib.load(rest + ["--run.dry_run=true"])  # a dry run's: no data is read when the vocab is known
     cfg = resolved_config(rest, synthetic=False) if cfg.model.vocab_size is None else cfg
-    compiled, kind = compile_step(cfg, args.target)
+    compiled, kind, target = compile_step(cfg, args.target)
     peak = metrics.peak_flops(cfg, kind)
     if peak is None:
         raise UserError(f"no nominal bf16 peak known for {kind}; set --log.peak_tflops")
-    bandwidth = memory_bandwidth(args.target)
+    bandwidth = memory_bandwidth(target)
     rows = roofline(compiled.as_text(), peak, bandwidth)
     if args.hlo:
         with open(args.hlo, "w") as f:
@@ -321,7 +335,7 @@ def main(argv: list[str]) -> None:
     peak_gib = compiled.memory_analysis().peak_memory_in_bytes / 2**30
     print(f"{kind}; batch {cfg.data.batch_size} x seq {cfg.model.seq_len} in {cfg.optim.grad_accum_steps} "
           f"micro-batches; XLA memory_analysis peak {peak_gib:.2f} GiB\nESTIMATE: per kernel max(flops / "
-          f"{peak / 1e12:.0f} TFLOP/s dense bf16, bytes / {bandwidth / 1e12:.2f} TB/s ({args.target})); {MODEL}\n")
+          f"{peak / 1e12:.0f} TFLOP/s dense bf16, bytes / {bandwidth / 1e12:.2f} TB/s ({target})); {MODEL}\n")
     print(f"{categories}\n\ntop {args.top} memory-bound kernels:\n\n{top}")
     if args.json:
         with open(args.json, "w") as f:

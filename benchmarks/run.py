@@ -151,14 +151,25 @@ def measure(base, keys: list[str], args) -> list[dict]:
                                          args.synthetic)
             r.update(r["worker"].warmup)
             print(f"  started {r['name']}: {r['worker'].warmup}", flush=True)
-        live = [r for r in group if "error" not in r]
         for _ in range(args.rounds):
-            for r in live:
-                r["times"] += r["worker"].times(args.steps)
+            for r in (r for r in group if "error" not in r):
+                times = _ask(r, "times", args.steps)
+                r["times"] += times or []  # [] where it failed
         for r in group:
-            r["peak_memory"] = r["worker"].peak_memory() if "error" not in r else None
+            r["peak_memory"] = _ask(r, "peak_memory") if "error" not in r else None
             r.pop("worker").close()
     return rows
+
+
+def _ask(r: dict, what: str, *args):
+    """Row r's process's answer to `what` ("times", "peak_memory"). Where it failed or died instead, the row holds
+    that error and no times (a row that did not finish its rounds is not measured), the other rows go on, and the
+    answer is None."""
+    answer = getattr(r["worker"], what)(*args)
+    if isinstance(answer, dict):
+        r.update(error=f"{what.replace('_', ' ')}: {answer['error']}", times=[])
+        return None
+    return answer
 
 
 def row_config(base, key: str):

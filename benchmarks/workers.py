@@ -45,16 +45,24 @@ def _serve(conn, row: Row, synthetic: bool) -> None:
         for _ in range(WARMUP_STEPS - 1):
             timed.step()
     except Exception as e:  # out of memory, a kernel that does not exist here: the row says so, the rest runs
-        conn.send({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]})
+        conn.send(_error(e))
         return
     conn.send({"first_step_s": first, "warmup_s": time.perf_counter() - start})
     while (request := conn.recv()) is not None:
-        conn.send([timed.step() for _ in range(request)] if request > 0 else timed.peak_memory())
+        try:
+            conn.send([timed.step() for _ in range(request)] if request > 0 else timed.peak_memory())
+        except Exception as e:  # a timed step that fails (memory a later step needs): the row's answer
+            conn.send(_error(e))
+            return
+
+
+def _error(e: Exception) -> dict:
+    return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]}
 
 
 class Worker:
     """A row's process: `warmup` says what its start cost (or holds the "error" that ended it), `times(n)` runs
-    n timed steps, `peak_memory()`."""
+    n timed steps, `peak_memory()`; each answers {"error": ...} instead where the process failed or died."""
 
     def __init__(self, row: Row, synthetic: bool):
         self.row = row
@@ -66,25 +74,35 @@ class Worker:
         if "error" in self.warmup:
             self._process.join(timeout=60)
 
-    def times(self, n: int) -> list[float]:
-        self._conn.send(n)
-        return self._receive()
+    def times(self, n: int) -> list[float] | dict:
+        return self._request(n)
 
-    def peak_memory(self) -> int:
-        self._conn.send(0)
-        return self._receive()
+    def peak_memory(self) -> int | dict:
+        return self._request(0)
 
     def close(self) -> None:
         if self._process.is_alive():
             self._conn.send(None)
             self._process.join(timeout=60)
 
+    def _request(self, request: int):
+        try:
+            self._conn.send(request)
+        except OSError:  # the process is gone (a broken pipe): _receive says how it ended
+            pass
+        return self._receive()
+
     def _receive(self):
-        while not self._conn.poll(1.0):
-            if not self._process.is_alive():
-                raise RuntimeError(f"the process of row {self.row.name!r} died (exit {self._process.exitcode}); "
-                                   f"its output above says why")
-        return self._conn.recv()
+        try:
+            while not self._conn.poll(1.0):
+                if not self._process.is_alive():
+                    break
+            else:
+                return self._conn.recv()
+        except (EOFError, OSError):
+            pass
+        self._process.join(timeout=60)  # killed (out of memory), or a crash below Python
+        return {"error": f"its process died (exit {self._process.exitcode}); its output above says why"}
 
 
 def quiet_gpu_allocators() -> None:

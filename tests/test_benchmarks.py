@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,51 @@ def test_failed_row_is_reported_not_fatal():
     rows = [_row("jax-bf16", [1.0]), {**_row("torch-bf16", []), "error": "OutOfMemoryError: CUDA out of memory"}]
     text = bench.table(rows, config.load(TINY), n_params=10_000, peak=None)
     assert "| torch-bf16 | failed: OutOfMemoryError: CUDA out of memory |" in text
+
+
+def test_a_row_that_fails_after_its_warm_up_is_reported_and_the_others_measured(monkeypatch):
+    """A row whose process fails in its second round (memory a later step needs) or dies: it was a RuntimeError
+    traceback, and every other row's figures and the JSON were lost. Now the row says so and the others run on."""
+    class Process:
+        def __init__(self, row, synthetic):
+            self.warmup, self.calls = {"first_step_s": 1.0, "warmup_s": 2.0}, 0
+            self.fails = {"jaxtrain bf16": {"error": "XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory"},
+                          "torchref eager bf16": {"error": "its process died (exit -9); its output above says why"}
+                          }.get(row.name)
+
+        def times(self, n):
+            self.calls += 1
+            return self.fails if self.fails and self.calls == 2 else [0.5] * n
+
+        def peak_memory(self):
+            return 10**9
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench.workers, "Worker", Process)
+    args = bench.parser().parse_args(["--rows", "jax-bf16,torch-bf16,jax-fp32", "--rounds", "3", "--steps", "2"])
+    rows = {r["key"]: r for r in bench.measure(config.load(TINY), ["jax-bf16", "torch-bf16", "jax-fp32"], args)}
+    assert rows["jax-bf16"]["error"] == "times: XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory"
+    assert rows["torch-bf16"]["error"] == "times: its process died (exit -9); its output above says why"
+    assert rows["jax-bf16"]["times"] == rows["torch-bf16"]["times"] == [] and rows["jax-bf16"]["peak_memory"] is None
+    assert rows["jax-fp32"]["times"] == [0.5] * 6 and "error" not in rows["jax-fp32"]
+    text = bench.table(list(rows.values()), config.load(TINY), n_params=10_000, peak=None)
+    assert "| jaxtrain bf16 | failed: times: XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory |" in text
+
+
+def test_a_row_whose_process_dies_answers_with_the_error():
+    """The parent's side of a row process killed mid-run (the kernel's OOM killer): an error to report, not an
+    exception that ends the benchmark."""
+    from benchmarks import workers
+
+    worker = workers.Worker(workers.Row("jax", "jaxtrain", config.load([*TINY, "--model.vocab_size=256"]), ()),
+                            synthetic=True)
+    assert "error" not in worker.warmup, worker.warmup
+    os.kill(worker._process.pid, signal.SIGKILL)
+    worker._process.join(timeout=60)
+    assert worker.times(1) == {"error": "its process died (exit -9); its output above says why"}
+    worker.close()
 
 
 def test_one_short_run(tmp_path):

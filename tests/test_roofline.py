@@ -19,6 +19,7 @@ import pytest
 from design_formulas import FP64
 from benchmarks import roofline
 from jaxtrain import target_devices
+from jaxtrain.errors import UserError
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "roofline_tiny_h100.hlo.txt")
 PEAK, BANDWIDTH = 989e12, 3.35e12
@@ -234,3 +235,14 @@ def test_a_gpu_is_known_by_the_device_kind_its_spec_names():
     assert roofline.gpu_target("NVIDIA H200 NVL") is None  # another card (PCIe, lower clocks): not the SXM's spec
     assert roofline.memory_bandwidth("h200") == 4_800_000_000_000
     assert roofline.memory_bandwidth("h100") == 3_352_320_000_000  # the spec's memory_bandwidth, bytes/s
+
+
+def test_on_a_gpu_the_estimate_takes_that_gpus_bandwidth_not_the_targets():
+    """On a machine with a GPU the step compiles for it, and the estimate takes its spec: --target's (default
+    h100) was taken, so an H200's memory-bound kernels were estimated at 3.35 TB/s, not 4.8. A GPU no spec names
+    is refused, not estimated at another's bandwidth."""
+    assert roofline.local_target("NVIDIA H200") == "h200"
+    assert roofline.local_target("NVIDIA H100 80GB HBM3") == "h100"
+    with pytest.raises(UserError, match="^this machine's GPU, NVIDIA L40, has none of the XLA device specs .* "
+                                        "with --target$"):
+        roofline.local_target("NVIDIA L40")
