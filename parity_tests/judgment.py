@@ -365,7 +365,8 @@ BF16_GAP_RATIO = Bound(3.0, 0.0, "cross-backend bf16 gap / torchref's own bf16-v
                                  "as autocast does; at 500 by run.seed (0, 1), with autocast's bf16 Linear bias: "
                                  "1.12, 0.53 (loss) and 0.93, 0.36 (params), with the fp32 bias before it: 0.12, "
                                  "1.12 and 0.12, 0.78: the seed moves it more than that change; with the attention's "
-                                 "scores rounded as autocast's (seed 0): 1.22 and 0.84 (docs/parity/report-bf16.md)")
+                                 "scores rounded as autocast's (seed 0): 1.22 and 0.84 on 2026-11-28, 0.31 and 0.28 "
+                                 "on the AMD EPYC on 2026-12-01 (docs/parity/report-bf16.md)")
 FP16_GAP_RATIO = Bound(3.0, 0.0, "cross-backend fp16 gap / torchref's own fp16-vs-fp32 gap (mean |dloss|): issue 13 "
                                  "judges fp16 as issue 4 judges bf16 (BF16_GAP_RATIO's 3x rule); measured on SMALL, "
                                  "40 steps: 0.34 with forced overflows, 0.53 at the default scale (mean |dloss| 5.1e-6 and 7.9e-6 "
