@@ -1,14 +1,19 @@
 """The command line, `--config FILE.yaml [--section.key=value ...]`, read into one raw mapping of sections: the YAML
 file's, each override parsed as a YAML value (a text key's kept as typed) in place of its key's value. Malformed
 flags, files that are not UTF-8 and YAML errors become one-line `UserError`s; config.load checks the keys and values
-that come out. Pure Python: torchref imports jaxtrain.config, which imports this module.
+that come out. `usage` is the --help that lists them. Pure Python: torchref imports jaxtrain.config, which imports
+this module.
 """
 
 import argparse
+import dataclasses
+import inspect
 import logging
 import math
 import os
 import re
+import sys
+import tokenize
 
 import yaml
 
@@ -44,6 +49,46 @@ def read(argv: list[str], text_keys: frozenset[str] = frozenset()) -> dict:
         if isinstance(raw[section], dict):  # else config.from_dict refuses the file's section, not a mapping
             raw[section].update(values)
     return raw
+
+
+def usage(config_cls) -> str:
+    """--help: every key of `config_cls` (jaxtrain.config.Config) with its default and the comment beside it in
+    config.py."""
+    script = os.path.abspath(sys.argv[0])  # python -m jaxtrain.run or torchref.run
+    prog = f"python -m {os.path.basename(os.path.dirname(script))}.{os.path.splitext(os.path.basename(script))[0]}"
+    lines = [f"usage: {prog} [--config FILE.yaml] [--section.key=VALUE ...]", "",
+             "One config (configs/ holds the recipes, e.g. configs/tiny.yaml); without one, the defaults below.",
+             "Keys (YAML sections; the same names override on the command line):"]
+    for section in dataclasses.fields(config_cls):
+        lines.append(f"  {section.name}:")
+        comments = _field_comments(section.type)
+        for f in dataclasses.fields(section.type):
+            name = yaml_name(f)
+            default = getattr(section.type(), f.name)
+            default = ("null" if default is None else  # as an override spells it
+                       default if not isinstance(default, str) or default.isprintable() else repr(default))
+            lines.append(f"    {f'--{section.name}.{name}={default}':<34} {comments.get(f.name, '')}".rstrip())
+    return "\n".join(lines)
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """Field name -> what its source comment says: the comment after it on its line, else the comment lines above
+    it, which also speak for the uncommented fields right after it (train.loss_scale_init and its growth interval).
+    draccus's reader passes over a comment above, and over any field whose type holds quotes (Literal choices)."""
+    lines = inspect.getsource(cls).splitlines(keepends=True)
+    comment_at = {token.start[0] - 1: token.string.lstrip("#").strip()
+                  for token in tokenize.generate_tokens(iter(lines).__next__) if token.type == tokenize.COMMENT}
+    comments, above, in_block = {}, [], False
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("#"):
+            above, in_block = (above if in_block else []) + [comment_at[i]], True
+            continue
+        in_block, field = False, re.match(r"\s+(\w+)\s*:", line)
+        if field:
+            comments[field.group(1)] = comment_at.get(i) or " ".join(above)
+        if not field or i in comment_at:
+            above = []
+    return comments
 
 
 def one_config(paths: list[str]) -> str | None:

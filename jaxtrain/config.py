@@ -17,12 +17,8 @@ grad_accum_steps therefore never changes the tokens per optimizer step.
 import copy
 import dataclasses
 import difflib
-import inspect
 import os
-import re
 import shlex
-import sys
-import tokenize
 import typing
 from typing import Literal, Optional
 
@@ -237,7 +233,7 @@ def warmup_init_lr(given: float | None, lr: float, warmup_steps: int) -> float:
 def load(argv: list[str]) -> Config:
     """Parse `--config PATH [--section.key=value ...]` into a validated Config; -h/--help prints the keys."""
     if "-h" in argv or "--help" in argv:
-        print(usage())
+        print(cmdline.usage(Config))
         raise SystemExit(0)
     cfg = _home_expanded(from_dict(cmdline.read(argv, text_keys())))
     config_checks.validate(cfg)
@@ -255,45 +251,6 @@ def _home_expanded(cfg: Config) -> Config:
         cfg, run=dataclasses.replace(cfg.run, out_dir=home(cfg.run.out_dir)),
         data=dataclasses.replace(cfg.data, path=home(cfg.data.path), cache_dir=home(cfg.data.cache_dir)),
         init=dataclasses.replace(cfg.init, from_=home(cfg.init.from_)))
-
-
-def usage() -> str:
-    """Every key with its type, default and the comment beside it above."""
-    script = os.path.abspath(sys.argv[0])  # python -m jaxtrain.run or torchref.run
-    prog = f"python -m {os.path.basename(os.path.dirname(script))}.{os.path.splitext(os.path.basename(script))[0]}"
-    lines = [f"usage: {prog} [--config FILE.yaml] [--section.key=VALUE ...]", "",
-             "One config (configs/ holds the recipes, e.g. configs/tiny.yaml); without one, the defaults below.",
-             "Keys (YAML sections; the same names override on the command line):"]
-    for section in dataclasses.fields(Config):
-        lines.append(f"  {section.name}:")
-        comments = _field_comments(section.type)
-        for f in dataclasses.fields(section.type):
-            name = cmdline.yaml_name(f)
-            default = getattr(section.type(), f.name)
-            default = ("null" if default is None else  # as an override spells it
-                       default if not isinstance(default, str) or default.isprintable() else repr(default))
-            lines.append(f"    {f'--{section.name}.{name}={default}':<34} {comments.get(f.name, '')}".rstrip())
-    return "\n".join(lines)
-
-
-def _field_comments(cls) -> dict[str, str]:
-    """Field name -> what its source comment says: the comment after it on its line, else the comment lines above
-    it, which also speak for the uncommented fields right after it (train.loss_scale_init and its growth interval).
-    draccus's reader passes over a comment above, and over any field whose type holds quotes (Literal choices)."""
-    lines = inspect.getsource(cls).splitlines(keepends=True)
-    comment_at = {token.start[0] - 1: token.string.lstrip("#").strip()
-                  for token in tokenize.generate_tokens(iter(lines).__next__) if token.type == tokenize.COMMENT}
-    comments, above, in_block = {}, [], False
-    for i, line in enumerate(lines):
-        if line.lstrip().startswith("#"):
-            above, in_block = (above if in_block else []) + [comment_at[i]], True
-            continue
-        in_block, field = False, re.match(r"\s+(\w+)\s*:", line)
-        if field:
-            comments[field.group(1)] = comment_at.get(i) or " ".join(above)
-        if not field or i in comment_at:
-            above = []
-    return comments
 
 
 def from_dict(raw: dict) -> Config:

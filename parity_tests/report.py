@@ -23,7 +23,7 @@ cross-backend gap is also judged against torchref's own gap to fp32 (issue 4's 3
 decisions (loss_scale, skipped), which must be the same at every step. Further `--section.key=value` flags go to
 all runs. Exit status 1 when a bound is exceeded. A previous report's runs/ is replaced only once the init's export
 has loaded the config, the flags and the data: a refused command (exit 2) leaves it as it was.
-The bounds and their reasons are judgment.FP32 / judgment.BF16 / judgment.params_bound, the same the tests assert.
+The bounds and their reasons are bounds.FP32 / bounds.BF16 / bounds.params_bound, the same the tests assert.
 """
 
 import argparse
@@ -43,7 +43,7 @@ from jaxtrain import cmdline, config_checks  # noqa: E402
 from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain.cmdline import output_folder, positive_int  # noqa: E402
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error  # noqa: E402
-from parity_tests import judgment, runs  # noqa: E402
+from parity_tests import bounds, judgment, runs  # noqa: E402
 
 COLORS = {"jaxtrain": "tab:blue", "torchref": "tab:orange"}  # the reference runs: gray
 ZERO_FLOOR = 1e-9  # where an exact 0 difference is drawn on the log axes
@@ -201,13 +201,13 @@ def compare(lines: dict, states: dict, precision: str, refs: dict) -> list[judgm
     floor_lines = [(lines[b], lines[r]) for b, r in refs.items()]
     floor_states = [(states[b], states[r]) for b, r in refs.items()]
     if precision == "fp32":
-        rows = judgment.compare_metrics(j, t, judgment.FP32, floors=floor_lines)
+        rows = judgment.compare_metrics(j, t, bounds.FP32, floors=floor_lines)
         return rows + judgment.compare_states(states["jaxtrain"], states["torchref"], {
-            "params": judgment.params_bound(column(t, "lr")[1]), "exp_avg": None, "exp_avg_sq": None}, floor_states)
-    bounds, mean_loss, gap_ratio = judgment.LOW_PRECISION[precision]
-    rows = judgment.compare_metrics(j, t, bounds, floors=floor_lines)
+            "params": bounds.params_bound(column(t, "lr")[1]), "exp_avg": None, "exp_avg_sq": None}, floor_states)
+    step_bounds, mean_loss, gap_ratio = bounds.LOW_PRECISION[precision]
+    rows = judgment.compare_metrics(j, t, step_bounds, floors=floor_lines)
     if precision == "fp16":  # the loss scaling's decisions: the fp32 references have none
-        rows += judgment.compare_metrics(j, t, judgment.FP16_DECISIONS)[1:]
+        rows += judgment.compare_metrics(j, t, bounds.FP16_DECISIONS)[1:]
     cross = np.abs(column(j, "loss")[1] - column(t, "loss")[1])
     own = np.abs(column(t, "loss")[1] - column(lines[refs["torchref"]], "loss")[1])
     rows.append(judgment.scalar_row("loss mean |dloss|", float(cross.mean()), mean_loss, _own_mean(lines, refs)))
@@ -269,10 +269,10 @@ def plot_lr(lines: dict, path: str, precision: str) -> None:
     steps, j = column(lines["jaxtrain"], "lr")
     _, t = column(lines["torchref"], "lr")
     bottom.plot(steps, (j - t) / np.abs(t).max() * 1e6, color="tab:purple", marker=".", ms=3, lw=0.8)
-    bound = judgment.FP32["lr"].peak_rtol * 1e6
+    bound = bounds.FP32["lr"].peak_rtol * 1e6
     for sign in (1, -1):
         bottom.axhline(sign * bound, color="tab:red", ls=":", lw=1,
-                       label=f"bound ({judgment.FP32['lr'].text()})" if sign > 0 else None)
+                       label=f"bound ({bounds.FP32['lr'].text()})" if sign > 0 else None)
     bottom.axhline(0, color="black", lw=0.5)
     bottom.set_ylabel("(jaxtrain - torchref) / peak LR  (x 1e-6)")
     bottom.legend(loc="upper right")
@@ -299,12 +299,12 @@ def plot_gaps(lines: dict, path: str, key: str, title: str, precision: str, refs
     floors = [(column(lines[b], key)[1], column(lines[r], key)[1]) for b, r in refs.items()]
     for (backend, ref), (x, y) in zip(refs.items(), floors):
         _gaps(bottom, steps, np.abs(x - y) / scale, f"floor: |{backend} - {ref}|{per}", FLOOR_STYLE[backend])
-    bound = (judgment.FP32 if precision == "fp32" else judgment.LOW_PRECISION[precision][0])[key]
-    if bound is not None:  # bf16's grad norm is shown, not bounded (judgment.BF16)
+    bound = (bounds.FP32 if precision == "fp32" else bounds.LOW_PRECISION[precision][0])[key]
+    if bound is not None:  # bf16's grad norm is shown, not bounded (bounds.BF16)
         allowed = bound.allowed(t, judgment.floor_envelope(floors, len(t)))
         bottom.plot(steps, allowed / scale, color="tab:red", ls=":", lw=1, label=f"bound ({bound.text()})")
     if key == "loss" and precision != "fp32":
-        mean = judgment.LOW_PRECISION[precision][1]
+        mean = bounds.LOW_PRECISION[precision][1]
         mean_bound = mean.atol + mean.floor_factor * _own_mean(lines, refs)
         bottom.axhline(mean_bound, color="tab:red", ls="-.", lw=1, label=f"bound on the mean ({mean_bound:.2g})")
     bottom.set_ylabel("relative difference" if relative else f"|d{key}|")

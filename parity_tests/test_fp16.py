@@ -7,14 +7,14 @@ after 15 skips); a growth interval of 5 then doubles it after every 5 finite win
 sometimes overflows again. Both backends must skip the same windows and hold the same loss_scale at every step,
 exactly: a decision flips only where a gradient lies within the backends' fp16 rounding difference of the overflow
 threshold, which these runs never meet (measured: identical for all 40 steps). The losses are then judged as the
-bf16 report judges bf16, against torchref's own fp16-vs-fp32 gap (judgment.FP16_GAP_RATIO).
+bf16 report judges bf16, against torchref's own fp16-vs-fp32 gap (bounds.FP16_GAP_RATIO).
 """
 
 import numpy as np
 import pytest
 
 from parity_tests import judgment, runs
-from parity_tests.judgment import FP32, FP16_GAP_RATIO
+from parity_tests.bounds import FP32, FP16_GAP_RATIO
 
 STEPS, CUT = 40, 20
 FORCED = ("--train.precision=fp16", f"--train.loss_scale_init={2.0 ** 32}", "--train.loss_scale_growth_interval=5")

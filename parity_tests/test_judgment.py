@@ -4,7 +4,7 @@ key-bias rule for final params. Each expectation is worked out by hand in the co
 import numpy as np
 import pytest
 
-from parity_tests import judgment
+from parity_tests import bounds, judgment
 from parity_tests.judgment import Bound
 
 STEPS = [1, 2, 3, 4, 5]
@@ -88,6 +88,6 @@ def test_the_lr_bound_holds_for_optaxs_float32_schedule_at_any_run_length():
         cosine = min_lr + (lr - min_lr) * 0.5 * (1 + np.cos(np.pi * (t - warmup) / (steps - warmup)))
         want = np.where(t < warmup, warm, cosine)
         got = np.asarray(optim.lr_schedule(cfg)(jnp.arange(steps + 1)), np.float64)
-        assert judgment.compare_series("lr", t, got, want, judgment.FP32["lr"]).passed, (lr, min_lr, steps)
+        assert judgment.compare_series("lr", t, got, want, bounds.FP32["lr"]).passed, (lr, min_lr, steps)
         if relative_fails:
             assert not judgment.compare_series("lr", t, got, want, Bound(0.0, 1e-6, "relative")).passed

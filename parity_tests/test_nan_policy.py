@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from jaxtrain import config
-from parity_tests import judgment, runs
-from parity_tests.judgment import FP32, Bound
+from parity_tests import bounds, judgment, runs
+from parity_tests.bounds import FP32
+from parity_tests.judgment import Bound
 from torchref.optim import get_lr
 
 STEPS, WARMUP, BAD = 12, 5, (3, 4, 9)
@@ -70,14 +71,14 @@ def test_both_skip_the_same_windows_and_hold_the_lr(skipped_runs, args):
         assert [line["skipped"] for line in lines] == want_skipped, backend
         # NaN written null: metrics.jsonl is strict JSON (runs.read_metrics refuses a bare NaN)
         assert [s for s, line in enumerate(lines, 1) if line["loss"] is None] == list(BAD), backend
-        # optax evaluates the schedule in float32: a few ulps (judgment.FP32["lr"])
+        # optax evaluates the schedule in float32: a few ulps (bounds.FP32["lr"])
         np.testing.assert_allclose([line["lr"] for line in lines], want_lr, rtol=1e-6, err_msg=backend)
         assert sorted(map(int, os.listdir(os.path.join(out, "checkpoints")))) == list(range(1, STEPS + 1)), backend
 
 
 def test_trajectories_agree_around_the_skips(skipped_runs):
     """Per step, the finite ones (a NaN compares with nothing), within the fp32 trajectory bounds; the final state
-    within judgment.params_bound, as an uninterrupted fp32 run."""
+    within bounds.params_bound, as an uninterrupted fp32 run."""
     jax_lines, torch_lines = (runs.read_metrics(skipped_runs[b]) for b in runs.BACKENDS)
     finite = [s for s in range(1, STEPS + 1) if s not in BAD]
     rows = judgment.compare_metrics(jax_lines, torch_lines, {k: FP32[k] for k in ("loss", "grad_norm", "tokens")},
@@ -86,7 +87,8 @@ def test_trajectories_agree_around_the_skips(skipped_runs):
                                                           "skipped": Bound(0.0, 0.0, "a count: exact")})
     lrs = [line["lr"] for line in runs.train_lines(torch_lines) if line["step"] in finite]
     states = [runs.final_state(b, skipped_runs[b], STEPS) for b in runs.BACKENDS]
-    rows += judgment.compare_states(*states, {"params": judgment.params_bound(lrs), "exp_avg": None, "exp_avg_sq": None})
+    params = bounds.params_bound(lrs)
+    rows += judgment.compare_states(*states, {"params": params, "exp_avg": None, "exp_avg_sq": None})
     bad = judgment.failures(rows)
     assert not bad, f"{bad}\n\n{judgment.format_rows(rows)}"
 

@@ -16,8 +16,9 @@ import shutil
 import numpy as np
 import pytest
 
-from parity_tests import judgment, runs
-from parity_tests.judgment import BF16, BF16_GAP_RATIO, BF16_MEAN_LOSS, FP32, Bound
+from parity_tests import bounds, judgment, runs
+from parity_tests.bounds import BF16, BF16_GAP_RATIO, BF16_MEAN_LOSS, FP32
+from parity_tests.judgment import Bound
 
 STEPS = 100  # runs.SMALL's train.steps
 CUT = 30  # where a run is stopped and resumed, or handed to the other backend
@@ -100,19 +101,19 @@ def test_same_init_agrees_for_fifty_steps(fp32):
 
 def test_fp32_trajectory(fp32):
     """100 steps, accumulation 2, clipping active: per-step loss atol 1e-5, lr rtol 1e-5 (issue 4; issue 3's 1e-6 is
-    asserted above), grad_norm, tokens, eval loss; final params within judgment.params_bound."""
+    asserted above), grad_norm, tokens, eval loss; final params within bounds.params_bound."""
     for backend, out in fp32.items():
         norms = column(out, "grad_norm")
         clipped = int(np.sum(norms > MAX_GRAD_NORM))
         # Both branches of the clip must be exercised, or the run would not test clipping (measured: ~85 of 100).
         assert 50 <= clipped <= STEPS - 5, f"{backend}: clipping acted on {clipped} of {STEPS} steps (want 50..95)"
     jax_lines, torch_lines = (runs.read_metrics(fp32[b]) for b in runs.BACKENDS)
-    bounds = {**FP32, "lr": Bound(0.0, 1e-5, "issue 4's test 7; optax's fp32 schedule, measured 5.4e-7")}
-    rows = judgment.compare_metrics(jax_lines, torch_lines, bounds)
+    step_bounds = {**FP32, "lr": Bound(0.0, 1e-5, "issue 4's test 7; optax's fp32 schedule, measured 5.4e-7")}
+    rows = judgment.compare_metrics(jax_lines, torch_lines, step_bounds)
     assert len(runs.train_lines(jax_lines)) == STEPS, "jaxtrain did not log every step"
     jax_state, torch_state = (runs.final_state(b, fp32[b], STEPS) for b in runs.BACKENDS)
-    rows += judgment.compare_states(jax_state, torch_state, {"params": judgment.params_bound(column(fp32["torchref"], "lr")),
-                                                         "exp_avg": None, "exp_avg_sq": None})
+    params = bounds.params_bound(column(fp32["torchref"], "lr"))
+    rows += judgment.compare_states(jax_state, torch_state, {"params": params, "exp_avg": None, "exp_avg_sq": None})
     check(rows, "fp32 trajectory, jaxtrain vs torchref (jaxtrain first, torchref second)")
 
 
@@ -171,7 +172,7 @@ def test_param_groups_trajectory(grouped, fp32):
     rows = judgment.compare_metrics(jax_lines, torch_lines, FP32)
     jax_state, torch_state = (runs.final_state(b, grouped[b], STEPS) for b in runs.BACKENDS)
     moved = MAX_LR_SCALE * column(grouped["torchref"], "lr")
-    rows += judgment.compare_states(jax_state, torch_state, {"params": judgment.params_bound(moved), "exp_avg": None,
+    rows += judgment.compare_states(jax_state, torch_state, {"params": bounds.params_bound(moved), "exp_avg": None,
                                                          "exp_avg_sq": None})
     check(rows, "optim.groups + linear schedule, jaxtrain vs torchref (jaxtrain first, torchref second)")
     plain = np.abs(column(grouped["torchref"], "loss") - column(fp32["torchref"], "loss"))
@@ -226,7 +227,7 @@ def _continuation_rows(continued: str, backend: str, straight: str, columns) -> 
     other = "torchref" if backend == "jaxtrain" else "jaxtrain"
     # The runs agree bit for bit up to step 30, so only steps 31..100 add to the difference.
     rows += judgment.compare_states(state, runs.final_state(other, straight, STEPS),
-                                {"params": judgment.params_bound(column(straight, "lr", steps))})
+                                {"params": bounds.params_bound(column(straight, "lr", steps))})
     return rows
 
 
@@ -280,7 +281,7 @@ def test_both_backends_continue_a_full_state_alike(both_from_torch30, fp32):
     jax_lines, torch_lines = (runs.read_metrics(both_from_torch30[b]) for b in runs.BACKENDS)
     rows = judgment.compare_metrics(jax_lines, torch_lines, columns, steps=steps)
     rows += judgment.compare_states(*(runs.final_state(b, both_from_torch30[b], STEPS) for b in runs.BACKENDS),
-                                {"params": judgment.params_bound(column(fp32["torchref"], "lr", steps))})
+                                {"params": bounds.params_bound(column(fp32["torchref"], "lr", steps))})
     check(rows, f"jaxtrain (first) vs torchref (second), both from torchref's state at step {CUT}")
     rows = _continuation_rows(both_from_torch30["jaxtrain"], "jaxtrain", fp32["torchref"], columns)
     check(rows, f"jaxtrain from torchref's state at step {CUT} (first) vs torchref straight (second)")
