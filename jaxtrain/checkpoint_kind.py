@@ -151,7 +151,7 @@ def _written_n_head(path: str) -> int | None:
                 value = value[key]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if isinstance(value, int) and not isinstance(value, bool):
+        if _is_int(value):
             return value
     return None
 
