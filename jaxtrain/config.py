@@ -137,9 +137,11 @@ class TrainConfig:
     # bf16 | fp16: bf16 or fp16 matmuls, fp32 params/grads/optimizer/norms/loss; fp32: everything in fp32
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     # fp16: dynamic loss scaling as torch's GradScaler (x2 after this many finite windows in a row, x0.5 and the
-    # update skipped on a non-finite gradient): the scale a run starts at, and the growth interval
+    # update skipped on a non-finite gradient): the scale a run starts at, the growth interval, and the floor the
+    # scale never falls below (DeepSpeed's and Megatron's, 1: a non-finite gradient there is a divergence)
     loss_scale_init: float = 65536.0
     loss_scale_growth_interval: int = 2000
+    loss_scale_min: float = 1.0
     eval_every: int = 100  # optimizer steps between evaluations; 0: only at the end
     eval_batches: int = 8  # fixed validation batches of data.batch_size sequences (run in micro-batches)
     nan_policy: Literal["halt", "skip"] = "halt"  # a non-finite loss or grad norm: halt (resume from the last checkpoint) or skip that update

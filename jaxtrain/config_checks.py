@@ -61,7 +61,7 @@ def _check_ranges(cfg) -> None:
         "checkpoint.max_to_keep": cfg.checkpoint.max_to_keep, "log.every": cfg.log.every, "optim.lr": o.lr,
         "train.nan_skip_limit": t.nan_skip_limit, "run.lock_timeout_s": cfg.run.lock_timeout_s,
         "optim.cycles": o.cycles, "train.loss_scale_init": t.loss_scale_init,
-        "train.loss_scale_growth_interval": t.loss_scale_growth_interval,
+        "train.loss_scale_growth_interval": t.loss_scale_growth_interval, "train.loss_scale_min": t.loss_scale_min,
         "optim.eps": o.eps,  # AdamW's m / (sqrt(v) + eps) is 0 / 0 for a weight no gradient has reached yet
     }
     for key, value in positive.items():
@@ -86,10 +86,14 @@ def _check_ranges(cfg) -> None:
     for key in ("b1", "b2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             raise UserError(f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
-    if not (math.log2(t.loss_scale_init).is_integer() and 2.0**-126 <= t.loss_scale_init <= 2.0**127):
-        raise UserError(f"train.loss_scale_init={t.loss_scale_init} must be a power of 2 (e.g. 65536) from 2**-126 "
-                        f"to 2**127 (a normal fp32 number), so that scaling the loss and unscaling its gradient are "
-                        f"exact")
+    scales = (("loss_scale_init", t.loss_scale_init, 65536), ("loss_scale_min", t.loss_scale_min, 1))
+    for key, scale, example in scales:
+        if not (math.log2(scale).is_integer() and 2.0**-126 <= scale <= 2.0**127):
+            raise UserError(f"train.{key}={scale} must be a power of 2 (e.g. {example}) from 2**-126 to 2**127 (a "
+                            f"normal fp32 number), so that scaling the loss and unscaling its gradient are exact")
+    if t.loss_scale_init < t.loss_scale_min:
+        raise UserError(f"train.loss_scale_init={t.loss_scale_init} is below train.loss_scale_min="
+                        f"{t.loss_scale_min}, the floor the scale never falls below; lower train.loss_scale_min too")
 
 
 def _check_schedule(cfg) -> None:

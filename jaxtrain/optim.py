@@ -174,6 +174,19 @@ class LossScaleState(NamedTuple):
     good_steps: jax.Array
 
 
+class LossScaling(NamedTuple):
+    """train.precision=fp16's rule for the scale: double it after `growth_interval` finite windows in a row, halve
+    it on a non-finite one down to `floor` (train.loss_scale_min), where the loss scaling has no more to give."""
+    growth_interval: int
+    floor: float
+
+
+def loss_scaling(cfg: Config) -> LossScaling | None:
+    """The run's LossScaling under train.precision=fp16, else None (no loss scaling)."""
+    t = cfg.train
+    return LossScaling(t.loss_scale_growth_interval, t.loss_scale_min) if t.precision == "fp16" else None
+
+
 def hold_loss_scale(init_scale: float) -> optax.GradientTransformation:
     """Identity that keeps the loss scale in the optimizer state (so checkpoints carry it), last in the inner
     chain: the train step reads it (`loss_scale`) and writes its next value (`with_loss_scale`)."""
@@ -197,13 +210,14 @@ def with_loss_scale(opt_state: optax.MultiStepsState, scaler: LossScaleState) ->
     return opt_state._replace(inner_opt_state=(*inner[:3], scaler))
 
 
-def next_loss_scale(scaler: LossScaleState, finite: jax.Array, growth_interval: int) -> LossScaleState:
-    """GradScaler.update (torch's _amp_update_scale_): a non-finite window halves the scale and restarts the count;
-    the growth_interval-th finite window in a row doubles it (unless that overflows fp32) and restarts the count."""
+def next_loss_scale(scaler: LossScaleState, finite: jax.Array, scaling: LossScaling) -> LossScaleState:
+    """GradScaler.update (torch's _amp_update_scale_): a non-finite window halves the scale, but not below the
+    floor (as DeepSpeed's and Megatron's scalers stop), and restarts the count; the growth_interval-th finite window
+    in a row doubles it (unless that overflows fp32) and restarts the count."""
     good_steps = scaler.good_steps + 1
-    grow = finite & (good_steps == growth_interval)
-    grown = scaler.scale * 2.0
-    scale = jnp.where(finite, jnp.where(grow & jnp.isfinite(grown), grown, scaler.scale), scaler.scale * 0.5)
+    grow = finite & (good_steps == scaling.growth_interval)
+    grown, backed_off = scaler.scale * 2.0, jnp.maximum(scaler.scale * 0.5, scaling.floor)
+    scale = jnp.where(finite, jnp.where(grow & jnp.isfinite(grown), grown, scaler.scale), backed_off)
     return LossScaleState(scale, jnp.where(finite & ~grow, good_steps, 0))
 
 

@@ -36,6 +36,7 @@ _ACTS_ONLY_IF = {
     "optim.warmup_init_lr": lambda f: f["optim.warmup_steps"] > 0,
     "train.loss_scale_init": lambda f: f["train.precision"] == "fp16",
     "train.loss_scale_growth_interval": lambda f: f["train.precision"] == "fp16",
+    "train.loss_scale_min": lambda f: f["train.precision"] == "fp16",
     "optim.grad_accum_steps": lambda f: f["model.dropout"] > 0,
 }
 

@@ -120,7 +120,7 @@ def compute_dtype_params(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     seed: int, dropout: bool, skip_non_finite: bool = False,
-                    loss_scale_growth_interval: int | None = None, vocab_tiles: int = 1,
+                    loss_scaling: optim.LossScaling | None = None, vocab_tiles: int = 1,
                     lse_in_head: bool = False) -> Callable:
     """train_step(state, inputs_KxBxT, targets_KxBxT) -> (state, metrics), metrics as device scalars.
 
@@ -128,13 +128,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
     where either is inf or NaN leaves params and optimizer state as they were (optim.unless_finite); otherwise
     the host halts on the metrics before anything is saved (run.Divergence).
 
-    With `loss_scale_growth_interval` (train.precision=fp16), torch's GradScaler in the step: each micro-batch's
-    loss is multiplied by the loss scale before the backward pass and its gradient divided by it after (exact: the
-    scale is a power of 2, so this is GradScaler's unscale_ of the summed window), a window with a non-finite
-    gradient is skipped as nan_policy=skip skips one, and the scale moves as GradScaler.update moves it.
+    With `loss_scaling` (train.precision=fp16), torch's GradScaler in the step: each micro-batch's loss is
+    multiplied by the loss scale before the backward pass and its gradient divided by it after (exact: the scale is
+    a power of 2, so this is GradScaler's unscale_ of the summed window), a window with a non-finite gradient is
+    skipped as nan_policy=skip skips one, and the scale moves as GradScaler.update moves it, down to its floor.
     `vocab_tiles`, `lse_in_head`: model.vocab_tiles, model.head_lse=pallas (model_ce_sum)."""
     base_key = jax.random.key(seed)
-    fp16 = loss_scale_growth_interval is not None
+    fp16 = loss_scaling is not None
 
     def micro_loss(params, inputs_BxT, targets_BxT, n_window, dropout_key, scale):
         ce = model_ce_sum(graphdef, params, inputs_BxT, targets_BxT, dropout_key=dropout_key, vocab_tiles=vocab_tiles,
@@ -174,8 +174,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
             "skipped": optim.skipped_updates(opt_state),
         }
         if fp16:
-            opt_state = optim.with_loss_scale(opt_state, optim.next_loss_scale(scaler, finite,
-                                                                                loss_scale_growth_interval))
+            opt_state = optim.with_loss_scale(opt_state, optim.next_loss_scale(scaler, finite, loss_scaling))
             metrics["loss_scale"] = scaler.scale  # the scale this window's backward pass ran with
         return TrainState(params, opt_state), metrics
 
@@ -186,10 +185,8 @@ def jit_train_step(cfg: Config, seed: int, out_shardings=None) -> Callable:
     """The run's train step (cfg's model with its resolved vocab_size, optimizer, schedule, nan_policy), jitted with
     the state donated: what run.Trainer trains with, the dry run compiles and the benchmarks time."""
     graphdef = model.graphdef(cfg.model, vocab_size=cfg.model.vocab_size, precision=cfg.train.precision)
-    fp16 = cfg.train.precision == "fp16"
     train_step = make_train_step(graphdef, optim.optimizer(cfg), optim.lr_schedule(cfg), seed, cfg.model.dropout > 0,
-                                 skip_non_finite=cfg.train.nan_policy == "skip",
-                                 loss_scale_growth_interval=cfg.train.loss_scale_growth_interval if fp16 else None,
+                                 skip_non_finite=cfg.train.nan_policy == "skip", loss_scaling=optim.loss_scaling(cfg),
                                  vocab_tiles=cfg.model.vocab_tiles, lse_in_head=cfg.model.head_lse == "pallas")
     return _jit_as_the_step(train_step, cfg, donate_argnums=0, out_shardings=out_shardings)
 

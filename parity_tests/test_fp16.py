@@ -114,3 +114,25 @@ def test_a_checkpoint_carries_the_loss_scale_across_backends(first, forced, args
     continued = [line for line in continued if line["step"] > CUT]
     for key in ("loss_scale", "skipped"):
         assert column(continued, key).tolist() == column(straight, key).tolist(), key
+
+
+@pytest.mark.parametrize("policy,stop", [("halt", 13), ("skip", 14)])
+def test_an_overflow_at_the_loss_scale_floor_stops_both_backends_at_the_same_step(work, args, init, policy, stop):
+    """train.loss_scale_min=2^20, where runs.SMALL's fp16 gradients still overflow (they fit from 2^17): windows
+    1-12 overflow and halve the scale from 2^32, window 13 overflows at the floor, where the scaling has nothing
+    left to try. That is a divergence, as a gradient no scale cures would otherwise skip every window for good
+    without a word: halt stops there, skip counts it (nan_skip_limit=2: the next one stops). Both backends alike,
+    exit 2 and one line, the scale held at the floor."""
+    for backend in runs.BACKENDS:
+        out = f"floor-{backend}-{policy}"
+        with pytest.raises(runs.RunFailed) as failed:
+            runs.train(backend, args(out, *FORCED, f"--train.loss_scale_min={2.0 ** 20}",
+                                     f"--train.nan_policy={policy}", "--train.nan_skip_limit=2"), init)
+        error = [line for line in failed.value.stderr.splitlines() if line.startswith("error: ")]
+        assert failed.value.returncode == 2 and len(error) == 1, failed.value.stderr[-3000:]
+        assert f"at step {stop}: " in error[0] and "Traceback" not in failed.value.stderr, error
+        assert "floor, train.loss_scale_min=1048576.0" in error[0] and "lower train.loss_scale_min" in error[0]
+        lines = runs.train_lines(runs.read_metrics(str(work / out)))
+        held = [2.0 ** 20] * (stop - 13)
+        assert column(lines, "loss_scale").tolist() == [2.0 ** e for e in range(32, 19, -1)] + held, backend
+        assert column(lines, "skipped").tolist() == list(range(1, stop + 1)), backend

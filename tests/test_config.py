@@ -212,22 +212,32 @@ def test_vocab_tiles_must_divide_the_micro_batch_tokens(sequences, accum, seq_le
 
 
 @settings(deadline=None, derandomize=True, database=None, max_examples=200)
-@given(exponent=st.integers(-1074, 1023))
-@example(-200).via("the run that trained nothing")
-@example(-127).via("below the bound")
-@example(-126).via("the bound")
-@example(127).via("the bound")
-@example(128).via("above the bound")
-def test_loss_scale_init_is_a_power_of_2_that_fp32_holds(exponent):
-    """train.loss_scale_init = 2**e is accepted exactly when fp32 holds it as a normal number. Below, fp32 rounds it
-    to a subnormal (scaling no longer exact) or to 0: at 2**-200 an fp16 run skipped every window for good, its
-    scale 0 and every gradient 0/0, and trained nothing without a word. Above, fp32 rounds it to inf."""
+@given(exponent=st.integers(-1074, 1023), key=st.sampled_from(["loss_scale_init", "loss_scale_min"]))
+@example(-200, "loss_scale_init").via("the run that trained nothing")
+@example(-127, "loss_scale_init").via("below the bound")
+@example(-126, "loss_scale_min").via("the bound")
+@example(127, "loss_scale_min").via("the bound")
+@example(128, "loss_scale_init").via("above the bound")
+def test_loss_scales_are_powers_of_2_that_fp32_holds(exponent, key):
+    """train.loss_scale_init or train.loss_scale_min = 2**e is accepted exactly when fp32 holds it as a normal
+    number. Below, fp32 rounds it to a subnormal (scaling no longer exact) or to 0: at 2**-200 an fp16 run skipped
+    every window for good, its scale 0 and every gradient 0/0, and trained nothing without a word. Above, fp32 rounds
+    it to inf. The other key is set out of the way (init >= min is a rule of its own)."""
     scale, fp32 = 2.0 ** exponent, np.finfo(np.float32)
+    other = ({"loss_scale_min": float(fp32.tiny)} if key == "loss_scale_init" else
+             {"loss_scale_init": 2.0 ** 127})
+    args = [f"--train.{key}={scale!r}", *(f"--train.{k}={v!r}" for k, v in other.items())]
     if float(fp32.tiny) <= scale <= float(fp32.max):
-        assert config.load([f"--train.loss_scale_init={scale!r}"]).train.loss_scale_init == scale
+        assert getattr(config.load(args).train, key) == scale
     else:
-        with pytest.raises(UserError, match=r"^train\.loss_scale_init=.* must be a power of 2"):
-            config.load([f"--train.loss_scale_init={scale!r}"])
+        with pytest.raises(UserError, match=rf"^train\.{key}=.* must be a power of 2"):
+            config.load(args)
+
+
+def test_the_loss_scale_starts_at_or_above_its_floor():
+    with pytest.raises(UserError, match=r"^train\.loss_scale_init=1024.0 is below train\.loss_scale_min=2048.0"):
+        config.load(["--train.loss_scale_init=1024", "--train.loss_scale_min=2048"])
+    assert config.load(["--train.loss_scale_init=1024", "--train.loss_scale_min=1024"]).train.loss_scale_min == 1024
 
 
 # Float keys of each kind: a rate, a bound, an optional one, one jax never sees, a parameter group's.
@@ -409,7 +419,8 @@ def test_help_gives_each_key_the_comment_config_py_writes_for_it(capsys):
         "ndim: decay params with ndim >= 2; names: all but bias/norm/embedding")
     assert "per-group LR multiplier and weight decay" in flags["--optim.groups"]
     assert "bf16 | fp16: bf16 or fp16 matmuls" in flags["--train.precision"]
-    for key in ("--train.loss_scale_init", "--train.loss_scale_growth_interval"):  # one comment above the two
+    # one comment above the three
+    for key in ("--train.loss_scale_init", "--train.loss_scale_growth_interval", "--train.loss_scale_min"):
         assert "fp16: dynamic loss scaling as torch's GradScaler" in flags[key]
     assert flags["--train.nan_policy"].endswith("halt (resume from the last checkpoint) or skip that update")
     assert flags["--train.eval_every"].endswith("optimizer steps between evaluations; 0: only at the end")

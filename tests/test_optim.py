@@ -148,8 +148,8 @@ def test_torch_groups_put_lr_scale_one_and_decay_first():
 
 
 # train.precision=fp16's loss scale against torch's own GradScaler, driven by the same sequence of finite /
-# non-finite windows.
-def _torch_scales(init: float, interval: int, finite: list[bool]) -> list[float]:
+# non-finite windows, with the floor (train.loss_scale_min) written out here: a scale below it is set back to it.
+def _torch_scales(init: float, interval: int, floor: float, finite: list[bool]) -> list[float]:
     import torch
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=0.0)
@@ -160,20 +160,22 @@ def _torch_scales(init: float, interval: int, finite: list[bool]) -> list[float]
         param.grad = torch.tensor([1.0 if ok else float("inf")])
         scaler.step(optimizer)
         scaler.update()
+        if scaler.get_scale() < floor:
+            scaler.update(floor)
         scales.append(scaler.get_scale())
     return scales
 
 
 @settings(deadline=None, max_examples=40, derandomize=True)
 @given(finite=st.lists(st.booleans(), min_size=1, max_size=40), interval=st.integers(1, 5),
-       init_exponent=st.sampled_from([0, 16, 32, 126, 127]))
-def test_loss_scale_moves_as_torch_gradscaler(finite, interval, init_exponent):
-    """Backoff on every non-finite window, growth on the interval-th finite one in a row, no growth past fp32's
-    range (init 2^127): the scale after each window equals GradScaler's."""
-    init = 2.0 ** init_exponent
+       init_exponent=st.sampled_from([0, 16, 32, 126, 127]), floor_exponent=st.sampled_from([-126, 0, 10, 30]))
+def test_loss_scale_moves_as_torch_gradscaler(finite, interval, init_exponent, floor_exponent):
+    """Backoff on every non-finite window down to the floor, growth on the interval-th finite one in a row, no
+    growth past fp32's range (init 2^127): the scale after each window equals GradScaler's held at the floor."""
+    init, floor = 2.0 ** init_exponent, 2.0 ** min(floor_exponent, init_exponent)
     state = optim.LossScaleState(jnp.float32(init), jnp.int32(0))
     ours = []
     for ok in finite:
-        state = optim.next_loss_scale(state, jnp.bool_(ok), interval)
+        state = optim.next_loss_scale(state, jnp.bool_(ok), optim.LossScaling(interval, floor))
         ours.append(float(state.scale))
-    assert ours == _torch_scales(init, interval, finite)
+    assert ours == _torch_scales(init, interval, floor, finite)

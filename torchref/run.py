@@ -168,7 +168,7 @@ def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Config,
 
 
 def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_norm: float,
-               skip_non_finite: bool = False, scaler: torch.amp.GradScaler | None = None):
+               skip_non_finite: bool = False, scaler: "FlooredGradScaler | None" = None):
     """One optimizer update from a window of k micro-batches, inputs and targets (k, B/k, T).
     Returns the window's mean CE, the global gradient norm before clipping, the LR this update applies, and
     whether it was applied: with skip_non_finite (train.nan_policy=skip) a non-finite loss or gradient norm leaves
@@ -199,25 +199,40 @@ def train_step(model, optimizer, scheduler, inputs, targets, autocast, max_grad_
     return loss, grad_norm, lr, True
 
 
-def scaled_step(scaler: torch.amp.GradScaler, optimizer, scheduler) -> bool:
-    """scaler.step and scaler.update, then the scheduler after an applied update; whether it was applied (the
-    scale fell: GradScaler backs off exactly when it skipped, the test accelerate uses)."""
-    before = scaler.get_scale()
+class FlooredGradScaler(torch.amp.GradScaler):
+    """torch's GradScaler whose backoff stops at `floor` (train.loss_scale_min), as DeepSpeed's and Megatron's
+    scalers stop (jaxtrain: optim.next_loss_scale). `backed_off`: whether the last update() halved the scale, that
+    is whether the last scaler.step skipped (the test accelerate uses), which the scale alone no longer tells at the
+    floor."""
+
+    def __init__(self, device: str, floor: float, **kwargs):
+        super().__init__(device, **kwargs)
+        self.floor, self.backed_off = floor, False
+
+    def update(self, new_scale=None) -> None:
+        before = self.get_scale()
+        super().update(new_scale)
+        self.backed_off = new_scale is None and self.get_scale() < before
+        if self.get_scale() < self.floor:
+            super().update(self.floor)
+
+
+def scaled_step(scaler: FlooredGradScaler, optimizer, scheduler) -> bool:
+    """scaler.step and scaler.update, then the scheduler after an applied update; whether it was applied."""
     scaler.step(optimizer)
     scaler.update()
-    applied = scaler.get_scale() >= before
-    if applied:
+    if not scaler.backed_off:
         scheduler.step()
-    return applied
+    return not scaler.backed_off
 
 
-def loss_scaler(cfg: Config, device: str, progress) -> torch.amp.GradScaler | None:
-    """train.precision=fp16's GradScaler with the config's initial scale and growth interval (growth x2, backoff
-    x0.5: its defaults), at a resumed run's scale and growth tracker."""
+def loss_scaler(cfg: Config, device: str, progress) -> FlooredGradScaler | None:
+    """train.precision=fp16's GradScaler with the config's initial scale, growth interval and floor (growth x2,
+    backoff x0.5: its defaults), at a resumed run's scale and growth tracker."""
     if cfg.train.precision != "fp16":
         return None
-    scaler = torch.amp.GradScaler(device, init_scale=cfg.train.loss_scale_init,
-                                  growth_interval=cfg.train.loss_scale_growth_interval)
+    scaler = FlooredGradScaler(device, cfg.train.loss_scale_min, init_scale=cfg.train.loss_scale_init,
+                               growth_interval=cfg.train.loss_scale_growth_interval)
     if progress.loss_scale is not None:  # the checkpoint's scale and growth tracker over the config's factors
         scaler.load_state_dict({**scaler.state_dict(), **progress.loss_scale})
     return scaler
