@@ -164,7 +164,8 @@ def param_settings(cfg: Config, params: nnx.State) -> dict[str, param_groups.Set
 
 
 def _label(setting: param_groups.Setting) -> str:
-    return f"lr_scale={setting.lr_scale!r} weight_decay={setting.weight_decay!r}"
+    """One label per distinct Setting: a weight_decay of -0.0 is the 0.0 the set of settings holds (+ 0.0)."""
+    return f"lr_scale={setting.lr_scale!r} weight_decay={setting.weight_decay + 0.0!r}"
 
 
 class LossScaleState(NamedTuple):

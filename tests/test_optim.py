@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from design_formulas import lr_at, schedule_lr_at
-from jaxtrain import config, optim, param_groups
+from jaxtrain import config, model, optim, param_groups, step
 from jaxtrain.errors import UserError
 from jaxtrain.param_groups import ParamGroup, Setting
 
@@ -133,6 +133,21 @@ def test_groups_set_lr_scale_and_weight_decay_over_the_mask():
 def test_groups_that_overlap_or_match_nothing_are_refused(groups, words):
     with pytest.raises(UserError, match=words):
         param_groups.assign(NAMES, groups, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("overrides", [['--optim.groups={"wte": {"weight_decay": -0.0}}'],
+                                       ["--optim.weight_decay=-0.0", '--optim.groups={"wte": {"lr_scale": 0.5}}']])
+def test_a_weight_decay_of_minus_zero_trains_as_zero(overrides):
+    """-0.0 passes the >= 0 checks and equals 0.0 in the set of settings, but was labelled apart from it: optax's
+    multi_transform found no transformation for its parameters, a ValueError traceback at the run's start. Now its
+    parameters train as undecayed: with a zero gradient, AdamW's update leaves them where they are."""
+    cfg = config.load(["--config", "configs/tiny.yaml", "--model.n_layer=1", "--model.d_model=16", "--model.n_head=2",
+                       *overrides])
+    state = step.init_state(model.init_params(cfg.model, vocab_size=32, precision="fp32", seed=0)[1],
+                            optim.optimizer(cfg))
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    updates, _ = optim.optimizer(cfg).update(zeros, state.opt_state, state.params)
+    assert float(jnp.max(jnp.abs(updates["wte"]["weight"][...]))) == 0.0
 
 
 def test_torch_groups_put_lr_scale_one_and_decay_first():
