@@ -55,9 +55,9 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2
     tie_embeddings: bool = True  # lm_head shares wte's weight, as GPT-2
-    # auto: cuDNN's fused flash attention on a GPU under bf16 without dropout, with a head size a multiple of 8; the
-    # written-out attention elsewhere; xla: always written out, as torchref (its roundings); cudnn: always fused, an
-    # error where it cannot run
+    # auto: cuDNN's fused flash attention on an NVIDIA GPU from Ampere on under bf16 without dropout, with a head size
+    # a multiple of 8 up to 128 (256 from Hopper on); the written-out attention elsewhere; xla: always written out,
+    # as torchref (its roundings); cudnn: always fused, an error where it cannot run
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     # the residual adds and LayerNorms of each block: auto: one hand-written kernel each way on a GPU (Pallas), XLA's
     # ops elsewhere; xla: always XLA's; pallas: always the kernels (off a GPU through Pallas's interpreter: slow)

@@ -18,15 +18,33 @@ from jaxtrain.fused_norm import triton_available
 def fused_attention(cfg: ModelConfig, precision: str) -> bool:
     """Whether attention runs as cuDNN's fused flash-attention kernel (model.attention). It never holds the
     (B, nh, T, T) scores, so memory grows with T, not T^2; it takes bf16 only, has no dropout on the
-    probabilities, takes head sizes that are a multiple of 8 only (jax raises NotImplementedError on others), and
-    exists on NVIDIA GPUs only. auto picks it where it can run."""
-    head_size = cfg.d_model // cfg.n_head
-    possible = precision == "bf16" and cfg.dropout == 0.0 and head_size % 8 == 0 and backend() == "gpu"
+    probabilities, takes head sizes that are a multiple of 8 up to cudnn_max_head_size() only (jax raises
+    NotImplementedError on others), and exists on NVIDIA GPUs only. auto picks it where it can run."""
+    head_size, largest = cfg.d_model // cfg.n_head, cudnn_max_head_size()
+    possible = (precision == "bf16" and cfg.dropout == 0.0 and head_size % 8 == 0 and head_size <= largest
+                and backend() == "gpu")
     if cfg.attention == "cudnn" and not possible:
+        gpu = ("a GPU" if largest else "an NVIDIA GPU of compute capability 8.0 or later (cuDNN's attention needs "
+               "one: not this one)")
+        sizes = f" and at most {largest} here" if largest else ""
         raise UserError(f"model.attention=cudnn needs train.precision=bf16, model.dropout=0, a head size "
-                        f"(model.d_model / model.n_head) that is a multiple of 8 and a GPU (got {precision}, dropout "
-                        f"{cfg.dropout}, head size {head_size}, {backend()}); use model.attention=auto")
+                        f"(model.d_model / model.n_head) that is a multiple of 8{sizes}, and {gpu} (got {precision}, "
+                        f"dropout {cfg.dropout}, head size {head_size}, {backend()}); use model.attention=auto")
     return cfg.attention == "cudnn" or (cfg.attention == "auto" and possible)
+
+
+def cudnn_max_head_size() -> int:
+    """The largest head size cuDNN's flash attention takes: 256 on a Hopper or later GPU, 128 on an Ampere or Ada
+    one, as jax's check_is_flash_attention asks the local GPU (128 where none is local, an ahead-of-time compile, as
+    jax takes it there too); 0 on a GPU it does not run on: one before Ampere (cuDNN's SDPA needs SM80) or not
+    NVIDIA's (jax's check asks for "cuda" in the platform's version)."""
+    if jax.default_backend() != "gpu":
+        return 128
+    device = jax.devices()[0]
+    if "cuda" not in device.client.platform_version:
+        return 0
+    capability = tuple(map(int, device.compute_capability.split(".")))
+    return 256 if capability >= (9, 0) else 128 if capability >= (8, 0) else 0
 
 
 def qkv_gemm_blocks(fused_attention: bool, weight_shards: int, qkv_kernel: bool = False) -> bool:

@@ -336,7 +336,8 @@ def init_params(cfg: ModelConfig, *, vocab_size: int, precision: str, seed: int)
 
 
 def apply(graphdef: nnx.GraphDef, params: nnx.State, idx_BxT, *, dropout_key: jax.Array | None = None):
-    """Logits (B, T, V) fp32 of the model `graphdef` with `params`, a pure function for jit and grad."""
+    """Logits (B, T, V), in the compute dtype (GPT), of the model `graphdef` with `params`: a pure function for jit
+    and grad."""
     return nnx.merge(graphdef, params)(idx_BxT, dropout_key=dropout_key)
 
 

@@ -4,6 +4,7 @@ the gradient dots, Linear against torch, the compiled CPU dots), attention choic
 import collections
 import contextlib
 import dataclasses
+import types
 import math
 import re
 
@@ -226,16 +227,20 @@ def test_cudnn_attention_where_it_cannot_run_is_a_user_error(precision, dropout)
         kernel_choice.fused_attention(cfg, precision)
 
 
-@pytest.mark.parametrize("d_model, n_head", [(48, 4), (96, 8), (80, 8)])  # head sizes 12, 12, 10
+@pytest.mark.parametrize("d_model, n_head", [(48, 4), (96, 8), (80, 8), (272, 2), (1024, 2)])  # 12, 12, 10, 136, 512
 def test_auto_attention_writes_out_a_head_size_cudnn_refuses(d_model, n_head, monkeypatch):
-    """cuDNN's flash attention takes head sizes that are a multiple of 8 only: jax's cudnn path raises
-    NotImplementedError on any other (check_is_flash_attention). model.attention=auto on a GPU under bf16 went to it
-    whatever the head size, so such a config stopped on a GPU with that traceback; now auto writes attention out
-    there, and model.attention=cudnn is refused naming the head size. The GPU is compiling_for's, its cuDNN a stand-in
-    that refuses as jax's does."""
+    """cuDNN's flash attention takes head sizes that are a multiple of 8, up to 128 (256 on a Hopper or later GPU,
+    where one is local) only: jax's cudnn path raises NotImplementedError on any other (check_is_flash_attention).
+    model.attention=auto on a GPU under bf16 went to it whatever the head size, so such a config stopped on a GPU
+    with that traceback; now auto writes attention out there, and model.attention=cudnn is refused naming the head
+    size. The GPU is compiling_for's, its cuDNN a stand-in that refuses as jax's does."""
+    local = jax.devices()[0]
+    hopper = local.platform == "gpu" and tuple(map(int, local.compute_capability.split("."))) >= (9, 0)
+    largest = 256 if hopper else 128
+
     def cudnn(q, k, v, **kwargs):
-        if q.shape[-1] % 8:
-            raise NotImplementedError(f"The head dim must be <= 128 and a multiple of 8, but got {q.shape[-1]}.")
+        if q.shape[-1] % 8 or q.shape[-1] > largest:
+            raise NotImplementedError(f"The head dim must be <= {largest} and a multiple of 8, got {q.shape[-1]}")
         return q
     monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn)
     cfg = ModelConfig(seq_len=16, n_layer=1, n_head=n_head, d_model=d_model)
@@ -246,6 +251,26 @@ def test_auto_attention_writes_out_a_head_size_cudnn_refuses(d_model, n_head, mo
             kernel_choice.fused_attention(dataclasses.replace(cfg, attention="cudnn"), "bf16")
         head_size_8 = dataclasses.replace(cfg, d_model=8 * n_head)
         assert kernel_choice.fused_attention(head_size_8, "bf16")  # cuDNN's
+
+
+@pytest.mark.parametrize("platform_version, capability, largest", [
+    ("cuda 12080", "10.0", 256), ("cuda 12080", "9.0", 256), ("cuda 12080", "8.9", 128), ("cuda 12080", "8.0", 128),
+    ("cuda 12080", "7.0", 0), ("rocm 60300", None, 0)])
+def test_cudnn_attention_is_picked_only_on_gpus_cudnn_runs_it_on(platform_version, capability, largest, monkeypatch):
+    """cuDNN's SDPA needs an NVIDIA GPU of SM80 or later (its support matrix) and takes head sizes up to 256 from
+    Hopper on, 128 before (jax's check_is_flash_attention): on a V100 or an AMD GPU (jax's "gpu" too) auto took it
+    and the run stopped in cuDNN. The local GPU here is a stand-in with the fields jax's check reads."""
+    device = types.SimpleNamespace(client=types.SimpleNamespace(platform_version=platform_version),
+                                   compute_capability=capability, platform="gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *args: [device])
+    assert kernel_choice.cudnn_max_head_size() == largest
+    cfg = ModelConfig(seq_len=16, n_layer=1, n_head=2, d_model=128)  # head size 64
+    with autocast.compiling_for("gpu"):
+        assert kernel_choice.fused_attention(cfg, "bf16") == (largest > 0)
+        if not largest:
+            with pytest.raises(UserError, match="an NVIDIA GPU of compute capability 8.0 or later"):
+                kernel_choice.fused_attention(dataclasses.replace(cfg, attention="cudnn"), "bf16")
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs an NVIDIA GPU")
