@@ -120,7 +120,7 @@ def _check_places(cfg) -> None:
     else:
         runfolder.check_local(cfg.run.out_dir)
     if cfg.log.wandb and not cfg.run.dry_run:
-        _check_wandb_installed()
+        _check_wandb(cfg)
     if cfg.data.path is not None and not os.path.isdir(cfg.data.path) and not (
             cfg.run.dry_run and cfg.model.vocab_size is not None):  # a dry run reads no data when it knows the vocab
         raise UserError(f"data.path={cfg.data.path!r} is not a folder; create it with "
@@ -241,13 +241,28 @@ def _check_mesh(cfg) -> None:
         raise UserError(f"mesh.data must be > 0, or -1 for all devices not used by fsdp, got {cfg.mesh.data}")
 
 
-def _check_wandb_installed() -> None:
-    """log.wandb=true needs the wandb package (an optional extra): a missing one stops the run before it starts."""
+def _check_wandb(cfg) -> None:
+    """log.wandb=true needs the wandb package (an optional extra), a project name W&B takes and a mode it knows,
+    each judged by wandb's own Settings before anything starts (wandb.init raised them after the step compiled)."""
     try:
-        importlib.import_module("wandb")
+        wandb = importlib.import_module("wandb")
     except ImportError as e:
         raise UserError(f"log.wandb=true needs the wandb package ({e}): pip install 'jaxtrain[wandb]', "
                         f"or drop --log.wandb=true") from None
+    checks = [("log.wandb_project", cfg.log.wandb_project, "project", "choose another project name")]
+    if cfg.log.wandb_mode is None:  # the config's own mode is online or offline; the environment's may be anything
+        checks.append(("WANDB_MODE", wandb_mode(cfg), "mode", "set another, unset it, or pass --log.wandb_mode"))
+    for key, value, setting, fix in checks:
+        try:
+            wandb.Settings(**{setting: value})
+        except (wandb.errors.Error, ValueError) as e:  # UsageError; pydantic's ValidationError, a ValueError
+            reason = e.errors()[0]["msg"] if hasattr(e, "errors") else str(e)
+            raise UserError(f"{key}={value!r} is not one W&B takes ({reason}); {fix}") from None
+
+
+def wandb_mode(cfg) -> str:
+    """The mode a W&B run starts in: log.wandb_mode, else WANDB_MODE, else online."""
+    return cfg.log.wandb_mode or os.environ.get("WANDB_MODE") or "online"
 
 
 def _values(cfg):

@@ -38,6 +38,7 @@ import sys
 import yaml
 
 from jaxtrain import config as config_lib
+from jaxtrain import config_checks
 from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
@@ -110,7 +111,7 @@ def _start(cfg, run_id: str | None):
     args = dict(id=run_id, resume="allow" if run_id else None, project=cfg.log.wandb_project,
                 name=cfg.log.wandb_name or os.path.basename(out_dir) or out_dir,
                 dir=str(runfolder.path(out_dir)) if local else None, config=yaml.safe_load(config_lib.dump(cfg)))
-    mode = cfg.log.wandb_mode or os.environ.get("WANDB_MODE") or "online"
+    mode = config_checks.wandb_mode(cfg)
     if mode != "online":
         return wandb.init(mode=mode, **args)
     try:

@@ -5,6 +5,7 @@ metrics.jsonl, written by other code."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -160,6 +161,25 @@ def test_without_the_package_one_line_names_the_fix_and_nothing_starts(tmp_path,
     [line] = proc.stderr.splitlines()
     assert line.startswith("error: log.wandb=true needs the wandb package") and "pip install 'jaxtrain[wandb]'" in line
     assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("overrides, env, words", [
+    (["--log.wandb_project=team/proj"], {}, "log.wandb_project='team/proj' is not one W&B takes (Invalid project"),
+    ([f"--log.wandb_project={'p' * 129}"], {}, "exceeded 128 characters"),
+    ([], {"WANDB_MODE": "garbage"}, "WANDB_MODE='garbage' is not one W&B takes (Input should be 'online'"),
+])
+def test_a_project_or_mode_wandb_refuses_is_one_line_before_anything_starts(tmp_path, monkeypatch, overrides, env,
+                                                                            words):
+    """wandb.init refused them after the step compiled: a ValidationError or UsageError traceback, exit 1, and a
+    run folder left with config.yaml and a lock. Now wandb's own Settings judges them when the config loads."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match=re.escape(words)):
+        config.load(["--config", "configs/tiny.yaml", "--log.wandb=true", f"--run.out_dir={tmp_path / 'run'}",
+                     *overrides])
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("WANDB_MODE", "garbage")  # the config's own mode stands over the environment's
+    assert config.load(["--config", "configs/tiny.yaml", "--log.wandb=true", "--log.wandb_mode=offline"]).log.wandb
 
 
 def test_what_wandb_may_hold_outlives_a_resume_that_stopped_before_it(tmp_path, cache_dir):
