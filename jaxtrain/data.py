@@ -55,13 +55,17 @@ def load(data_cfg: DataConfig, seq_len: int) -> TokenData:
     Checks the folder against its meta.json, that each split holds at least one window of seq_len + 1 tokens, and
     the token ids it fingerprints (a whole small split; a large one's ends) against vocab_size.
     """
-    path = data_cfg.path if data_cfg.path is not None else embedded_corpus.folder(data_cfg.cache_dir)
-    meta = _read_meta(path)
+    if data_cfg.path is not None:
+        path, fix = data_cfg.path, _PREPARE_HINT
+    else:  # a cache: the prepare command would put other text under the corpus's name
+        path = embedded_corpus.folder(data_cfg.cache_dir)
+        fix = f"the embedded corpus's cache is damaged: delete {path}, and the next run prepares it again"
+    meta = _read_meta(path, fix)
     dtype = np.dtype(meta["dtype"])
-    train = _open_split(path, "train", dtype, meta["train_tokens"], seq_len)
-    val = _open_split(path, "val", dtype, meta["val_tokens"], seq_len)
+    train = _open_split(path, "train", dtype, meta["train_tokens"], seq_len, fix)
+    val = _open_split(path, "val", dtype, meta["val_tokens"], seq_len, fix)
     ends = [_ends(train), _ends(val)]
-    _check_ids(max(int(e.max()) for e in ends), meta["vocab_size"], path)
+    _check_ids(max(int(e.max()) for e in ends), meta["vocab_size"], path, fix)
     return TokenData(train, val, meta["vocab_size"], meta["tokenizer"], path, _fingerprint(meta, ends))
 
 
@@ -128,24 +132,25 @@ def tokenizer_name(data_cfg: DataConfig) -> str | None:
     return _read_meta(data_cfg.path)["tokenizer"]
 
 
-def _read_meta(path: str) -> dict:
+def _read_meta(path: str, fix: str = _PREPARE_HINT) -> dict:
+    """meta.json of the token folder `path`, checked; `fix`: what a message says to do about a damaged folder."""
     if os.path.isfile(path):
         raise UserError(f"data folder {path!r} is a file; give the folder prepare wrote (train.bin, val.bin, "
                         f"meta.json); {_PREPARE_HINT}")
     if not os.path.isdir(path):
-        raise UserError(f"data folder {path!r} not found; {_PREPARE_HINT}")
+        raise UserError(f"data folder {path!r} not found; {fix}")
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_path):
         raise UserError(f"{meta_path} is missing (not a jaxtrain data folder, or its prepare was cut short); "
-                        f"{_PREPARE_HINT}")
+                        f"{fix}")
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8 (both ValueErrors), or nesting too deep to parse
-        raise UserError(f"{meta_path} is not valid JSON ({e}); re-create the folder: {_PREPARE_HINT}") from None
+        raise UserError(f"{meta_path} is not valid JSON ({e}); {_recreate(fix)}") from None
     expected = ", ".join(f"{k}: {t.__name__}" for k, t in _META_TYPES.items())
     if not isinstance(meta, dict) or any(type(meta.get(k)) is not t for k, t in _META_TYPES.items()):
-        raise UserError(f"{meta_path} is malformed: it must hold {{{expected}}}; re-create the folder: {_PREPARE_HINT}")
+        raise UserError(f"{meta_path} is malformed: it must hold {{{expected}}}; {_recreate(fix)}")
     if meta["dtype"] not in ("uint16", "uint32") or meta["vocab_size"] <= 0:
         raise UserError(f"{meta_path} has dtype {meta['dtype']!r} and vocab_size {meta['vocab_size']}; "
                         f"dtype must be uint16 or uint32 and vocab_size > 0")
@@ -158,13 +163,13 @@ def _read_meta(path: str) -> dict:
     return meta
 
 
-def _open_split(path: str, split: str, dtype: np.dtype, n_tokens: int, seq_len: int) -> np.ndarray:
+def _open_split(path: str, split: str, dtype: np.dtype, n_tokens: int, seq_len: int, fix: str) -> np.ndarray:
     file = os.path.join(path, f"{split}.bin")
     if not os.path.isfile(file):
-        raise UserError(f"{file} not found; {_PREPARE_HINT}")
+        raise UserError(f"{file} not found; {fix}")
     size = os.path.getsize(file)
     if size != n_tokens * dtype.itemsize:
-        raise UserError(_size_mismatch(file, size, dtype, n_tokens))
+        raise UserError(_size_mismatch(file, size, dtype, n_tokens, fix))
     if n_tokens < seq_len + 1:
         fix = "lower model.seq_len or prepare more text" if seq_len > 1 else "prepare more text"  # 1: the least
         raise UserError(f"{file} has {n_tokens} tokens but a window of model.seq_len={seq_len} needs "
@@ -172,13 +177,13 @@ def _open_split(path: str, split: str, dtype: np.dtype, n_tokens: int, seq_len: 
     return np.memmap(file, dtype=dtype, mode="r")
 
 
-def _size_mismatch(file: str, size: int, dtype: np.dtype, n_tokens: int) -> str:
+def _size_mismatch(file: str, size: int, dtype: np.dtype, n_tokens: int, fix: str) -> str:
     other = np.dtype(np.uint32 if dtype == np.uint16 else np.uint16)
     if size == n_tokens * other.itemsize:
         return (f"{file} holds {n_tokens} {other.name} tokens but meta.json says dtype {dtype.name} (dtype mismatch); "
                 f"set \"dtype\": \"{other.name}\" in meta.json or re-create the folder with the prepare command")
     return (f"{file} is {size} bytes, but meta.json says {n_tokens} {dtype.name} tokens ({n_tokens * dtype.itemsize} "
-            f"bytes): a dtype mismatch, a truncated file or a stale meta.json; {_PREPARE_HINT}")
+            f"bytes): a dtype mismatch, a truncated file or a stale meta.json; {fix}")
 
 
 # Batches ---------------------------------------------------------------------------------------------------------
@@ -256,14 +261,21 @@ def _rows_of(starts_KxB: np.ndarray, process_index: int, process_count: int) -> 
 def _windows(tokens: np.ndarray, vocab_size: int, starts: np.ndarray, seq_len: int) -> np.ndarray:
     """The windows of seq_len + 1 tokens at `starts`: starts.shape + (seq_len + 1,), int32."""
     w = tokens[starts[..., None] + np.arange(seq_len + 1)]
-    _check_ids(int(w.max()), vocab_size, "the data")  # before the int32 cast, which would make a huge id "ignored"
+    # before the int32 cast, which would make a huge id "ignored"
+    _check_ids(int(w.max()), vocab_size, "the data", _PREPARE_HINT)
     return w.astype(np.int32)
 
 
-def _check_ids(top: int, vocab_size: int, where: str) -> None:
+def _check_ids(top: int, vocab_size: int, where: str, fix: str) -> None:
     if top >= vocab_size:
+        also = ", or fix vocab_size" if fix == _PREPARE_HINT else ""
         raise UserError(f"token id {top} in {where} is >= vocab_size {vocab_size} from meta.json; the files and "
-                        f"meta.json disagree: re-create the folder with the prepare command, or fix vocab_size")
+                        f"meta.json disagree: {_recreate(fix)}{also}")
+
+
+def _recreate(fix: str) -> str:
+    """A damaged data folder's fix: a data.path's is to prepare it again."""
+    return f"re-create the folder: {fix}" if fix == _PREPARE_HINT else fix
 
 
 # Stats -----------------------------------------------------------------------------------------------------------

@@ -430,6 +430,28 @@ def test_embedded_corpus_is_prepared_once_and_atomically(tmp_path, capsys):
     assert os.stat(os.path.join(path, "meta.json")).st_mtime_ns == written
 
 
+@pytest.mark.parametrize("damage", ["truncate val.bin", "remove meta.json", "garble meta.json"])
+def test_a_damaged_embedded_corpus_cache_says_to_delete_it_and_comes_back_when_deleted(embedded, tmp_path, damage):
+    """The fix a damaged data.path folder gets, the prepare command, would put other text under the embedded
+    corpus's name: its cache says to delete it instead, and the next load prepares it again, as it was."""
+    cache = tmp_path / "cache"
+    path = cache / os.path.basename(embedded.path)
+    shutil.copytree(embedded.path, path)
+    if damage == "truncate val.bin":
+        os.truncate(path / "val.bin", 1000)
+    elif damage == "remove meta.json":
+        os.remove(path / "meta.json")
+    else:
+        (path / "meta.json").write_text("{")
+    with pytest.raises(UserError) as e:
+        data.load(DataConfig(cache_dir=str(cache)), seq_len=128)
+    assert str(e.value).endswith(f"; the embedded corpus's cache is damaged: delete {path}, and the next run "
+                                 f"prepares it again") and "jaxtrain.data prepare" not in str(e.value), str(e.value)
+    shutil.rmtree(path)
+    again = data.load(DataConfig(cache_dir=str(cache)), seq_len=128)
+    assert again.path == str(path) and again.fingerprint == embedded.fingerprint
+
+
 # Bad data ----------------------------------------------------------------------------------------------------------
 
 def _edit_meta(path, **changes):
