@@ -241,6 +241,23 @@ def test_a_mesh_that_misses_the_devices_names_only_the_keys_to_change(overrides,
         mesh.validate_devices(config.load([*SMALL, *overrides]), 4)
 
 
+@pytest.mark.parametrize("d_model, fsdp, devices, instead", [(40, 16, 16, 8), (48, 32, 32, 16), (30, 4, 8, 2),
+                                                              (384, 5, 5, 1), (35, 5, 5, None)])
+def test_an_fsdp_that_does_not_divide_d_model_is_refused_naming_one_that_does(d_model, fsdp, devices, instead):
+    """fsdp_sharding splits a leaf only along a dimension fsdp divides: an fsdp that divides no d_model-sized
+    dimension left the embeddings, LayerNorms and most weights whole on every device, with nothing said (a dry run
+    showed the same state per device at fsdp 5 as at 1). The largest divisor of both the devices and d_model,
+    worked out here by hand, is named instead."""
+    cfg = config.load([*SMALL, f"--model.d_model={d_model}", "--model.n_head=1", f"--mesh.fsdp={fsdp}",
+                       f"--data.batch_size={2 * devices}"])
+    if d_model % fsdp == 0:
+        assert mesh.validate_devices(cfg, devices) == (devices // fsdp, fsdp)
+        return
+    with pytest.raises(UserError, match=rf"^mesh\.fsdp={fsdp} does not divide model\.d_model={d_model}: .*\(e\.g\. "
+                                        rf"{instead}\), or change d_model$"):
+        mesh.validate_devices(cfg, devices)
+
+
 @pytest.mark.parametrize("overrides, devices, fix", [
     (["--mesh.fsdp=8"], 1, "--run.dry_run_devices=N, N a multiple of 8"),
     (["--mesh.data=2", "--mesh.fsdp=4"], 4, "--run.dry_run_devices=8"),
