@@ -47,10 +47,11 @@ LEVERS = ("mesh.fsdp (shards params and optimizer state over more devices), opti
 # step, this 2-core CPU: 21.10 GiB, 14.90 with the flag; remat=full 21.06 and 13.61 (benchmarks/NOTES.md, CPU step 8).
 CPU_MEMORY_ORDER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 # What the verdict adds when the step was compiled by XLA:CPU for a GPU or TPU target.
-ESTIMATED = ("the step's temporaries are XLA:CPU's, an estimate: they overstate a GPU's 3-4x (GPT-2 124M, 32 "
-             "sequences of 1024 a micro-batch on one H100: 51.7 GiB by XLA:CPU with run.dry_run_devices=1, 14.3 by "
-             "XLA:GPU) and a TPU's about 3x (configs/pod-fsdp.yaml on 64 v5e: 11.2 and 3.8); for the device's own "
-             "figure, no device needed, install jax's compiler for it")
+# The README's measured ratios (its dry-run section), which these figures are taken from.
+ESTIMATED = ("the step's temporaries are XLA:CPU's, an estimate: they overstate a GPU's 2.9-4.0x (GPT-2 124M, 32 "
+             "sequences of 1024 a micro-batch on one H100: 53.5 GiB by XLA:CPU with run.dry_run_devices=1, 16.1 by "
+             "XLA:GPU) and a TPU's 2.2-2.8x (configs/pod-fsdp.yaml on 64 v5e: 11.5 and 4.0 GiB); for the device's "
+             "own figure, no device needed, install jax's compiler for it")
 
 
 def cpu_memory_order_set() -> bool:
@@ -58,13 +59,19 @@ def cpu_memory_order_set() -> bool:
     return CPU_MEMORY_ORDER in os.environ.get("XLA_FLAGS", "")
 
 
-def use_fake_devices(n: int) -> None:
-    """n CPU devices in place of this machine's: must run before jax first looks at its devices. XLA:CPU's default
-    scheduler orders the step for concurrency, keeping more alive than a TPU's or GPU's memory-aware scheduler
-    would (GPT-2 124M on 64 devices: 18.2 GiB of temporaries, 16.0 with the list scheduler); a dry run runs nothing,
-    so it compiles for memory."""
+def compile_cpu_for_memory() -> None:
+    """XLA:CPU's memory-minimizing order for the dry run's compile; must run before jax starts its backends (a GPU's
+    or TPU's compiler reads no XLA:CPU flag). XLA:CPU's default scheduler orders the step for concurrency, keeping
+    more alive than a TPU's or GPU's memory-aware scheduler would (GPT-2 124M on 64 devices: 18.2 GiB of
+    temporaries, 16.0 with the list scheduler): a dry run that estimates for a target, or for fake devices,
+    compiles for memory. One for this machine's own devices compiles as a run here would."""
     if not cpu_memory_order_set():
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_MEMORY_ORDER}".strip()
+
+
+def use_fake_devices(n: int) -> None:
+    """n CPU devices in place of this machine's: must run before jax first looks at its devices."""
+    compile_cpu_for_memory()
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
 
@@ -220,6 +227,8 @@ def _devices(cfg: Config) -> tuple[list, str]:
     if count:
         use_fake_devices(count)
         return jax.devices(), f"XLA:CPU for {count} fake devices"
+    if target:  # XLA:CPU stands in for the target's compiler here, as on fake devices (this machine's own run, not)
+        compile_cpu_for_memory()
     return jax.devices(), f"XLA:{jax.default_backend().upper()}"
 
 
