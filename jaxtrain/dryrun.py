@@ -44,13 +44,14 @@ LEVERS = ("mesh.fsdp (shards params and optimizer state over more devices), opti
           "model.vocab_tiles (the head and the loss a tile of tokens at a time: never the whole logits)")
 # XLA:CPU's memory-minimizing order (its list scheduler) instead of its default, which orders the step for
 # concurrency and keeps more alive; under the default, model.remat saves nothing on a CPU. GPT-2 124M, 8 sequences a
-# step, this 2-core CPU: 21.10 GiB, 14.90 with the flag; remat=full 21.06 and 13.61 (benchmarks/NOTES.md, CPU step 8).
+# step, this 2-core CPU: 20.51 GiB, 15.42 with the flag; remat=full 20.50 and 8.87 (2026-12-01; benchmarks/NOTES.md,
+# CPU step 8, has the first measurement).
 CPU_MEMORY_ORDER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 # What the verdict adds when the step was compiled by XLA:CPU for a GPU or TPU target.
-# The README's measured ratios (its dry-run section), which these figures are taken from.
-ESTIMATED = ("the step's temporaries are XLA:CPU's, an estimate: they overstate a GPU's 2.9-4.0x (GPT-2 124M, 32 "
-             "sequences of 1024 a micro-batch on one H100: 53.5 GiB by XLA:CPU with run.dry_run_devices=1, 16.1 by "
-             "XLA:GPU) and a TPU's 2.2-2.8x (configs/pod-fsdp.yaml on 64 v5e: 11.5 and 4.0 GiB); for the device's "
+# The README's measured ratios (its dry-run section and launch recipes), which these figures are taken from.
+ESTIMATED = ("the step's temporaries are XLA:CPU's, an estimate: they overstate a GPU's 2.9-4.1x (GPT-2 124M, 32 "
+             "sequences of 1024 a micro-batch on one H100: 55.8 GiB by XLA:CPU with run.dry_run_devices=1, 16.1 by "
+             "XLA:GPU) and a TPU's 2.2-2.9x (configs/pod-fsdp.yaml on 64 v5e: 11.5 and 4.0 GiB); for the device's "
              "own figure, no device needed, install jax's compiler for it")
 
 

@@ -37,9 +37,10 @@ TIMING_KEYS = ("tokens_per_s", "mfu")  # wall-clock: the only fields that may di
 # as much as from jaxtrain (6e-3): rounding grows ~10x per 10 steps, and no per-step bound can hold. At 1e-3 the
 # same two gaps stay at 1e-6 for all 100 steps, so the run can tell a rule change from rounding (a 10% change of
 # weight_decay leaves the loss bound at step 8, decay_mask=names at step 5, the LR one warmup step ahead at step 1).
-# tiny.yaml itself (4 layers, d=128, lr 3e-3) amplifies rounding too: over 100 fp32 steps jaxtrain vs torchref
-# leaves 1e-5 at step 28 (max 1.6e-4), and one backend against itself under rounding-only changes reaches 1.2e-5
-# (torchref, init moved by 1 ulp) and 2.5e-5 (jaxtrain, accumulation 1 vs 2); see `python -m parity_tests.report`.
+# tiny.yaml itself (4 layers, d=128) amplified rounding too at its lr of then, 3e-3 (1e-3 since, for this reason):
+# over 100 fp32 steps jaxtrain vs torchref left 1e-5 at step 28 (max 1.6e-4), and one backend against itself under
+# rounding-only changes reached 1.2e-5 (torchref, init moved by 1 ulp) and 2.5e-5 (jaxtrain, accumulation 1 vs 2);
+# `python -m parity_tests.report` measures tiny.yaml as it is.
 SMALL = ("--model.n_layer=2", "--model.n_head=4", "--model.d_model=64", "--model.seq_len=64", "--model.dropout=0.0",
          "--data.batch_size=8", "--optim.grad_accum_steps=2", "--optim.lr=1e-3", "--optim.min_lr=1e-4",
          "--optim.warmup_steps=10", "--optim.max_grad_norm=1.0", "--train.steps=100", "--train.precision=fp32",
