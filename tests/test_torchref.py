@@ -418,6 +418,31 @@ def test_a_refused_fresh_start_leaves_the_previous_run_to_resume(straight_run, t
     assert "nothing to train: at step 6 of train.steps=6" in capsys.readouterr().err
 
 
+def test_a_fresh_start_stopped_before_its_first_step_moves_nothing(straight_run, token_dir, tmp_path, capsys,
+                                                                  monkeypatch):
+    """A Ctrl-C during a fresh start's start-up (here: while the optimizer is built) stops it before the previous
+    run is moved aside, as jaxtrain's does; the line names the command that starts over. Before, torchref moved the
+    run aside first and then said to resume without run.fresh, which trained a new run from step 0."""
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    before = files_but_the_lock(out)
+    real = run.configure_optimizer
+
+    def interrupted(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(run, "configure_optimizer", interrupted)
+    run.train(tiny_cfg(token_dir, out, "--run.fresh=true"))
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "stopped before the first step, nothing new to save; run.fresh has moved nothing aside yet: run the same "
+        "command to start over")
+    assert files_but_the_lock(out) == before
+    monkeypatch.undo()
+    run.train(tiny_cfg(token_dir, out))
+    assert "nothing to train: at step 6 of train.steps=6" in capsys.readouterr().err
+
+
 def jaxtrain_run(root):
     """A run folder laid out as jaxtrain's, steps 2 and 4: each step folder holds Orbax's metadata file and the
     `state` item, the names checkpoint_kind tells it by (tests/test_checkpoint_kind.py: on a real one)."""

@@ -88,11 +88,14 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
     if progress.step >= cfg.train.steps:  # config.yaml stays the one of the run that trained, as in jaxtrain
         print(f"nothing to train: at step {progress.step} of train.steps={cfg.train.steps}", file=sys.stderr)
         return
-    if stop.requested:
-        print(f"stopped before the first step, nothing new to save; {config.resume_hint(cfg, 'torchref.run')}",
-              file=sys.stderr)
+    if stop.requested:  # before run.fresh moves anything, as jaxtrain
+        hint = ("run.fresh has moved nothing aside yet: run the same command to start over" if cfg.run.fresh else
+                config.resume_hint(cfg, "torchref.run"))
+        print(f"stopped before the first step, nothing new to save; {hint}", file=sys.stderr)
         return
     stop.training_started()
+    if cfg.run.fresh:
+        runfolder.set_aside_previous_run(cfg.run.out_dir)
     config.save(cfg, cfg.run.out_dir)
     autocast = torch.autocast(device, dtype=AUTOCAST_DTYPES.get(cfg.train.precision, torch.bfloat16),
                               enabled=cfg.train.precision in AUTOCAST_DTYPES)
@@ -142,8 +145,9 @@ def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Config,
     """Where training begins: out_dir's newest checkpoint (unless run.fresh; trained on the data of
     `data_fingerprint`), else init.from, else step 0 with the fresh init. Also the config the run goes on with (a
     resume keeps the run's own init.from: checkpoint.resume) and whether this is a resume, whose metrics.jsonl is
-    kept up to the resumed step. run.fresh moves the previous run aside only once init.from has
-    loaded, the last check that can refuse the start: a refused fresh start leaves it in place, to resume."""
+    kept up to the resumed step. run.fresh's move of the previous run aside is the caller's, after init.from has
+    loaded (the last check that can refuse the start) and no stop was asked: a refused or stopped fresh start
+    leaves it in place, to resume."""
     runfolder.refuse_unfinished_set_aside(cfg.run.out_dir, cfg.run.fresh)
     checkpoint.remove_partial(cfg.run.out_dir)
     # A jaxtrain checkpoint is named for what it is: a resume would call it damaged (run.fresh sets it aside below).
@@ -162,8 +166,6 @@ def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Config,
             same_run.check_init_step(cfg, loaded.step)
             loaded.data_seed = data.continued_seed(loaded.data_seed, cfg)
             progress = loaded
-    if cfg.run.fresh:
-        runfolder.set_aside_previous_run(cfg.run.out_dir)
     return cfg, progress, False
 
 
