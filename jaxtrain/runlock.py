@@ -63,6 +63,8 @@ def check_free(out_dir: str, timeout_s: float) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         raise _in_use(out_dir, _holder_in(fd)) from None
+    except OSError as e:
+        raise _no_locks(out_dir, e) from None
     finally:
         os.close(fd)
     return None
@@ -71,6 +73,12 @@ def check_free(out_dir: str, timeout_s: float) -> int | None:
 def _unwritable(out_dir: str, e: OSError) -> UserError:
     return UserError(f"run.out_dir={out_dir!r} cannot be created or written ({e.strerror}: {e.filename}); choose "
                      f"another --run.out_dir")
+
+
+def _no_locks(out_dir: str, e: OSError) -> UserError:
+    return UserError(f"run.out_dir={out_dir!r} is on a file system without file locks ({e.strerror}), which keep a "
+                     f"second run out of the folder; mount it with them (Lustre: -o flock) or choose another "
+                     f"--run.out_dir")
 
 
 def _holder() -> str:
@@ -137,6 +145,10 @@ class FileLock:
             holder = _holder_in(self.fd)
             os.close(self.fd)
             raise _in_use(out_dir, holder) from None
+        except OSError as e:  # ENOSYS, EOPNOTSUPP: the lock file it made goes, as the folders it made
+            self._unmake_if_unused()
+            os.close(self.fd)
+            raise _no_locks(out_dir, e) from None
         os.ftruncate(self.fd, 0)
         os.write(self.fd, _holder().encode())
 

@@ -67,6 +67,27 @@ def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path):
                             f"{lock}); choose another --run.out_dir")
 
 
+@pytest.mark.parametrize("errno_name", ["ENOSYS", "EOPNOTSUPP"])
+def test_a_file_system_without_locks_is_one_line_and_leaves_no_lock_file(tmp_path, monkeypatch, errno_name):
+    """flock fails with ENOSYS on Lustre mounted without -o flock (launch/gpt-1b.sbatch's note), EOPNOTSUPP on some
+    FUSE mounts: that was an OSError traceback, exit 1, and a .lock left; now one line naming the mount option, and
+    the folders and the lock file the start made go again. The check of a folder another start locked, too."""
+    import errno as errno_lib
+
+    def no_locks(fd, operation):
+        raise OSError(getattr(errno_lib, errno_name), os.strerror(getattr(errno_lib, errno_name)))
+
+    monkeypatch.setattr(runlock.fcntl, "flock", no_locks)
+    out_dir = tmp_path / "lustre" / "run"
+    with pytest.raises(UserError, match=r"is on a file system without file locks .*\(Lustre: -o flock\)"):
+        runlock.FileLock(str(out_dir))
+    assert os.listdir(tmp_path) == []
+    out_dir.mkdir(parents=True)
+    (out_dir / runlock.NAME).write_text("pid 1 on elsewhere\n")
+    with pytest.raises(UserError, match=r"is on a file system without file locks"):
+        runlock.check_free(str(out_dir), 1.0)
+
+
 def test_a_start_that_fails_before_writing_leaves_the_folders_as_they_were(tmp_path, cache_dir):
     """Starts that took the lock and then stopped leave no trace: data.path a folder but not a data folder (before
     the checkpoints' folder is made), and init.from a folder that does not exist (after). Not the two folders a start
