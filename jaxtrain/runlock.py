@@ -267,7 +267,8 @@ class GcsLease:
             with _refusing_an_unusable_bucket(self.blob):  # the first write (torchref's first request): 404 here
                 return self._write(0)
         except self.gone:
-            pass
+            if (mine := self._still_ours()) is not None:
+                return mine
         current = self.current(self.blob)
         if current is None:  # released between the two calls
             return self._write(0)
@@ -282,13 +283,34 @@ class GcsLease:
         return generation
 
     def _write(self, generation: int) -> int:
-        self.blob.upload_from_string(f"{_holder()}{TIMEOUT_FIELD}{self.timeout_s}", if_generation_match=generation)
+        self.written = f"{_holder()}{TIMEOUT_FIELD}{self.timeout_s}"
+        self.blob.upload_from_string(self.written, if_generation_match=generation)
         return self.blob.generation
+
+    def _still_ours(self) -> int | None:
+        """After a write refused as "the lease moved on" (412): the lease's generation where it holds what this run
+        last wrote, else None. google-cloud-storage retries a conditional upload whose answer was lost, and the
+        retry finds the generation that the write itself, applied, moved on. The holder line (pid, host, time)
+        tells this run's write from another's."""
+        seen = self.blob.bucket.get_blob(self.blob.name)
+        try:
+            text = seen.download_as_text(if_generation_match=seen.generation) if seen is not None else None
+        except self.gone:  # rewritten between the two reads: not by this run, whose writes wait for their answer
+            return None
+        return seen.generation if text == self.written else None
+
+    def _renewed(self) -> int:
+        try:
+            return self._write(self.generation)
+        except self.gone:
+            if (mine := self._still_ours()) is None:
+                raise
+            return mine
 
     def _beat(self) -> None:
         while not self.stopped.wait(self.timeout_s / 4):
             try:
-                self.generation = self._write(self.generation)
+                self.generation = self._renewed()
             except self.gone:
                 print(f"warning: the lock of {self.out_dir} was taken over by another run (this one did not renew "
                       f"it for {self.timeout_s:.0f} s); both now write into the folder", file=sys.stderr)

@@ -183,6 +183,40 @@ def raising(error: Exception):
     return call
 
 
+def test_a_renewal_whose_answer_was_lost_keeps_the_lease_and_a_taken_one_is_said(gcs, capsys):
+    """google-cloud-storage retries a conditional upload whose answer was lost; the retry meets the generation the
+    applied write moved on, 412. The heartbeat took that as "taken over", stopped renewing a live run's lease, and
+    a later start took the folder over while it ran (the review's fake-gcs run: after 4 s). Now the lease is read
+    back: holding this run's own line, it is still this run's. Rewritten by another start, it is not, as before."""
+    from google.api_core import exceptions
+
+    out_dir = gcs() + "/run"
+    lease = runlock.take(out_dir, LEASE_S)
+    real, lost = lease.blob.upload_from_string, []
+
+    def answer_lost(*args, **kwargs):
+        real(*args, **kwargs)
+        if not lost:  # the first renewal's answer: the retry sees its own write's generation
+            lost.append(1)
+            raise exceptions.PreconditionFailed("conditionNotMet")
+
+    lease.blob.upload_from_string = answer_lost
+    deadline = time.monotonic() + 30
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert lost, "no renewal in 30 s"
+    time.sleep(LEASE_S)  # four more renewals (one each LEASE_S / 4) after the lost answer
+    assert lease.heartbeat.is_alive() and "taken over" not in capsys.readouterr().err
+    holder = runlock.GcsLease.current(lease.blob)
+    assert holder is not None and holder[0].generation == lease.generation
+    other = type(lease.blob)(lease.blob.name, lease.blob.bucket)
+    other.upload_from_string("pid 1 on another-host, since now", if_generation_match=lease.generation)
+    lease.heartbeat.join(timeout=30)
+    assert not lease.heartbeat.is_alive()
+    assert "was taken over by another run" in capsys.readouterr().err
+    lease.release()
+
+
 def lease_in(bucket_name: str, **calls) -> types.SimpleNamespace:
     """A fake lease blob in bucket `bucket_name`: `calls` its bucket's get_blob and its own upload_from_string."""
     bucket = types.SimpleNamespace(name=bucket_name, get_blob=calls.get("get_blob"))
