@@ -128,8 +128,9 @@ class Checkpointer:
         meta = {"step": step, "data_seed": data_seed, "data_fingerprint": self.data_fingerprint,
                 "eval_loss": eval_loss, "best": self.best, "fingerprint": sums, "config": self.saved_config,
                 "tokens": tokens}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        with self._writing():
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                                            meta=ocp.args.JsonSave(meta)), force=True)
 
     def resume(self, abstract_state) -> Resumed | None:
         """The newest checkpoint that reads and matches its fingerprint; the newer ones that do not are moved
@@ -223,14 +224,32 @@ class Checkpointer:
         return os.path.join(self.directory, str(step))
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._writing():
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """A save that failed in orbax's background thread (a full disk, a bucket refusing the write) surfaces at
+        the next save or wait as the storage's own exception, with orbax's log lines: one line then, naming it and
+        the newest checkpoint that is complete, from which the same command resumes."""
+        try:
+            yield
+        except Exception as e:
+            with contextlib.suppress(Exception):  # the saves still in flight, which may complete (or fail again)
+                self.manager.wait_until_finished()
+            complete, reason = saved_steps(self.cfg.run.out_dir), " ".join(str(e).split())
+            reason = reason if len(reason) <= 400 else f"{reason[:200]} ... {reason[-190:]}"  # the OS's words end it
+            newest = f"the newest complete one is step {complete[-1]}" if complete else "none is complete"
+            raise UserError(f"a checkpoint could not be written into {self.directory} ({reason}); {newest}: free "
+                            f"space there (or mend the storage) and run the same command to resume") from None
 
     def close(self) -> None:
         # Orbax's close waits for the saves, not for the thread its constructor started to remove a killed save's
         # temporary folders: a run refused right after start-up would end the interpreter under that thread, which
         # then logs a traceback ("cannot schedule new futures after interpreter shutdown").
         self.manager._maybe_await_cleanup_tmp_directory()
-        self.manager.close()
+        with self._writing():
+            self.manager.close()
 
 
 def saved_steps(out_dir: str) -> list[int]:

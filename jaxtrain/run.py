@@ -124,11 +124,15 @@ class Trainer:
 
     def close(self) -> None:
         """Finish the saves in flight and give the run folder back."""
-        if self.checkpointer:
-            self.checkpointer.wait()
-            self.checkpointer.close()
-        if self.lock:
-            self.lock.release()
+        try:
+            if self.checkpointer:
+                try:
+                    self.checkpointer.wait()
+                finally:
+                    self.checkpointer.close()
+        finally:  # a save that failed still gives the folder back
+            if self.lock:
+                self.lock.release()
 
     def _data_seed(self) -> int:
         """Seed of the batch order and dropout: the resumed checkpoint's; a full training state's in init.from
@@ -293,10 +297,12 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         print(f"stopped before the first step, nothing new to save; {hint}", file=sys.stderr)
         return {"stopped": True}, None, trainer
     finally:  # still under the StopRequest: a signal while the last saves finish waits for them
-        if trainer:
-            trainer.close()
-        if logger:
-            logger.close()
+        try:
+            if trainer:
+                trainer.close()
+        finally:
+            if logger:
+                logger.close()
 
 
 def print_sample(cfg: Config, params, tokenizer: sample_lib.Tokenizer) -> None:

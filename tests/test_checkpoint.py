@@ -327,3 +327,39 @@ def test_a_checkpoint_with_compressed_arrays_still_resumes(tmp_path):
     for a, b in zip(jax.tree.leaves(jax.device_get(resumed.state)), jax.tree.leaves(jax.device_get(state)),
                     strict=True):
         assert np.array_equal(a, b)
+
+
+def test_a_save_that_fails_is_one_line_and_the_same_command_resumes(tmp_path, cache_dir, monkeypatch, capsys):
+    """A full disk fails orbax's background write (tensorstore's "RESOURCE_EXHAUSTED: ... No space left on device"
+    ValueError, seen on a 30 MB tmpfs), which surfaces at the next save or wait: that was ~3,300 lines of
+    tracebacks, exit 1, and the close skipped (on gs://, a lease the next start waited out). Now one line naming the
+    cause and the newest complete checkpoint, the folder given back: the same command resumes from that step."""
+    out_dir = str(tmp_path / "run")
+    args = small_args(out_dir, cache_dir, "--checkpoint.every=2")
+    real_save, real_wait = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished
+    disk_full = ValueError('RESOURCE_EXHAUSTED: Error writing "params" in OCDBT database: No space left on device')
+
+    def full_after_step_4(self, step, *args, **kwargs):
+        self.full = getattr(self, "full", False) or step > 4
+        if self.full:  # as orbax raises a failed background write: at the next save, which waits for it
+            raise disk_full
+        return real_save(self, step, *args, **kwargs)
+
+    def waits_on_the_failed_write(self):  # and again at each wait after (the close's too), as the review saw
+        real_wait(self)
+        if getattr(self, "full", False):
+            raise disk_full
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_after_step_4)
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", waits_on_the_failed_write)
+    with pytest.raises(UserError) as failed:
+        run.train(config.load(args))
+    assert re.fullmatch(rf"a checkpoint could not be written into {re.escape(out_dir)}/checkpoints "
+                        rf"\(RESOURCE_EXHAUSTED: .*No space left on device\); the newest complete one is step 4: "
+                        rf"free space there \(or mend the storage\) and run the same command to resume",
+                        str(failed.value)), failed.value
+    monkeypatch.undo()
+    capsys.readouterr()
+    run.train(config.load(args))  # the lock was given back: this start takes it
+    assert "resuming from step 4" in capsys.readouterr().err
+    assert [line["step"] for line in read_metrics(out_dir) if "loss" in line] == list(range(1, 9))
