@@ -362,6 +362,14 @@ def save(cfg: Config, out_dir: str) -> None:
     runfolder.write_whole(folder / "config.yaml", dump(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, fresh=False))))
 
 
+def start_up_stop_hint(cfg: Config, module: str) -> str:
+    """What a stop before the first step says to do, in both backends: a fresh start has moved nothing aside yet,
+    so the same command starts over; any other, resume_hint."""
+    if cfg.run.fresh:
+        return "run.fresh has moved nothing aside yet: run the same command to start over"
+    return resume_hint(cfg, module)
+
+
 def resume_hint(cfg: Config, module: str) -> str:
     """How to resume a stopped run, for both backends' stop messages (`module`: jaxtrain.run or torchref.run): the
     same command, not with run.fresh (which starts over); or, where the run wrote it, the run folder's config.yaml,

@@ -171,9 +171,9 @@ def _open_split(path: str, split: str, dtype: np.dtype, n_tokens: int, seq_len: 
     if size != n_tokens * dtype.itemsize:
         raise UserError(_size_mismatch(file, size, dtype, n_tokens, fix))
     if n_tokens < seq_len + 1:
-        fix = "lower model.seq_len or prepare more text" if seq_len > 1 else "prepare more text"  # 1: the least
+        more = "lower model.seq_len or prepare more text" if seq_len > 1 else "prepare more text"  # 1: the least
         raise UserError(f"{file} has {n_tokens} tokens but a window of model.seq_len={seq_len} needs "
-                        f"{seq_len + 1}; {fix}")
+                        f"{seq_len + 1}; {more}")
     return np.memmap(file, dtype=dtype, mode="r")
 
 

@@ -38,8 +38,10 @@ class Divergence:
     def check(self, line: dict) -> None:
         """`line`: a metrics.jsonl train line (step, loss, grad_norm; skipped under nan_policy=skip; loss_scale,
         the scale the window ran with, under fp16)."""
-        unscalable = self.loss_scaled and math.isfinite(line["loss"]) and line["loss_scale"] <= self.floor
-        overflow = self.loss_scaled and math.isfinite(line["loss"]) and not unscalable  # GradScaler's business
+        # fp16, a finite loss: a non-finite gradient is the scale's overflow, GradScaler's business above its floor
+        scaled_finite_loss = self.loss_scaled and math.isfinite(line["loss"])
+        unscalable = scaled_finite_loss and line["loss_scale"] <= self.floor
+        overflow = scaled_finite_loss and not unscalable
         if self.policy == "halt":
             if not (math.isfinite(line["loss"]) and (math.isfinite(line["grad_norm"]) or overflow)):
                 self._halt(line, "training diverged", unscalable)

@@ -123,11 +123,10 @@ def validate_devices(cfg: Config, n_devices: int) -> tuple[int, int]:
                         f"devices; set {data_fix}an fsdp that divides {n_devices}{_or_dry_run_devices(cfg)}")
     d_model = cfg.model.d_model
     if d_model % fsdp:  # fsdp_sharding splits a leaf only along a dimension fsdp divides
-        both = [f for f in range(n_devices, 0, -1) if n_devices % f == 0 and d_model % f == 0]
         raise UserError(f"mesh.fsdp={fsdp} does not divide model.d_model={d_model}: every parameter of that size "
                         f"(embeddings, LayerNorms, the blocks' weights) and its AdamW moments would stay whole on "
                         f"every device; set an fsdp that divides both d_model and the {n_devices} devices (e.g. "
-                        f"{both[0]}), or change d_model")
+                        f"{math.gcd(d_model, n_devices)}), or change d_model")
     if cfg.micro_batch_size % n_devices:
         batch, k = cfg.data.batch_size, cfg.optim.grad_accum_steps
         fewer = next((j for j in range(k - 1, 0, -1) if batch % (j * n_devices) == 0), None)

@@ -292,8 +292,7 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         summary["wall_s"] = time.perf_counter() - t0  # start-up and compilation included
         return summary, state, trainer
     except StoppedInStartUp:
-        hint = (config_lib.resume_hint(cfg, "jaxtrain.run") if trainer.checkpointer else
-                "run.fresh has moved nothing aside yet: run the same command to start over")
+        hint = config_lib.start_up_stop_hint(cfg, "jaxtrain.run")
         print(f"stopped before the first step, nothing new to save; {hint}", file=sys.stderr)
         return {"stopped": True}, None, trainer
     finally:  # still under the StopRequest: a signal while the last saves finish waits for them

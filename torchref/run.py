@@ -89,9 +89,8 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
         print(f"nothing to train: at step {progress.step} of train.steps={cfg.train.steps}", file=sys.stderr)
         return
     if stop.requested:  # before run.fresh moves anything, as jaxtrain
-        hint = ("run.fresh has moved nothing aside yet: run the same command to start over" if cfg.run.fresh else
-                config.resume_hint(cfg, "torchref.run"))
-        print(f"stopped before the first step, nothing new to save; {hint}", file=sys.stderr)
+        print(f"stopped before the first step, nothing new to save; {config.start_up_stop_hint(cfg, 'torchref.run')}",
+              file=sys.stderr)
         return
     stop.training_started()
     if cfg.run.fresh:
