@@ -97,6 +97,7 @@ class Checkpointer:
         # Orbax warns about each step folder it did not write; resume names such a folder itself.
         with quiet_logger("absl", logging.ERROR):
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        logging.getLogger("absl").addFilter(_without_orbax_tracebacks)
         self.cfg, self.data_fingerprint = cfg, data_fingerprint
         self.saved_config = yaml.safe_load(config_lib.dump(cfg))  # meta's copy: the same at every save
         self.best = None  # {"step", "eval_loss"}: the lowest eval loss among this run's saves
@@ -227,29 +228,56 @@ class Checkpointer:
         with self._writing():
             self.manager.wait_until_finished()
 
+    def background_failure(self) -> UserError | None:
+        """The UserError of a save that failed in orbax's background thread since the last look, else None. Looked
+        at after every step: a run ends at the step after a write failed, instead of training on to its next save
+        for a checkpoint that cannot be written."""
+        try:
+            with self._writing():
+                if not self.manager.is_saving_in_progress():  # the last save is over: its failure raises at once
+                    self.manager.wait_until_finished()
+        except UserError as e:
+            return e
+        return None
+
     @contextlib.contextmanager
     def _writing(self):
         """A save that failed in orbax's background thread (a full disk, a bucket refusing the write) surfaces at
-        the next save or wait as the storage's own exception, with orbax's log lines: one line then, naming it and
-        the newest checkpoint that is complete, from which the same command resumes."""
+        the next look, save or wait as the storage's own exception: one line then, naming it and the newest
+        checkpoint that is complete, from which the same command resumes."""
         try:
             yield
         except Exception as e:
             with contextlib.suppress(Exception):  # the saves still in flight, which may complete (or fail again)
                 self.manager.wait_until_finished()
-            complete, reason = saved_steps(self.cfg.run.out_dir), " ".join(str(e).split())
-            reason = reason if len(reason) <= 400 else f"{reason[:200]} ... {reason[-190:]}"  # the OS's words end it
-            newest = f"the newest complete one is step {complete[-1]}" if complete else "none is complete"
-            raise UserError(f"a checkpoint could not be written into {self.directory} ({reason}); {newest}: free "
-                            f"space there (or mend the storage) and run the same command to resume") from None
+            reason = " ".join(str(e).split())
+            raise self.cannot_write(reason if len(reason) <= 400 else f"{reason[:200]} ... {reason[-190:]}") from None
+
+    def cannot_write(self, reason: str) -> UserError:
+        """The failed save's one line, `reason` in it (the storage's words end a long one)."""
+        complete = saved_steps(self.cfg.run.out_dir)
+        newest = f"the newest complete one is step {complete[-1]}" if complete else "none is complete"
+        return UserError(f"a checkpoint could not be written into {self.directory} ({reason}); {newest}: free "
+                         f"space there (or mend the storage) and run the same command to resume")
 
     def close(self) -> None:
         # Orbax's close waits for the saves, not for the thread its constructor started to remove a killed save's
         # temporary folders: a run refused right after start-up would end the interpreter under that thread, which
         # then logs a traceback ("cannot schedule new futures after interpreter shutdown").
         self.manager._maybe_await_cleanup_tmp_directory()
-        with self._writing():
-            self.manager.close()
+        try:
+            with self._writing():
+                self.manager.close()
+        finally:
+            logging.getLogger("absl").removeFilter(_without_orbax_tracebacks)
+
+
+def _without_orbax_tracebacks(record: logging.LogRecord) -> bool:
+    """Orbax's log records, each on its one line: a failed background save logs three tracebacks (~60 lines each)
+    of the exception the run's own error line names (Checkpointer._writing)."""
+    if f"{os.sep}orbax{os.sep}" in record.pathname:
+        record.exc_info, record.exc_text = None, None
+    return True
 
 
 def saved_steps(out_dir: str) -> list[int]:

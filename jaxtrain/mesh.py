@@ -181,15 +181,16 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 @jax.jit
 def _any(flags: jax.Array) -> jax.Array:
-    return jnp.any(flags)
+    return jnp.any(flags, axis=0)
 
 
-def any_process(flag: bool, mesh: Mesh) -> jax.Array:
-    """A replicated bool, True on every process when any process passed True: one small collective (each device
-    holds its process's flag). Dispatched asynchronously; reading it waits for every process to have voted."""
+def any_process(flags: bool | tuple[bool, ...], mesh: Mesh) -> jax.Array:
+    """For each flag, a replicated bool: True on every process when any process passed True. One small collective
+    for them all (each device holds its process's flags); a bool gives a scalar, a tuple an array of its length.
+    Dispatched asynchronously; reading it waits for every process to have voted."""
     sharding = NamedSharding(mesh, P(BATCH_AXES))
-    local = np.full((len(mesh.local_devices),), flag)
-    return _any(global_array(local, sharding))  # a scalar: replicated on every device
+    local = np.broadcast_to(np.asarray(flags, bool), (len(mesh.local_devices), *np.shape(flags)))
+    return _any(global_array(np.ascontiguousarray(local), sharding))  # replicated on every device
 
 
 def batch_sharded(x_BxTxD):

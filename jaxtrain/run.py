@@ -215,13 +215,15 @@ class StoppedInStartUp(Exception):
 
 
 class AgreedStop:
-    """Whether the run stops after this step: the same answer on every process. One process: its own signal.
-    Several: mesh.any_process over every process's flag, dispatched after each step and read after the next, so the
+    """Whether the run stops after this step, the same answer on every process; and whether it ends at once, a
+    save having failed in the background on any of them. One process: its own signal and failure. Several:
+    mesh.any_process over every process's two flags, dispatched after each step and read after the next, so the
     loop never waits for it and every host saves the same step (a preemption may signal one host only)."""
 
     def __init__(self, stop: preemption.StopRequest, mesh):
         self.stop, self.mesh, self.several = stop, mesh, jax.process_count() > 1
         self.vote = None
+        self.failed = None  # this process's failed save (a UserError), kept until every process has heard
 
     def check_start_up(self) -> None:
         """Between start-up phases: raise StoppedInStartUp when any process was signalled (blocking)."""
@@ -229,12 +231,18 @@ class AgreedStop:
         if requested:
             raise StoppedInStartUp
 
-    def after_step(self) -> bool:
+    def after_step(self, checkpointer: checkpoint_lib.Checkpointer) -> bool:
+        """Whether to save this step and stop; raises the UserError of a save that failed instead."""
+        self.failed = self.failed or checkpointer.background_failure()
         if not self.several:
+            if self.failed:
+                raise self.failed
             return self.stop.requested
-        agreed = self.vote is not None and bool(self.vote)
-        self.vote = mesh_lib.any_process(self.stop.requested, self.mesh)
-        return agreed
+        stop, failed = (False, False) if self.vote is None else (bool(x) for x in np.asarray(self.vote))
+        self.vote = mesh_lib.any_process((self.stop.requested, self.failed is not None), self.mesh)
+        if failed:  # every process ends at the same step; the failure's own words are in its process's output
+            raise self.failed or checkpointer.cannot_write("on another process of this run; its error names why")
+        return stop
 
 
 def train(cfg: Config) -> dict:
@@ -325,7 +333,7 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
         state, metrics = trainer.train_step(state, *trainer.window(step - 1))
         if pending is not None:
             report(pending, logger, divergence)
-        pending, stopping = (step, metrics), agreed.after_step()
+        pending, stopping = (step, metrics), agreed.after_step(trainer.checkpointer)
         save, evaluate = cfg.saves_at(step) or stopping, cfg.evaluates_at(step)
         if save or evaluate:
             summary.update(report(pending, logger, divergence))

@@ -1,12 +1,17 @@
 """Checkpoints that verify themselves: the fingerprint, fallback past a corrupt checkpoint, rotation, keep_best."""
 
+import errno
 import glob
+import io
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -327,6 +332,43 @@ def test_a_checkpoint_with_compressed_arrays_still_resumes(tmp_path):
     for a, b in zip(jax.tree.leaves(jax.device_get(resumed.state)), jax.tree.leaves(jax.device_get(state)),
                     strict=True):
         assert np.array_equal(a, b)
+
+
+def test_a_save_that_fails_in_the_background_stops_the_run_before_its_next_save(tmp_path, cache_dir, monkeypatch):
+    """The failure of an async save (here its arrays' write, as a full disk fails it) reaches the loop at the step
+    after the write ended, not at the next save: the run stops there, without orbax's tracebacks (three of ~60 lines
+    each), naming the cause and the newest complete checkpoint."""
+    from orbax.checkpoint._src.serialization import serialization
+    out_dir, write_arrays, failed = str(tmp_path / "run"), serialization.async_serialize_from_host, threading.Event()
+
+    async def full_at_step_16(host_arrays, spec, **kwargs):
+        if "/16.orbax-checkpoint-tmp/" in str(spec):
+            failed.set()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await write_arrays(host_arrays, spec, **kwargs)
+
+    real_window = run.Trainer.window
+
+    def slowed_once_failed(self, step):  # 7 steps of 50 ms: ample time for orbax's threads to end, even under load
+        time.sleep(0.05 if failed.is_set() else 0)
+        return real_window(self, step)
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", full_at_step_16)
+    monkeypatch.setattr(run.Trainer, "window", slowed_once_failed)
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("absl").addHandler(handler)
+    try:
+        with pytest.raises(UserError) as stopped:
+            run.train(config.load(small_args(out_dir, cache_dir, "--checkpoint.every=8", "--train.steps=40")))
+    finally:
+        logging.getLogger("absl").removeHandler(handler)
+    assert str(stopped.value) == (f"a checkpoint could not be written into {out_dir}/checkpoints ([Errno 28] No "
+                                  f"space left on device); the newest complete one is step 8: free space there (or "
+                                  f"mend the storage) and run the same command to resume")
+    trained = [line["step"] for line in read_metrics(out_dir) if "loss" in line]
+    assert 16 <= trained[-1] < 24, trained  # the save at step 24 would raise it too, step 24 logged before
+    assert "No space left on device" in log.getvalue() and "Traceback" not in log.getvalue(), log.getvalue()
 
 
 def test_a_save_that_fails_is_one_line_and_the_same_command_resumes(tmp_path, cache_dir, monkeypatch, capsys):

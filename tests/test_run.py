@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from design_formulas import default_lr_at
 from parity_tests import inject_nan
 from parity_tests.runs import read_metrics
 from jaxtrain import config, convert, model, run, runlock
+from jaxtrain import mesh as mesh_lib
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import UserError
 
@@ -222,6 +224,45 @@ def test_a_fresh_start_stopped_before_its_first_step_moves_nothing(reference_run
         "stopped before the first step, nothing new to save; run.fresh has moved nothing aside yet: run the same "
         "command to start over")
     assert files_but_the_lock(out_dir) == before
+
+
+class SavesThatFail:
+    """A Checkpointer's failure look: the background failures it reports at each call, in turn."""
+
+    def __init__(self, *failures):
+        self.failures = list(failures)
+
+    def background_failure(self):
+        return self.failures.pop(0)
+
+    def cannot_write(self, reason):
+        return UserError(f"could not write ({reason})")
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_a_save_that_failed_ends_the_run_once_every_process_heard(several):
+    """One process raises its failed save after the step it saw it at. Several vote on it with the stop flag, a step
+    late as on a stop: every process raises after the next step (here one process, made to vote as one of several,
+    is the collective's only voter), and a stop requested meanwhile does not save over it."""
+    disk_full = UserError("could not write (disk full)")
+    agreed = run.AgreedStop(types.SimpleNamespace(requested=False), mesh_lib.one_device_mesh())
+    agreed.several = several
+    saves = SavesThatFail(None, disk_full, None, None)
+    assert agreed.after_step(saves) is False
+    if several:
+        agreed.stop.requested = True
+        assert agreed.after_step(saves) is False  # voted on now, read after the next step
+    with pytest.raises(UserError) as failed:
+        agreed.after_step(saves)
+    assert failed.value is disk_full
+
+
+def test_a_failure_voted_by_another_process_is_named_as_one():
+    agreed = run.AgreedStop(types.SimpleNamespace(requested=False), mesh_lib.one_device_mesh())
+    agreed.several, agreed.vote = True, jax.numpy.array([False, True])  # another process's failure, read now
+    with pytest.raises(UserError, match=r"^could not write \(on another process of this run; its error names "
+                                        r"why\)$"):
+        agreed.after_step(SavesThatFail(None))
 
 
 def test_nan_loss_stops_with_a_clear_message(tmp_path, cache_dir):
