@@ -7,6 +7,7 @@ cause and the fix, with exit code 2, instead of a traceback.
 
 import argparse
 import contextlib
+import errno
 import logging
 import sys
 from typing import NoReturn
@@ -16,6 +17,10 @@ class UserError(Exception):
     """Something the user can fix. The message names the cause and the fix, in one line."""
 
 
+# What a disk says when it is full, over its quota or read-only: the user's to mend, wherever the write was.
+STORAGE_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
 @contextlib.contextmanager
 def exit_on_user_error():
     try:
@@ -23,6 +28,13 @@ def exit_on_user_error():
     except UserError as e:
         # One line even when a message quotes a library's multi-line text (the tests hold every message to one).
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno not in STORAGE_REFUSED:
+            raise
+        where = f" {e.filename}" if e.filename else ""
+        print(f"error: could not write{where} ({e.strerror}): free space there (or mend the storage) and run the "
+              f"same command again", file=sys.stderr)
         sys.exit(2)
 
 

@@ -7,6 +7,7 @@ part. So config.yaml is written whole, and metrics.jsonl and TensorBoard's event
 on a local disk, are uploaded whole in an object store (GrowingFile).
 """
 
+import contextlib
 import os
 import re
 import sys
@@ -269,8 +270,9 @@ class GrowingFile:
 
     def write(self, record: str | bytes) -> None:
         if self.local:
-            self.local.write(record)
-            self.local.flush()
+            with self._named():
+                self.local.write(record)
+                self.local.flush()
             return
         self.records.append(record)
         if time.monotonic() - self.uploaded_at >= UPLOAD_EVERY_S:
@@ -283,6 +285,15 @@ class GrowingFile:
 
     def close(self) -> None:
         if self.local:
-            self.local.close()
+            with self._named():
+                self.local.close()
         else:
             self.sync()
+
+    @contextlib.contextmanager
+    def _named(self):
+        """A local write's OSError (a full disk) naming the file, which a flush's does not."""
+        try:
+            yield
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, os.fspath(self.file)) from None

@@ -346,3 +346,21 @@ def _not_a_float(text: str) -> bool:
 def test_positive_float_refuses_what_is_not_a_number(text):
     with pytest.raises(argparse.ArgumentTypeError, match="is not a finite number > 0"):
         cmdline.positive_float(text)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full (a Linux device) to fill the disk with")
+def test_a_disk_that_fills_during_the_run_is_one_line_naming_the_file(tmp_path, capsys):
+    """metrics.jsonl's appends meet a full disk (/dev/full answers every write with ENOSPC): one line naming the
+    file and the fix, exit code 2, from the write and again from the close that flushes what is left."""
+    from etils import epath
+    from jaxtrain.errors import exit_on_user_error
+    metrics = tmp_path / "metrics.jsonl"
+    log = runfolder.GrowingFile(epath.Path(metrics), [])
+    log.local.close()
+    log.local = open("/dev/full", "a", encoding="utf-8")  # the disk is full from here on
+    for last_words in (lambda: log.write('{"step": 1}\n'), log.close):
+        with pytest.raises(SystemExit) as ended, exit_on_user_error():
+            last_words()
+        assert ended.value.code == 2
+        assert capsys.readouterr().err == (f"error: could not write {metrics} (No space left on device): free space "
+                                           f"there (or mend the storage) and run the same command again\n")
