@@ -23,6 +23,7 @@ library here: the `env` stage is what reports a package the image lacks.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
@@ -81,6 +82,7 @@ class Stage:
     expect_s: int
     cap_s: int
     required: bool = False  # a failure stops the stages after it
+    needs: tuple[str, ...] = ()  # stages whose failure in this call skips it (kernels whose tests failed)
     json: bool = False  # benchmarks.run writes its results to <out>/<name>.json
     env: tuple[tuple[str, str], ...] = ()  # set for its process, over the runner's environment
 
@@ -100,6 +102,9 @@ RECIPE = ("-m", "benchmarks.run", *GPT2, *AB, "--model.norm={norm}")
 KERNEL_TESTS = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=short")
 KERNEL_OPTIONS = {"gelu": "--model.gelu_grad=pallas", "head": "--model.head_lse=pallas",
                   "qkv": "--model.qkv_grad=pallas", "fc": "--model.gelu_fwd=pallas"}  # the four Hopper gemm kernels
+# What a stage measuring a gemm kernel needs to have passed where it ran in the same call: no figure of wrong math.
+KERNEL_TESTS_OF = {"gelu": ("gelu_tests",), "head": ("head_tests",), "qkv": ("qkv_tests",), "fc": ("gelu_tests",)}
+ALL_KERNEL_TESTS = ("gelu_tests", "head_tests", "qkv_tests")
 
 STAGES = (
     Stage("env", "versions, the GPU, and whether jaxtrain imports on the image's jax", ("-c", ENV_SCRIPT), 15, 60,
@@ -119,15 +124,16 @@ STAGES = (
           "on a GPU) as Mosaic GPU compiles it, against float64 and the model without it",
           KERNEL_TESTS + ("tests/test_qkv_grad.py",), 30, 120),
     Stage("step_kernels", "jaxtrain's row with the four gemm kernels (against `step`: the roofline says -10.8%)",
-          STEP + tuple(KERNEL_OPTIONS.values()), 45, 100, json=True),
+          STEP + tuple(KERNEL_OPTIONS.values()), 45, 100, json=True, needs=ALL_KERNEL_TESTS),
     Stage("step_stream", "jaxtrain's row with the four gemm kernels and a bf16 residual stream "
           "(model.residual_dtype=bf16, llm.c's numerics; the roofline: -5.9% from step_kernels, -16.1% from `step`)",
-          STEP + tuple(KERNEL_OPTIONS.values()) + ("--model.residual_dtype=bf16",), 45, 100, json=True),
+          STEP + tuple(KERNEL_OPTIONS.values()) + ("--model.residual_dtype=bf16",), 45, 100, json=True,
+          needs=ALL_KERNEL_TESTS),
     Stage("recipe", "jaxtrain's row at the config's own batch, 480 in 16 micro-batches of 30 (the roofline a "
           "sequence against 64 in 4: -3.5%, with the four kernels -4.0%; the once-a-window passes spread over 16)",
           RECIPE, 55, 120, json=True),
     Stage("recipe_kernels", "the same with the four gemm kernels: issue 11's 50% line on the config as it trains",
-          RECIPE + tuple(KERNEL_OPTIONS.values()), 55, 120, json=True),
+          RECIPE + tuple(KERNEL_OPTIONS.values()), 55, 120, json=True, needs=ALL_KERNEL_TESTS),
     Stage("model_tests", "test_model's bit-for-bit tests against torch on the GPU, compiled as the step compiles "
           "(six failed under XLA's default excess precision on 2026-11-28, all passed without it), cuDNN's "
           "attention against the written-out one, and the q, k, v gemms (Linear.column_blocks) against the one gemm "
@@ -135,7 +141,7 @@ STAGES = (
     Stage("profile", "where the step's time goes with the four gemm kernels (139.5 ms of GPU time without them, "
           "2026-11-28)", ("-m", "benchmarks.profile", "--config", "configs/gpt2-124m.yaml", "--synthetic",
                           "--data.batch_size=64", "--optim.grad_accum_steps=4", "--model.norm={norm}",
-                          *KERNEL_OPTIONS.values()), 50, 120),
+                          *KERNEL_OPTIONS.values()), 50, 120, needs=ALL_KERNEL_TESTS),
     Stage("gelu_ab", "the GELU kernel alone at GPT-2's shapes, five tile settings, against XLA's gemm and GELU "
           "backward (5.79 ms of the 139.5 ms profile) and the gemm alone", ("-m", "benchmarks.gelu_gemm"), 40, 90),
 )
@@ -151,22 +157,26 @@ ON_REQUEST = (
     Stage("table_recipe", "the same rows at the config's own batch (480 in 16; torch eager's step ~4 s), jaxtrain's "
           "with the four gemm kernels: the table for the README where recipe_kernels reaches 50%",
           ("-m", "benchmarks.run", *GPT2, "--rounds", "3", "--steps", "4", "--model.norm={norm}",
-           *KERNEL_OPTIONS.values(), *TABLE_ROWS), 330, 480, json=True),
+           *KERNEL_OPTIONS.values(), *TABLE_ROWS), 330, 480, json=True, needs=ALL_KERNEL_TESTS),
     Stage("recipe_micro60", "recipe_kernels in 8 micro-batches of 60 (the roofline: -1.3%, the per-micro-batch "
           "gradient accumulation halved; 28.8 GiB by XLA's memory_analysis, micro-batch 64 measured 38.8 GB on "
           "2026-11-28): whether the config should take fewer, bigger micro-batches on an 80 GB GPU",
-          RECIPE + tuple(KERNEL_OPTIONS.values()) + ("--optim.grad_accum_steps=8",), 55, 120, json=True),
+          RECIPE + tuple(KERNEL_OPTIONS.values()) + ("--optim.grad_accum_steps=8",), 55, 120, json=True,
+          needs=ALL_KERNEL_TESTS),
     Stage("step_excess", "jaxtrain's row with XLA's excess precision back on (the step compiles without it on a GPU "
           "since 2026-11-28, autocast.rounding_options): what torch's roundings cost (2026-11-28: 272.8 ms without, "
           "275.8 with)", STEP, 40, 100, json=True, env=EXCESS),
     Stage("step_gelu", "jaxtrain's row with the GELU-gradient kernel alone (the roofline: -5.0%)",
-          STEP + (KERNEL_OPTIONS["gelu"],), 45, 100, json=True),
+          STEP + (KERNEL_OPTIONS["gelu"],), 45, 100, json=True, needs=KERNEL_TESTS_OF["gelu"]),
     Stage("step_head", "jaxtrain's row with the head's kernel alone (the roofline: -2.1%; the profile's logsumexp "
-          "pass, 5.11 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["head"],), 45, 100, json=True),
+          "pass, 5.11 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["head"],), 45, 100, json=True,
+          needs=KERNEL_TESTS_OF["head"]),
     Stage("step_qkv", "jaxtrain's row with c_attn's dx kernel alone (the roofline: -1.0%; the profile's "
-          "concatenation, 2.15 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["qkv"],), 45, 100, json=True),
+          "concatenation, 2.15 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["qkv"],), 45, 100, json=True,
+          needs=KERNEL_TESTS_OF["qkv"]),
     Stage("step_fc", "jaxtrain's row with c_fc's kernel alone (the roofline: -2.6%; beside the other three -2.9%; "
-          "GELU's pass, 4.21 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["fc"],), 45, 100, json=True),
+          "GELU's pass, 4.21 ms of 139.5, gone)", STEP + (KERNEL_OPTIONS["fc"],), 45, 100, json=True,
+          needs=KERNEL_TESTS_OF["fc"]),
     Stage("head_ab", "the head's kernel alone at GPT-2's shapes, five tile settings, against XLA's gemm and "
           "logsumexp and the gemm alone", ("-m", "benchmarks.head_lse"), 40, 90),
     Stage("qkv_ab", "c_attn's dx kernel alone at GPT-2's shapes, five tile settings, against XLA's concatenation "
@@ -202,7 +212,11 @@ def main(argv: list[str]) -> None:
         except OSError as e:
             print(f"error: --out {args.out!r}: {e.strerror}; choose another folder", file=sys.stderr)
             sys.exit(2)
-        results = run_stages(stages, args.out, args.budget_s)
+        signal.signal(signal.SIGTERM, _terminate)
+        try:
+            results = run_stages(stages, args.out, args.budget_s)
+        except Terminated:  # between two stages: summary.md holds every stage that ran
+            sys.exit(128 + signal.SIGTERM)
         print(write_summary(results, args.out))
 
 
@@ -229,22 +243,28 @@ def download_wheels(folder: str) -> None:
 
 
 def run_stages(stages, out: str, budget_s: float) -> list[dict]:
-    """Each stage in turn while the budget covers its expected time; its output appended to <out>/session.log."""
+    """Each stage in turn while the budget covers its expected time; its output appended to <out>/session.log, and
+    summary.md rewritten after it: a runner killed later (the device tool's limit) keeps what it measured."""
     deadline, norm, stopped = time.monotonic() + budget_s, "auto", None
     results = []
     with open(os.path.join(out, "session.log"), "ab") as log:
         for stage in stages:
             left = deadline - time.monotonic()
-            if stopped or left < stage.expect_s:
-                why = f"not run: {stopped} failed" if stopped else f"not run: {left:.0f}s of the budget left"
+            failed = [r["stage"].name for r in results if r["outcome"] != "passed" and r["stage"].name in stage.needs]
+            stopped_here = stopped or (f"{failed[0]} did not pass" if failed else None)
+            if stopped_here or left < stage.expect_s:
+                why = f"not run: {stopped_here}" if stopped_here else f"not run: {left:.0f}s of the budget left"
                 results.append({"stage": stage, "outcome": why, "seconds": 0.0})
                 continue
-            result = run_one(stage, stage_args(stage, norm, out), min(stage.cap_s, left), log)
+            result = run_one(stage, stage_args(stage, norm, out), min(stage.cap_s, left), stage.cap_s, log)
             results.append(result)
+            write_summary(results, out)
             if stage.name == "kernels" and result["outcome"] != "passed":
                 norm = "xla"  # the table is not measured on kernels whose math the tests refused
-            if stage.required and result["outcome"] != "passed":
-                stopped = stage.name
+            if result["outcome"] == TERMINATED:
+                stopped = "the runner was sent SIGTERM"
+            elif stage.required and result["outcome"] != "passed":
+                stopped = f"{stage.name} failed"
     return results
 
 
@@ -253,9 +273,10 @@ def stage_args(stage: Stage, norm: str, out: str) -> list[str]:
     return args + ["--json", os.path.join(out, f"{stage.name}.json")] if stage.json else args
 
 
-def run_one(stage: Stage, args: list[str], timeout_s: float, log) -> dict:
+def run_one(stage: Stage, args: list[str], timeout_s: float, cap_s: float, log) -> dict:
     """Runs one stage in its own process group (benchmarks.run starts a process per row), killed whole at the
-    timeout; its output goes to the log between a header and a footer."""
+    timeout (its cap, or the budget's end where that comes first) or when the runner is sent SIGTERM; its output
+    goes to the log between a header and a footer."""
     _write(log, f"\n===== {stage.name}: {command_line(args, stage.env)}\n")
     start, t0 = log.tell(), time.monotonic()
     proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -264,13 +285,30 @@ def run_one(stage: Stage, args: list[str], timeout_s: float, log) -> dict:
         rc = proc.wait(timeout=timeout_s)
         outcome = "passed" if rc == 0 else f"failed (exit {rc})"
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        outcome = f"stopped at its cap of {cap_s:.0f}s" if timeout_s >= cap_s else \
+            f"stopped where the budget ended, after {timeout_s:.0f}s"
+    except Terminated:
+        outcome = TERMINATED
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the group: the stage, or what it left running
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        outcome = f"stopped at its cap of {timeout_s:.0f}s"
     seconds = time.monotonic() - t0
     log.seek(0, os.SEEK_END)  # past what the stage wrote through the same open file
     _write(log, f"===== {stage.name}: {outcome} in {seconds:.1f}s\n")
     return {"stage": stage, "outcome": outcome, "seconds": seconds, "start": start, "args": args}
+
+
+class Terminated(Exception):
+    """SIGTERM to the runner (the device tool at its limit, or a person): the running stage is stopped with its
+    processes, which would hold the GPU on past the runner, and no other stage starts."""
+
+
+TERMINATED = "stopped: the runner was sent SIGTERM"
+
+
+def _terminate(signum, frame):
+    raise Terminated
 
 
 def command_line(args: list[str], env: tuple[tuple[str, str], ...] = ()) -> str:

@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+from typing import Callable
 
 from benchmarks import workers
 from benchmarks.steps import matmul_shape, with_precision
@@ -58,15 +59,24 @@ def main(argv: list[str]) -> None:
           f"{base.optim.grad_accum_steps} micro-batches{rounds}\n", flush=True)
     results = {"device": device, "config": rest, "n_params": n_params, "rows": []}
     if args.only != "save":
-        results["rows"] = measure(base, keys, args)
+        results["rows"] = measure(base, keys, args, lambda rows: write_json(args.json, dict(results, rows=rows)))
         print(table(results["rows"], base, n_params, peak), flush=True)
+        write_json(args.json, results)  # before the save's cost, which takes minutes on a big model
     if args.only != "throughput":
         from benchmarks.save_cost import save_cost_table  # jax and orbax: not in the rows' spawned processes
         results["save"] = save_cost(base, args)
         print(save_cost_table(results["save"]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
+
+
+def write_json(path: str | None, results: dict) -> None:
+    """--json's file (none where not given): the results so far, each row's config as a dict."""
+    if path is None:
+        return
+    rows = [{k: dataclasses.asdict(v) if k == "cfg" and dataclasses.is_dataclass(v) else v
+             for k, v in r.items() if k != "worker"} for r in results["rows"]]
+    with open(path, "w") as f:
+        json.dump(dict(results, rows=rows), f, indent=1)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -138,10 +148,11 @@ def cpu_in_words(cpuinfo: str, cores: int) -> str:
     return f"{cpuinfo_fields(cpuinfo).get('model name', 'CPU')} ({cores} cores, {', '.join(units)})"
 
 
-def measure(base, keys: list[str], args) -> list[dict]:
+def measure(base, keys: list[str], args, measured: Callable[[list[dict]], None]) -> list[dict]:
     """Start each row's process (one after the other, so warm-ups do not share the machine), then the rounds: each
     round gives every live row its turn. With --one-at-a-time a row's process runs all its rounds and ends before
-    the next starts, for a GPU whose memory cannot hold every row's activations and caches at once."""
+    the next starts, for a GPU whose memory cannot hold every row's activations and caches at once. After each
+    group of rows, a line per row and `measured(rows)`: a run cut short keeps the rows it finished."""
     rows = [{"key": key, "name": ROWS[key][0], "precision": ROWS[key][2], "times": [], "cfg": row_config(base, key)}
             for key in keys]
     groups = [[r] for r in rows] if args.one_at_a_time else [rows]
@@ -158,6 +169,9 @@ def measure(base, keys: list[str], args) -> list[dict]:
         for r in group:
             r["peak_memory"] = _ask(r, "peak_memory") if "error" not in r else None
             r.pop("worker").close()
+            print(f"  measured {r['name']}: " + (r["error"] if "error" in r else
+                  f"median {statistics.median(r['times']) * 1e3:,.1f} ms of {len(r['times'])} steps"), flush=True)
+        measured(rows)
     return rows
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -66,13 +67,46 @@ def test_a_row_that_fails_after_its_warm_up_is_reported_and_the_others_measured(
 
     monkeypatch.setattr(bench.workers, "Worker", Process)
     args = bench.parser().parse_args(["--rows", "jax-bf16,torch-bf16,jax-fp32", "--rounds", "3", "--steps", "2"])
-    rows = {r["key"]: r for r in bench.measure(config.load(TINY), ["jax-bf16", "torch-bf16", "jax-fp32"], args)}
+    rows = bench.measure(config.load(TINY), ["jax-bf16", "torch-bf16", "jax-fp32"], args, lambda rows: None)
+    rows = {r["key"]: r for r in rows}
     assert rows["jax-bf16"]["error"] == "times: XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory"
     assert rows["torch-bf16"]["error"] == "times: its process died (exit -9); its output above says why"
     assert rows["jax-bf16"]["times"] == rows["torch-bf16"]["times"] == [] and rows["jax-bf16"]["peak_memory"] is None
     assert rows["jax-fp32"]["times"] == [0.5] * 6 and "error" not in rows["jax-fp32"]
     text = bench.table(list(rows.values()), config.load(TINY), n_params=10_000, peak=None)
     assert "| jaxtrain bf16 | failed: times: XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory |" in text
+
+
+def test_one_row_at_a_time_writes_each_row_once_it_is_measured(tmp_path, monkeypatch, capsys):
+    """--one-at-a-time: each row's times are printed and in --json's file as soon as its process ends, so a run
+    killed during a later row (a GPU session's limit) keeps them; before, nothing was printed or written until the
+    last row and the save's cost were done."""
+    class Process:
+        def __init__(self, row, synthetic):
+            self.warmup, self.seconds = {"first_step_s": 1.0}, {"jaxtrain bf16": 0.5, "jaxtrain fp32": 0.25}[row.name]
+
+        def times(self, n):
+            return [self.seconds] * n
+
+        def peak_memory(self):
+            return 10**9
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench.workers, "Worker", Process)
+    out, seen = tmp_path / "rows.json", []
+    args = bench.parser().parse_args(["--one-at-a-time", "--rounds", "2", "--steps", "3"])
+
+    def measured(rows):
+        bench.write_json(str(out), {"device": "cpu", "rows": rows})
+        seen.append({r["key"]: r["times"] for r in json.loads(out.read_text())["rows"]})
+
+    bench.measure(config.load(TINY), ["jax-bf16", "jax-fp32"], args, measured)
+    assert seen == [{"jax-bf16": [0.5] * 6, "jax-fp32": []}, {"jax-bf16": [0.5] * 6, "jax-fp32": [0.25] * 6}]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "measured" in line]
+    assert lines == ["  measured jaxtrain bf16: median 500.0 ms of 6 steps",
+                     "  measured jaxtrain fp32: median 250.0 ms of 6 steps"]
 
 
 def test_a_row_whose_process_dies_answers_with_the_error():
@@ -252,7 +286,7 @@ def test_row_configs_are_validated_before_any_process_starts(monkeypatch):
     args = bench.parser().parse_args(["--rows", "jax-bf16,jax-bf16-k4"])
     with pytest.raises(bench.UserError, match=r"^jaxtrain bf16, k=4: data.batch_size=6 is not divisible by "
                                               r"optim.grad_accum_steps=4; "):
-        bench.measure(config.load([*TINY, "--data.batch_size=6"]), ["jax-bf16", "jax-bf16-k4"], args)
+        bench.measure(config.load([*TINY, "--data.batch_size=6"]), ["jax-bf16", "jax-bf16-k4"], args, print)
 
 
 def test_json_carries_the_save_table(tmp_path, monkeypatch, capsys):
@@ -367,3 +401,23 @@ def test_a_cpu_is_named_with_the_units_its_bf16_matmuls_run_on():
     assert bench.cpu_in_words(epyc, 2) == "AMD EPYC (2 cores, AVX-512 bf16)"
     bare = "processor\t: 0\nflags\t\t: fpu avx2 amx_tile\n"
     assert bench.cpu_in_words(bare, 4) == "CPU (4 cores, no bf16 matmul units)"
+
+
+@pytest.mark.parametrize("row", ["jaxtrain", "torchref"])
+def test_a_rows_clock_leaves_out_drawing_its_batch(row, monkeypatch):
+    """Both rows draw the step's batch before the clock starts (jaxtrain's drew it inside, torchref's outside):
+    a batch that takes 2 s to draw is not in a step the tiny model takes milliseconds for (bound: a step on two
+    busy cores, far below 2 s)."""
+    from benchmarks import steps
+    cfg = config.load([*TINY, "--model.vocab_size=256", "--data.path=null"])
+    real_windows = steps.windows
+
+    def slow_windows(cfg, data):
+        draw = real_windows(cfg, data)
+        return lambda step: (time.sleep(2.0), draw(step))[1]
+
+    monkeypatch.setattr(steps, "windows", slow_windows)
+    data = bench.workers.tokens(cfg, synthetic=True)
+    timed = steps.jaxtrain(cfg, data) if row == "jaxtrain" else steps.torchref(cfg, data, compiled=False)
+    timed.step()  # compiles (jaxtrain) and warms up
+    assert timed.step() < 1.5

@@ -4,6 +4,7 @@ started, measures the table with XLA's norm when the kernels' tests fail, and wr
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -222,7 +223,47 @@ def test_the_budget_starts_no_stage_it_cannot_cover(tmp_path):
 def test_a_stage_is_stopped_where_the_budget_ends_before_its_cap(tmp_path):
     results = device_check.run_stages([_stage("long", "import time; time.sleep(60)", cap_s=60)], str(tmp_path),
                                       budget_s=3)
-    assert results[0]["outcome"] == "stopped at its cap of 3s" and results[0]["seconds"] < 30
+    assert results[0]["outcome"] == "stopped where the budget ended, after 3s" and results[0]["seconds"] < 30
+
+
+def test_a_sigterm_to_the_runner_stops_its_stage_and_keeps_the_summary_of_what_ran(tmp_path):
+    """The device tool ends a command at its limit: the stage running then is stopped with what it started (it
+    would hold the GPU past the runner), no other starts, and summary.md holds the stages before it."""
+    previous = signal.signal(signal.SIGTERM, device_check._terminate)
+    pid_file = tmp_path / "stage.pid"
+    try:
+        results = device_check.run_stages(
+            [_stage("first", "print('first ran')"),
+             _stage("cut", f"import os, signal, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                           f"os.kill(os.getppid(), signal.SIGTERM); time.sleep(60)"),
+             _stage("after", "print('after ran')")], str(tmp_path), budget_s=60)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert [r["outcome"] for r in results] == ["passed", "stopped: the runner was sent SIGTERM",
+                                               "not run: the runner was sent SIGTERM"]
+    assert processes.ended_within(int(pid_file.read_text()))
+    summary = (tmp_path / "summary.md").read_text()  # written after each stage, as a killed runner leaves it
+    assert "| first | passed |" in summary and "first ran" in summary
+
+
+def test_a_kernels_stages_are_not_run_where_its_tests_failed_in_the_same_call(tmp_path):
+    """No figure of a kernel whose tests failed: its stages say why they did not run; a stage needing tests this
+    call did not run (a rerun of some stages) runs."""
+    stages = [_stage("head_tests", "raise SystemExit(1)"), _stage("qkv_tests", "pass"),
+              _stage("step_head", "print('head measured')", needs=("head_tests",)),
+              _stage("step_qkv", "print('qkv measured')", needs=("qkv_tests",)),
+              _stage("step_gelu", "print('gelu measured')", needs=("gelu_tests",))]
+    results = device_check.run_stages(stages, str(tmp_path), budget_s=60)
+    assert [r["outcome"] for r in results] == ["failed (exit 1)", "passed", "not run: head_tests did not pass",
+                                               "passed", "passed"]
+    assert "head measured" not in (tmp_path / "session.log").read_text()
+
+
+def test_every_stage_measuring_a_gemm_kernel_needs_that_kernels_tests():
+    for stage in device_check.STAGES + device_check.ON_REQUEST:
+        kernels = [k for k, flag in device_check.KERNEL_OPTIONS.items() if flag in stage.args]
+        wanted = {"gelu": "gelu_tests", "fc": "gelu_tests", "head": "head_tests", "qkv": "qkv_tests"}
+        assert {wanted[k] for k in kernels} <= set(stage.needs), stage.name
 
 
 @pytest.mark.parametrize("kernels_exit,norm", [(0, "auto"), (1, "xla")])
