@@ -371,6 +371,23 @@ def test_a_save_that_fails_in_the_background_stops_the_run_before_its_next_save(
     assert "No space left on device" in log.getvalue() and "Traceback" not in log.getvalue(), log.getvalue()
 
 
+def test_asyncios_reports_of_orbaxs_failed_writes_go_and_its_others_stay():
+    """The writes still in flight when a save fails end after the run's error line, each in asyncio's "Task
+    exception was never retrieved" with a traceback (~80 on the tiny model, on a full tmpfs): those about orbax's
+    tasks are dropped; asyncio's other records, and orbax's own records (on one line), are kept."""
+    keep = checkpoint._orbax_logs_on_one_line  # a Checkpointer installs it on asyncio's logger and absl's
+
+    def record(name, message, pathname="/x/asyncio/base_events.py"):
+        failure = (ValueError, ValueError("RESOURCE_EXHAUSTED"), None)
+        return logging.LogRecord(name, logging.ERROR, pathname, 1, message, None, failure)
+
+    orbax_task = "Task exception was never retrieved\nfuture: <Task coro=<f() defined at /v/orbax/checkpoint/a.py:1>>"
+    other_task = "Task exception was never retrieved\nfuture: <Task coro=<f() defined at /v/mine/a.py:1>>"
+    assert not keep(record("asyncio", orbax_task)) and keep(record("asyncio", other_task))
+    orbax_own = record("absl", "Failed to run 4 Handler Commit operations", "/v/orbax/checkpoint/a.py")
+    assert keep(orbax_own) and orbax_own.exc_info is None
+
+
 def test_a_save_that_fails_is_one_line_and_the_same_command_resumes(tmp_path, cache_dir, monkeypatch, capsys):
     """A full disk fails orbax's background write (tensorstore's "RESOURCE_EXHAUSTED: ... No space left on device"
     ValueError, seen on a 30 MB tmpfs), which surfaces at the next save or wait: that was ~3,300 lines of
