@@ -156,14 +156,14 @@ def _written_n_head(path: str) -> int | None:
     return None
 
 
-def _conv1d_layout(file: str) -> bool:
-    """Whether `file` holds the first attention weight as HF's Conv1D, (d, 3d); not where it cannot be read (the
+def _conv1d_layout(file: str) -> bool | None:
+    """Whether `file` holds the first attention weight as HF's Conv1D, (d, 3d); None where it cannot be read (the
     loader names that)."""
     try:
         with safe_open(file, framework="np") as f:
             shapes = [f.get_slice(name).get_shape() for name in f.keys() if name.endswith(C_ATTN)]
     except (OSError, SafetensorError):
-        return False
+        return None
     return bool(shapes) and len(shapes[0]) == 2 and shapes[0][1] == 3 * shapes[0][0] > 0
 
 
@@ -241,10 +241,12 @@ def check_jaxtrain_step(path: str, command: str) -> None:
 
 def check_hf_source(path: str) -> None:
     """UserError unless `path`, from-hf's SRC, is a Hugging Face GPT-2 folder, or may be one that the reader
-    explains (config.json beside weights in another file): a torch-format folder, from-hf's own output among them,
-    would have its weights transposed a second time."""
+    explains (config.json beside weights in another file, or beside a model.safetensors that cannot be read, which
+    would otherwise be told a torch-format folder): a torch-format folder, from-hf's own output among them, would
+    have its weights transposed a second time."""
     found = kind(path)
-    if found == HF or (found is None and os.path.exists(os.path.join(path, HF_CONFIG))):
+    unreadable = found == TORCH and _conv1d_layout(os.path.join(path, MODEL)) is None  # HF's layout, or nanoGPT's?
+    if found == HF or ((found is None or unreadable) and os.path.exists(os.path.join(path, HF_CONFIG))):
         return
     step = newest_step(path)
     what = {

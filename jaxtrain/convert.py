@@ -49,40 +49,61 @@ def to_torch(step_dir: str, out_dir: str) -> None:
 def to_hf(src: str, out_dir: str) -> None:
     """A jaxtrain step folder or a torch-format folder (one from-hf wrote, too) -> a Hugging Face GPT-2 folder."""
     torch_format.check_new_folder(out_dir)
-    cfg = None  # a run's config, which names its data and so its tokenizer
+    cfg, data_fingerprint = None, None  # a run's config, which names its data and so its tokenizer
     if checkpoint_kind.kind(src) != checkpoint_kind.TORCH:  # a Hugging Face folder too: its weights are laid out
         checkpoint_kind.check_jaxtrain_step(src, "to-hf")     # as Conv1D's, and to-hf would transpose them again
-        state, cfg, _ = restore_step(src)
-        tensors = torch_format.model_tensors(state.params)
+        state, cfg, meta = restore_step(src)
+        tensors, data_fingerprint = torch_format.model_tensors(state.params), meta.get("data_fingerprint")
     else:
         tensors = hf_format.read_tensors(src)
         if os.path.exists(os.path.join(src, torch_format.TRAINER_STATE)):  # with or without the optimizer's file
-            cfg = config_lib.from_dict(checkpoint_kind.read_trainer_state(src)["config"])
+            trainer_state = checkpoint_kind.read_trainer_state(src)
+            cfg = config_lib.from_dict(trainer_state["config"])
+            data_fingerprint = trainer_state.get("data_fingerprint")
         elif not os.path.exists(os.path.join(src, hf_format.CONFIG)):
             raise UserError(f"to-hf SRC {src} holds weights alone, with neither {torch_format.TRAINER_STATE} (a "
                             f"checkpoint's, which holds its model config) nor {hf_format.CONFIG} (from-hf's) to say "
                             f"the model's shape; convert the checkpoint folder the weights came from")
-    # without a run's config: weights that from-hf wrote, with the model's config.json beside them
-    config = hf_format.hf_config(cfg.model, tensors[torch_format.WTE].shape[0]) if cfg else hf_format.read_config(src)
-    tokenizer = data_lib.tokenizer_name(cfg.data) if cfg else None
-    gpt2_files = prepare.gpt2_bpe_files() if tokenizer == "gpt2" else None
-    hf_format.write(out_dir, hf_format.from_nanogpt(tensors), config, gpt2_files)
-    print(f"wrote {out_dir}: load it with transformers.GPT2LMHeadModel.from_pretrained({out_dir!r})"
-          f"{_tokenizer_note(tokenizer, cfg)}", file=sys.stderr)
+    if cfg:
+        vocab_rows = tensors[torch_format.WTE].shape[0]
+        config, carried = hf_format.hf_config(cfg.model, vocab_rows), ()
+        with_bpe, note = _run_tokenizer(cfg, data_fingerprint, vocab_rows)
+    else:  # weights that from-hf wrote, with the model's config.json and the files it carried beside them
+        config, carried, with_bpe = hf_format.read_config(src), hf_format.carried_files(src), False
+        note = _carried_tokenizer_note(carried)
+    hf_format.write(out_dir, hf_format.from_nanogpt(tensors), config, prepare.gpt2_bpe_files() if with_bpe else None,
+                    carried)
+    print(f"wrote {out_dir}: load it with transformers.GPT2LMHeadModel.from_pretrained({out_dir!r}){note}",
+          file=sys.stderr)
 
 
-def _tokenizer_note(tokenizer: str | None, cfg: Config | None) -> str:
-    """What to-hf says about the tokenizer it wrote, or why it wrote none."""
-    if tokenizer == "gpt2":
-        return " and its tokenizer with AutoTokenizer.from_pretrained (GPT-2's BPE, as the run's data)"
-    if tokenizer == "bytes":
-        return "; no tokenizer files: the run's tokens are bytes (id = byte value: list(text.encode()))"
-    if tokenizer is not None:  # a meta.json written by another tool than jaxtrain.data prepare
+def _run_tokenizer(cfg: Config, data_fingerprint: str | None, vocab_rows: int) -> tuple[bool, str]:
+    """(whether to-hf writes GPT-2's BPE files beside a run's model, what it says of its tokenizer): that of the data
+    the run trained on where this machine can tell (data.trained_tokenizer, jaxtrain.sample's rule too), and never
+    one with more tokens than the model has embedding rows."""
+    try:
+        tokenizer = data_lib.trained_tokenizer(cfg, data_fingerprint)
+    except UserError as e:
+        return False, f"; no tokenizer files: {e}"
+    gpt2_tokens = prepare.GPT2_EOT_ID + 1
+    if tokenizer == "gpt2" and vocab_rows >= gpt2_tokens:
+        return True, " and its tokenizer with AutoTokenizer.from_pretrained (GPT-2's BPE, as the run's data)"
+    if tokenizer == "gpt2":  # a checkpoint with no data fingerprint, whose data folder was prepared again since
+        why = (f"the run's data folder names GPT-2's BPE, whose {gpt2_tokens} tokens are more than the model's "
+               f"{vocab_rows} embedding rows: the run was trained with another tokenizer")
+    elif tokenizer == "bytes":
+        why = "the run's tokens are bytes (id = byte value: list(text.encode()))"
+    else:  # a meta.json written by another tool than jaxtrain.data prepare
         why = f"the run's data names the tokenizer {tokenizer!r}, and to-hf writes GPT-2's BPE files only"
-    else:
-        why = (f"the run's data folder {cfg.data.path}, whose meta.json names the tokenizer, is not here" if cfg else
-               "the folder does not say which data it was trained on")
-    return f"; no tokenizer files: {why}"
+    return False, f"; no tokenizer files: {why}"
+
+
+def _carried_tokenizer_note(carried: tuple[str, ...]) -> str:
+    """What to-hf says of the tokenizer files of a folder without a run's config (from-hf's), carried as they are."""
+    names = [os.path.basename(file) for file in carried if os.path.basename(file) in hf_format.TOKENIZER_FILES]
+    if names:
+        return f" and its tokenizer ({', '.join(names)}, as from-hf found them) with AutoTokenizer.from_pretrained"
+    return "; no tokenizer files: the folder holds none, nor says which data it was trained on"
 
 
 def from_hf(src: str, out_dir: str) -> None:
@@ -92,10 +113,11 @@ def from_hf(src: str, out_dir: str) -> None:
     checkpoint_kind.check_hf_source(src)
     config = hf_format.read_config(src)
     model = hf_format.model_overrides(config, os.path.join(src, hf_format.CONFIG))
-    tensors = hf_format.read_tensors(src)
+    tensors = hf_format.lm_head_model_tensors(hf_format.read_tensors(src), model["n_layer"],
+                                              os.path.join(src, hf_format.MODEL))
     if model["tie_embeddings"]:
         tensors.pop(hf_format.LM_HEAD, None)  # the same array as wte's, where a writer kept it
-    hf_format.write(out_dir, hf_format.to_nanogpt(tensors), config)
+    hf_format.write(out_dir, hf_format.to_nanogpt(tensors), config, carried=hf_format.carried_files(src))
     flags = " ".join(f"--model.{key}={str(value).lower() if isinstance(value, bool) else value}"
                      for key, value in model.items())
     print(f"wrote {out_dir}; fine-tune it with `python -m jaxtrain.run --config CONFIG {flags} "

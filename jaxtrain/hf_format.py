@@ -27,9 +27,14 @@ from jaxtrain.torch_format import folder_into_place
 CONFIG, MODEL = "config.json", "model.safetensors"
 # GPT-2's BPE as OpenAI released it (prepare.gpt2_bpe_files) -> the names HF's GPT2Tokenizer reads: the same files.
 GPT2_TOKENIZER_FILES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
+# What from-hf carries beside the weights, and to-hf back from its folder, byte for byte: the tokenizer that came with
+# the model (any of transformers' files of it) and how generate() draws from it.
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CARRIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
 EOT = "<|endoftext|>"
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 LM_HEAD = "lm_head.weight"
+BASE = "transformer."  # GPT2LMHeadModel's name for the GPT2Model in it, which nanoGPT's GPT took too
 
 
 def hf_config(model: ModelConfig, vocab_size: int) -> dict:
@@ -77,6 +82,24 @@ def model_overrides(hf: dict, file: str) -> dict:
             "dropout": hf.get("resid_pdrop", 0.1), "bias": True, "tie_embeddings": hf.get("tie_word_embeddings", True)}
 
 
+def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, file: str) -> dict[str, np.ndarray]:
+    """HF's state dict named as GPT2LMHeadModel's: the names of a GPT2Model's (GPT2Model.save_pretrained) lack
+    "transformer.", which is added, as GPT2LMHeadModel.from_pretrained adds it. A tensor nanoGPT's GPT of `n_layer`
+    layers has no place for (a classification head's score.weight) is refused, naming it: a run would refuse the
+    converted checkpoint, with a message about the run's model config."""
+    if not any(name.startswith(BASE) for name in tensors):
+        tensors = {BASE + name: x for name, x in tensors.items()}
+    layer = [f"h.{i}.{module}.{kind}" for i in range(n_layer) for kind in ("weight", "bias")
+             for module in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")]
+    gpt = {BASE + name for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", *layer)} | {LM_HEAD}
+    unknown = sorted(tensors.keys() - gpt)
+    if unknown:
+        raise UserError(f"{file}: tensor {unknown[0]!r} has no place in a GPT2LMHeadModel of {n_layer} layers "
+                        f"(nanoGPT's GPT); convert the GPT-2 body alone, saved with "
+                        f"model.transformer.save_pretrained(dir)")
+    return tensors
+
+
 def from_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """nanoGPT's state dict (the torch format's) -> HF's: the Conv1D weights transposed. Both leave a tied head out."""
     return {name: np.ascontiguousarray(x.T) if name.endswith(CONV1D) else x for name, x in tensors.items()}
@@ -87,19 +110,28 @@ def to_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return from_nanogpt(tensors)
 
 
-def write(out_dir: str, tensors: dict[str, np.ndarray], config: dict, gpt2_files: dict[str, str] | None = None) -> None:
-    """An HF model folder, with GPT-2's tokenizer where `gpt2_files` (prepare.gpt2_bpe_files) are given, written
-    under a temporary name and renamed into place."""
+def write(out_dir: str, tensors: dict[str, np.ndarray], config: dict, gpt2_files: dict[str, str] | None = None,
+          carried: tuple[str, ...] = ()) -> None:
+    """An HF model folder, with GPT-2's tokenizer where `gpt2_files` (prepare.gpt2_bpe_files) are given and the
+    `carried` files (carried_files) copied in under their names, written under a temporary name and moved into
+    place."""
     with folder_into_place(out_dir) as tmp:
         save_file(tensors, os.path.join(tmp, MODEL), metadata={"format": "pt"})
         runfolder.as_open_makes_it(os.path.join(tmp, MODEL))
         _write_json(os.path.join(tmp, CONFIG), config)
+        for file in carried:
+            shutil.copyfile(file, os.path.join(tmp, os.path.basename(file)))
         if gpt2_files:
             for name, hf_name in GPT2_TOKENIZER_FILES.items():
                 shutil.copyfile(gpt2_files[name], os.path.join(tmp, hf_name))
             _write_json(os.path.join(tmp, "tokenizer_config.json"), {
                 "tokenizer_class": "GPT2Tokenizer", "model_max_length": config["n_positions"],
                 "bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "add_prefix_space": False})
+
+
+def carried_files(src: str) -> tuple[str, ...]:
+    """The CARRIED_FILES that the folder `src` holds."""
+    return tuple(os.path.join(src, name) for name in CARRIED_FILES if os.path.isfile(os.path.join(src, name)))
 
 
 def _write_json(path: str, content: dict) -> None:

@@ -252,30 +252,12 @@ def _own_tokenizer(cfg, meta: dict, given: bool) -> str | None:
     """The tokenizer of the data the run trained on; where this machine cannot tell which, None if --tokenizer was
     `given` (it then serves), else refused, asking for it."""
     try:
-        return _trained_data_tokenizer(cfg, meta)
+        return data_lib.trained_tokenizer(cfg, meta.get("data_fingerprint"))
     except UserError as e:
         if given:
             return None
         choices = " or ".join(f"--tokenizer {name}" for name in prepare_lib.TOKENIZERS)
         raise UserError(f"{e}; pass {choices}, the one the run's data used") from None
-
-
-def _trained_data_tokenizer(cfg, meta: dict) -> str:
-    """The tokenizer in the run's data folder's meta.json while the folder still holds the data the run trained on:
-    its fingerprint (data.load's, which a resume checks) is the checkpoint's data_fingerprint. A folder prepared
-    again since, with other text or another tokenizer, would name a tokenizer that is not the run's. Checkpoints
-    older than data fingerprints record none: the folder's word is all there is."""
-    path = cfg.data.path
-    if path is None:
-        return data_lib.tokenizer_name(cfg.data)  # the embedded corpus's: bytes
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise UserError(f"the run's data folder {path} is not here to say which tokenizer it used (its meta.json)")
-    data = data_lib.load(cfg.data, cfg.model.seq_len)
-    if meta.get("data_fingerprint") not in (None, data.fingerprint):
-        raise UserError(f"the run's data folder {path} no longer holds the data the run trained on (its data "
-                        f"fingerprint changed: prepared again since), so its meta.json does not say the run's "
-                        f"tokenizer")
-    return data.tokenizer
 
 
 def _parser() -> argparse.ArgumentParser:

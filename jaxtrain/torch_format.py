@@ -82,18 +82,30 @@ def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None =
 
 @contextlib.contextmanager
 def folder_into_place(out_dir: str):
-    """Yields a temporary folder beside out_dir to write into, renamed to out_dir when the block ends without an
-    error and deleted when it raises: out_dir either holds a complete conversion or does not exist. The temporary
-    folder lies in a fresh mkdtemp one, so that no folder of the user's is taken for a stale one (a fixed name
-    `<out_dir>.tmp` was deleted), and is made by makedirs, with the permissions out_dir would have had."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    """Yields a temporary folder to write into, whose files become out_dir's when the block ends without an error,
+    and which is deleted when it raises: out_dir holds a complete conversion, or is as it was (absent, or empty:
+    check_new_folder). A new out_dir is the temporary folder renamed; an existing one (a symlink or a mount point,
+    which no rename replaces, among them) is kept, the files moved into it from a temporary folder made inside it,
+    on its file system. The temporary folder lies in a fresh mkdtemp one, so that no folder of the user's is taken
+    for a stale one (a fixed name `<out_dir>.tmp` was deleted), and is made by makedirs, with the permissions
+    out_dir would have had."""
+    existing = os.path.isdir(out_dir)
+    parent = out_dir if existing else os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     fresh = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
     try:
         tmp = os.path.join(fresh, "out")
         os.makedirs(tmp)
         yield tmp
-        os.replace(tmp, out_dir)
+        if not existing:
+            os.replace(tmp, out_dir)
+            return
+        others = sorted(set(os.listdir(out_dir)) - {os.path.basename(fresh)})
+        if others:  # written while the conversion was: never replaced
+            raise UserError(f"{out_dir} was empty and now holds {others[0]!r}, written there while the conversion "
+                            f"ran; convert again into a new output folder")
+        for name in os.listdir(tmp):
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
 
@@ -140,7 +152,8 @@ def vocab_size(path: str) -> int:
 
 def check_new_folder(out_dir: str) -> None:
     """Conversions never overwrite: out_dir must not exist yet, or be empty; and it must be writable, which is
-    checked before the source is read. It is renamed into place, so it cannot be the folder the command runs in."""
+    checked before the source is read. It cannot be the folder the command runs in: a conversion is a folder
+    of its own."""
     runfolder.check_not_url(out_dir, "DST")
     if not out_dir.strip() or os.path.abspath(out_dir) == os.getcwd():
         raise UserError(f"DST {out_dir!r} is the folder this command runs in; the conversion is made as a new "

@@ -18,7 +18,8 @@ import pytest
 import yaml
 from safetensors.numpy import load_file, save_file
 
-from jaxtrain import checkpoint, checkpoint_kind, config, convert, mesh, model, optim, same_run, step, torch_format
+from jaxtrain import checkpoint, checkpoint_kind, config, convert, data, mesh, model, optim, prepare, same_run, step
+from jaxtrain import torch_format
 from jaxtrain.errors import UserError
 
 V, STEPS = 64, 3
@@ -387,10 +388,12 @@ def test_a_url_or_the_current_folder_is_refused_before_anything_is_read(command,
     assert os.listdir(tmp_path) == []
 
 
-def _saved_run(tmp_path, data_seed: int = 0, data_fingerprint: str | None = None, tokens: int | None = None) -> str:
-    """A jaxtrain run folder holding trained(True)'s state as its one checkpoint; returns the step folder."""
+def _saved_run(tmp_path, data_seed: int = 0, data_fingerprint: str | None = None, tokens: int | None = None,
+               *overrides) -> str:
+    """A jaxtrain run folder holding trained(True)'s state as its one checkpoint, its config make_cfg's with
+    `overrides`; returns the step folder."""
     _, state = trained(True)
-    cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false")
+    cfg = make_cfg(True, f"--run.out_dir={tmp_path / 'run'}", "--checkpoint.async_save=false", *overrides)
     saver = checkpoint.Checkpointer(cfg, data_fingerprint=data_fingerprint)
     saver.save(state, data_seed=data_seed, tokens=tokens)
     saver.close()
@@ -519,3 +522,63 @@ def test_init_from_a_state_at_or_past_train_steps_is_refused_in_both_backends(tm
         with pytest.raises(UserError, match=f"is a training state at step {STEPS}, at or past train.steps={STEPS}"):
             train(config.load(argv))
         assert not os.path.exists(tmp_path / backend / "config.yaml")
+
+
+def test_to_hf_writes_no_tokenizer_but_the_one_the_run_trained_with(tmp_path, capsys):
+    """A byte run whose data folder was prepared again as GPT-2 BPE got GPT-2's vocab.json and merges.txt beside its
+    64-row model: to-hf read the folder's meta.json without the checkpoint's data fingerprint, which
+    jaxtrain.sample checks. Now it writes no tokenizer, saying why; and a checkpoint older than fingerprints, which
+    cannot tell, gets none either: GPT-2's 50257 tokens are more than its 64 embedding rows."""
+    data_dir = str(tmp_path / "tokens")
+    byte_ids = np.frombuffer(b"some text to train on, " * 40, np.uint8)
+    prepare.write_token_dir(data_dir, byte_ids, byte_ids, 256, "bytes")
+    trained_on = data.load(config.DataConfig(path=data_dir), 16).fingerprint
+    step_dir = _saved_run(tmp_path, 0, trained_on, None, f"--data.path={data_dir}")
+    gpt2_ids = np.random.default_rng(0).integers(0, 50257, 2000, dtype=np.uint16)
+    prepare.write_token_dir(data_dir, gpt2_ids, gpt2_ids, 50257, "gpt2")  # the folder prepared again
+    capsys.readouterr()
+    convert.main(["to-hf", step_dir, str(tmp_path / "hf")])
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    assert capsys.readouterr().err.endswith(
+        f"; no tokenizer files: the run's data folder {data_dir} no longer holds the data the run trained on (its "
+        f"data fingerprint changed: prepared again since), so its meta.json does not say the run's tokenizer\n")
+    convert.main(["to-torch", step_dir, str(tmp_path / "torch")])
+    _edit_trainer_state(lambda state: state.update(data_fingerprint=None))(str(tmp_path / "torch"))  # an older one
+    capsys.readouterr()
+    convert.main(["to-hf", str(tmp_path / "torch"), str(tmp_path / "hf-older")])
+    assert sorted(os.listdir(tmp_path / "hf-older")) == ["config.json", "model.safetensors"]
+    assert capsys.readouterr().err.endswith(
+        f"; no tokenizer files: the run's data folder names GPT-2's BPE, whose 50257 tokens are more than the "
+        f"model's {V} embedding rows: the run was trained with another tokenizer\n")
+
+
+def test_an_empty_folder_behind_a_symlink_receives_each_conversion(tmp_path):
+    """DST a symlink to an empty folder (or an empty mount point: neither can a rename replace) was accepted, then
+    the rename onto it failed with a raw OSError, exit 1. Each converter writes its files into the folder, and the
+    link stays a link."""
+    step_dir = _saved_run(tmp_path)
+    expected = {"to-torch": ["model.safetensors", "optimizer.safetensors", "trainer_state.json"],
+                "to-hf": ["config.json", "model.safetensors"], "from-hf": ["config.json", "model.safetensors"]}
+    for command, src in (("to-torch", step_dir), ("to-hf", step_dir), ("from-hf", str(tmp_path / "to-hf-link"))):
+        (tmp_path / command).mkdir()
+        os.symlink(tmp_path / command, tmp_path / f"{command}-link")
+        convert.main([command, src, str(tmp_path / f"{command}-link")])
+        assert os.path.islink(tmp_path / f"{command}-link")
+        assert sorted(os.listdir(tmp_path / command)) == expected[command], command
+
+
+def test_an_existing_folder_is_left_as_it_was_when_the_conversion_fails_or_it_gets_files_meanwhile(tmp_path):
+    """Writing into an existing empty folder: a failed write leaves it empty, and a file that appears in it while
+    the conversion is written is never replaced: refused, naming it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(OSError, match="disk full"):
+        with torch_format.folder_into_place(str(out)) as tmp:
+            (pathlib.Path(tmp) / torch_format.MODEL).write_text("half written")
+            raise OSError("disk full")
+    assert os.listdir(out) == []
+    with pytest.raises(UserError, match=f"{out} was empty and now holds 'model.safetensors', written there while"):
+        with torch_format.folder_into_place(str(out)) as tmp:
+            (pathlib.Path(tmp) / torch_format.MODEL).write_text("the conversion's")
+            (out / torch_format.MODEL).write_text("the user's")
+    assert os.listdir(out) == [torch_format.MODEL] and (out / torch_format.MODEL).read_text() == "the user's"

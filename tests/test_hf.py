@@ -2,7 +2,10 @@
 GPT2LMHeadModel with no missing or unexpected keys and compute the same logits; a model transformers wrote
 round-trips bit for bit and fine-tunes with --init.from; models jaxtrain cannot compute the same way are refused."""
 
+import filecmp
 import json
+import os
+import shutil
 
 import jax
 import numpy as np
@@ -148,3 +151,76 @@ def test_an_mlp_width_stated_as_4_n_embd_is_nanogpts(tmp_path):
     the second was refused as "where jaxtrain's model has None"."""
     convert.main(["from-hf", hf_model(tmp_path, n_inner=4 * DIMS["n_embd"]), str(tmp_path / "jt")])
     assert tensors(tmp_path / "jt")["transformer.h.0.mlp.c_fc.weight"].shape == (4 * DIMS["n_embd"], DIMS["n_embd"])
+
+
+def test_a_gpt2_model_without_its_head_converts_as_gpt2lmheadmodel_loads_it(tmp_path):
+    """GPT2Model.save_pretrained names its tensors without "transformer.": from-hf exited 0 with a checkpoint a run
+    refused, "unexpected tensor 'h.0.attn.c_attn.bias'". Now it adds the prefix, as GPT2LMHeadModel.from_pretrained
+    does: the checkpoint holds what transformers loads from the GPT2Model folder, under the same names."""
+    torch.manual_seed(0)
+    base_model = transformers.GPT2Model(transformers.GPT2Config(**DIMS, activation_function="gelu"))
+    base_model.save_pretrained(tmp_path / "base")
+    convert.main(["from-hf", str(tmp_path / "base"), str(tmp_path / "jt")])
+    want = {name: x.numpy() for name, x in
+            transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base").state_dict().items()}
+    got = tensors(tmp_path / "jt")
+    assert set(got) == set(want) - {"lm_head.weight"}  # tied: wte's
+    assert all(np.array_equal(got[name], want[name].T if name.endswith(hf_format.CONV1D) else want[name])
+               for name in got)
+
+
+def test_a_tensor_nanogpts_model_has_no_place_for_is_refused_naming_it(tmp_path, capsys):
+    """A sequence-classification model's score.weight: from-hf wrote it into the checkpoint, which a run refused
+    with a message about the run's model config. Now from-hf refuses, in one line naming the tensor."""
+    transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
+        **DIMS, activation_function="gelu", pad_token_id=0)).save_pretrained(tmp_path / "classifier")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(["from-hf", str(tmp_path / "classifier"), str(tmp_path / "jt")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err == (
+        f"error: {tmp_path / 'classifier' / 'model.safetensors'}: tensor 'score.weight' has no place in a "
+        f"GPT2LMHeadModel of 2 layers (nanoGPT's GPT); convert the GPT-2 body alone, saved with "
+        f"model.transformer.save_pretrained(dir)\n")
+    assert not (tmp_path / "jt").exists()
+
+
+def test_a_truncated_weights_file_beside_config_json_is_named_unreadable(tmp_path, capsys):
+    """The first 3000 bytes of model.safetensors beside config.json: from-hf called the folder "a torch-format
+    checkpoint already" (the layout of a file it could not read was taken for nanoGPT's)."""
+    source = hf_model(tmp_path)
+    os.truncate(f"{source}/model.safetensors", 3000)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(["from-hf", source, str(tmp_path / "jt")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {source}/model.safetensors is unreadable (") and "truncated" in err, err
+
+
+def test_the_tokenizer_and_generation_config_cross_hf_to_jaxtrain_and_back(tmp_path, capsys):
+    """from-hf kept config.json and the weights only: HF -> jaxtrain -> HF lost the tokenizer and
+    generation_config.json. Both ways now carry them byte for byte, and the tokenizer encodes as the source's."""
+    source = hf_model(tmp_path)
+    bpe = prepare.gpt2_bpe_files()
+    shutil.copyfile(bpe["encoder.json"], f"{source}/vocab.json")  # GPT-2's own tokenizer files, which
+    shutil.copyfile(bpe["vocab.bpe"], f"{source}/merges.txt")        # transformers 5 reads but writes no more
+    transformers.AutoTokenizer.from_pretrained(source).save_pretrained(source)  # tokenizer(_config).json
+    transformers.GenerationConfig(max_new_tokens=7, do_sample=True, top_k=5).save_pretrained(source)
+    with open(f"{source}/special_tokens_map.json", "w") as f:  # as transformers 4 wrote it
+        json.dump({name: "<|endoftext|>" for name in ("bos_token", "eos_token", "unk_token")}, f)
+    carried = ["generation_config.json", "merges.txt", "special_tokens_map.json", "tokenizer.json",
+               "tokenizer_config.json", "vocab.json"]
+    assert sorted(set(os.listdir(source)) - {"config.json", "model.safetensors"}) == carried
+    convert.main(["from-hf", source, str(tmp_path / "jt")])
+    capsys.readouterr()
+    convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back")])
+    assert "and its tokenizer (vocab.json, merges.txt, tokenizer.json" in capsys.readouterr().err
+    for folder in (tmp_path / "jt", tmp_path / "back"):
+        assert sorted(os.listdir(folder)) == sorted([*carried, "config.json", "model.safetensors"])
+        assert all(filecmp.cmp(f"{source}/{name}", folder / name, shallow=False) for name in carried)
+    text = "def main():\n    return 1  # naïve"
+    assert (transformers.AutoTokenizer.from_pretrained(tmp_path / "back")(text)["input_ids"]
+            == transformers.AutoTokenizer.from_pretrained(source)(text)["input_ids"]
+            == prepare.gpt2_encoding().encode_ordinary(text))
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "back").top_k == 5
