@@ -199,8 +199,9 @@ def _open_split(path: str, split: str, dtype: np.dtype, n_tokens: int, seq_len: 
 def _size_mismatch(file: str, size: int, dtype: np.dtype, n_tokens: int, fix: str) -> str:
     other = np.dtype(np.uint32 if dtype == np.uint16 else np.uint16)
     if size == n_tokens * other.itemsize:
+        edit = f"set \"dtype\": \"{other.name}\" in meta.json or " if fix == _PREPARE_HINT else ""  # not a cache's
         return (f"{file} holds {n_tokens} {other.name} tokens but meta.json says dtype {dtype.name} (dtype mismatch); "
-                f"set \"dtype\": \"{other.name}\" in meta.json or re-create the folder with the prepare command")
+                f"{edit}{_recreate(fix)}")
     return (f"{file} is {size} bytes, but meta.json says {n_tokens} {dtype.name} tokens ({n_tokens * dtype.itemsize} "
             f"bytes): a dtype mismatch, a truncated file or a stale meta.json; {fix}")
 

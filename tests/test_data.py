@@ -430,7 +430,7 @@ def test_embedded_corpus_is_prepared_once_and_atomically(tmp_path, capsys):
     assert os.stat(os.path.join(path, "meta.json")).st_mtime_ns == written
 
 
-@pytest.mark.parametrize("damage", ["truncate val.bin", "remove meta.json", "garble meta.json"])
+@pytest.mark.parametrize("damage", ["truncate val.bin", "remove meta.json", "garble meta.json", "meta.json's dtype"])
 def test_a_damaged_embedded_corpus_cache_says_to_delete_it_and_comes_back_when_deleted(embedded, tmp_path, damage):
     """The fix a damaged data.path folder gets, the prepare command, would put other text under the embedded
     corpus's name: its cache says to delete it instead, and the next load prepares it again, as it was."""
@@ -441,6 +441,8 @@ def test_a_damaged_embedded_corpus_cache_says_to_delete_it_and_comes_back_when_d
         os.truncate(path / "val.bin", 1000)
     elif damage == "remove meta.json":
         os.remove(path / "meta.json")
+    elif damage == "meta.json's dtype":  # its bins hold uint16 ids: a dtype mismatch
+        _edit_meta(str(path), dtype="uint32")
     else:
         (path / "meta.json").write_text("{")
     with pytest.raises(UserError) as e:
