@@ -6,23 +6,37 @@ over both axes. Each host builds the global batch from only its own rows (jax.ma
 so no host ever loads another's data.
 """
 
+import difflib
+import errno
 import math
 import os
+import re
+import socket
 import sys
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import clusters as jax_clusters  # jax's cluster detection: no public API (0.10.2's signature)
 from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxtrain import target_devices
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 
 BATCH_AXES = ("data", "fsdp")
-# What JAX reads to join the tasks of a SLURM step (srun sets them; an salloc shell or a batch script alone does not).
-SLURM_STEP_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+# What JAX reads, besides SLURM_NTASKS, to find the tasks of a SLURM step: srun sets them all; an salloc shell or a
+# batch script has the job's id but not the step's variables.
+SLURM_STEP_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+# A launch by hand: jaxtrain reads these two, and hands them to jax with JAX_COORDINATOR_ADDRESS.
+BY_HAND_VARIABLES = ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+# host:port as gRPC splits it: a name or an IPv4 address, or an IPv6 one in brackets ([::1]:1234); then the port.
+HOST_PORT = re.compile(r"(?:\[[^\[\]\s]+\]|[^\[\]\s:]+):([0-9]+)")
+# No misspellings of JAX_COORDINATOR_ADDRESS: itself (set but empty), and the variables near it in name that jax
+# reads for something else.
+NOT_MISSPELLINGS = ("JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_BIND_ADDRESS", "JAX_COORDINATOR_PORT")
 # How long jax.distributed.initialize waits for every process to join (its own default), and how long a join goes
 # on before it is said on stderr.
 JOIN_TIMEOUT_S = 300
@@ -30,51 +44,146 @@ JOIN_QUIET_S = 10.0
 
 
 def init_distributed() -> None:
-    """Join the other processes of a multi-host run. On TPU pods and in SLURM steps of several tasks, JAX finds the
-    coordinator itself; by hand (or two processes on localhost, as the tests do) set JAX_COORDINATOR_ADDRESS=host:port,
+    """Join the other processes of a multi-host run. In SLURM steps of several tasks and on TPU slices (GKE's
+    variables, or a TPU VM's device files: its metadata server lists the slice's workers), JAX finds the coordinator
+    itself; by hand (or two processes on localhost, as the tests do) set JAX_COORDINATOR_ADDRESS=host:port,
     JAX_NUM_PROCESSES and JAX_PROCESS_ID in each process. A single process needs nothing.
 
     Under SLURM, JAX gives each task the one GPU of its SLURM_LOCALID (one task per GPU); so a job of one task, such
     as `python -m jaxtrain.run` in an salloc shell on an 8-GPU node, is not initialised and keeps all its GPUs."""
     env = os.environ
     if env.get("JAX_COORDINATOR_ADDRESS"):
-        try:
-            n, i = int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
-        except (KeyError, ValueError):
-            raise UserError("JAX_COORDINATOR_ADDRESS is set, so this is one process of several: also set "
-                            "JAX_NUM_PROCESSES (how many) and JAX_PROCESS_ID (this one's, 0-based)") from None
-        if not 0 <= i < n:
-            raise UserError(f"JAX_PROCESS_ID={i} with JAX_NUM_PROCESSES={n}: JAX_NUM_PROCESSES counts the processes "
-                            f"(at least 1) and JAX_PROCESS_ID numbers this one from 0, below that count")
-        _join(f"process {i} of {n}, through the coordinator at {env['JAX_COORDINATOR_ADDRESS']}",
-              num_processes=n, process_id=i)
+        _join_by_hand(env)
+    elif given := [name for name in BY_HAND_VARIABLES if env.get(name)]:
+        raise UserError(f"{given[0]}={env[given[0]]} is set, so this is one process of several, but "
+                        f"JAX_COORDINATOR_ADDRESS is not{_misspelled_address(env)}: set JAX_COORDINATOR_ADDRESS="
+                        f"host:port (process 0's host and a free port, the same in every process), or unset "
+                        f"{' and '.join(given)} to train as one process")
     elif int(env.get("SLURM_NTASKS") or 1) > 1:
-        missing = [name for name in SLURM_STEP_VARIABLES if name not in env]
-        if missing:
-            raise UserError(f"SLURM_NTASKS={env['SLURM_NTASKS']}, but this process is not a task of an srun step "
-                            f"({missing[0]} is not set), so it has no other processes to join: start it with srun "
-                            f"(one task per GPU, as launch/gpt-1b.sbatch does), or in an allocation of one task "
-                            f"(salloc --ntasks=1) to drive all the node's GPUs from this one process")
-        _join(f"task {env['SLURM_PROCID']} of {env['SLURM_NTASKS']} of the SLURM step on "
-              f"{env['SLURM_STEP_NODELIST']}")
-    elif env.get("TPU_WORKER_HOSTNAMES") or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
-        _join("a host of the TPU slice")
+        _join_slurm_step(env)
+    elif (env.get("TPU_WORKER_HOSTNAMES") or env.get("MEGASCALE_COORDINATOR_ADDRESS")
+          or target_devices.has_tpu_device_files()):
+        _join_tpu_slice()
 
 
-def _join(who: str, **kwargs) -> None:
+def _join_by_hand(env) -> None:
+    address = env["JAX_COORDINATOR_ADDRESS"]
+    if not _is_host_port(address):
+        raise UserError(f"JAX_COORDINATOR_ADDRESS={address!r} is not host:port: give process 0's host and a port "
+                        f"(1-65535), the same in every process, e.g. 10.0.0.1:12355 or [::1]:12355")
+    try:
+        n, i = int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
+    except (KeyError, ValueError):
+        raise UserError("JAX_COORDINATOR_ADDRESS is set, so this is one process of several: also set "
+                        "JAX_NUM_PROCESSES (how many) and JAX_PROCESS_ID (this one's, 0-based)") from None
+    if not 0 <= i < n:
+        raise UserError(f"JAX_PROCESS_ID={i} with JAX_NUM_PROCESSES={n}: JAX_NUM_PROCESSES counts the processes "
+                        f"(at least 1) and JAX_PROCESS_ID numbers this one from 0, below that count")
+    _join(f"process {i} of {n}, through the coordinator at {address}", address, n, i)
+
+
+def _join_slurm_step(env) -> None:
+    missing = [name for name in SLURM_STEP_VARIABLES if name not in env]
+    if missing:
+        raise UserError(f"SLURM_NTASKS={env['SLURM_NTASKS']}, but this process is not a task of an srun step "
+                        f"({missing[0]} is not set), so it has no other processes to join: start it with srun "
+                        f"(one task per GPU, as launch/gpt-1b.sbatch does), or in an allocation of one task "
+                        f"(salloc --ntasks=1) to drive all the node's GPUs from this one process")
+    address, count, index = _cluster_found_by_jax()
+    _join(f"task {index} of {count} of the SLURM step on {env['SLURM_STEP_NODELIST']}", address, count, index)
+
+
+def _join_tpu_slice() -> None:
+    """A host of a TPU slice joins the others, where jax finds several: on a TPU VM (`gcloud compute tpus tpu-vm ssh
+    --worker=all`) the slice is in the metadata server, not the environment. A single-host slice (a v5e-8) has
+    nothing to join; jax.distributed.initialize() would start its coordinator service on port 8482 there for a
+    count of 1. Device files where jax finds no TPU VM (no libtpu, or /dev/vfio of another device) join nothing."""
+    address, count, index = _cluster_found_by_jax()
+    if address is not None and count > 1:
+        _join(f"host {index} of {count} of the TPU slice", address, count, index)
+
+
+def _cluster_found_by_jax() -> tuple[str | None, int | None, int | None]:
+    """The coordinator's address, the process count and this process's id, as jax.distributed.initialize() finds
+    them with no arguments (SLURM's variables, a TPU VM's metadata server; JAX_COORDINATOR_PORT replaces the port);
+    Nones where it finds no cluster. Found here, so that jaxtrain can name them and skip a join of one process."""
+    port = os.environ.get("JAX_COORDINATOR_PORT")
+    if port and not _is_port(port):
+        raise UserError(f"JAX_COORDINATOR_PORT={port!r} is not a port: set a free one (1-65535), the same in every "
+                        f"process, or unset it for jax's own choice")
+    address, count, index, _ = jax_clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, None, None, JOIN_TIMEOUT_S)
+    return address, count, index
+
+
+def _is_port(text: str) -> bool:
+    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
+
+
+def _is_host_port(address: str) -> bool:
+    match = HOST_PORT.fullmatch(address)
+    return bool(match) and _is_port(match.group(1))
+
+
+def _misspelled_address(env) -> str:
+    """' (X is set: a misspelling?)' for a variable whose name is close to JAX_COORDINATOR_ADDRESS; '' otherwise."""
+    names = [name for name in env if name not in NOT_MISSPELLINGS]
+    close = difflib.get_close_matches("JAX_COORDINATOR_ADDRESS", names, n=1, cutoff=0.8)
+    return f" ({close[0]} is set: a misspelling?)" if close else ""
+
+
+def _join(who: str, address: str, count: int, index: int) -> None:
     """jax.distributed.initialize, saying so on stderr when it is still waiting after JOIN_QUIET_S (a quick join says
     nothing): a process that one of the others never joins waits JOIN_TIMEOUT_S and is then aborted from C++
     (DEADLINE_EXCEEDED and a stack trace, no Python exception to turn into one line), so that line is what names
     the wait."""
+    if index == 0:
+        _check_coordinator_port(address)
     waiting = threading.Timer(JOIN_QUIET_S, lambda: print(
         f"waiting for the run's other processes to join, as {who}; jax waits up to {JOIN_TIMEOUT_S} s for all of "
         f"them, then aborts this process", file=sys.stderr, flush=True))
     waiting.daemon = True
     waiting.start()
     try:
-        jax.distributed.initialize(initialization_timeout=JOIN_TIMEOUT_S, **kwargs)
+        jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index,
+                                   initialization_timeout=JOIN_TIMEOUT_S)
     finally:
         waiting.cancel()
+
+
+def _check_coordinator_port(address: str) -> None:
+    """Refuse a port that process 0's coordinator service cannot listen on, found by binding it (as gRPC does, with
+    SO_REUSEADDR) and letting it go: jax's own failure there ("Failed to start RPC server") is a JaxRuntimeError
+    traceback or, in most tries here, a segfault inside jaxlib 0.10.2. Other errors (no IPv6 here for jax's
+    default [::], a host that is not this one's) are left to jax."""
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{address.rsplit(':', 1)[1]}"  # jax's default
+    host, port = bind.rsplit(":", 1)
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+        probe = socket.socket(family, kind, proto)
+    except (OSError, ValueError):
+        return
+    with probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise _coordinator_port_taken(bind, port) from None
+
+
+def _coordinator_port_taken(bind: str, port: str) -> UserError:
+    """Another job on this host holds the port (under SLURM jax takes 61440 + SLURM_JOB_ID % 4096, which jobs 4096
+    apart share), or a leftover process of an earlier run; the fix names where this launch's port comes from."""
+    env = os.environ
+    how = ("in JAX_COORDINATOR_ADDRESS, the same in every process" if env.get("JAX_COORDINATOR_ADDRESS") else
+           "with JAX_COORDINATOR_PORT=<port> in every process's environment (under SLURM: export it before srun)")
+    if env.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        how += ", and in JAX_COORDINATOR_BIND_ADDRESS"
+    return UserError(f"the coordinator could not listen on {bind}: port {port} is taken, by another job or a "
+                     f"leftover process on this host (`ss -ltnp 'sport = :{port}'` names it); end that process, "
+                     f"or choose a free port {how}")
 
 
 def from_process_0(flag: bool) -> bool:

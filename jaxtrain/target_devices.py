@@ -41,6 +41,11 @@ def machine_has(target: str) -> bool:
     starting jax's backends."""
     if target in GPUS:
         return os.path.exists("/dev/nvidiactl")
+    return has_tpu_device_files()
+
+
+def has_tpu_device_files() -> bool:
+    """Whether this machine has a TPU's device files (/dev/accel*, or /dev/vfio/N on the generations that use VFIO)."""
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 

@@ -2,10 +2,13 @@
 and its table's state column is what the shardings give (exact: params, AdamW moments and the accumulator). The
 SLURM script parses and runs the config its own dry-run line checks."""
 
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -79,3 +82,48 @@ def test_slurm_script_runs_the_config_its_dry_run_checks():
     nodes = int(re.search(r"--nodes=(\d+)", text).group(1))
     tasks = int(re.search(r"--ntasks-per-node=(\d+)", text).group(1))
     assert recipe_key(dry_run[3:])[2] == nodes * tasks  # the dry run compiled for the devices the job gets
+
+
+# A stand-in for srun on PATH: records the SRUN_CPUS_PER_TASK it was given, says it started, and waits (at most 10 s)
+# for the test's go; SIGTERM ends it as srun's SIGTERM ends a step (srun SIGKILLs every task), whatever this shell
+# inherited (a bash stand-in could not trap a SIGTERM it was started ignoring).
+FAKE_SRUN = """#!{python}
+import os, pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+folder = pathlib.Path(os.environ["FAKE_SRUN_DIR"])
+(folder / "cpus").write_text(os.environ.get("SRUN_CPUS_PER_TASK", ""))
+(folder / "started").touch()
+deadline = time.monotonic() + 10
+while not (folder / "go").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.exit(0 if (folder / "go").exists() else 3)
+"""
+
+
+def test_slurm_script_gives_srun_its_cpus_and_outlives_a_sigterm(tmp_path):
+    """The batch script as sbatch runs it, with a stand-in srun: srun gets the script's --cpus-per-task through
+    SRUN_CPUS_PER_TASK (Slurm >= 22.05 passes sbatch's own no further), and a SIGTERM to the batch shell (preemption,
+    scancel) leaves it waiting for srun, whose exit status it returns: a shell killed at once would end the job
+    while the tasks save. Under `exec srun` the SIGTERM would reach srun itself, which ends the step."""
+    script = "launch/gpt-1b.sbatch"
+    with open(script) as f:
+        cpus = re.search(r"^#SBATCH --cpus-per-task=(\d+)", f.read(), re.M).group(1)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
+    (bin_dir / "srun").chmod(0o755)
+    env = {name: value for name, value in os.environ.items() if name != "SRUN_CPUS_PER_TASK"}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_SRUN_DIR=str(tmp_path), SLURM_CPUS_PER_TASK=cpus)  # as sbatch
+    shell = subprocess.Popen(["bash", script], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "started").exists()
+        shell.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # a shell that dies of it has died by now
+        (tmp_path / "go").touch()
+        assert shell.wait(timeout=30) == 0
+    finally:
+        shell.kill()
+    assert (tmp_path / "cpus").read_text() == cpus

@@ -4,22 +4,26 @@ Each case trains the same small model as a one-device run and must give the same
 params and the update are the same; only the order of the cross-device sums differs (fp32 rounding).
 """
 
+import contextlib
 import functools
 import os
+import socket
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 from jax.sharding import Mesh
 
 import compiled_hlo
 from processes import coordinator_env
 
 from parity_tests.runs import read_metrics
-from jaxtrain import config, mesh, run
+from jaxtrain import config, mesh, run, target_devices
 from jaxtrain.errors import UserError
 
 SMALL = ["--config", "configs/tiny.yaml", "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2",
@@ -170,67 +174,233 @@ def test_two_processes_on_localhost(tmp_path, cache_dir, one_device_losses):
     assert sorted(os.listdir(os.path.join(out_dir, "checkpoints"))) == ["2", "4"]
 
 
-@pytest.mark.parametrize("env, joins", [
-    ({}, None),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, None),  # one task (an salloc shell on an 8-GPU node): all its GPUs
-    ({"SLURM_JOB_ID": "7"}, None),
+# Every variable that makes a launch of several processes, cleared by the `launch` fixture.
+LAUNCH_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_BIND_ADDRESS", "JAX_COORDINATOR_PORT",
+                    *mesh.BY_HAND_VARIABLES, "SLURM_NTASKS", *mesh.SLURM_STEP_VARIABLES, "TPU_WORKER_HOSTNAMES",
+                    "TPU_WORKER_ID", "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+@pytest.fixture
+def launch(monkeypatch):
+    """No launch's variables and no TPU device files; jax.distributed.initialize recorded, not run: its calls."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(target_devices, "has_tpu_device_files", lambda: False)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    return calls
+
+
+@pytest.fixture
+def tpu_vm(monkeypatch, launch):
+    """A Cloud TPU VM (libtpu found its chips, its device files are there) whose GCE metadata server answers as
+    jax asks it (jax._src.clusters.cloud_tpu_cluster); set the slice with the returned function."""
+    from jax._src.clusters import cloud_tpu_cluster, cluster
+    metadata = {"tpu-env": ""}
+    monkeypatch.setattr(cloud_tpu_cluster, "get_metadata", lambda key: (metadata.get(key, ""), 200 if key in metadata
+                                                                        else 404))
+    for module in (cloud_tpu_cluster, cluster):
+        monkeypatch.setattr(module, "running_in_cloud_tpu_vm", True)
+    monkeypatch.delenv("TPU_SKIP_MDS_QUERY", raising=False)  # jax sets it where it finds no TPU chips, as here
+    monkeypatch.setattr(cloud_tpu_cluster.BaseTpuCluster, "wait_for_coordinator",
+                        classmethod(lambda cls, address, timeout_s: None))  # a DNS lookup of the worker's address
+    monkeypatch.setattr(target_devices, "has_tpu_device_files", lambda: True)
+
+    def slice_of(hosts: int, worker: int | None):
+        """The slice's `hosts` workers, this one `worker`; none for a VM that is no TPU VM worker (GKE's)."""
+        if hosts:
+            metadata.update({"agent-worker-number": str(worker),
+                             "worker-network-endpoints": ",".join(f"10.0.0.{i}" for i in range(hosts))})
+    return slice_of
+
+
+@pytest.mark.parametrize("env, joins, kwargs", [
+    ({}, None, None),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, None, None),  # one task (an salloc shell on an 8-GPU node)
+    ({"SLURM_JOB_ID": "7"}, None, None),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "9",
-      "SLURM_LOCALID": "1"}, "as task 9 of 16 of the SLURM step on n[1-2];"),  # srun: one per GPU, JAX's detection
-    ({"TPU_WORKER_HOSTNAMES": "t0,t1"}, "as a host of the TPU slice;"),
+      "SLURM_LOCALID": "1"}, "as task 9 of 16 of the SLURM step on n[1-2];",  # srun: one per GPU, JAX's detection
+     {"coordinator_address": "n1:61447", "num_processes": 16, "process_id": 9}),  # port 61440 + job id % 4096
     ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"},
-     "as process 3 of 4, through the coordinator at 10.0.0.1:1234;"),
+     "as process 3 of 4, through the coordinator at 10.0.0.1:1234;",
+     {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}),
 ])
 @pytest.mark.parametrize("join_s", [0.0, 0.5])
-def test_which_launches_join_a_cluster(monkeypatch, capsys, env, joins, join_s):
+def test_which_launches_join_a_cluster(monkeypatch, capsys, launch, env, joins, kwargs, join_s):
     """Which launches join. A join still waiting after JOIN_QUIET_S (0.1 s here) says so, naming who this process is
     and the wait: when another process never joins, jax aborts this one from C++ after 300 s with no Python
     exception, and that line is what gives the abort its context. A quick join says nothing."""
-    for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
-                 "MEGASCALE_COORDINATOR_ADDRESS", *mesh.SLURM_STEP_VARIABLES):
-        monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(mesh, "JOIN_QUIET_S", 0.1)
-    calls = []
-    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: (calls.append(kwargs), time.sleep(join_s)))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: (launch.append(kw), time.sleep(join_s)))
     mesh.init_distributed()
     time.sleep(0.2)  # a line said after the join would show by now
     said = capsys.readouterr().err
     if joins is None:
-        assert (calls, said) == ([], "")
+        assert (launch, said) == ([], "")
         return
-    assert [call.pop("initialization_timeout") for call in calls] == [300]
-    assert calls == [{"num_processes": 4, "process_id": 3} if "JAX_NUM_PROCESSES" in env else {}]
+    assert launch == [dict(kwargs, initialization_timeout=300)]
     assert said == ("" if join_s == 0.0 else f"waiting for the run's other processes to join, {joins} jax waits up "
                                              f"to 300 s for all of them, then aborts this process\n")
 
 
-def test_one_process_in_an_allocation_of_several_tasks_is_one_line(monkeypatch):
+@pytest.mark.parametrize("hosts, worker, env, joins", [
+    (16, 3, {}, {"coordinator_address": "10.0.0.0:8482", "num_processes": 16, "process_id": 3}),  # a v5e-64
+    (16, 3, {"JAX_COORDINATOR_PORT": "9999"},
+     {"coordinator_address": "10.0.0.0:9999", "num_processes": 16, "process_id": 3}),
+    (1, 0, {}, None),  # a v5e-8: one host, nothing to join
+    (0, None, {"TPU_WORKER_HOSTNAMES": "t0,t1", "TPU_WORKER_ID": "1"},  # GKE: its variables, no worker metadata
+     {"coordinator_address": "t0:8482", "num_processes": 2, "process_id": 1}),
+])
+def test_a_tpu_vm_joins_the_slice_jax_finds(monkeypatch, launch, tpu_vm, hosts, worker, env, joins):
+    """`gcloud compute tpus tpu-vm ssh --worker=all`: nothing in the environment names the slice; jax finds it in
+    the metadata server, which jaxtrain's join lets it ask wherever the TPU's device files are (without the join,
+    orbax refuses to save from a pod: it needs jax.distributed). One host joins nothing."""
+    tpu_vm(hosts, worker)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    mesh.init_distributed()
+    assert launch == ([dict(joins, initialization_timeout=300)] if joins else [])
+
+
+def test_tpu_device_files_where_jax_finds_no_tpu_vm_join_nothing(monkeypatch, launch):
+    """/dev/vfio/N of another device, or TPU device files without libtpu: jax finds no slice; one process, as
+    before, not jax's "coordinator_address should be defined" ValueError."""
+    monkeypatch.setattr(target_devices, "has_tpu_device_files", lambda: True)
+    mesh.init_distributed()
+    assert launch == []
+
+
+def test_one_process_in_an_allocation_of_several_tasks_is_one_line(monkeypatch, launch):
     """`python -m jaxtrain.run` straight in an salloc shell or batch script of 8 tasks (no srun): SLURM_NTASKS says
     8 but no step's variables say which task this is. Refused naming srun, not jax's ValueError traceback."""
-    for name in ("JAX_COORDINATOR_ADDRESS", *mesh.SLURM_STEP_VARIABLES):
-        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("SLURM_NTASKS", "8")
-    calls = []
-    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
-    with pytest.raises(UserError, match=r"^SLURM_NTASKS=8, but this process is not a task of an srun step .*srun"):
+    with pytest.raises(UserError, match=r"^SLURM_NTASKS=8, but this process is not a task of an srun step "
+                                        r"\(SLURM_STEP_NODELIST is not set\).*srun"):
         mesh.init_distributed()
-    assert calls == []
+    assert launch == []
 
 
 @pytest.mark.parametrize("count, index", [("2", "2"), ("2", "-1"), ("0", "0")])
-def test_a_process_id_outside_the_process_count_is_one_line(monkeypatch, count, index):
+def test_a_process_id_outside_the_process_count_is_one_line(monkeypatch, launch, count, index):
     """JAX_PROCESS_ID counts from 0 (a 1-based id on the last of two processes is 2): refused before joining, not
     jax's ValueError traceback."""
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
     monkeypatch.setenv("JAX_NUM_PROCESSES", count)
     monkeypatch.setenv("JAX_PROCESS_ID", index)
-    calls = []
-    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
     with pytest.raises(UserError, match=rf"^JAX_PROCESS_ID={index} with JAX_NUM_PROCESSES={count}: "):
         mesh.init_distributed()
-    assert calls == []
+    assert launch == []
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"JAX_NUM_PROCESSES": "2"}, "JAX_NUM_PROCESSES=2 is set, so this is one process of several, but "
+                                 "JAX_COORDINATOR_ADDRESS is not: "),
+    ({"JAX_PROCESS_ID": "1", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n1",
+      "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}, "JAX_PROCESS_ID=1 is set, "),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDR": "10.0.0.1:1234"},
+     "JAX_COORDINATOR_ADDRESS is not (JAX_COORDINATOR_ADDR is set: a misspelling?): set JAX_COORDINATOR_ADDRESS="),
+])
+def test_a_process_count_without_a_coordinator_address_is_one_line(monkeypatch, launch, env, named):
+    """JAX_NUM_PROCESSES or JAX_PROCESS_ID without JAX_COORDINATOR_ADDRESS (forgotten, or misspelled): each host
+    would train alone, as process 0 of 1, writing the same run folder. Refused, naming the missing variable."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError) as refused:
+        mesh.init_distributed()
+    assert named in str(refused.value) and "\n" not in str(refused.value)
+    assert launch == []
+
+
+HOSTS = st.one_of(st.from_regex(r"\A[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?){0,3}\Z"),
+                  st.ip_addresses(v=4).map(str), st.ip_addresses(v=6).map(lambda a: f"[{a}]"))
+PORTS = st.integers(1, 65535)
+NOT_PORTS = st.one_of(st.text().filter(lambda text: not (text.isascii() and text.isdigit())),
+                      st.sampled_from([0, 65536, 99999, 123456]).map(str))
+
+
+def by_hand_init(address: str) -> list[dict]:
+    """init_distributed launched by hand as process 0 of 2 through `address`; jax.distributed.initialize's calls."""
+    with mock.patch.dict(os.environ, {"JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2",
+                                      "JAX_PROCESS_ID": "0"}), \
+            mock.patch.object(jax.distributed, "initialize") as initialize:
+        mesh.init_distributed()
+    return [call.kwargs for call in initialize.call_args_list]
+
+
+@given(host=HOSTS, port=PORTS)
+def test_a_coordinator_address_of_host_and_port_is_taken(host, port):
+    """A name, an IPv4 address, or an IPv6 one in brackets, then a port: handed to jax as it is."""
+    assert [call["coordinator_address"] for call in by_hand_init(f"{host}:{port}")] == [f"{host}:{port}"]
+
+
+@given(address=st.one_of(HOSTS, st.ip_addresses(v=6).map(str),  # no port ("localhost")
+                         st.builds("{}:{}".format, HOSTS, NOT_PORTS),  # a port that is no port
+                         st.builds("{}:{}".format, st.ip_addresses(v=6), PORTS)))  # unbracketed: gRPC sees no port
+def test_a_coordinator_address_without_a_port_is_one_line(address):
+    """jax splits the port off with rsplit(':')[1]: an address without one was an IndexError inside jax; a port
+    that is not a number, or an IPv6 address without brackets (gRPC reads it all as the host), failed later in
+    gRPC. Refused before joining, naming the address and the form to give."""
+    with pytest.raises(UserError, match=r"^JAX_COORDINATOR_ADDRESS=.* is not host:port: give process 0's host and "
+                                        r"a port \(1-65535\)"):
+        by_hand_init(address)
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "65536", "8482 "])
+def test_a_coordinator_port_that_is_no_port_is_one_line(monkeypatch, launch, port):
+    """JAX_COORDINATOR_PORT (what the port-in-use line tells a SLURM or TPU launch to set) becomes the port of the
+    address jax finds: one that is no port is refused before joining, not left to gRPC."""
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "1",
+                        "SLURM_LOCALID": "1", "JAX_COORDINATOR_PORT": port}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match=rf"^JAX_COORDINATOR_PORT='{port}' is not a port: set a free one \(1-65535\)"):
+        mesh.init_distributed()
+    assert launch == []
+
+
+@contextlib.contextmanager
+def port_held_on_localhost():
+    """A port of 127.0.0.1 that a listening socket holds meanwhile (another job's coordinator, a leftover run's)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def test_a_coordinator_port_in_use_is_one_line(tmp_path):
+    """Process 0's coordinator on a port that something else holds: one line naming the address and the fix, exit
+    2; jax's own failure there is a JaxRuntimeError traceback ("Failed to start RPC server") or a segfault."""
+    env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
+    with port_held_on_localhost() as port:
+        address = f"127.0.0.1:{port}"
+        env.update(JAX_COORDINATOR_ADDRESS=address, JAX_COORDINATOR_BIND_ADDRESS=address, JAX_NUM_PROCESSES="1",
+                   JAX_PROCESS_ID="0")
+        proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={tmp_path}"],
+                              capture_output=True, text=True, timeout=300, env=env)
+    assert (proc.returncode, proc.stderr.splitlines()) == (2, [
+        f"error: the coordinator could not listen on {address}: port {port} is taken, by another job or a leftover "
+        f"process on this host (`ss -ltnp 'sport = :{port}'` names it); end that process, or choose a free port in "
+        f"JAX_COORDINATOR_ADDRESS, the same in every process, and in JAX_COORDINATOR_BIND_ADDRESS"])
+
+
+def test_a_slurm_coordinator_port_in_use_names_jax_coordinator_port(monkeypatch, launch):
+    """Under SLURM jax takes port 61440 + SLURM_JOB_ID % 4096 (jobs 4096 apart share it): the fix is
+    JAX_COORDINATOR_PORT, which jax's cluster detection reads (the port here: bound on 127.0.0.1 alone)."""
+    with port_held_on_localhost() as port:
+        for name, value in {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_NODELIST": "n[1-2]",
+                            "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "JAX_COORDINATOR_PORT": str(port),
+                            "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}"}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(UserError) as refused:
+            mesh.init_distributed()
+    assert str(refused.value).startswith(f"the coordinator could not listen on 127.0.0.1:{port}: port {port} is "
+                                         f"taken")
+    assert str(refused.value).endswith("or choose a free port with JAX_COORDINATOR_PORT=<port> in every process's "
+                                       "environment (under SLURM: export it before srun), and in "
+                                       "JAX_COORDINATOR_BIND_ADDRESS")
+    assert launch == []
 
 
 @pytest.mark.parametrize("overrides, fix", [(["--mesh.fsdp=3"], "set an fsdp that divides 4"),
