@@ -45,7 +45,7 @@ def machine_has(target: str) -> bool:
 
 
 def has_tpu_device_files() -> bool:
-    """Whether this machine has a TPU's device files (/dev/accel*, or /dev/vfio/N on the generations that use VFIO)."""
+    """Whether this machine has a TPU's device files (/dev/accel*, or /dev/vfio/N on the generations using VFIO)."""
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
