@@ -39,6 +39,7 @@ from jaxtrain.config_checks import INT32_MAX
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
 REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
+EMPTY_PROMPT = "the prompt is empty; give one with --prompt (e.g. --prompt $'\\n' for a new line)"
 RESTORE_TRIES = 3  # reads of the newest checkpoint of a run still training, each replaced as it was read: give up
 
 
@@ -158,7 +159,7 @@ def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, 
     sampling.check()
     ids = tok.encode(prompt)
     if not ids:
-        raise UserError("the prompt is empty; give one with --prompt (e.g. --prompt $'\\n' for a new line)")
+        raise UserError(EMPTY_PROMPT)
     if len(ids) + sampling.max_new_tokens > INT32_MAX:
         raise UserError(f"the prompt's {len(ids)} tokens and --max_new_tokens {sampling.max_new_tokens} make a text "
                         f"longer than int32 positions reach ({INT32_MAX}); ask for at most "
@@ -285,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         args = _parser().parse_args(argv)
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
         sampling.check()  # before the checkpoint is read
+        if not args.prompt:  # as is an empty prompt (any text encodes to at least one token)
+            raise UserError(EMPTY_PROMPT)
         run = load(args.run, args.step, args.precision, args.tokenizer)
         print(f"step {run.step} of {args.run}, {run.precision}, temperature {sampling.temperature}, top_k "
               f"{sampling.top_k}, seed {sampling.seed}", file=sys.stderr)

@@ -314,6 +314,7 @@ def test_run_and_step_errors(trained, tmp_path, capsys):
     refused(capsys, ["--run", str(tmp_path)], "holds no complete checkpoint")
     refused(capsys, ["--run", trained[0], "--step", "7"], "no checkpoint of step 7; its steps are 20, 40")
     refused(capsys, ["--run", trained[0], "--prompt", ""], "the prompt is empty")
+    refused(capsys, ["--run", str(tmp_path / "nowhere"), "--prompt", ""], "the prompt is empty")  # before loading
     refused(capsys, ["--run", ""], "--run is an empty path")  # was: "error:  holds no complete checkpoint"
 
 
