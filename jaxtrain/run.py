@@ -226,10 +226,14 @@ class AgreedStop:
         self.failed = None  # this process's failed save (a UserError), kept until every process has heard
 
     def check_start_up(self) -> None:
-        """Between start-up phases: raise StoppedInStartUp when any process was signalled (blocking)."""
-        requested = bool(mesh_lib.any_process(self.stop.requested, self.mesh)) if self.several else self.stop.requested
-        if requested:
+        """Between start-up phases: raise StoppedInStartUp when any process was signalled."""
+        if self.requested_now():
             raise StoppedInStartUp
+
+    def requested_now(self) -> bool:
+        """Whether any process was signalled, waiting for every process's answer: where all of them sync anyway
+        (start-up, an evaluation's end)."""
+        return bool(mesh_lib.any_process(self.stop.requested, self.mesh)) if self.several else self.stop.requested
 
     def after_step(self, checkpointer: checkpoint_lib.Checkpointer) -> bool:
         """Whether to save this step and stop; raises the UserError of a save that failed instead."""
@@ -341,6 +345,8 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
         if evaluate:
             summary["eval_loss"], summary["eval_accuracy"] = trainer.evaluate(state.params, eval_batches)
             logger.eval(step, summary["eval_loss"], summary["eval_accuracy"])
+            stopping = stopping or agreed.requested_now()  # a signal during it saves this step, as torchref does
+            save = save or stopping
         if save:  # refuses a state holding inf or NaN
             logger.sync()  # metrics.jsonl reaches this step before its checkpoint can exist
             trainer.checkpointer.save(state, trainer.data_seed, summary["eval_loss"] if evaluate else None,

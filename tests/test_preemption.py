@@ -16,7 +16,7 @@ import pytest
 from processes import coordinator_env
 from test_mesh import SMALL
 from test_run import final_params, read_metrics, small_args, without_timing
-from jaxtrain import config, preemption, run
+from jaxtrain import checkpoint, config, preemption, run
 
 # Long enough (~10 s here) that a signal 1 s after compilation lands mid-run.
 LONG = ("--train.steps=600", "--checkpoint.every=200", "--train.eval_every=200")
@@ -257,6 +257,21 @@ def test_saved_step_is_said_once_its_checkpoint_is_committed(tmp_path, cache_dir
     monkeypatch.setattr(run.config_lib, "resume_hint", resume_hint)
     summary = run.train(cfg)
     assert summary["stopped"] and listed == [[str(summary["step"])]]  # committed: no orbax-checkpoint-tmp name
+
+
+def test_a_signal_during_an_evaluation_saves_the_evaluated_step(tmp_path, cache_dir, monkeypatch, capsys):
+    """A preemption notice while step 3 is evaluated (not a save step) saves step 3 at once, as torchref does; it
+    trained step 4 first, which a short grace period may not leave time for."""
+    out_dir, real_evaluate = str(tmp_path / "run"), run.Trainer.evaluate
+
+    def signalled_meanwhile(self, params, batches):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(self, params, batches)
+
+    monkeypatch.setattr(run.Trainer, "evaluate", signalled_meanwhile)
+    summary = run.train(config.load(small_args(out_dir, cache_dir, "--checkpoint.every=8", "--train.eval_every=3")))
+    assert summary["stopped"] and "saved step 3;" in capsys.readouterr().err
+    assert checkpoint.saved_steps(out_dir) == [3] and train_steps(out_dir) == [1, 2, 3]
 
 
 @pytest.mark.slow
