@@ -20,7 +20,6 @@ loss so far (only steps where an eval ran have one), whatever its age. Orbax del
 after the new step is committed (CheckpointManager._finalize, after the async write and its rename).
 """
 
-import asyncio
 import contextlib
 import dataclasses
 import datetime
@@ -41,6 +40,7 @@ from jaxtrain import checkpoint_kind
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import mesh as mesh_lib
+from jaxtrain import orbax_quiet
 from jaxtrain import runfolder
 from jaxtrain import same_run
 from jaxtrain import step as step_lib
@@ -97,8 +97,8 @@ class Checkpointer:
         # Orbax warns about each step folder it did not write; resume names such a folder itself.
         with quiet_logger("absl", logging.ERROR):
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
-        for logger in ("absl", "asyncio"):  # for the process's life: orbax's threads may log after the close
-            logging.getLogger(logger).addFilter(_orbax_logs_on_one_line)
+        orbax_quiet.filter_logs()  # a failed save: one line, jaxtrain's own (_writing)
+        orbax_quiet.DRAINING.enter()
         self.cfg, self.data_fingerprint = cfg, data_fingerprint
         self.saved_config = yaml.safe_load(config_lib.dump(cfg))  # meta's copy: the same at every save
         self.best = None  # {"step", "eval_loss"}: the lowest eval loss among this run's saves
@@ -251,36 +251,23 @@ class Checkpointer:
         except Exception as e:
             with contextlib.suppress(Exception):  # the saves still in flight, which may complete (or fail again)
                 self.manager.wait_until_finished()
-            reason = " ".join(str(e).split())
-            raise self.cannot_write(reason if len(reason) <= 400 else f"{reason[:200]} ... {reason[-190:]}") from None
+            raise self.cannot_write(e) from None
 
-    def cannot_write(self, reason: str) -> UserError:
-        """The failed save's one line, `reason` in it (the storage's words end a long one)."""
+    def cannot_write(self, error: BaseException | str) -> UserError:
+        """The failed save's one line, naming `error` (runfolder.unwritten_checkpoint, torchref's too)."""
         complete = saved_steps(self.cfg.run.out_dir)
-        newest = f"the newest complete one is step {complete[-1]}" if complete else "none is complete"
-        return UserError(f"a checkpoint could not be written into {self.directory} ({reason}); {newest}: free "
-                         f"space there (or mend the storage) and run the same command to resume")
+        return runfolder.unwritten_checkpoint(self.directory, error, complete[-1] if complete else None)
 
     def close(self) -> None:
         # Orbax's close waits for the saves, not for the thread its constructor started to remove a killed save's
         # temporary folders: a run refused right after start-up would end the interpreter under that thread, which
         # then logs a traceback ("cannot schedule new futures after interpreter shutdown").
         self.manager._maybe_await_cleanup_tmp_directory()
-        with self._writing():
-            self.manager.close()
-
-
-def _orbax_logs_on_one_line(record: logging.LogRecord) -> bool:
-    """A failed background save, which the run's own error line names (Checkpointer._writing), is logged by orbax
-    with three tracebacks of ~60 lines each, and the writes still in flight then end in asyncio's "Task exception was
-    never retrieved" with another each (~80 on the tiny model): orbax's records keep their one line, asyncio's about
-    orbax's tasks go."""
-    orbax = f"{os.sep}orbax{os.sep}"
-    if record.name == "asyncio":
-        return not (record.exc_info and orbax in record.getMessage())
-    if orbax in record.pathname:
-        record.exc_info, record.exc_text = None, None
-    return True
+        try:
+            with self._writing():
+                self.manager.close()
+        finally:
+            orbax_quiet.DRAINING.leave()
 
 
 def saved_steps(out_dir: str) -> list[int]:
@@ -316,30 +303,14 @@ def _reading(where: str):
     While orbax reads, its event loops finish their pending tasks before they close: when one array fails to
     read, orbax closes its loop with the other reads still in flight (_src/asyncio_utils.py,
     _run_sync_via_new_loop), and their tensorstore callbacks then print "Event loop is closed" tracebacks."""
-    previous = asyncio.get_event_loop_policy()
-    asyncio.set_event_loop_policy(_DrainingPolicy())
     try:
-        yield
+        with orbax_quiet.DRAINING.meanwhile():
+            yield
     except Exception as e:
         while e.__cause__ is not None:  # orbax wraps tensorstore's error, which names the file
             e = e.__cause__
         message = " ".join(str(e).split())[:300]  # one line: orbax's messages span many
         raise CorruptCheckpoint(f"checkpoint {where} cannot be read ({type(e).__name__}: {message})") from None
-    finally:
-        asyncio.set_event_loop_policy(previous)
-
-
-class _DrainingLoop(asyncio.SelectorEventLoop):
-    def close(self):
-        pending = asyncio.all_tasks(self)
-        if pending and not self.is_closed():
-            self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        super().close()
-
-
-class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
-    def new_event_loop(self):
-        return _DrainingLoop()
 
 
 def fingerprint(state) -> dict[str, int]:

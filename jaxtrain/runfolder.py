@@ -246,6 +246,17 @@ def move(source: epath.Path, target: epath.Path) -> None:
     source.rename(target)
 
 
+def unwritten_checkpoint(directory: str, error: BaseException | str, newest: int | None) -> UserError:
+    """A checkpoint save that failed (a full disk, a bucket refusing a write), in both backends' words: the
+    storage's error (its end kept where long: the OS's words close it) and the newest complete checkpoint, from
+    which the same command resumes."""
+    reason = " ".join(str(error).split())
+    reason = reason if len(reason) <= 400 else f"{reason[:200]} ... {reason[-190:]}"
+    complete = f"the newest complete one is step {newest}" if newest is not None else "none is complete"
+    return UserError(f"a checkpoint could not be written into {directory} ({reason}); {complete}: free space there "
+                     f"(or mend the storage) and run the same command to resume")
+
+
 def read_lines(file: epath.Path) -> list[bytes]:
     """The lines of `file` as bytes, each with its line end (decoding is the reader's: a crash can leave bytes
     that are not text); none when it does not exist."""

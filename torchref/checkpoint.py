@@ -97,19 +97,14 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
                         f"are finite (an update overflowed); it was not saved: {go_on}")
     root = os.path.join(out_dir, "checkpoints")
     tmp, final = os.path.join(root, f".tmp-{progress.step}"), os.path.join(root, str(progress.step))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     if eval_loss is not None and (progress.best is None or eval_loss < progress.best["eval_loss"]):
         progress.best = {"step": progress.step, "eval_loss": eval_loss}
-    tied = model.cfg.tie_embeddings
-    # safetensors refuses shared tensors; a tied lm_head.weight is wte's, and the loader ties it back.
-    weights = {n: t.detach().float().cpu().contiguous() for n, t in model.state_dict().items()
-               if not (tied and n == "lm_head.weight")}
-    for name, tensors in (("model.safetensors", weights), ("optimizer.safetensors", _adam_moments(model, optimizer))):
-        save_file(tensors, os.path.join(tmp, name))
-        runfolder.as_open_makes_it(os.path.join(tmp, name))
-    with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
-        json.dump(_trainer_state(progress, scheduler, tied, cfg, data_fingerprint), f, indent=1)
+    try:
+        _write(tmp, model, optimizer, _trainer_state(progress, scheduler, model.cfg.tie_embeddings, cfg,
+                                                     data_fingerprint))
+    except (OSError, SafetensorError) as e:  # a full disk: safetensors' error is no OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise runfolder.unwritten_checkpoint(root, e, latest_step(out_dir)) from None
     if os.path.isdir(final):  # a run.fresh run reaching a step that is still on disk
         os.replace(final, tmp + ".old")
         shutil.rmtree(tmp + ".old")
@@ -118,6 +113,21 @@ def save(out_dir: str, progress: Progress, model, optimizer, scheduler, cfg: Con
     for step in _saved_steps(root)[:-cfg.checkpoint.max_to_keep]:
         if step != best:
             shutil.rmtree(os.path.join(root, str(step)))
+
+
+def _write(tmp: str, model, optimizer, trainer_state: dict) -> None:
+    """A checkpoint's files into the folder `tmp`, made afresh."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    tied = model.cfg.tie_embeddings
+    # safetensors refuses shared tensors; a tied lm_head.weight is wte's, and the loader ties it back.
+    weights = {n: t.detach().float().cpu().contiguous() for n, t in model.state_dict().items()
+               if not (tied and n == "lm_head.weight")}
+    for name, tensors in (("model.safetensors", weights), ("optimizer.safetensors", _adam_moments(model, optimizer))):
+        save_file(tensors, os.path.join(tmp, name))
+        runfolder.as_open_makes_it(os.path.join(tmp, name))
+    with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
+        json.dump(trainer_state, f, indent=1)
 
 
 def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> tuple[Progress, Config]:

@@ -319,13 +319,14 @@ class MetricsLog:
         kept = metrics.kept_lines(self.path, resumed_step)
         self.wandb = wandb_log.WandbLog(cfg, start_step=resumed_step or 0,
                                         last_jsonl_step=metrics.last_step(self.path)) if cfg.log.wandb else None
-        runfolder.write_whole(runfolder.path(self.path), "".join(kept))  # a kill leaves the old file or the new
+        self.kept = kept
         self.tokens = self.seconds = 0  # since the last line
         self.total_tokens = self.total_seconds = 0
         self.started = time.perf_counter()
 
     def __enter__(self):
-        self.file = open(self.path, "a", encoding="utf-8")
+        # jaxtrain's file: written whole first (a kill leaves the old file or the new), a full disk named
+        self.file = runfolder.GrowingFile(runfolder.path(self.path), self.kept)
         return self
 
     def __exit__(self, *exc):
@@ -366,7 +367,6 @@ class MetricsLog:
 
     def _write(self, record: dict) -> None:
         self.file.write(metrics.json_line(record))
-        self.file.flush()
         if self.wandb:  # after metrics.jsonl, whose last step bounds what W&B may have (jaxtrain.wandb_log)
             self.wandb.log(record["step"], metrics.scalars(record))
 
