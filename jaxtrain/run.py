@@ -331,6 +331,7 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
     """Steps start+1 .. train.steps. Each step's metrics are pulled to the host one step late, so the device
     never waits for logging; checkpoints, evals and the end sync on the step they follow."""
     cfg, eval_batches = trainer.cfg, trainer.eval_batches()
+    logger.exclude_time()  # building the eval set is no training step's time (torchref builds it in its evals)
     divergence = Divergence(cfg, trainer.checkpointer.newest_complete_step, "jaxtrain", int(state.skipped))
     pending, summary = None, {"start_step": start}
     for step in range(start + 1, cfg.train.steps + 1):
@@ -353,7 +354,8 @@ def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
                                       logger.tokens)
         if save or evaluate:
             logger.exclude_time()
-        if stopping:  # said once the step is committed: an operator or a preemption script acts on this line
+        if stopping and step < cfg.train.steps:  # said once the step is committed: an operator or a preemption
+            # script acts on this line. At the last step the run is complete: train() says so (nothing_left_to_save)
             trainer.checkpointer.wait()
             print(f"saved step {step}; {config_lib.resume_hint(cfg, 'jaxtrain.run')}", file=sys.stderr)
             summary["stopped"] = True

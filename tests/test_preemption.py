@@ -274,6 +274,25 @@ def test_a_signal_during_an_evaluation_saves_the_evaluated_step(tmp_path, cache_
     assert checkpoint.saved_steps(out_dir) == [3] and train_steps(out_dir) == [1, 2, 3]
 
 
+def test_a_signal_during_the_last_step_ends_the_complete_run_at_once(tmp_path, cache_dir, monkeypatch, capsys):
+    """A SIGTERM while step 8 of 8 trains: the step is saved and the run is complete, so it ends as a signal after
+    the last save does (128 + signal, "the run is trained and saved"), not with "saved step 8; run the same command
+    to resume", exit 0, for a run whose restart has nothing to do. torchref: tests/test_torchref.py."""
+    out_dir, real_report = str(tmp_path / "run"), run.report
+
+    def signalled_in_the_last_step(pending, logger, divergence):
+        if pending[0] == 7:  # reported while step 8 runs
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_report(pending, logger, divergence)
+
+    monkeypatch.setattr(run, "report", signalled_in_the_last_step)
+    monkeypatch.setattr(preemption, "_exit_now", _exit_raises)
+    with pytest.raises(ExitedNow) as exited:
+        run.train(config.load(small_args(out_dir, cache_dir)))
+    assert exited.value.args == (signal.SIGTERM, "SIGTERM: stopping now; the run is trained and saved at step 8")
+    assert "saved step" not in capsys.readouterr().err and checkpoint.saved_steps(out_dir)[-1] == 8
+
+
 @pytest.mark.slow
 def test_a_signal_to_one_host_after_the_last_save_lets_both_end(tmp_path, cache_dir):
     """SIGTERM to process 1 while process 0 prints the end-of-run sample: process 1 says the run is saved and ends

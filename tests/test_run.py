@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import types
 
 import jax
@@ -338,6 +339,21 @@ def test_the_summary_gives_mfu_at_its_own_tokens_per_s(tmp_path, cache_dir):
     last = [line for line in read_metrics(out_dir) if "loss" in line][-1]
     # mfu is tokens_per_s times one constant (FLOPs per token over the peak); rel: the two divisions' rounding
     assert summary["mfu"] / summary["tokens_per_s"] == pytest.approx(last["mfu"] / last["tokens_per_s"], rel=1e-12)
+
+
+def test_building_the_eval_set_is_not_the_first_steps_time(tmp_path, cache_dir, monkeypatch):
+    """The loop builds the eval batches once before step 1: 2 s of it (a large eval set read from its memmap) were
+    step 1's tokens_per_s, as torchref's are not. Bound: a step of the test's model, milliseconds, far below 1 s."""
+    out_dir, real_eval_batches = str(tmp_path / "run"), run.Trainer.eval_batches
+
+    def slow_eval_batches(self):
+        time.sleep(2.0)
+        return real_eval_batches(self)
+
+    monkeypatch.setattr(run.Trainer, "eval_batches", slow_eval_batches)
+    run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=3")))
+    first = [line for line in read_metrics(out_dir) if "loss" in line][0]
+    assert first["tokens"] / first["tokens_per_s"] < 1.0, first
 
 
 def test_a_new_run_from_a_training_state_counts_on_from_its_tokens(tmp_path, cache_dir):

@@ -443,6 +443,53 @@ def test_a_fresh_start_stopped_before_its_first_step_moves_nothing(straight_run,
     assert "nothing to train: at step 6 of train.steps=6" in capsys.readouterr().err
 
 
+def test_a_signal_during_the_last_step_ends_the_complete_run_at_once(token_dir, tmp_path, monkeypatch, capsys):
+    """As jaxtrain's (tests/test_preemption.py): a SIGTERM while step 6 of 6 trains saves it and ends with 128 +
+    signal, the run trained and saved; it said "interrupted: saved step 6; run the same command to resume", exit 0."""
+    from jaxtrain import preemption
+    out, real_step, steps = str(tmp_path / "run"), run.train_step, []
+
+    def signalled_in_the_last_step(*args):
+        steps.append(len(steps) + 1)
+        if len(steps) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args)
+
+    def exit_now(signum, line):
+        raise SystemExit((signum, line))
+
+    monkeypatch.setattr(run, "train_step", signalled_in_the_last_step)
+    monkeypatch.setattr(preemption, "_exit_now", exit_now)
+    with pytest.raises(SystemExit) as exited:
+        run.train(tiny_cfg(token_dir, out))
+    assert exited.value.code == (signal.SIGTERM, "SIGTERM: stopping now; the run is trained and saved at step 6")
+    assert "interrupted" not in capsys.readouterr().err
+    assert max(int(step) for step in os.listdir(os.path.join(out, "checkpoints"))) == 6
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_newest_checkpoint(token_dir, tmp_path, monkeypatch):
+    """safetensors' error on a full disk (its text from a full 200 KiB tmpfs) is a SafetensorError, no OSError: it
+    was a traceback, exit 1, the save's .tmp-<step> left. Now jaxtrain's line (runfolder.unwritten_checkpoint) and
+    the folder removed."""
+    from safetensors import SafetensorError
+    from torchref import checkpoint as torchref_checkpoint
+    out, real_save_file = str(tmp_path / "run"), torchref_checkpoint.save_file
+
+    def full_from_step_6(tensors, path, *args, **kwargs):
+        if f"{os.sep}.tmp-6{os.sep}" in path:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_save_file(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(torchref_checkpoint, "save_file", full_from_step_6)
+    with pytest.raises(UserError) as failed:
+        run.train(tiny_cfg(token_dir, out))
+    assert str(failed.value) == (f"a checkpoint could not be written into {out}/checkpoints (Error while "
+                                 f"serializing: I/O error: No space left on device (os error 28)); the newest "
+                                 f"complete one is step 3: free space there (or mend the storage) and run the same "
+                                 f"command to resume")
+    assert os.listdir(os.path.join(out, "checkpoints")) == ["3"]  # .tmp-6 removed
+
+
 def jaxtrain_run(root):
     """A run folder laid out as jaxtrain's, steps 2 and 4: each step folder holds Orbax's metadata file and the
     `state` item, the names checkpoint_kind tells it by (tests/test_checkpoint_kind.py: on a real one)."""

@@ -54,10 +54,17 @@ def train(cfg: Config) -> None:
     lock = runlock.take(cfg.run.out_dir)  # before anything touches the run folder: a refused start leaves it be
     stop = preemption.install()  # `python -m torchref.run` installed it before importing torch
     try:
-        _train(cfg, stop)
+        try:
+            ended = _train(cfg, stop)
+        finally:
+            lock.release()
+        if ended is not None:
+            step, summary = ended
+            if step == cfg.train.steps:  # a signal from here on (or in the last step) stops at once, as jaxtrain's
+                stop.nothing_left_to_save(f"the run is trained and saved at step {step}")
+            print(summary)
     finally:
         preemption.uninstall()
-        lock.release()
 
 
 # The keys torchref does not read, each with the value that asks nothing of a trainer: what jaxtrain writes besides
@@ -74,7 +81,9 @@ def jaxtrain_only(cfg: Config) -> list[str]:
     return [f"{key}={value}" for key, value in values.items() if value != JAXTRAIN_ONLY[key]]
 
 
-def _train(cfg: Config, stop: preemption.StopRequest) -> None:
+def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, str] | None:
+    """The step the run ended at and its summary line, once its saves are done and its logs closed; None where it
+    trained nothing (already trained, or stopped in start-up)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.run.seed)
     tokens = data.load(cfg.data, cfg.model.seq_len)
@@ -131,13 +140,13 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> None:
                 log.sync()  # W&B has this step before its checkpoint can exist
                 checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint,
                                 eval_loss if evaluated else None)
-            if stop.requested:
+            if stop.requested and progress.step < cfg.train.steps:  # at the last one the run is complete
                 hint = config.resume_hint(cfg, "torchref.run")
                 print(f"\ninterrupted: saved step {progress.step}; {hint}", file=sys.stderr)
                 break
-    print(f"torchref: step {progress.step}, loss {loss:.4f}, eval loss {_fmt(eval_loss)}, "
-          f"eval accuracy {_fmt(eval_accuracy)}, "
-          f"{log.mean_tokens_per_s():,.0f} tokens/s, {log.wall_s():.1f} s wall")
+    return progress.step, (f"torchref: step {progress.step}, loss {loss:.4f}, eval loss {_fmt(eval_loss)}, "
+                           f"eval accuracy {_fmt(eval_accuracy)}, {log.mean_tokens_per_s():,.0f} tokens/s, "
+                           f"{log.wall_s():.1f} s wall")
 
 
 def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Config, Progress, bool]:
