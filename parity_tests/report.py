@@ -8,7 +8,8 @@
 Exports jaxtrain's fresh params for the config to the torch format (weights only), starts `python -m jaxtrain.run`
 and `python -m torchref.run` from them (dropout forced to 0, every step logged), then each backend once more as its
 own rounding reference: in fp32 with twice the gradient accumulation (same batches, same math, only the fp32 sums
-reordered), in bf16 and fp16 in fp32. Writes into --out:
+reordered), in bf16 and fp16 in fp32 (the model in fp32 throughout: FP32_COUNTERPARTS). Both configs are checked
+before anything runs. Writes into --out:
 
     report.md      a table (component, max abs diff, max rel diff, rounding floor, bound, pass/fail), the first step
                    where any column leaves its bound, each bound's reason, the commands and their runtimes
@@ -20,17 +21,22 @@ The floor (each backend against its reference) sizes the bounds to the config an
 rounding, so a constant measured on one run cannot hold at every length (judgment.FLOOR_FACTOR says how); the key bias,
 whose true gradient is zero, is judged against the floor alone (judgment.ZERO_GRADIENT). In bf16 and fp16 the
 cross-backend gap is also judged against torchref's own gap to fp32 (issue 4's 3x rule); fp16 adds its loss scaling
-decisions (loss_scale, skipped), which must be the same at every step. Further `--section.key=value` flags go to
-all runs. Exit status 1 when a bound is exceeded. A previous report's runs/ is replaced only once the init's export
-has loaded the config, the flags and the data: a refused command (exit 2) leaves it as it was.
+decisions (loss_scale, skipped), which must be the same at every step; and jaxtrain's own gap to fp32 must be
+comparable to torchref's (bounds.OWN_GAP_RATIO). Further `--section.key=value` flags go to all runs. Exit status 1
+when a bound is exceeded. A previous report's runs/ is replaced only once every run has finished: a refused command
+(exit 2, its one line alone) or a failed run leaves it as it was.
 The bounds and their reasons are bounds.FP32 / bounds.BF16 / bounds.params_bound, the same the tests assert.
 """
 
 import argparse
+import contextlib
+import copy
+import functools
 import os
 import shutil
 import sys
 import tempfile
+import threading
 
 import matplotlib
 
@@ -44,6 +50,7 @@ from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain.cmdline import output_folder, positive_int  # noqa: E402
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error  # noqa: E402
 from parity_tests import bounds, judgment, runs  # noqa: E402
+from parity_tests.report_text import markdown  # noqa: E402
 
 COLORS = {"jaxtrain": "tab:blue", "torchref": "tab:orange"}  # the reference runs: gray
 ZERO_FLOOR = 1e-9  # where an exact 0 difference is drawn on the log axes
@@ -64,14 +71,14 @@ REPORT_SETS = {
 def main(argv: list[str] | None = None) -> int:
     with exit_on_user_error():
         known, config, overrides = _arguments(argv)
-    try:
-        report = build(config, known.steps, known.precision, os.path.abspath(known.out), overrides)
-    except runs.RunFailed as failed:
-        if failed.returncode == 2:  # the trainers' user error: their one line, which names the fix
-            print(failed.stderr.strip().splitlines()[-1], file=sys.stderr)
-            return 2
-        print(f"error: {failed}", file=sys.stderr)
-        return 1
+        try:
+            report = build(config, known.steps, known.precision, os.path.abspath(known.out), overrides)
+        except runs.RunFailed as failed:
+            if failed.returncode == 2:  # the trainers' user error: their one line, which names the fix
+                print(failed.stderr.strip().splitlines()[-1], file=sys.stderr)
+                return 2
+            print(f"error: {failed}", file=sys.stderr)
+            return 1
     print(report.summary)
     return 0 if report.passed else 1
 
@@ -109,43 +116,25 @@ def build(config: str, steps: int | None, precision: str, out: str, overrides: l
     # User flags first, the forced ones last (later flags win): dropout masks cannot match across backends.
     args = lambda name, *more: runs.run_args(os.path.join(work, name), *_cache(overrides), *overrides, *forced,
                                              *more, config=config)
-    walls = {}
-
-    def step(label, fn, announce=True):
-        if announce:
-            print(f"{label} ...", file=sys.stderr, flush=True)
-        proc = fn()
-        walls[label] = proc.wall_s
-        print(f"{label}: {walls[label]:.1f} s", file=sys.stderr, flush=True)
-
-    init = os.path.join(work, "init")
-    created = not os.path.isdir(out)
-    os.makedirs(out, exist_ok=True)
-    staged = tempfile.mkdtemp(prefix=".init-", dir=out)
-    try:  # the export loads the config, the overrides and the data as the trainers do: only then is runs/ replaced
-        # Not announced: a config or data the trainers refuse is refused here, in their one line alone.
-        step("export init", lambda: runs.cli("parity_tests.runs", "export-init", staged, *args("init-config")),
-             announce=False)
-        shutil.rmtree(work, ignore_errors=True)
-        os.makedirs(work)
-        os.rename(staged, init)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
-        if created and not os.listdir(out):  # a refused config leaves no trace
-            os.rmdir(out)
+    # Both configs checked before anything is written: the runs' (as the export checks it again, with the data)
+    # and the reference's, which a bf16- or fp16-only setting would otherwise have refused after four runs.
+    suffix, more = reference(precision, yaml.safe_load(config_lib.dump(config_lib.load(args("jaxtrain")))))
+    refs = {backend: f"{backend} {suffix}" for backend in runs.BACKENDS} if suffix else {}
     dirs = {label: os.path.join(work, label) for label in runs.BACKENDS}
-    for backend in runs.BACKENDS:
-        step(backend, lambda: runs.train(backend, args(backend), init))
+    dirs.update({label: os.path.join(work, f"{backend}-reference") for backend, label in refs.items()})
+    init, walls = os.path.join(work, "init"), {}
+    with _replacing(out, work):
+        # Not announced: a config or data the trainers refuse is refused here, in their one line alone.
+        walls["export init"] = runs.cli("parity_tests.runs", "export-init", init, *args("init-config")).wall_s
+        for label, folder in dirs.items():
+            extra = more if label in refs.values() else []
+            run = functools.partial(runs.train, label.split()[0], args(os.path.basename(folder), *extra), init)
+            walls[label] = _timed(label, folder, run)
     # torchref's: it writes model.vocab_size resolved from the data (jaxtrain's config.yaml keeps null).
     with open(os.path.join(dirs["torchref"], "config.yaml"), encoding="utf-8") as f:
         resolved = yaml.safe_load(f)
-    suffix, more = reference(precision, resolved)
-    refs = {backend: f"{backend} {suffix}" for backend in runs.BACKENDS} if suffix else {}
-    for backend, label in refs.items():
-        dirs[label] = os.path.join(work, f"{backend}-reference")
-        step(label, lambda: runs.train(backend, args(f"{backend}-reference", *more), init))
     rows = judge(work, dirs, refs, precision, resolved)
-    text = markdown(config, precision, resolved, overrides + forced, rows, walls, dirs, refs)
+    text = markdown(config, precision, resolved, overrides + forced, rows, walls, dirs, refs, more)
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
         f.write(text)
     passed = all(r.passed is not False for r in rows)
@@ -154,6 +143,55 @@ def build(config: str, steps: int | None, precision: str, out: str, overrides: l
         f"first out of bound: {first.detail}" if first else "out of bound:\n" + judgment.failures(rows))
     return Report(passed, f"{judgment.format_rows(rows)}\n\n{verdict}\nwrote {out}/report.md, lr.png, loss.png, "
                           f"grad_norm.png")
+
+
+@contextlib.contextmanager
+def _replacing(out: str, work: str):
+    """A fresh `work` (out/runs) for the block, which replaces the previous one only once the block has finished:
+    meanwhile the previous one waits beside it, and comes back on any failure (a refusal, a failed run, Ctrl-C),
+    and an `out` made here goes again. Set aside rather than the new runs staged: each run records its own folder
+    and the init's (config.yaml, checkpoints), which a move would leave naming folders that are gone."""
+    made = not os.path.isdir(out)
+    os.makedirs(out, exist_ok=True)
+    aside = tempfile.mkdtemp(prefix=".runs-previous-", dir=out)
+    previous = os.path.join(aside, "runs")
+    try:
+        if os.path.lexists(work):
+            os.rename(work, previous)
+        os.makedirs(work)
+        try:
+            yield
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            if os.path.lexists(previous):
+                os.rename(previous, work)
+            raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+        if made and not os.listdir(out):
+            os.rmdir(out)
+
+
+def _timed(label: str, folder: str, run) -> float:
+    """run() (a trainer writing into `folder`), announced once it has started, and its wall seconds. Each trainer
+    writes its config.yaml after its last start-up check, so a start it refuses prints its one line alone."""
+    done = threading.Event()
+
+    def announce():
+        while not done.wait(0.2):
+            if os.path.exists(os.path.join(folder, "config.yaml")):
+                print(f"{label} ...", file=sys.stderr, flush=True)
+                return
+
+    watcher = threading.Thread(target=announce, daemon=True)
+    watcher.start()
+    try:
+        wall = run().wall_s
+    finally:
+        done.set()
+        watcher.join()
+    print(f"{label}: {wall:.1f} s", file=sys.stderr, flush=True)
+    return wall
 
 
 def judge(work: str, dirs: dict, refs: dict, precision: str, resolved: dict) -> list[judgment.Row]:
@@ -169,19 +207,49 @@ def judge(work: str, dirs: dict, refs: dict, precision: str, resolved: dict) -> 
     return rows
 
 
+# The settings that exist in bf16 and fp16 only (jaxtrain/config_checks.py and kernel_choice.py refuse them under
+# fp32), each with its fp32 counterpart, the same math. The fp32 reference measures how far low precision moves a
+# backend, a bf16 residual stream or a bf16/fp16 kernel included: it runs the model in fp32 throughout, as
+# test_trajectories.py's fp32 runs do, against which its bf16-stream runs are judged.
+FP32_COUNTERPARTS = {"model.residual_dtype": ("bf16", "fp32"), "model.gelu_fwd": ("pallas", "xla"),
+                     "model.gelu_grad": ("pallas", "xla"), "model.head_lse": ("pallas", "xla"),
+                     "model.qkv_grad": ("pallas", "xla"), "model.attention": ("cudnn", "auto")}
+
+
 def reference(precision: str, resolved: dict) -> tuple[str | None, list[str]]:
-    """What each backend's second run changes, the rounding-only reference that gives the floor: fp32 for a bf16
-    or fp16 report; twice the accumulation for an fp32 one, None where the config refuses that (the batch does
-    not split further, or the smaller micro-batch breaks another of its rules, such as model.vocab_tiles')."""
+    """What each backend's second run changes, the rounding-only reference that gives the floor: fp32 (with
+    FP32_COUNTERPARTS) for a bf16 or fp16 report, a UserError where the config refuses that; twice the accumulation
+    for an fp32 one, None where the config refuses that (the batch does not split further, or the smaller
+    micro-batch breaks another of its rules, such as model.vocab_tiles'). Checked as the trainers check a config."""
     if precision != "fp32":
-        return "fp32", ["--train.precision=fp32"]
+        changes = {"train.precision": "fp32", **{key: fp32 for key, (low, fp32) in FP32_COUNTERPARTS.items()
+                                                 if _get(resolved, key) == low}}
+        flags = [f"--{key}={value}" for key, value in changes.items()]
+        try:
+            _check(resolved, changes)
+        except UserError as e:
+            raise UserError(f"the fp32 reference runs ({' '.join(flags)}) would be refused: {e}") from None
+        return "fp32", flags
     k = resolved["optim"]["grad_accum_steps"]
-    doubled = {**resolved, "optim": {**resolved["optim"], "grad_accum_steps": 2 * k}}
     try:
-        config_checks.validate(config_lib.from_dict(doubled))
+        _check(resolved, {"optim.grad_accum_steps": 2 * k})
     except UserError:
         return None, []
     return f"accum {2 * k}", [f"--optim.grad_accum_steps={2 * k}"]
+
+
+def _get(resolved: dict, key: str):
+    section, name = key.split(".")
+    return resolved[section][name]
+
+
+def _check(resolved: dict, changes: dict) -> None:
+    """config_checks.validate on `resolved` with `changes` (section.key -> value)."""
+    raw = copy.deepcopy(resolved)
+    for key, value in changes.items():
+        section, name = key.split(".")
+        raw[section][name] = value
+    config_checks.validate(config_lib.from_dict(raw))
 
 
 def _cache(overrides: list[str]) -> tuple[str]:
@@ -208,24 +276,22 @@ def compare(lines: dict, states: dict, precision: str, refs: dict) -> list[judgm
     rows = judgment.compare_metrics(j, t, step_bounds, floors=floor_lines)
     if precision == "fp16":  # the loss scaling's decisions: the fp32 references have none
         rows += judgment.compare_metrics(j, t, bounds.FP16_DECISIONS)[1:]
-    cross = np.abs(column(j, "loss")[1] - column(t, "loss")[1])
-    own = np.abs(column(t, "loss")[1] - column(lines[refs["torchref"]], "loss")[1])
-    rows.append(judgment.scalar_row("loss mean |dloss|", float(cross.mean()), mean_loss, _own_mean(lines, refs)))
-    rows.append(judgment.scalar_row(f"loss gap / torchref's {precision}-fp32 gap", float(cross.mean() / own.mean()),
-                                gap_ratio))
+    loss = {label: column(lines[label], "loss")[1] for label in lines}  # refs' labels: "<backend> fp32"
+    rows.append(judgment.scalar_row("loss mean |dloss|", judgment.mean_gap(loss["jaxtrain"], loss["torchref"]),
+                                    mean_loss, _own_mean(lines, refs)))
+    rows += judgment.gap_rows(precision, loss, gap_ratio, bounds.OWN_GAP_RATIO)
     # The params are judged by the gap ratio (their key bias by its floor, which compare_states applies).
     cross_states = judgment.compare_states(states["jaxtrain"], states["torchref"],
-                                       {"params": None, "exp_avg": None, "exp_avg_sq": None}, floor_states,
-                                       judgment.floor_factor(precision))
+                                           {"params": None, "exp_avg": None, "exp_avg_sq": None}, floor_states,
+                                           judgment.floor_factor(precision))
     own_p = judgment.compare_states(states["torchref"], states[refs["torchref"]], {"params": None})[0].max_abs
-    rows.append(judgment.scalar_row(f"final params gap / torchref's {precision}-fp32 gap", cross_states[0].max_abs / own_p,
-                                gap_ratio))
+    rows.append(judgment.gap_ratio_row("final params", precision, cross_states[0].max_abs, own_p, gap_ratio))
     return rows + cross_states
 
 
 def _own_mean(lines: dict, refs: dict) -> float:
     """The mean |dloss| of each backend against its reference run, the larger: the floor of the bf16 mean row."""
-    return max(float(np.abs(column(lines[b], "loss")[1] - column(lines[r], "loss")[1]).mean()) for b, r in refs.items())
+    return max(judgment.mean_gap(column(lines[b], "loss")[1], column(lines[r], "loss")[1]) for b, r in refs.items())
 
 
 # The PNGs ----------------------------------------------------------------------------------------------------------
@@ -311,86 +377,6 @@ def plot_gaps(lines: dict, path: str, key: str, title: str, precision: str, refs
     bottom.legend(loc="lower right", fontsize=8)
     bottom.grid(alpha=0.3, which="both")
     _save(fig, path)
-
-
-# report.md ---------------------------------------------------------------------------------------------------------
-
-def _fmt(x: float) -> str:
-    return "-" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.3g}"
-
-
-def markdown(config: str, precision: str, resolved: dict, flags: list[str], rows: list[judgment.Row], walls: dict,
-             dirs: dict, refs: dict) -> str:
-    first = judgment.first_violation(rows)
-    failed = [r for r in rows if r.passed is False]
-    m, o = resolved["model"], resolved["optim"]
-    out = [f"# jaxtrain vs torchref: {os.path.relpath(config, runs.REPO)}, {resolved['train']['steps']} steps, "
-           f"{precision}", "",
-           f"Model {m['n_layer']} layers, d={m['d_model']}, T={m['seq_len']}, vocab {m['vocab_size']}; batch "
-           f"{resolved['data']['batch_size']} sequences in {o['grad_accum_steps']} micro-batches; lr {o['lr']:g} "
-           f"(warmup {o['warmup_steps']}, cosine to {o['min_lr']:g}), clip {o['max_grad_norm']:g}, weight decay "
-           f"{o['weight_decay']:g}. Both runs start from one init (jaxtrain's fresh params exported to the torch "
-           f"format, weights only) and go through their command lines; flags: `{' '.join(flags)}`.", ""]
-    if not failed:
-        out.append("**Every component is within its bound at every step.**")
-    elif first is not None:
-        out.append(f"**First step out of bound: {first.first_bad}** ({first.detail}).")
-    if failed:
-        out.append("")
-        out += [f"- FAIL: {r.detail}" for r in failed]
-    out += ["", "| component | max abs diff | max rel diff | rounding floor | bound | pass/fail |",
-            "|---|---|---|---|---|---|"]
-    for r in rows:
-        verdict = {None: "(shown)", True: "pass", False: "**FAIL**"}[r.passed]
-        name = r.component.replace("|", "\\|")
-        out.append(f"| {name} | {_fmt(r.max_abs)} | {_fmt(r.max_rel)} | {_fmt(r.floor)} | {judgment.bound_text(r)} | "
-                   f"{verdict} |")
-    out += ["", "Per-step columns compare jaxtrain (a) with torchref (b): abs |a-b|, rel |a-b|/|b|; final tensors "
-                "by name in the torch layout (rel: to the tensor's largest entry)."]
-    out += ["", _floor_paragraph(precision, refs), "", _zero_gradient_paragraph()]
-    out += ["", "## Why these bounds", ""]
-    seen = set()
-    for r in rows:
-        if r.bound is not None and r.bound.reason not in seen:
-            seen.add(r.bound.reason)
-            out.append(f"- **{r.component}** ({judgment.bound_text(r)}): {r.bound.reason}.")
-    out += ["", "## Curves", "", "![learning rate](lr.png)", "", "![loss](loss.png)", "", "![grad norm](grad_norm.png)",
-            "", "## Runs", "", "| run | wall s | folder |", "|---|---|---|"]
-    for label, wall in walls.items():
-        folder = dirs.get(label, dirs["jaxtrain"].rsplit("/", 1)[0] + "/init" if label == "export init" else "")
-        out.append(f"| {label} | {wall:.1f} | `{folder}` |")
-    return "\n".join(out) + "\n"
-
-
-def _floor_paragraph(precision: str, refs: dict) -> str:
-    if not refs:
-        return ("**No rounding floor**: the config does not run at twice the accumulation (the batch does not split "
-                "further, or the smaller micro-batch breaks another of its rules), so no reference run was made; "
-                "every bound is its constant part alone, and the key bias is held like the other params.")
-    what = (f"in fp32 (how far {precision} alone moves it)" if precision != "fp32" else
-            "with only the order of its fp32 sums changed (twice the accumulation: same batches, same math)")
-    factor = judgment.floor_factor(precision)
-    return (f"**Rounding floor**: each backend run again {what}: `{'`, `'.join(refs.values())}`. The floor column is "
-            f"the larger of the two backends' gaps to their reference, in the same statistic as the row. Training "
-            f"amplifies rounding, so what two correct implementations may differ by grows with the run; a per-step "
-            f"bound marked `+ {factor:g} x floor` allows, at step t, its constant part (rounding at equal "
-            f"params, sized on a run that does not amplify it) plus {factor:g} times the largest floor up "
-            f"to step t; a final-tensor bound, its constant plus {factor:g} times the floor of the same "
-            f"entries. A different update rule moves the runs apart from the step where it acts, by an amount "
-            f"the rule sets, not rounding; it could hide only where it stays under {factor:g}x what "
-            f"rounding alone has done by then (parity_tests/judgment.py, floor_factor).")
-
-
-def _zero_gradient_paragraph() -> str:
-    return (f"**Zero-gradient directions**: the attention's key bias (the middle third of each `c_attn.bias`) adds "
-            f"the same amount to every score of a softmax row, so the loss does not depend on it and its true "
-            f"gradient is exactly 0; the only such entries of the model (checked in fp64 by "
-            f"parity_tests/test_zero_gradient.py). fp32 leaves rounding noise there, which Adam scales to steps of "
-            f"up to lr, so the key bias random-walks in every implementation, and in each backend against itself. "
-            f"Its rows (`{judgment.ZERO_GRADIENT}`) have a floor of their own, so its random walk widens no other "
-            f"entry's bound; every other entry keeps the tight bound plus its own, much smaller floor. No update rule "
-            f"treats the key bias apart from the other biases, so a rule "
-            f"difference shows in the tightly held entries.")
 
 
 if __name__ == "__main__":

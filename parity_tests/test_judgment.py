@@ -1,5 +1,8 @@
-"""The judgment itself (judgment.py), on hand-made numbers: the rounding-floor widening of per-step bounds and the
-key-bias rule for final params. Each expectation is worked out by hand in the comment beside it."""
+"""The judgment itself (judgment.py), on hand-made numbers: the rounding-floor widening of per-step bounds, the
+key-bias rule for final params, the steps each run logged, the low-precision gap rules; and params_bound's
+derivation against torch's AdamW. Each expectation is worked out by hand in the comment beside it."""
+
+import math
 
 import numpy as np
 import pytest
@@ -91,3 +94,86 @@ def test_the_lr_bound_holds_for_optaxs_float32_schedule_at_any_run_length():
         assert judgment.compare_series("lr", t, got, want, bounds.FP32["lr"]).passed, (lr, min_lr, steps)
         if relative_fails:
             assert not judgment.compare_series("lr", t, got, want, Bound(0.0, 1e-6, "relative")).passed
+
+
+def _metrics(n: int, evals=()) -> list[dict]:
+    """n identical train lines, and eval lines at the steps `evals`."""
+    train = [{"step": s, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 100 * s} for s in range(1, n + 1)]
+    return train + [{"step": s, "eval_loss": 3.0, "eval_accuracy": 0.5} for s in evals]
+
+
+@pytest.mark.parametrize("a_evals, b_evals, steps, first_bad, missing", [
+    ((2, 4), (4,), None, 2, "[2]"),  # one run skipped an eval: its other columns equal, the eval rows compared at 4
+    ((2, 4), (), None, 2, "[2, 4]"),  # one run never evaluated: before, no eval pair at all passed unsaid
+    ((), (3,), None, 3, "[3]"),
+    ((2, 4), (2, 4), None, None, ""),
+    ((2, 4), (4,), range(3, 5), None, ""),  # `steps` 3..4: the eval at 2 lies outside what is compared
+])
+def test_an_eval_step_logged_by_one_run_only_fails_the_eval_step_row(a_evals, b_evals, steps, first_bad, missing):
+    rows = judgment.compare_metrics(_metrics(4, a_evals), _metrics(4, b_evals), bounds.FP32, steps=steps)
+    by = {r.component: r for r in rows}
+    assert by["eval step"].first_bad == first_bad and by["step"].passed
+    assert judgment.failures(rows) == (f"eval steps logged by one run only: {missing}" if missing else "")
+    assert all(by[c].passed for c in ("eval_loss", "eval_accuracy", "loss"))  # the values themselves agree
+    no_eval_columns = {k: v for k, v in bounds.FP32.items() if not k.startswith("eval_")}
+    assert "eval step" not in [r.component for r in judgment.compare_metrics(
+        _metrics(4, a_evals), _metrics(4, b_evals), no_eval_columns)]  # judged only where eval columns are
+
+
+@pytest.mark.parametrize("num, den, want", [(0.0, 0.0, 0.0), (1e-6, 0.0, math.inf), (1.0, 4.0, 0.25),
+                                            (math.nan, 1.0, math.nan)])
+def test_a_ratio_of_gaps_takes_a_zero_reference_gap(num, den, want):
+    """0 / 0: neither moved, no gap to exceed; x / 0: a gap where the reference has none, out of any bound."""
+    row = judgment.gap_ratio_row("loss", "bf16", num, den, bounds.BF16_GAP_RATIO)
+    if math.isnan(want):
+        assert math.isnan(judgment.ratio(num, den)) and row.passed is False
+    else:
+        assert judgment.ratio(num, den) == row.max_abs == want and row.passed == (want <= 3.0)
+
+
+def _loss(jax_gap: float) -> dict[str, np.ndarray]:
+    """torchref's bf16 1e-3 from its fp32 run at every step; jaxtrain's bf16 at `jax_gap` from its own fp32 run, which
+    equals torchref's; the two bf16 runs 1e-3 - jax_gap apart (per step, hence in the mean)."""
+    fp32 = np.array([2.0, 1.9, 1.8])
+    return {"torchref": fp32 + 1e-3, "torchref fp32": fp32, "jaxtrain": fp32 + jax_gap, "jaxtrain fp32": fp32}
+
+
+@pytest.mark.parametrize("jax_gap, passed, own_ratio", [
+    (1e-3, True, 1.0),  # the same own gap
+    (0.5e-3, True, 0.5),  # half of torchref's: within 3x either way
+    (0.0, False, 0.0),  # jaxtrain in fp32 when asked for bf16: the cross gap is 1x torchref's own, which passed alone
+    (0.2e-3, False, 0.2),  # below a third
+    (3.5e-3, False, 3.5),  # above 3x (its cross gap, 2.5x torchref's own, passes the first rule)
+])
+def test_jaxtrains_own_low_precision_gap_must_be_comparable_to_torchrefs(jax_gap, passed, own_ratio):
+    cross, mine = judgment.gap_rows("bf16", _loss(jax_gap), bounds.BF16_GAP_RATIO, bounds.OWN_GAP_RATIO)
+    assert cross.passed and cross.max_abs == pytest.approx(abs(1e-3 - jax_gap) / 1e-3, rel=1e-9)
+    assert mine.passed == passed and mine.max_abs == pytest.approx(own_ratio, rel=1e-9, abs=1e-12)
+    assert judgment.bound_text(mine) == "0.333 to 3"
+    if not passed:
+        assert f"mean |dloss| {jax_gap:.3g} (jaxtrain) vs 0.001 (torchref)" in mine.detail, mine.detail
+
+
+def test_adam_moves_a_coordinate_at_most_adam_step_max_times_lr():
+    """bounds.params_bound's derivation, against torch's AdamW (fp64, no decay, eps 1e-8, jaxtrain's betas): a
+    gradient growing by b2 / b1 a step is Cauchy-Schwarz's equality case, whose step |dp| / lr rises to
+    ADAM_STEP_MAX = 1.165 (where "<= ~1" was claimed); 200 random gradient sequences, signs and scales drawn,
+    never exceed it."""
+    import torch
+
+    def steps(gradients) -> np.ndarray:
+        p = torch.nn.Parameter(torch.zeros(len(gradients[0]), dtype=torch.float64))
+        opt = torch.optim.AdamW([p], lr=1.0, betas=(bounds._B1, bounds._B2), eps=1e-8, weight_decay=0.0)
+        moves = []
+        for g in gradients:
+            before = p.detach().clone()
+            p.grad = torch.as_tensor(g, dtype=torch.float64)
+            opt.step()
+            moves.append((p.detach() - before).abs().numpy())
+        return np.array(moves)
+
+    growing = steps([[(bounds._B2 / bounds._B1) ** t] for t in range(400)])[:, 0]
+    assert growing[0] == pytest.approx(1.0, rel=1e-6) and growing.max() > 1.16, growing.max()
+    rng = np.random.default_rng(0)
+    drawn = steps(rng.standard_normal((300, 200)) * np.exp(rng.uniform(-3, 3, (300, 1))))
+    assert max(growing.max(), drawn.max()) <= bounds.ADAM_STEP_MAX * (1 + 1e-12)  # fp64 rounding of the step
