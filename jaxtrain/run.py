@@ -321,7 +321,8 @@ def print_sample(cfg: Config, params, tokenizer: sample_lib.Tokenizer) -> None:
     whole params (gathered from every process), printed on stdout, on one device, as `python -m jaxtrain.sample`
     does."""
     sampling = sample_lib.Sampling(max_new_tokens=cfg.log.sample_tokens, seed=cfg.run.seed)
-    text = sample_lib.sample_text(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling)
+    [text] = sample_lib.sample_texts(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt,
+                                     sampling)
     print(f"sample ({cfg.log.sample_tokens} tokens, temperature {sampling.temperature}, top_k {sampling.top_k}):",
           file=sys.stderr)
     print(text, flush=True)

@@ -1,18 +1,23 @@
 """`python -m jaxtrain.sample --run out/tiny [--step N] --prompt "def "`: text from a trained run.
 
     python -m jaxtrain.sample --run out/tiny --prompt "def " --max_new_tokens 200 --temperature 0.8 --top_k 40
+    python -m jaxtrain.sample --run out/gpt2 --prompt "Once" --top_p 0.9 --num_samples 3 --stop_at_eot
 
 Loads a checkpoint of the run (the newest complete one, or --step), encodes the prompt with the tokenizer of the
-data the run trained on (bytes or GPT-2's BPE), generates, and prints the prompt and its continuation decoded.
+data the run trained on (bytes or GPT-2's BPE), generates, and prints the prompt and its continuation decoded
+(--num_samples of them, a line of dashes between two, as nanoGPT's sample.py).
 
 Generation is one jitted call: the prompt runs through the model once (the prefill), filling a KV cache of
-model.seq_len positions (model.KVCache), and each further token is one cached step of a `fori_loop`. The model has
+model.seq_len positions (model.KVCache), and each further token is one cached step of a `while_loop`. The model has
 no positions past seq_len, so once the text outgrows them each token is predicted as nanoGPT's `generate` does: a
 full forward pass over the last seq_len tokens. Either way the token after a text of n tokens is drawn from the
 model's logits at the last of its last min(n, seq_len) tokens, so the cache changes the cost, never the text. The
 draw: temperature 0 (or one below fp32's smallest normal number) is the argmax; otherwise softmax(logits /
-temperature) over the top_k largest logits (nanoGPT's rule: ties with the k-th are kept), with token i's key
-jax.random.fold_in(key(seed), i), the same text for a seed.
+temperature) over the top_k largest logits (nanoGPT's rule: ties with the k-th are kept), then over the fewest
+likeliest of those whose probabilities sum to at least top_p (Hugging Face's nucleus rule; ties with the last kept
+are kept), with sample r's token i drawn with the key jax.random.fold_in(fold_in(key(seed), i), r): the same texts
+for a seed, sample r's the same whatever --num_samples. --stop_at_eot ends each text before its first
+<|endoftext|> (GPT-2's eos_token_id), as Hugging Face's generate does; generation ends once every sample has one.
 """
 
 import argparse
@@ -40,16 +45,22 @@ from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
 REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
 EMPTY_PROMPT = "the prompt is empty; give one with --prompt (e.g. --prompt $'\\n' for a new line)"
+MAX_SAMPLES = 1024  # texts drawn as one batch: 1024 of GPT-2 124M's KV caches (1024 positions, bf16) are 38 GB
+SAMPLE_RULE = "-" * 15  # the line between two samples, nanoGPT's
 RESTORE_TRIES = 3  # reads of the newest checkpoint of a run still training, each replaced as it was read: give up
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How each token is drawn. nanoGPT's sample.py defaults; temperature 0 is greedy, top_k 0 keeps every token."""
+    """How each token is drawn. nanoGPT's sample.py defaults; temperature 0 is greedy, top_k 0 keeps every token,
+    top_p 1 every token top_k kept (Hugging Face's default)."""
     max_new_tokens: int = 200
     temperature: float = 0.8
     top_k: int = 200
+    top_p: float = 1.0
     seed: int = 0
+    num_samples: int = 1
+    stop_at_eot: bool = False
 
     def check(self) -> None:
         if self.max_new_tokens <= 0:
@@ -62,6 +73,11 @@ class Sampling:
                             f"got {self.temperature}")
         if self.top_k < 0:
             raise UserError(f"--top_k must be >= 0 (0: every token), got {self.top_k}")
+        if not 0 < self.top_p <= 1:  # (NaN too)
+            raise UserError(f"--top_p must be in (0, 1] (1: every token), got {self.top_p}")
+        if not 0 < self.num_samples <= MAX_SAMPLES:
+            raise UserError(f"--num_samples must be in [1, {MAX_SAMPLES}] (one batch of texts), "
+                            f"got {self.num_samples}")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed must be in [0, 2**32), got {self.seed}")
 
@@ -70,6 +86,7 @@ class Tokenizer(NamedTuple):
     encode: Callable[[str], list[int]]
     token_bytes: Callable[[int], bytes]
     size: int  # ids below this have bytes; a model's vocabulary may be padded past it
+    eot: int | None = None  # the id that ends a document (prepare ends each with it), where the tokenizer has one
 
     def decode(self, ids) -> str:
         """Each id's bytes, read as UTF-8 with U+FFFD where they are not (a byte token may be part of a character),
@@ -90,34 +107,68 @@ def tokenizer(name: str) -> Tokenizer:
     enc = prepare_lib.gpt2_encoding()
     # <|endoftext|> may start a prompt, as in nanoGPT's sample.py (tiktoken refuses special tokens unless allowed)
     return Tokenizer(lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}),
-                     enc.decode_single_token_bytes, enc.n_vocab)
+                     enc.decode_single_token_bytes, enc.n_vocab, enc.eot_token)
 
 
-def next_token(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
-    """Token ids (B,) drawn from the logits: see the module's docstring."""
+def next_token(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int,
+               top_p: float = 1.0) -> jax.Array:
+    """Token ids (B,) drawn from the logits, row r with the key fold_in(key, r): see the module's docstring."""
     logits_BxV = logits_BxV.astype(jnp.float32)
     if temperature < np.finfo(np.float32).tiny:  # 0, or so small that fp32 would make it 0: softmax's limit
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logits_BxV = drawn_logits(logits_BxV, temperature, top_k, top_p)
+    rows_B = jnp.arange(logits_BxV.shape[0])
+    draw = jax.vmap(lambda row, logits_V: jax.random.categorical(jax.random.fold_in(key, row), logits_V))
+    return draw(rows_B, logits_BxV).astype(jnp.int32)
+
+
+def drawn_logits(logits_BxV: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """The fp32 logits the draw's softmax takes (temperature > 0): divided by the temperature, the tokens that top_k
+    and then top_p leave out at -inf."""
     # less the max first: divided by a tiny temperature, the largest logits would overflow to inf and tie
     logits_BxV = (logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True)) / temperature
     if 0 < top_k < logits_BxV.shape[-1]:
         kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
         logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
-    return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+    if top_p < 1:
+        logits_BxV = jnp.where(logits_BxV < _nucleus_floor(logits_BxV, top_p), -jnp.inf, logits_BxV)
+    return logits_BxV
 
 
-def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampling):
-    """A jitted (params, prompt (B, P) int32) -> tokens (B, P + max_new_tokens): the prompt and its continuation."""
+def _nucleus_floor(logits_BxV: jax.Array, top_p: float) -> jax.Array:
+    """(B, 1): the smallest logit of the nucleus, the likeliest tokens down to the first whose own probability takes
+    their sum to top_p: a token is kept where the tokens likelier than it hold less than top_p (Hugging Face's
+    TopPLogitsWarper removes those whose less likely tokens, themselves included, hold at most 1 - top_p)."""
+    sorted_BxV = -jnp.sort(-logits_BxV, axis=-1)
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    likelier_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    kept_Bx1 = jnp.sum(likelier_BxV < top_p, axis=-1, keepdims=True)  # >= 1: the likeliest has none likelier
+    return jnp.take_along_axis(sorted_BxV, kept_Bx1 - 1, axis=-1)
+
+
+def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampling, stop_id: int | None = None):
+    """A jitted (params, prompts (B, P) int32) -> tokens (B, P + max_new_tokens): the prompts and their
+    continuations. With `stop_id`, generation ends once every row has drawn it; the positions after the row's
+    first are then tokens drawn after it, or -1 where none was."""
     L, N = model_cfg.seq_len, sampling.max_new_tokens
     base_key = jax.random.key(sampling.seed)
 
     def generate(params, prompt_BxP):
         B, P = prompt_BxP.shape
-        tokens_BxS = jnp.zeros((B, P + N), jnp.int32).at[:, :P].set(prompt_BxP)
+        tokens_BxS = jnp.full((B, P + N), -1, jnp.int32).at[:, :P].set(prompt_BxP)
 
         def put(i, tokens_BxS, logits_BxV):  # token i of the continuation, drawn and written at position P + i
-            token_B = next_token(logits_BxV, jax.random.fold_in(base_key, i), sampling.temperature, sampling.top_k)
+            token_B = next_token(logits_BxV, jax.random.fold_in(base_key, i), sampling.temperature, sampling.top_k,
+                                 sampling.top_p)
             return jax.lax.dynamic_update_slice(tokens_BxS, token_B[:, None], (0, P + i))
+
+        def tokens_from(i, end, step, carry, tokens_of=lambda carry: carry):
+            """carry through step(i, carry) .. step(end - 1, carry), ending early once each row holds stop_id."""
+            def more(i_carry):
+                i, carry = i_carry
+                return i < end if stop_id is None else (i < end) & ~jnp.all(
+                    jnp.any(tokens_of(carry)[:, P:] == stop_id, axis=-1))
+            return jax.lax.while_loop(more, lambda i_carry: (i_carry[0] + 1, step(*i_carry)), (i, carry))[1]
 
         # Token i follows a text of P + i tokens: from the cache while that fits in seq_len, cropped past it.
         n_cached = max(0, min(N, L - P + 1))
@@ -132,14 +183,14 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
                 logits_Bx1xV, caches = model_lib.extend(graphdef, params, last_Bx1, caches)
                 return put(i, tokens_BxS, logits_Bx1xV[:, 0]), caches
 
-            tokens_BxS, _ = jax.lax.fori_loop(1, n_cached, cached_step, (tokens_BxS, caches))
+            tokens_BxS, _ = tokens_from(1, n_cached, cached_step, (tokens_BxS, caches), lambda carry: carry[0])
 
         def cropped_step(i, tokens_BxS):
             context_BxL = jax.lax.dynamic_slice(tokens_BxS, (0, P + i - L), (B, L))
             return put(i, tokens_BxS, model_lib.apply(graphdef, params, context_BxL)[:, -1])
 
         if n_cached < N:  # (a loop of no steps is traced all the same, and its slice would not fit)
-            tokens_BxS = jax.lax.fori_loop(n_cached, N, cropped_step, tokens_BxS)
+            tokens_BxS = tokens_from(n_cached, N, cropped_step, tokens_BxS)
         return tokens_BxS
 
     # rounding as the train step's forward pass does (autocast.rounding_options): on a GPU every rounding, and a bf16
@@ -148,15 +199,18 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
     return jax.jit(generate, compiler_options=rounding_options(backend(), precision, stream))
 
 
-def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str,
-                sampling: Sampling) -> str:
-    """The prompt and its continuation, as text, from the model `model_cfg` with `params` computing in `precision`.
+def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str,
+                 sampling: Sampling) -> list[str]:
+    """The prompt and its continuation, as text, sampling.num_samples times, from the model `model_cfg` with `params`
+    computing in `precision`.
 
     Attention is the written-out one (model.attention xla), which the cached steps take whatever the config says:
     one computation for the whole text, and cuDNN's kernel is no choice on a machine without a GPU. So is c_fc with
     GELU (model.gelu_fwd xla: the same function): gelu_gemm's kernel takes tokens in tiles of 64 rows, and decoding
     brings one at a time."""
     sampling.check()
+    if sampling.stop_at_eot and tok.eot is None:
+        raise UserError("--stop_at_eot: the run's tokenizer (bytes) has no end-of-text token; leave the flag out")
     ids = tok.encode(prompt)
     if not ids:
         raise UserError(EMPTY_PROMPT)
@@ -173,8 +227,16 @@ def sample_text(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, 
     stream = model_cfg.residual_dtype if precision == "bf16" else "fp32"
     model_cfg = dataclasses.replace(model_cfg, attention="xla", gelu_fwd="xla", residual_dtype=stream)
     graphdef = model_lib.graphdef(model_cfg, vocab_size=model_cfg.vocab_size, precision=precision)
-    tokens = generator(graphdef, model_cfg, precision, sampling)(params, np.asarray([ids], np.int32))
-    return tok.decode(jax.device_get(tokens)[0])
+    stop_id = tok.eot if sampling.stop_at_eot else None
+    prompts = np.asarray([ids] * sampling.num_samples, np.int32)
+    tokens = jax.device_get(generator(graphdef, model_cfg, precision, sampling, stop_id)(params, prompts))
+    return [tok.decode(_before_stop(row, len(ids), stop_id)) for row in tokens]
+
+
+def _before_stop(tokens: np.ndarray, prompt_len: int, stop_id: int | None) -> np.ndarray:
+    """The prompt and its continuation up to its first stop_id (None: all of it)."""
+    stops = np.flatnonzero(tokens[prompt_len:] == stop_id) if stop_id is not None else ()
+    return tokens[:prompt_len + stops[0]] if len(stops) else tokens
 
 
 class Loaded(NamedTuple):
@@ -273,7 +335,14 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"0: always the likeliest token (default {defaults.temperature})")
     ap.add_argument("--top_k", type=int, default=defaults.top_k,
                     help=f"draw among the k likeliest tokens; 0: all (default {defaults.top_k})")
-    ap.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same text")
+    ap.add_argument("--top_p", type=float, default=defaults.top_p,
+                    help="then draw among the fewest likeliest tokens whose probabilities sum to at least p; 1: all "
+                         f"(default {defaults.top_p})")
+    ap.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same texts")
+    ap.add_argument("--num_samples", type=int, default=defaults.num_samples,
+                    help=f"texts to draw, as one batch (default {defaults.num_samples})")
+    ap.add_argument("--stop_at_eot", action="store_true",
+                    help="end each text before its first <|endoftext|> (GPT-2's tokenizer)")
     ap.add_argument("--precision", choices=tuple(COMPUTE_DTYPES), help="default: the run's train.precision")
     ap.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
                     help="default, and the only one accepted where the run's data folder is here and still holds "
@@ -284,14 +353,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error():
         args = _parser().parse_args(argv)
-        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                            args.num_samples, args.stop_at_eot)
         sampling.check()  # before the checkpoint is read
         if not args.prompt:  # as is an empty prompt (any text encodes to at least one token)
             raise UserError(EMPTY_PROMPT)
         run = load(args.run, args.step, args.precision, args.tokenizer)
         print(f"step {run.step} of {args.run}, {run.precision}, temperature {sampling.temperature}, top_k "
-              f"{sampling.top_k}, seed {sampling.seed}", file=sys.stderr)
-        print(sample_text(run.params, run.model_cfg, run.precision, run.tokenizer, args.prompt, sampling))
+              f"{sampling.top_k}, top_p {sampling.top_p}, seed {sampling.seed}", file=sys.stderr)
+        texts = sample_texts(run.params, run.model_cfg, run.precision, run.tokenizer, args.prompt, sampling)
+        print(f"\n{SAMPLE_RULE}\n".join(texts))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 
 from test_run import small_args
 from jaxtrain import autocast, convert, data, model, prepare, sample
@@ -84,9 +84,9 @@ def _generate_seeing_logits(loaded, precision, monkeypatch, **sampling):
     """_generate, and the logits (V,) each new token was drawn from, in order: a spy around sample.next_token."""
     seen, draw = [], sample.next_token
 
-    def spy(logits_BxV, key, temperature, top_k):
+    def spy(logits_BxV, *rule):
         jax.debug.callback(lambda x: seen.append(np.asarray(x, np.float32)), logits_BxV[0], ordered=True)
-        return draw(logits_BxV, key, temperature, top_k)
+        return draw(logits_BxV, *rule)
 
     monkeypatch.setattr(sample, "next_token", spy)
     graphdef, tokens = _generate(loaded, precision, **sampling)
@@ -138,8 +138,9 @@ def test_a_bf16_stream_run_sampled_in_fp32_runs_an_fp32_stream(loaded, monkeypat
     monkeypatch.setattr(sample, "generator", lambda graphdef, cfg, *a: (built.append(cfg.residual_dtype),
                                                                          real(graphdef, cfg, *a))[1])
     for stream in ("bf16", "fp32"):
-        seen[stream] = sample.sample_text(loaded.params, dataclasses.replace(loaded.model_cfg, residual_dtype=stream),
-                                          "fp32", loaded.tokenizer, "hello", sample.Sampling(max_new_tokens=4))
+        cfg = dataclasses.replace(loaded.model_cfg, residual_dtype=stream)
+        seen[stream] = sample.sample_texts(loaded.params, cfg, "fp32", loaded.tokenizer, "hello",
+                                           sample.Sampling(max_new_tokens=4))
     assert built == ["fp32", "fp32"] and seen["bf16"] == seen["fp32"]
 
 
@@ -154,10 +155,10 @@ def test_a_model_trained_with_the_gelu_kernel_samples_through_xlas_mlp(loaded):
     """model.gelu_fwd=pallas's kernel takes tokens in tiles of 64 rows and decoding brings one at a time: a run
     trained with it samples (sample_text, as `python -m jaxtrain.sample` and the end-of-run sample call it) the
     text XLA's MLP gives, the same function."""
-    texts = [sample.sample_text(loaded.params, dataclasses.replace(loaded.model_cfg, gelu_fwd=gelu_fwd), "bf16",
+    texts = [sample.sample_texts(loaded.params, dataclasses.replace(loaded.model_cfg, gelu_fwd=gelu_fwd), "bf16",
                                 loaded.tokenizer, "hello", sample.Sampling(max_new_tokens=4, temperature=0.0))
              for gelu_fwd in ("pallas", "xla")]
-    assert texts[0] == texts[1] and texts[0].startswith("hello")
+    assert texts[0] == texts[1] and texts[0][0].startswith("hello")
 
 
 def test_sampled_tokens_come_from_the_full_forward_top_k(loaded, monkeypatch):
@@ -199,9 +200,40 @@ def test_top_k_1_is_greedy_and_a_seed_fixes_the_text(loaded):
     assert _generate(loaded, "fp32", temperature=1.0, top_k=0, seed=1)[1] != seed_0
 
 
-def _frequencies(logits, temperature, top_k, n=20000) -> np.ndarray:
+def test_samples_differ_and_the_first_is_the_single_samples_text(loaded):
+    """num_samples 3 at temperature 1: three texts, the first that of num_samples 1 with the same seed (sample r's
+    keys do not depend on how many are drawn)."""
+    def texts(n):
+        return sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", loaded.tokenizer, PROMPT, sample.Sampling(
+            max_new_tokens=N_NEW, temperature=1.0, top_k=0, seed=2, num_samples=n))
+    one, three = texts(1), texts(3)
+    assert len(one) == 1 and three[0] == one[0] and len(set(three)) == 3, three
+
+
+def test_stop_at_eot_ends_each_text_before_its_first_and_generation_when_all_have_one(loaded):
+    """The byte model, with a token its three samples all draw standing in for <|endoftext|>: each row's tokens up
+    to its first stop are those drawn without one; after the last row's first, none is drawn (-1); the texts end
+    before their first."""
+    graphdef = model.graphdef(loaded.model_cfg, vocab_size=loaded.model_cfg.vocab_size, precision="fp32")
+    prompts, P = np.asarray([LONG_PROMPT] * 3, np.int32), len(LONG_PROMPT)
+    rule = sample.Sampling(max_new_tokens=N_NEW, temperature=1.0, top_k=5, seed=4)  # texts that share tokens
+    free = np.asarray(sample.generator(graphdef, loaded.model_cfg, "fp32", rule)(loaded.params, prompts))
+    shared = set.intersection(*(set(row[P:].tolist()) for row in free))
+    stop_id = min(shared, key=lambda t: max(list(row[P:]).index(t) for row in free))  # all three by the earliest
+    first = [list(row[P:]).index(stop_id) for row in free]
+    assert max(first) < N_NEW - 1, (first, free)  # a stop that ends generation early
+    stopped = np.asarray(sample.generator(graphdef, loaded.model_cfg, "fp32", rule, stop_id)(loaded.params, prompts))
+    np.testing.assert_array_equal(stopped[:, :P + max(first) + 1], free[:, :P + max(first) + 1])
+    assert np.all(stopped[:, P + max(first) + 1:] == -1), stopped
+    tok = loaded.tokenizer._replace(eot=stop_id)
+    texts = sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", tok, bytes(LONG_PROMPT).decode(),
+                                dataclasses.replace(rule, num_samples=3, stop_at_eot=True))
+    assert texts == [tok.decode(row[:P + f]) for row, f in zip(free, first)]
+
+
+def _frequencies(logits, temperature, top_k, top_p=1.0, n=20000) -> np.ndarray:
     keys = jax.random.split(jax.random.key(0), n)
-    draw = jax.vmap(lambda key: sample.next_token(jnp.asarray([logits]), key, temperature, top_k)[0])
+    draw = jax.vmap(lambda key: sample.next_token(jnp.asarray([logits]), key, temperature, top_k, top_p)[0])
     return np.bincount(np.asarray(draw(keys)), minlength=len(logits)) / n
 
 
@@ -230,6 +262,45 @@ def test_ties_with_the_kth_logit_are_kept_and_temperature_0_is_argmax():
     assert int(sample.next_token(jnp.asarray([[0.5, 3.0, -1.0]]), jax.random.key(0), 0.0, 0)[0]) == 1
 
 
+def test_top_p_draws_from_the_nucleus_of_what_top_k_kept():
+    """softmax([2, 1, 0.5, -1, 0]) = 0.563, 0.207, 0.126, 0.028, 0.076. top_p 0.7: 0.563 + 0.207 reach it, so the
+    first two are kept (0.73, 0.27 renormalized). top_p 0.85 alone keeps three (0.563 + 0.207 < 0.85); after top_k 3
+    the three are renormalized to 0.629, 0.231, 0.140, and two already reach 0.85 (Hugging Face's order: top_k
+    first)."""
+    logits = np.array([2.0, 1.0, 0.5, -1.0, 0.0], np.float32)
+    np.testing.assert_allclose(_frequencies(logits, 1.0, 0, 0.7), [*_softmax(logits[:2]), 0, 0, 0], atol=FREQ_ATOL)
+    np.testing.assert_allclose(_frequencies(logits, 1.0, 0, 0.85), [*_softmax(logits[:3]), 0, 0], atol=FREQ_ATOL)
+    np.testing.assert_allclose(_frequencies(logits, 1.0, 3, 0.85), [*_softmax(logits[:2]), 0, 0, 0], atol=FREQ_ATOL)
+    tied = np.array([1.0, 0.0, 1.0, 1.0], np.float32)  # the likeliest alone reach 0.3: its ties are kept with it
+    np.testing.assert_allclose(_frequencies(tied, 1.0, 0, 0.3), [1 / 3, 0, 1 / 3, 1 / 3], atol=FREQ_ATOL)
+
+
+# A kept set decided by a sum within this of top_p may differ by rounding alone (fp32 sums of 64 probabilities: a
+# few 1e-7); such draws are set aside
+NUCLEUS_EDGE = 1e-5
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), top_p=st.floats(0.01, 0.99), top_k=st.sampled_from([0, 5, 20]),
+       temperature=st.sampled_from([0.5, 1.0, 2.0]))
+def test_the_tokens_kept_are_hugging_faces(seed, top_p, top_k, temperature):
+    """The logits left finite (the tokens the draw can give) are those transformers' TopKLogitsWarper and
+    TopPLogitsWarper leave, applied in the order its generate applies them (temperature, top_k, top_p)."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    logits = np.random.default_rng(seed).normal(0, 3, (1, 64)).astype(np.float32)
+    probs = np.sort(_softmax(np.sort(logits[0])[::-1][:top_k or 64].astype(np.float64) / temperature))[::-1]
+    assume(np.all(np.abs(np.cumsum(probs) - top_p) > NUCLEUS_EDGE))
+    scores = TemperatureLogitsWarper(temperature)(None, torch.from_numpy(logits))
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    want = np.isfinite(TopPLogitsWarper(top_p)(None, scores).numpy())
+    kept = np.isfinite(np.asarray(sample.drawn_logits(jnp.asarray(logits), temperature, top_k, top_p)))
+    assert want.sum() < 64 or top_p > 0.9  # (the rule is seen to leave tokens out)
+    np.testing.assert_array_equal(kept, want)
+
+
 @pytest.mark.parametrize("temperature", [1e-30, 1e-37, 1.2e-38, 1e-38, 1e-39, 1e-45, 1e-300])
 def test_a_temperature_near_0_draws_the_likeliest_token(temperature):
     """Divided by such a temperature, the logits overflowed to inf and tied: categorical took the lowest index,
@@ -251,6 +322,7 @@ def test_tokenizers_encode_and_decode_known_ids():
     assert gpt2.encode("<|endoftext|>def") == [50256, 4299]
     assert gpt2.decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
     assert gpt2.decode([15496, 50300]) == "Hello\ufffd"  # 50257..50303: the padding of vocab_size 50304
+    assert gpt2.eot == 50256 and tok.eot is None  # --stop_at_eot's token: <|endoftext|>, none among bytes
 
 
 def test_the_tokenizer_is_the_datas(tmp_path):
@@ -324,8 +396,19 @@ def test_a_text_longer_than_int32_positions_is_refused(trained, loaded, capsys):
             "--max_new_tokens must be below 2147483647 (2**31 - 1")
     with pytest.raises(UserError, match="the prompt's 4 tokens and --max_new_tokens 2147483646 make a text longer "
                                         "than int32 positions reach .*ask for at most 2147483643 new tokens"):
-        sample.sample_text(loaded.params, loaded.model_cfg, "fp32", loaded.tokenizer, PROMPT,
+        sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", loaded.tokenizer, PROMPT,
                            sample.Sampling(max_new_tokens=2**31 - 2))
+
+
+def test_command_line_prints_samples_between_rules_and_stops_only_with_an_end_of_text(trained, capsys):
+    sample.main(["--run", trained[0], "--prompt", PROMPT, "--max_new_tokens", "10", "--temperature", "1",
+                 "--top_p", "0.9", "--num_samples", "2"])
+    captured = capsys.readouterr()
+    texts = captured.out.removesuffix("\n").split("\n---------------\n")  # nanoGPT's rule
+    assert len(texts) == 2 and all(text.startswith(PROMPT) for text in texts), captured.out
+    assert "top_k 200, top_p 0.9, seed 0" in captured.err
+    refused(capsys, ["--run", trained[0], "--stop_at_eot"],
+            "--stop_at_eot: the run's tokenizer (bytes) has no end-of-text token; leave the flag out")
 
 
 def test_a_tokenizer_other_than_the_runs_is_refused(trained, loaded, capsys):
@@ -335,7 +418,7 @@ def test_a_tokenizer_other_than_the_runs_is_refused(trained, loaded, capsys):
             f"with bytes; leave --tokenizer out to use the run's own")
     # Where the run's tokenizer is not known (below), a prompt past the model's vocabulary is still refused.
     with pytest.raises(UserError, match="token id 15496, beyond the model's vocabulary of 256"):
-        sample.sample_text(loaded.params, loaded.model_cfg, "fp32", sample.tokenizer("gpt2"), "Hello",
+        sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", sample.tokenizer("gpt2"), "Hello",
                            sample.Sampling())
 
 
@@ -371,7 +454,7 @@ def test_a_gpt2_run_refuses_bytes_while_its_data_is_here_and_takes_a_tokenizer_o
     refused(capsys, ["--run", out_dir, "--tokenizer", "bytes", *flags],
             f"--tokenizer bytes is not the tokenizer of {out_dir}: its data folder {data_dir} was tokenized with "
             f"gpt2; leave --tokenizer out to use the run's own")
-    sample.main(["--run", out_dir, "--tokenizer", "gpt2", *flags])
+    sample.main(["--run", out_dir, "--tokenizer", "gpt2", *flags, "--stop_at_eot"])  # GPT-2's has one
     assert capsys.readouterr().out.startswith("Hello")
     os.rename(data_dir, data_dir + "-elsewhere")
     refused(capsys, ["--run", out_dir, *flags], f"the run's data folder {data_dir} is not here")
@@ -437,8 +520,13 @@ INVALID_FLAGS = st.one_of(
     st.floats(max_value=-1e-30).map(lambda t: ([f"--temperature={t!r}"], "--temperature must be")),
     st.sampled_from(["nan", "inf", "-inf"]).map(lambda t: ([f"--temperature={t}"], "--temperature must be")),
     st.integers(-10**9, -1).map(lambda k: ([f"--top_k={k}"], "--top_k must be >= 0")),
+    (st.floats(max_value=0) | st.floats(min_value=1, exclude_min=True) | st.just(float("nan"))).map(
+        lambda p: ([f"--top_p={p!r}"], "--top_p must be in (0, 1]")),
+    (st.integers(-10**9, 0) | st.integers(1025, 10**9)).map(
+        lambda n: ([f"--num_samples={n}"], "--num_samples must be in [1, 1024]")),
     (st.integers(-10**9, -1) | st.integers(2**32, 2**70)).map(lambda s: ([f"--seed={s}"], "--seed must be")),
-    st.sampled_from(["--max_new_tokens", "--top_k", "--seed", "--step", "--temperature"]).flatmap(
+    st.sampled_from(["--max_new_tokens", "--top_k", "--top_p", "--num_samples", "--seed", "--step",
+                     "--temperature"]).flatmap(
         lambda flag: st.sampled_from(["x", "1e", "", "--"]).map(lambda v: ([flag, v], flag))),
     st.sampled_from([["--precision", "fp8"], ["--tokenizer", "utf8"], ["--unknown", "1"]]).map(
         lambda args: (args, args[0])),
