@@ -208,7 +208,7 @@ class Checkpointer:
         if not failed:
             return
         if jax.process_index() == 0:
-            aside = epath.Path(self.directory).with_name("checkpoints.corrupt")
+            aside = epath.Path(self.directory).with_name(runfolder.CORRUPT_CHECKPOINTS)
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
             for step, reason in failed:
                 target = aside / f"{step}-{stamp}"

@@ -39,10 +39,13 @@ def path(out_dir: str, *names: str) -> epath.Path:
 # The stamp of a run.fresh set-aside in progress (set_aside_previous_run).
 SET_ASIDE_JOURNAL = ".fresh-in-progress"
 
+# Where a checkpoint that cannot be read is moved, whole (checkpoint.py), out of orbax's sight and never deleted.
+CORRUPT_CHECKPOINTS = "checkpoints.corrupt"
+
 # What a run keeps in run.out_dir: a file or a folder already there under one of these names must be of its kind.
 _RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file", "metrics.jsonl": "file",
                      "wandb.json": "file", "wandb": "folder", "tb": "folder", ".lock": "file",
-                     "checkpoints.corrupt": "folder", SET_ASIDE_JOURNAL: "file"}
+                     CORRUPT_CHECKPOINTS: "folder", SET_ASIDE_JOURNAL: "file"}
 
 
 # What run.fresh moves aside, each whole, to <name>.before-fresh-<time>: an earlier run's checkpoints (left in place,
@@ -77,6 +80,12 @@ def set_aside_previous_run(out_dir: str) -> list[epath.Path]:
     if suffix is not None:
         journal.unlink()
     return targets
+
+
+def holds_set_aside_work(name: str) -> bool:
+    """Whether `name` in a run folder is where a start moves earlier work aside (a corrupt checkpoint, a run.fresh
+    set-aside): kept as the warning that named it says, even empty (a corrupt step's empty folder)."""
+    return name == CORRUPT_CHECKPOINTS or any(name.startswith(f"{kept}.before-fresh-") for kept in PREVIOUS_RUN)
 
 
 def refuse_unfinished_set_aside(out_dir: str, fresh: bool) -> None:

@@ -161,11 +161,12 @@ class FileLock:
     def _unmake_if_unused(self) -> None:
         """A start that ended before writing anything (an init.from that is no checkpoint, a step the host's memory
         does not hold) leaves the run folder as it found it: what it added there goes where that is only its lock
-        file and empty folders (checkpoints/), and so do the folders it made for run.out_dir. The lock is still held
-        meanwhile, so a start that opened the file before it went is refused."""
+        file and empty folders (checkpoints/) but a set-aside's, and so do the folders it made for run.out_dir. The
+        lock is still held meanwhile, so a start that opened the file before it went is refused."""
         out_dir = os.path.dirname(self.path)
         added = [os.path.join(out_dir, name) for name in set(os.listdir(out_dir)) - self.found]
-        if not all(path == self.path or _holds_no_file(path) for path in added):
+        if not all(path == self.path or _holds_no_file(path) and not runfolder.holds_set_aside_work(
+                os.path.basename(path)) for path in added):
             return
         try:
             for path in added:

@@ -106,6 +106,23 @@ def test_a_start_that_fails_before_writing_leaves_the_folders_as_they_were(tmp_p
         assert os.listdir(tmp_path / "empty") == [] and os.listdir(used) == ["metrics.jsonl"], flag
 
 
+def test_a_start_that_wrote_nothing_keeps_what_it_set_aside_even_empty(tmp_path):
+    """A start that moved a corrupt step's empty folder aside and a run.fresh start that moved an empty tb/ aside: the
+    warnings named those folders, so they stay (the run's exit removed them), and the start, which wrote, leaves
+    what it made; one that set nothing aside leaves nothing."""
+    set_aside = ["checkpoints.corrupt", "tb.before-fresh-20261201-085618"]
+    for names in ([], set_aside):
+        folder = tmp_path / str(len(names))
+        folder.mkdir()
+        lock = runlock.take(str(folder))
+        for name in ["checkpoints", *names]:
+            (folder / name).mkdir()
+        if names:
+            (folder / names[0] / "8-20261201-085618-499108").mkdir()
+        lock.release()
+        assert sorted(os.listdir(folder)) == ([".lock", "checkpoints", *names] if names else [])
+
+
 def test_a_held_folder_refuses_and_a_killed_holder_leaves_no_lock(tmp_path):
     holder = hold(str(tmp_path))
     refused = try_lock(str(tmp_path))
