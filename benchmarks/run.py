@@ -164,10 +164,10 @@ def measure(base, keys: list[str], args, measured: Callable[[list[dict]], None])
             print(f"  started {r['name']}: {r['worker'].warmup}", flush=True)
         for _ in range(args.rounds):
             for r in (r for r in group if "error" not in r):
-                times = _ask(r, "times", args.steps)
+                times = _times(r, args.steps)
                 r["times"] += times or []  # [] where it failed
         for r in group:
-            r["peak_memory"] = _ask(r, "peak_memory") if "error" not in r else None
+            r["peak_memory"] = _peak_memory(r) if "error" not in r else None
             r.pop("worker").close()
             print(f"  measured {r['name']}: " + (r["error"] if "error" in r else
                   f"median {statistics.median(r['times']) * 1e3:,.1f} ms of {len(r['times'])} steps"), flush=True)
@@ -175,13 +175,22 @@ def measure(base, keys: list[str], args, measured: Callable[[list[dict]], None])
     return rows
 
 
-def _ask(r: dict, what: str, *args):
-    """Row r's process's answer to `what` ("times", "peak_memory"). Where it failed or died instead, the row holds
-    that error and no times (a row that did not finish its rounds is not measured), the other rows go on, and the
-    answer is None."""
-    answer = getattr(r["worker"], what)(*args)
+def _times(r: dict, steps: int) -> list[float] | None:
+    """Row r's times of `steps` more steps. Where its process failed or died instead, the row holds that error and
+    no times (a row that did not finish its rounds is not measured), the other rows go on, and the answer is None."""
+    answer = r["worker"].times(steps)
     if isinstance(answer, dict):
-        r.update(error=f"{what.replace('_', ' ')}: {answer['error']}", times=[])
+        r.update(error=f"times: {answer['error']}", times=[])
+        return None
+    return answer
+
+
+def _peak_memory(r: dict) -> int | None:
+    """Row r's peak memory, or None where its process could not say (the row's times stand: they were measured)."""
+    answer = r["worker"].peak_memory()
+    if isinstance(answer, dict):
+        r["peak_memory_error"] = answer["error"]
+        print(f"  {r['name']}: no peak memory ({answer['error']})", flush=True)
         return None
     return answer
 
@@ -219,7 +228,7 @@ def table(rows: list[dict], base, n_params: int, peak: float | None) -> str:
              "first step s | peak memory GB | jaxtrain / this |", "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if not r["key"].startswith("matmul")):
         if "median" not in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['name']} | failed: {_cell(r['error'])} | | | | | | |")
             continue
         achieved = r["median"] * flops_per_token
         r["mfu_ceiling"] = achieved / ceiling[r["precision"]] if ceiling[r["precision"]] else None
@@ -227,11 +236,11 @@ def table(rows: list[dict], base, n_params: int, peak: float | None) -> str:
         ratio = jax_main.get(r["precision"], 0) / r["median"] if r["precision"] in jax_main else None
         lines.append(f"| {r['name']} | {r['median']:,.0f} ({r['low']:,.0f}-{r['high']:,.0f}) | {r['step_ms']:,.1f} | "
                      f"{_pct(r['mfu_ceiling'])} | {_pct(r['mfu_peak'])} | {r['first_step_s']:.1f} | "
-                     f"{r['peak_memory'] / 1e9:.2f} | {f'{ratio:.2f}' if ratio else 'n/a'} |")
+                     f"{_gb(r['peak_memory'])} | {f'{ratio:.2f}' if ratio else 'n/a'} |")
     lines += ["", f"matmul ceiling, ({m} x {k}) @ ({k} x {n}), the MLP's c_fc on one micro-batch:", "",
               "| framework | TFLOP/s median (min-max) | of nominal peak |", "|---|---|---|"]
     for r in (r for r in rows if r["key"].startswith("matmul")):
-        lines.append(f"| {r['name']} | " + (f"failed: {r['error']} | |" if "median" not in r else
+        lines.append(f"| {r['name']} | " + (f"failed: {_cell(r['error'])} | |" if "median" not in r else
                      f"{r['median'] / 1e12:.2f} ({r['low'] / 1e12:.2f}-{r['high'] / 1e12:.2f}) | "
                      f"{_pct(r['median'] / peak if peak else None)} |"))
     return "\n".join(lines) + "\n\n" + summary(rows)
@@ -251,6 +260,15 @@ def summary(rows: list[dict]) -> str:
         out.append(f"accumulation k=4 costs {1 - median['jax-bf16-k4'] / median['jax-bf16-k1']:.1%} of k=1's "
                    f"tokens/s (goal <= 5%)")
     return "\n".join(out) + "\n"
+
+
+def _cell(text: str) -> str:
+    """`text` as one cell of a Markdown table: a '|' in it (an error's text) would end the cell."""
+    return text.replace("|", "\\|")
+
+
+def _gb(n_bytes: int | None) -> str:
+    return f"{n_bytes / 1e9:.2f}" if n_bytes is not None else "n/a"
 
 
 def _pct(x: float | None) -> str:

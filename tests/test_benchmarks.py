@@ -77,6 +77,36 @@ def test_a_row_that_fails_after_its_warm_up_is_reported_and_the_others_measured(
     assert "| jaxtrain bf16 | failed: times: XlaRuntimeError: RESOURCE_EXHAUSTED: out of memory |" in text
 
 
+def test_a_row_whose_memory_cannot_be_read_keeps_its_times_and_an_error_holding_a_bar_stays_in_its_cell(
+        monkeypatch, capsys):
+    """A failed peak-memory request made the row a failure with no times, after all its rounds were measured; an
+    error text holding '|' (a shell's pipe in a message) split its table row into more cells."""
+    class Process:
+        def __init__(self, row, synthetic):
+            self.warmup, self.name = {"first_step_s": 1.0}, row.name
+
+        def times(self, n):
+            return [0.5] * n if self.name == "jaxtrain bf16" else {"error": "RuntimeError: a | b"}
+
+        def peak_memory(self):
+            return {"error": "RuntimeError: memory_stats() is None"}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench.workers, "Worker", Process)
+    args = bench.parser().parse_args(["--rounds", "2", "--steps", "3"])
+    rows = bench.measure(config.load(TINY), ["jax-bf16", "jax-fp32"], args, lambda rows: None)
+    assert rows[0]["times"] == [0.5] * 6 and "error" not in rows[0] and rows[0]["peak_memory"] is None
+    assert "  jaxtrain bf16: no peak memory (RuntimeError: memory_stats() is None)" in capsys.readouterr().out
+    text = bench.table(rows, config.load(TINY), n_params=10_000, peak=None)
+    row_line = next(line for line in text.splitlines() if line.startswith("| jaxtrain bf16 |"))
+    assert row_line.startswith("| jaxtrain bf16 | 256 (256-256) | 500.0 |") and "| n/a |" in row_line
+    failed = next(line for line in text.splitlines() if line.startswith("| jaxtrain fp32 |"))
+    assert failed == "| jaxtrain fp32 | failed: times: RuntimeError: a \\| b | | | | | | |"
+    assert len(failed.replace("\\|", "").split("|")) == len(row_line.split("|"))  # as many cells
+
+
 def test_one_row_at_a_time_writes_each_row_once_it_is_measured(tmp_path, monkeypatch, capsys):
     """--one-at-a-time: each row's times are printed and in --json's file as soon as its process ends, so a run
     killed during a later row (a GPU session's limit) keeps them; before, nothing was printed or written until the
