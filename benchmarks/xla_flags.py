@@ -182,8 +182,11 @@ def tpu_collectives(hlo: str) -> dict:
 def compile_variants(cfg, target: str, n: int, variants: list[tuple[str, dict]], hlo_dir: str | None = None
                      ) -> list[dict]:
     """One row per (label, compiler options): the step compiled for n devices of `target` with those options; each
-    optimized module's text also written to hlo_dir/<row>.hlo.txt when given."""
+    optimized module's text also written to hlo_dir/<row>.hlo.txt when given (an earlier run's go first: its rows
+    past this run's would read as this run's)."""
     from jaxtrain import dryrun
+    if hlo_dir:
+        _remove_earlier_modules(hlo_dir)
     if target == "cpu":
         dryrun.use_fake_devices(n)
     else:
@@ -209,7 +212,6 @@ def compile_variants(cfg, target: str, n: int, variants: list[tuple[str, dict]],
                             f"--xla_name=value") from None
         text = compiled.as_text()
         if hlo_dir:
-            os.makedirs(hlo_dir, exist_ok=True)
             with open(os.path.join(hlo_dir, f"{len(rows)}.hlo.txt"), "w") as f:
                 f.write(text)
         module = canonical(text)
@@ -220,6 +222,15 @@ def compile_variants(cfg, target: str, n: int, variants: list[tuple[str, dict]],
         row |= gpu_collectives(text, peak, bandwidth, NVLINK[target], len(devices)) if gpu else tpu_collectives(text)
         rows.append(row)
     return rows
+
+
+def _remove_earlier_modules(hlo_dir: str) -> None:
+    os.makedirs(hlo_dir, exist_ok=True)
+    earlier = sorted(name for name in os.listdir(hlo_dir) if re.fullmatch(r"\d+\.hlo\.txt", name))
+    for name in earlier:
+        os.remove(os.path.join(hlo_dir, name))
+    if earlier:
+        print(f"--hlo: removed an earlier run's {len(earlier)} modules from {hlo_dir}", file=sys.stderr)
 
 
 def canonical(hlo: str) -> str:

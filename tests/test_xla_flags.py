@@ -136,15 +136,24 @@ def test_canonical_ignores_numbering_and_metadata_not_the_program():
 
 def test_end_to_end_on_fake_cpu_devices(tmp_path):
     """A GPU-only flag leaves XLA:CPU's module as it is; a CPU numerics flag (min and max without NaN checks)
-    changes it, alone or with the other; an unknown one is refused in one line, exit code 2."""
+    changes it, alone or with the other; an unknown one is refused in one line, exit code 2. --hlo writes each
+    row's module, after an earlier run's are gone (its 9th would read as this run's), the folder's other files
+    kept."""
+    hlo_dir = tmp_path / "hlo"
+    hlo_dir.mkdir()
+    for name in ("9.hlo.txt", "notes.txt"):
+        (hlo_dir / name).write_text("earlier")
+
     def run(flags):
         return subprocess.run(
             [sys.executable, "-m", "benchmarks.xla_flags", "--config", "configs/tiny.yaml", "--target", "cpu",
              "--devices", "2", "--mesh.fsdp=2", "--model.vocab_size=256", "--model.n_layer=1", f"--flags={flags}",
-             "--each", "--all-but-each"],  # one layer: 47 s of CPU here, 77 with tiny's four
+             "--each", "--all-but-each", f"--hlo={hlo_dir}"],  # one layer: 47 s of CPU here, 77 with tiny's four
             cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     done = run("--xla_gpu_enable_triton_gemm=false --xla_cpu_enable_fast_min_max=true")
     assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(hlo_dir)) == [f"{row}.hlo.txt" for row in range(6)] + ["notes.txt"]
+    assert "HloModule" in (hlo_dir / "5.hlo.txt").read_text()
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1] for line in done.stdout.splitlines()
             if line.startswith(("| --xla", "| all"))}
     assert rows["--xla_gpu_enable_triton_gemm=false"] == "same as default"
