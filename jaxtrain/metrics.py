@@ -153,8 +153,8 @@ class MetricsLogger:
         self.line_tokens = self.line_seconds = 0  # since the last metrics line
         self.run_tokens = self.run_seconds = 0  # this process's training, for the summary
         # W&B first: it keeps what metrics.jsonl says W&B may hold before the file is cut back (wandb_log)
-        self.wandb = wandb_log.WandbLog(cfg, start_step=start_step, last_jsonl_step=last_jsonl_step) \
-            if is_main and cfg.log.wandb else None
+        self.wandb = wandb_log.WandbLog(cfg, start_step=start_step, resumed=resumed,
+                                        last_jsonl_step=last_jsonl_step) if is_main and cfg.log.wandb else None
         self.log = runfolder.GrowingFile(path, kept) if is_main else None
         self.tb = TensorBoardLog(runfolder.path(cfg.run.out_dir, "tb"), first_step=start_step + 1) \
             if is_main and cfg.log.tensorboard else None

@@ -125,6 +125,67 @@ def test_fresh_starts_a_new_wandb_run_and_sets_the_old_one_aside(tmp_path, cache
     assert [row["_step"] for row in history(runs)] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("backend", [run, torchref_run], ids=["jaxtrain", "torchref"])
+def test_a_start_that_resumes_no_checkpoint_logs_to_a_new_wandb_run(tmp_path, cache_dir, capsys, backend):
+    """An attempt that logged steps 1..3 and saved no checkpoint (removed), then another at another learning rate:
+    metrics.jsonl starts over, and so does W&B, in a run of its own with steps 1..4. It went on in the first one,
+    skipping steps 1..3 and putting 4 after the other learning rate's 3."""
+    out_dir = tmp_path / "run"
+    backend.train(config.load(small_args(out_dir, cache_dir, "--train.steps=3", "--optim.decay_steps=8", *WANDB)))
+    first_id = json.loads((out_dir / "wandb.json").read_text())["id"]
+    shutil.rmtree(out_dir / "checkpoints")
+    capsys.readouterr()
+    backend.train(config.load(small_args(out_dir, cache_dir, "--train.steps=4", "--optim.decay_steps=8",
+                                         "--optim.lr=1e-4", *WANDB)))
+    assert (f"W&B: this start resumes no checkpoint of {out_dir}, so it logs to a new W&B run; the earlier "
+            f"attempt's steps stay in W&B run {first_id}") in capsys.readouterr().err
+    runs = wandb_records(out_dir)
+    second_id = json.loads((out_dir / "wandb.json").read_text())["id"]
+    assert run_ids(runs) == [first_id, second_id] and second_id != first_id
+    assert [[row["_step"] for row in history([records])] for records in runs] == [[1, 2, 3], [1, 2, 3, 4]]
+    assert history(runs[1:]) == expected_rows(read_metrics(out_dir))
+
+
+@pytest.mark.parametrize("backend", [run, torchref_run], ids=["jaxtrain", "torchref"])
+def test_a_wandb_failure_mid_run_is_one_warning_and_the_run_trains_on(tmp_path, cache_dir, capsys, monkeypatch,
+                                                                        backend):
+    """W&B's log raising at step 3 as it does once wandb-core is gone (ConnectionResetError): the run ended there in a
+    traceback, exit 1, losing the steps since its last checkpoint. Now one warning; the run trains to its end, saves,
+    and W&B keeps steps 1 and 2."""
+    start = wandb_log._start
+
+    def start_failing_at_step_3(cfg, run_id):
+        wandb_run, log = start(cfg, run_id), None
+        log = wandb_run.log
+
+        def failing_log(row, step, commit):
+            if step >= 3:
+                raise ConnectionResetError("Connection lost")
+            return log(row, step=step, commit=commit)
+
+        wandb_run.log = failing_log
+        return wandb_run
+
+    monkeypatch.setattr(wandb_log, "_start", start_failing_at_step_3)
+    out_dir = tmp_path / "run"
+    backend.train(config.load(small_args(out_dir, cache_dir, "--train.steps=6", *EVAL_EVERY_2, *WANDB)))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "W&B" in line]
+    assert warnings == ["warning: W&B failed (ConnectionResetError: Connection lost); the run goes on without it, "
+                        "which holds the steps up to 2 (metrics.jsonl holds every step)"]
+    assert [line["step"] for line in read_metrics(out_dir) if "loss" in line] == list(range(1, 7))
+    assert "6" in os.listdir(out_dir / "checkpoints")  # the run saved its last step
+    assert [row["_step"] for row in history(wandb_records(out_dir))] == [1, 2]
+
+
+def test_wandb_disabled_from_the_environment_records_no_wandb_run(tmp_path, cache_dir, monkeypatch):
+    """WANDB_MODE=disabled: wandb's stand-in run has an id, which wandb.json kept; a later start with W&B on then
+    continued a run that never existed, skipping the steps trained meanwhile."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    out_dir = tmp_path / "run"
+    run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=3", *WANDB)))
+    assert not (out_dir / "wandb.json").exists() and not (out_dir / "wandb").exists()
+
+
 def test_online_without_an_api_key_logs_offline_and_says_so_in_one_line(tmp_path, cache_dir):
     """No API key (the session's W&B environment has none, and no netrc): wandb.init refuses to start online
     before it contacts anything; the run logs offline instead, with one line saying so, and trains to the end."""
@@ -144,7 +205,7 @@ def test_a_damaged_wandb_json_is_named_before_wandb_starts(tmp_path, content):
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.wandb=true", "--log.tensorboard=false",
                        "--log.progress=false", "--model.vocab_size=256"])
     with pytest.raises(UserError) as e:
-        wandb_log.WandbLog(cfg, start_step=0, last_jsonl_step=None)
+        wandb_log.WandbLog(cfg, start_step=0, resumed=False, last_jsonl_step=None)
     assert str(e.value).startswith(f"{tmp_path}/wandb.json is damaged: it holds the id of this run folder's W&B run, "
                                    f"as {{\"id\": \"<id>\"}}; write the id back")
     assert str(e.value).endswith("or move the file aside to log to a new W&B run")
@@ -189,12 +250,12 @@ def test_what_wandb_may_hold_outlives_a_resume_that_stopped_before_it(tmp_path, 
     out_dir = tmp_path / "run"
     out_dir.mkdir()
     cfg = config.load(small_args(out_dir, cache_dir, *WANDB))
-    first = wandb_log.WandbLog(cfg, start_step=0, last_jsonl_step=None)
+    first = wandb_log.WandbLog(cfg, start_step=0, resumed=False, last_jsonl_step=None)
     for step in range(1, 7):
         first.log(step, {"train/loss": float(step)})
     first.close()
-    wandb_log.WandbLog(cfg, start_step=4, last_jsonl_step=6).close()  # its metrics.jsonl: 1..6, cut to 4
-    third = wandb_log.WandbLog(cfg, start_step=4, last_jsonl_step=4)
+    wandb_log.WandbLog(cfg, start_step=4, resumed=True, last_jsonl_step=6).close()  # metrics.jsonl: 1..6, cut to 4
+    third = wandb_log.WandbLog(cfg, start_step=4, resumed=True, last_jsonl_step=4)
     for step in range(5, 9):
         third.log(step, {"train/loss": 10.0 + step})
     third.close()

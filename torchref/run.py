@@ -326,7 +326,7 @@ class MetricsLog:
                   f"and kernels), not read here; torchref trains the same math on one device, and metrics.jsonl "
                   f"holds the same lines", file=sys.stderr)
         kept = metrics.kept_lines(self.path, resumed_step)
-        self.wandb = wandb_log.WandbLog(cfg, start_step=resumed_step or 0,
+        self.wandb = wandb_log.WandbLog(cfg, start_step=resumed_step or 0, resumed=resumed_step is not None,
                                         last_jsonl_step=metrics.last_step(self.path)) if cfg.log.wandb else None
         self.kept = kept
         self.tokens = self.seconds = 0  # since the last line
