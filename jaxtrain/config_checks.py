@@ -114,17 +114,15 @@ def _check_schedule(cfg) -> None:
 
 
 def _check_places(cfg) -> None:
-    """The run folder can be written, W&B is installed if asked for, and the data folder exists."""
+    """The run folder can be written and W&B is installed if asked for. The data folder is data.load's to check:
+    each host reads its own, and a run of several processes learns there, after they joined, that one lacks it
+    (refused here, the others waited for that process at the join until its timeout)."""
     if runfolder.is_url(cfg.run.out_dir):
         runfolder.check_url(cfg.run.out_dir, writes=not cfg.run.dry_run)
     else:
         runfolder.check_local(cfg.run.out_dir)
     if cfg.log.wandb and not cfg.run.dry_run:
         _check_wandb(cfg)
-    if cfg.data.path is not None and not os.path.isdir(cfg.data.path) and not (
-            cfg.run.dry_run and cfg.model.vocab_size is not None):  # a dry run reads no data when it knows the vocab
-        raise UserError(f"data.path={cfg.data.path!r} is not a folder; create it with "
-                        f"`python -m jaxtrain.data prepare --input TEXT --out DIR`, or drop data.path for the embedded corpus")
 
 
 def _check_numbers(cfg) -> None:

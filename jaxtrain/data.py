@@ -153,6 +153,9 @@ def trained_tokenizer(cfg: Config, data_fingerprint: str | None) -> str:
 
 def _read_meta(path: str, fix: str = _PREPARE_HINT) -> dict:
     """meta.json of the token folder `path`, checked; `fix`: what a message says to do about a damaged folder."""
+    if "://" in path:
+        raise UserError(f"data folder {path!r} is a URL, and data is read from a local folder: copy it to each host "
+                        f"(e.g. `gcloud storage cp -r {path} /data`) and give that folder")
     if os.path.isfile(path):
         raise UserError(f"data folder {path!r} is a file; give the folder prepare wrote (train.bin, val.bin, "
                         f"meta.json); {_PREPARE_HINT}")

@@ -193,6 +193,14 @@ def from_process_0(flag: bool) -> bool:
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
+def each_process(values: np.ndarray) -> np.ndarray:
+    """Every process's `values` (one shape and dtype on all), stacked in process order: one small collective that
+    all of them join, needing no mesh (this process's alone on one process)."""
+    if jax.process_count() == 1:
+        return values[None]
+    return np.asarray(multihost_utils.process_allgather(values, tiled=False))
+
+
 def barrier(name: str) -> None:
     """Every process waits here until all have arrived (nothing to do on one process)."""
     if jax.process_count() > 1:

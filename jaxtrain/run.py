@@ -12,6 +12,7 @@ if __name__ == "__main__":  # before the imports below (jax takes seconds): a si
 
 import dataclasses
 import functools
+import hashlib
 import sys
 import time
 
@@ -78,7 +79,7 @@ class Trainer:
 
     def _build(self, cfg: Config) -> None:
         runfolder.refuse_unfinished_set_aside(cfg.run.out_dir, cfg.run.fresh)
-        self.data = data_lib.load(cfg.data, cfg.model.seq_len)
+        self.data = load_data_everywhere(cfg)
         self.sample_tokenizer = self._sample_tokenizer(cfg) if cfg.log.sample_tokens else None
         vocab_size = data_lib.resolve_vocab_size(cfg.model.vocab_size, self.data)
         # Written down, so that config.yaml and every checkpoint say what the model was built with.
@@ -314,6 +315,29 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         finally:
             if logger:
                 logger.close()
+
+
+def load_data_everywhere(cfg: Config) -> data_lib.TokenData:
+    """The data, loaded by every process and the same on all (each host reads its own copy of the data folder): a
+    process that cannot load it, or loads other data than process 0's, stops every process in one line each. One
+    that failed alone left the others in a collective until the launch's timeout, and other data trained."""
+    try:
+        data, refusal = data_lib.load(cfg.data, cfg.model.seq_len), None
+    except UserError as e:
+        data, refusal = None, e
+    digest = hashlib.sha256(data.fingerprint.encode()).digest()[:16] if data else bytes(16)
+    votes = mesh_lib.each_process(np.frombuffer(bytes([data is not None]) + digest, np.uint8))
+    failed = [i for i, vote in enumerate(votes) if not vote[0]]
+    if refusal or failed:
+        raise refusal or UserError(f"process(es) {', '.join(map(str, failed))} could not load the data (their "
+                                   f"output says why); this process stops with them")
+    other = [i for i, vote in enumerate(votes) if bytes(vote[1:]) != bytes(votes[0][1:])]
+    if other:
+        where = f"data.path={cfg.data.path}" if cfg.data.path is not None else "the embedded corpus"
+        raise UserError(f"process(es) {', '.join(map(str, other))} read other data than process 0 (the tokens or "
+                        f"meta.json differ: data fingerprints differ; this process read {where}); each host must hold "
+                        f"the same data: copy process 0's folder to every host")
+    return data
 
 
 def print_sample(cfg: Config, params, tokenizer: sample_lib.Tokenizer) -> None:

@@ -13,7 +13,7 @@ import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from jaxtrain import cmdline, config, config_checks, mesh, runfolder, same_run
+from jaxtrain import cmdline, config, config_checks, data, mesh, runfolder, same_run
 from jaxtrain.errors import UserError
 
 
@@ -127,8 +127,16 @@ def test_an_empty_text_key_is_named_for_what_it_holds(yaml_path, key, noun):
 
 def test_an_override_that_starts_like_a_yaml_comment_is_not_a_silent_default(yaml_path):
     """YAML reads `#1` as a comment, null: data.path's default, the embedded corpus, trained on without a word."""
-    with pytest.raises(UserError, match="data.path='#1' is not a folder"):
-        config.load(["--config", yaml_path, "--data.path=#1"])
+    cfg = config.load(["--config", yaml_path, "--data.path=#1"])
+    with pytest.raises(UserError, match="^data folder '#1' not found; create it with `python -m jaxtrain.data prepare"):
+        data.load(cfg.data, cfg.model.seq_len)
+
+
+def test_a_data_path_in_a_bucket_is_named_a_url():
+    """It was 'not a folder'; data is read from a local copy on each host."""
+    with pytest.raises(UserError, match="^data folder 'gs://b/x' is a URL, and data is read from a local folder: copy "
+                                        "it to each host"):
+        data.load(config.load(["--data.path=gs://b/x", "--model.vocab_size=256"]).data, 32)
 
 
 def test_derived_defaults(yaml_path):

@@ -23,7 +23,7 @@ import compiled_hlo
 from processes import coordinator_env
 
 from parity_tests.runs import read_metrics
-from jaxtrain import config, mesh, run, target_devices
+from jaxtrain import config, mesh, prepare, run, target_devices
 from jaxtrain.errors import UserError
 
 SMALL = ["--config", "configs/tiny.yaml", "--model.n_layer=2", "--model.d_model=32", "--model.n_head=2",
@@ -172,6 +172,36 @@ def test_two_processes_on_localhost(tmp_path, cache_dir, one_device_losses):
     assert [p.returncode for p in procs] == [0, 0], outputs
     np.testing.assert_allclose(losses(out_dir), one_device_losses, rtol=LOSS_RTOL)
     assert sorted(os.listdir(os.path.join(out_dir, "checkpoints"))) == ["2", "4"]
+
+
+def _two_hosts_on(tmp_path, cache_dir, data_paths: list[str]) -> list[tuple[int, str]]:
+    """(exit code, stderr) of the two processes of one run, each reading its own data.path."""
+    hosts, out_dir = coordinator_env(2), str(tmp_path / "run")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
+         "--mesh.fsdp=2", f"--data.path={path}", "--train.steps=2"], stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", **hosts, JAX_PROCESS_ID=str(i)))
+        for i, path in enumerate(data_paths)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs)]
+
+
+def test_hosts_whose_data_differs_or_fails_to_load_all_stop_in_one_line(tmp_path, cache_dir):
+    """Each host reads its own copy of the data folder. Another text on host 1 trained, exit 0; a copy host 1 lacks
+    failed there alone, and host 0 waited in a collective until the launch's deadline (5 min, then SIGABRT)."""
+    tokens = np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint16)
+    for name, train in (("a", tokens), ("b", tokens[::-1].copy())):
+        prepare.write_token_dir(str(tmp_path / name), train, tokens[:1000], 256, "bytes")
+    other = _two_hosts_on(tmp_path, cache_dir, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert [code for code, _ in other] == [2, 2], other
+    for (code, err), own in zip(other, "ab"):
+        assert err.count("\n") == 1 and err.startswith(
+            f"error: process(es) 1 read other data than process 0 (the tokens or meta.json differ: data fingerprints "
+            f"differ; this process read data.path={tmp_path / own}); each host must hold the same data"), err
+    missing = _two_hosts_on(tmp_path, cache_dir, [str(tmp_path / "a"), str(tmp_path / "missing")])
+    assert [code for code, _ in missing] == [2, 2], missing
+    assert missing[0][1].startswith("error: process(es) 1 could not load the data (their output says why)")
+    assert missing[1][1].startswith(f"error: data folder '{tmp_path / 'missing'}' not found"), missing[1][1]
 
 
 # Every variable that makes a launch of several processes, cleared by the `launch` fixture.
