@@ -43,9 +43,9 @@ def read(argv: list[str], text_keys: frozenset[str] = frozenset()) -> dict:
     args = _split_args(argv)
     path = one_config([value for key, value in args if key == "config"])
     raw = _read_yaml(path) if path is not None else {}
+    raw = {section: {} if values is None else values for section, values in raw.items()}  # `optim:`, keys commented
     for section, values in _parse_overrides([(k, v) for k, v in args if k != "config"], text_keys).items():
-        if raw.get(section) is None:  # absent, or `optim:` with nothing under it
-            raw[section] = {}
+        raw.setdefault(section, {})
         if isinstance(raw[section], dict):  # else config.from_dict refuses the file's section, not a mapping
             raw[section].update(values)
     return raw
@@ -111,6 +111,7 @@ def _read_yaml(path: str) -> dict:
     """A local file, or a run folder's config.yaml in an object store (gs://...: what a stopped run's resume
     hint names)."""
     runfolder.check_given(path, "--config", "a YAML file (see configs/)")
+    path = path if runfolder.is_url(path) else os.path.expanduser(path)  # --config=~/x.yaml: no shell expands it
     try:
         with quiet_logger("gcsfs", logging.CRITICAL):  # its tracebacks of each request it gave up on
             data = runfolder.path(path).read_bytes()
@@ -136,7 +137,33 @@ def _read_yaml(path: str) -> dict:
     return raw
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class ReadOtherwise(int):
+    """An integer YAML 1.1 read from text most readers take for another number: a leading 0 (octal: 010 is 8) or
+    colons (base 60: 1:30 is 90). config refuses it for a number key, naming what YAML made of it (`text`)."""
+    text: str
+
+    def __new__(cls, value: int, text: str):
+        number = super().__new__(cls, value)
+        number.text = text
+        return number
+
+    def __reduce__(self):  # copy.deepcopy of the raw config keeps the mark
+        return ReadOtherwise, (int(self), self.text)
+
+
+class _NumberLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, its octal and base-60 integers marked (ReadOtherwise)."""
+
+    def construct_yaml_int(self, node):
+        value = super().construct_yaml_int(node)
+        digits = str(node.value).replace("_", "")
+        return ReadOtherwise(value, node.value) if re.fullmatch(r"[-+]?0[0-7]+", digits) or ":" in digits else value
+
+
+_NumberLoader.add_constructor("tag:yaml.org,2002:int", _NumberLoader.construct_yaml_int)
+
+
+class _UniqueKeyLoader(_NumberLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last, so a section written
     twice would lose the first one's keys unsaid (their defaults would train)."""
 
@@ -211,7 +238,7 @@ def _override_value(key: str, value: str, text_key: bool):
         return value
     quoted = value.lstrip().startswith(("'", '"'))
     try:
-        parsed = yaml.safe_load(value)
+        parsed = yaml.load(value, Loader=_NumberLoader)
     except (yaml.YAMLError, RecursionError) as e:
         if text_key and not quoted:  # text that holds YAML syntax: `--log.sample_prompt=def f(x): [`
             return value

@@ -321,6 +321,9 @@ def _check_scalar(key: str, value, field_type) -> None:
     elif isinstance(value, bool) and bool not in (field_type, *typing.get_args(field_type)):
         raise UserError(f"{key} got the boolean {str(value).lower()} (YAML reads true/false/yes/no/on/off as "
                         f"booleans); give a {_type_name(field_type)} (quoted, if you mean that text)")
+    elif isinstance(value, cmdline.ReadOtherwise) and field_type not in TEXT_TYPES:
+        raise UserError(f"{key}={value.text} reads as {int(value)} in YAML (a leading 0 makes a number octal, colons "
+                        f"base 60); write the number without them")
     elif field_type in TEXT_TYPES and not isinstance(value, str):  # the command line keeps text as typed
         raise UserError(f"{key} takes text, but the YAML file's value reads as the number {value!r} (YAML reads "
                         f"017 as 15, 1_000 as 1000, 12:30 as 750); quote it there to keep it as written")

@@ -43,6 +43,7 @@ def validate(cfg) -> None:
                         f"{cfg.optim.grad_accum_steps}; batch_size counts sequences per optimizer step, so pick a "
                         f"multiple")
     _check_vocab_tiles(cfg)
+    _check_keep_best(cfg)
     _check_hopper_kernels(cfg)
     if cfg.model.residual_dtype == "bf16" and cfg.train.precision != "bf16":
         raise UserError(f"model.residual_dtype=bf16 rounds the residual stream to bf16, which train.precision="
@@ -119,7 +120,7 @@ def _check_places(cfg) -> None:
     (refused here, the others waited for that process at the join until its timeout)."""
     if runfolder.is_url(cfg.run.out_dir):
         runfolder.check_url(cfg.run.out_dir, writes=not cfg.run.dry_run)
-    else:
+    elif not cfg.run.dry_run:  # which writes nothing there (the README's gpt-1b dry run names a cluster's folder)
         runfolder.check_local(cfg.run.out_dir)
     if cfg.log.wandb and not cfg.run.dry_run:
         _check_wandb(cfg)
@@ -219,6 +220,16 @@ def _check_hopper_kernels(cfg) -> None:
                         f"model.head_lse=xla)")
 
 
+def _check_keep_best(cfg) -> None:
+    """checkpoint.keep_best ranks the saves that have an eval loss: those where an evaluation falls on a save step.
+    Where none does before the last step, it kept nothing extra without a word (HF Trainer refuses this too)."""
+    every, eval_every = cfg.checkpoint.every, cfg.train.eval_every
+    if cfg.checkpoint.keep_best and (eval_every == 0 or every % eval_every):
+        raise UserError(f"checkpoint.keep_best keeps the save with the lowest eval loss, and a save has one only "
+                        f"at an evaluation: checkpoint.every={every} must be a multiple of train.eval_every="
+                        f"{eval_every} (> 0); e.g. --train.eval_every={every}")
+
+
 def _check_optional(cfg) -> None:
     """Keys that may be null (meaning: derive it) must be in range when set."""
     m, o = cfg.model, cfg.optim
@@ -226,6 +237,11 @@ def _check_optional(cfg) -> None:
                        "log.peak_tflops": cfg.log.peak_tflops, "run.dry_run_devices": cfg.run.dry_run_devices}.items():
         if value is not None and value <= 0:
             raise UserError(f"{key} must be > 0 (or null to derive it), got {value}")
+    for key, value in {"run.target_device": cfg.run.target_device,
+                       "run.dry_run_devices": cfg.run.dry_run_devices}.items():
+        if value is not None and not cfg.run.dry_run:  # a "will it fit" command without its dry_run trained
+            raise UserError(f"{key}={value} acts in a dry run only (what the dry run compiles for and judges); add "
+                            f"--run.dry_run=true, or leave {key} out to train on this machine's devices")
     if o.warmup_init_lr is not None and o.warmup_init_lr < 0:
         raise UserError(f"optim.warmup_init_lr must be >= 0 (or null for lr / (warmup_steps + 1)), "
                         f"got {o.warmup_init_lr}")

@@ -154,8 +154,7 @@ VALID = {
     "model.norm": st.sampled_from(["auto", "xla"]), "model.gelu_grad": st.just("xla"),
     "model.qkv_grad": st.just("xla"),
     "model.remat": st.sampled_from(["none", "full", "dots"]), "model.vocab_tiles": st.just("1"),
-    "run.dry_run_devices": _NULL | _ints(1, 4096),
-    "run.target_device": _NULL | st.sampled_from(["v4", "v5e", "v5p", "v6e", "a100-40gb", "a100-80gb", "h100", "h200"]),
+    "run.dry_run_devices": _NULL, "run.target_device": _NULL,  # set, they need run.dry_run: OUT_OF_RANGE
     "data.path": _NULL, "data.batch_size": st.integers(1, 2**20).map(lambda k: str(32 * k)),
     "data.cache_dir": _NULL | _text(),
     "optim.lr": _floats(1e-3, 1e3), "optim.min_lr": _floats(0.0, 1e-3), "optim.warmup_steps": _ints(0, 7),
@@ -187,11 +186,11 @@ OUT_OF_RANGE = {
     "model.n_head": _NEGATIVE | st.sampled_from(["3", "5", "6", "7", "100", "256"]),
     "model.d_model": _NEGATIVE | st.integers(1, 10**6).filter(lambda d: d % 4).map(str),
     "model.dropout": _floats(1.0, 1e6) | _BELOW_ZERO, "model.vocab_tiles": _NEGATIVE,
-    "run.dry_run_devices": _NEGATIVE, "run.lock_timeout_s": _floats(-1e6, 0.0),
+    "run.dry_run_devices": _NEGATIVE | _ints(1, 4096), "run.lock_timeout_s": _floats(-1e6, 0.0),
+    "run.target_device": st.sampled_from(["v4", "v5e", "v5p", "v6e", "a100-40gb", "a100-80gb", "h100", "h200"]),
     # a store a run cannot write to, or no bucket
     "run.out_dir": st.sampled_from(["http", "file", "az", "hf", "memory", "gcs"]).flatmap(
         lambda scheme: _text().map(lambda s: f"{scheme}://bucket/{s}")) | st.sampled_from(["gs://", "s3:///"]),
-    "data.path": _text().map(lambda s: f"/nonexistent/{s}"),
     "data.batch_size": _NEGATIVE,
     "optim.lr": _floats(-1e6, 0.0) | _floats(1e-12, 9.9e-5), "optim.min_lr": _BELOW_ZERO | _floats(1.01e-3, 1e6),
     "optim.warmup_steps": st.integers(-10**6, -1).map(str) | _ints(8, INT32_MAX),

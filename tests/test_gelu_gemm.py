@@ -155,7 +155,8 @@ def test_the_forward_kernel_under_remat_off_a_gpu_is_refused():
     (["--model.d_model=96", "--model.n_head=4"],
      r"{key}=pallas needs model.d_model to be a multiple of 64 \(its kernel's tiles\), got 96"),
     (["--data.batch_size=1", "--model.seq_len=100"], r"a micro-batch's tokens .* to be a multiple of 64 .*got 100"),
-    (["--run.target_device=a100-80gb"], "a kernel for Hopper GPUs \\(h100, h200\\), not run.target_device=a100")])
+    (["--run.dry_run=true", "--run.target_device=a100-80gb"],
+     "a kernel for Hopper GPUs \\(h100, h200\\), not run.target_device=a100")])
 def test_a_config_the_kernel_cannot_run_is_refused(key, overrides, named):
     with pytest.raises(UserError, match=named.format(key=key)):
         config.load(["--config", "configs/tiny.yaml", f"--{key}=pallas", *overrides])

@@ -120,7 +120,8 @@ def test_the_kernel_runs_inside_a_one_device_mesh():
     (["--model.vocab_size=300"], r"model.vocab_size to be a multiple of 128 \(its kernel's tiles\), got 300"),
     (["--model.d_model=96", "--model.n_head=4"], r"model.d_model to be a multiple of 64 .*got 96"),
     (["--model.vocab_tiles=2"], r"model.vocab_tiles=2 never forms; use one of the two"),
-    (["--run.target_device=a100-80gb"], r"a kernel for Hopper GPUs \(h100, h200\), not run.target_device=a100")])
+    (["--run.dry_run=true", "--run.target_device=a100-80gb"],
+     r"a kernel for Hopper GPUs \(h100, h200\), not run.target_device=a100")])
 def test_a_config_the_kernel_cannot_run_is_refused(overrides, named):
     with pytest.raises(UserError, match=named):
         config.load(["--config", "configs/tiny.yaml", "--model.head_lse=pallas", *overrides])
