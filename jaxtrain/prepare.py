@@ -29,6 +29,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from jaxtrain import prepare_inputs
 from jaxtrain import runfolder
 from jaxtrain.errors import UserError, exit_no_command_of_its_own
 
@@ -129,42 +130,14 @@ def gpt2_encoding():
         raise UserError(f"cannot load the gpt2 tokenizer ({type(e).__name__}: {e}). {_gpt2_help()}") from None
 
 
-def _input_files(inputs: list[str], out: str) -> list[pathlib.Path]:
-    """Files in the order given; a folder contributes all its files, recursively, sorted by path. Files under `out`
-    are left out: they are the data this prepare replaces (an --out inside an --input folder)."""
-    files = []
-    for item in inputs:
-        path = pathlib.Path(item)
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file())
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise UserError(f"--input {item!r} is neither a file nor a folder; pass text files or folders of them")
-    out_path = pathlib.Path(out).resolve()
-    under_out = {p for p in files if out_path in p.resolve().parents}
-    if under_out:
-        print(f"prepare: leaving out {len(under_out)} file(s) under --out {out}", file=sys.stderr)
-        files = [p for p in files if p not in under_out]
-    if not files:
-        raise UserError(f"no files found under --input {' '.join(inputs)} (outside --out); "
-                        f"pass folders that contain text files")
-    unreadable = [str(p) for p in files if not os.access(p, os.R_OK)]
-    if unreadable:
-        raise UserError(f"--input {unreadable[0]} cannot be read by this user ({len(unreadable)} such file(s)); "
-                        f"fix its permissions or leave it out")
-    if not any(p.stat().st_size for p in files):
-        raise UserError(f"--input {' '.join(inputs)} holds no text ({len(files)} empty file(s)); pass files with "
-                        f"the text to train on")
-    return files
-
-
 # Text is tokenized in pieces of about this many bytes, so that memory stays flat whatever the corpus size. A piece
-# of GPT-2 text ends at a line break between two characters that are not whitespace: GPT-2's pre-tokenizer never joins
-# across such a point, so the pieces' tokens are the whole text's.
+# of GPT-2 text ends at a line break between two characters that are not whitespace, or between the \r and \n of
+# such a CRLF line break: GPT-2's pre-tokenizer never joins across either point (around "X\r\nY" its pre-tokens
+# are "X", "\r", "\n", "Y", whole or cut), so the pieces' tokens are the whole text's. Without the second, a CRLF
+# text was one piece, re-scanned for every chunk read.
 PIECE_BYTES = 2**22
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" else None
-_SAFE_CUT = re.compile(r"(?<=\S)\n(?=\S)")
+_SAFE_CUT = re.compile(r"(?<=\S)\n(?=\S)|(?<=\S\r)(?=\n\S)")
 
 
 def _pieces(files: list[pathlib.Path], tokenizer: str):
@@ -174,7 +147,9 @@ def _pieces(files: list[pathlib.Path], tokenizer: str):
         decoder = None if tokenizer == "bytes" else codecs.getincrementaldecoder("utf-8")(errors="replace")
         pending, read = "", 0
         with open(path, "rb") as f:
+            check = prepare_inputs.TextCheck(path, os.fstat(f.fileno()).st_size)
             while chunk := f.read(PIECE_BYTES):
+                check.add(chunk)
                 if decoder is None:
                     yield chunk, False, len(chunk)
                     continue
@@ -183,6 +158,7 @@ def _pieces(files: list[pathlib.Path], tokenizer: str):
                 if cut:
                     yield pending[:cut], False, read
                     pending, read = pending[cut:], 0
+        check.finish(tokenizer)
         yield (b"" if decoder is None else pending + decoder.decode(b"", final=True)), True, read
 
 
@@ -223,10 +199,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     files mostly whole held-out files.
 
     The files are written into a staging folder inside `out` and replace out's only once all are complete, so a
-    prepare that fails or is interrupted (a KeyboardInterrupt out of it) leaves `out` as it was. An `out` that
-    already holds data is replaced only with `overwrite`: runs trained on the old data would refuse to resume."""
+    prepare that fails or is interrupted (a KeyboardInterrupt out of it, or a SIGTERM) leaves `out` as it was. An
+    `out` that already holds data is replaced only with `overwrite`: runs trained on the old data would refuse to
+    resume. A leading ~ in a path is the user's home, as in a shell, which does not expand it after `--out=`."""
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    out, inputs = os.path.expanduser(out), [os.path.expanduser(item) for item in inputs]
     for flag, value in [("--out", out)] + [("--input", item) for item in inputs]:
         runfolder.check_given(value, flag, "a folder or file by name")
     runfolder.check_not_url(out, "--out")  # else written to a local folder named gs:
@@ -235,13 +213,26 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     if existing and not overwrite:
         raise UserError(f"--out {out} already holds data ({', '.join(existing)}), which runs trained on it need to "
                         f"resume; pass --overwrite to replace it, or choose another --out")
-    files = _input_files(inputs, out)
-    encode, vocab_size = _encoder(tokenizer)
-    start, created = time.perf_counter(), not os.path.isdir(out)
+    with _sigterm_as_interrupt(out):
+        files = prepare_inputs.input_files(inputs, out)
+        encode, vocab_size = _encoder(tokenizer)
+        start = time.perf_counter()
+        meta = _write_into(out, files, tokenizer, (encode, vocab_size), val_fraction, workers, inputs)
+    n_tokens, seconds = meta["train_tokens"] + meta["val_tokens"], time.perf_counter() - start
+    print(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({tokenizer}, vocab "
+          f"{vocab_size}) to {out} in {seconds:.1f}s ({n_tokens / seconds:,.0f} tokens/s)")
+
+
+def _write_into(out: str, files: list[pathlib.Path], tokenizer: str, encoder: tuple, val_fraction: float,
+                workers: int | None, inputs: list[str]) -> dict:
+    """Writes the data (encoder: _encoder's pair) into a staging folder in `out` and moves it over out's files once
+    complete; returns the meta. The staging folder goes whatever happens, and so does `out` if this made it and it
+    is left empty."""
+    created = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
     staging = staging_folder(out, refuse_live=True)
     try:
-        meta = _write_data(staging, files, tokenizer, encode, vocab_size, val_fraction, workers)
+        meta = _write_data(staging, files, tokenizer, *encoder, val_fraction, workers)
         _check_splits(meta, inputs, val_fraction)
     except OSError as e:
         raise UserError(f"prepare stopped ({e}); {out} is unchanged: fix the cause (disk space, permissions, "
@@ -253,22 +244,56 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
         shutil.rmtree(staging, ignore_errors=True)
         if created and not os.listdir(out):
             os.rmdir(out)
-    n_tokens, seconds = meta["train_tokens"] + meta["val_tokens"], time.perf_counter() - start
-    print(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({tokenizer}, vocab "
-          f"{vocab_size}) to {out} in {seconds:.1f}s ({n_tokens / seconds:,.0f} tokens/s)")
+    return meta
+
+
+class _Terminated(KeyboardInterrupt):
+    """A SIGTERM (slurm, Kubernetes, `timeout`) during prepare, raised where Ctrl-C raises its KeyboardInterrupt so
+    that it takes the same clean-up path; a KeyboardInterrupt, so that no `except Exception` swallows it."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt(out: str):
+    """During the block, a SIGTERM removes the staging folder, as Ctrl-C does, and ends the process with 128 + 15
+    and one line like Ctrl-C's (jaxtrain.data's `interrupted; <out> is unchanged`, 130). SIGTERM's default ended
+    it at once, with no word, leaving a hidden .prepare-* folder of partial tokens in `out`."""
+    def terminate(signum, frame):
+        raise _Terminated
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except _Terminated:
+        print(f"\nterminated (SIGTERM); {out} is unchanged", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+MIN_SPLIT_TOKENS = 2  # the shortest split a run can read: one window of model.seq_len=1 and its target
 
 
 def _check_splits(meta: dict, inputs: list[str], val_fraction: float) -> None:
-    """A UserError where the tokens are too few to give each split one: a run could neither train nor evaluate on
-    an empty split (and its refusal, to lower model.seq_len, would not say that the text is the cause)."""
+    """A UserError where the tokens are too few to give each split MIN_SPLIT_TOKENS: a run could neither train nor
+    evaluate on it (and its refusal, to lower model.seq_len, would not say that the text is the cause)."""
     train, val = meta["train_tokens"], meta["val_tokens"]
-    if train and val:
+    if min(train, val) >= MIN_SPLIT_TOKENS:
         return
-    need = math.ceil(1 / val_fraction)
-    need += int(need * val_fraction) < 1  # what float rounding of need * val_fraction may take from val
+    also = "raise --val-fraction" if val < MIN_SPLIT_TOKENS else "lower --val-fraction"
     raise UserError(f"--input {' '.join(inputs)} is too short to split: its {train + val} {meta['tokenizer']} "
-                    f"token(s) give {train} train and {val} val tokens at --val-fraction {val_fraction}; give it at "
-                    f"least {need} tokens of text (far more to train on), or raise --val-fraction")
+                    f"token(s) give {train} train and {val} val tokens at --val-fraction {val_fraction}, and each "
+                    f"needs {MIN_SPLIT_TOKENS}; give it at least {_fewest_tokens(val_fraction)} tokens of text (far "
+                    f"more to train on), or {also}")
+
+
+def _fewest_tokens(val_fraction: float) -> int:
+    """The fewest tokens that _write_data splits into MIN_SPLIT_TOKENS or more each. val = int(n * val_fraction)
+    needs n >= m / val_fraction, and train = n - val needs n * (1 - val_fraction) > m - 1; the search starts just
+    under both, as float rounding may move them by one (both counts only grow with n)."""
+    m = MIN_SPLIT_TOKENS
+    n = max(2 * m, math.floor(m / val_fraction) - 1, math.floor((m - 1) / (1 - val_fraction)) - 1)
+    while min(int(n * val_fraction), n - int(n * val_fraction)) < m:
+        n += 1
+    return n
 
 
 _STAGING = ".prepare-"  # + host-pid-random: the staging folder of the prepare of that process
