@@ -279,8 +279,7 @@ def _check_keys(raw: dict, cls, prefix: tuple) -> None:
     for key, value in raw.items():
         dotted = ".".join(prefix + (str(key),))
         if key not in names:
-            close = difflib.get_close_matches(str(key), list(names), n=1)
-            hint = f"did you mean {'.'.join(prefix + (close[0],))}?" if close else f"valid keys: {', '.join(names)}"
+            hint = _hint(str(key), list(names), prefix)
             if ":" in str(key):  # {lr_scale:0.5} is one key to YAML: a flow mapping's colon needs a space after it
                 hint += f" (YAML reads {key!r} as one key: write a space after the colon, as in {{lr_scale: 0.5}})"
             raise UserError(f"unknown config key {dotted!r}; {hint}")
@@ -293,6 +292,41 @@ def _check_keys(raw: dict, cls, prefix: tuple) -> None:
             raise UserError(f"config section {dotted!r} must be a mapping of keys, got {value!r}")
         else:
             _check_keys(value, field_type, prefix + (str(key),))
+
+
+# Other trainers' names for keys of ours (nanoGPT's train.py, Hugging Face's TrainingArguments): `unknown config key`
+# names ours
+OTHER_NAMES = {"block_size": "model.seq_len", "n_embd": "model.d_model", "learning_rate": "optim.lr",
+               "gradient_accumulation_steps": "optim.grad_accum_steps", "max_iters": "train.steps",
+               "max_steps": "train.steps", "eval_interval": "train.eval_every", "eval_steps": "train.eval_every",
+               "eval_iters": "train.eval_batches", "warmup_iters": "optim.warmup_steps",
+               "lr_decay_iters": "optim.decay_steps", "grad_clip": "optim.max_grad_norm",
+               "max_grad_norm": "optim.max_grad_norm", "beta1": "optim.b1", "beta2": "optim.b2",
+               "dtype": "train.precision", "output_dir": "run.out_dir", "save_steps": "checkpoint.every",
+               "logging_steps": "log.every", "per_device_train_batch_size": "data.batch_size"}
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _hint(key: str, names: list[str], prefix: tuple) -> str:
+    """What an unknown `key` of section `prefix` (whose keys are `names`; () the sections) may have meant: the key
+    of that name in another section (--log.eval_every: train.eval_every; a section-less `seq_len:` in YAML), the key
+    another trainer's name stands for (--model.block_size: model.seq_len), a key of the section spelled alike, of
+    any section spelled alike; else the section's keys."""
+    top = not prefix or len(prefix) == 1 and prefix[0] in SECTIONS  # (not an optim.groups entry's keys)
+    dotted = [f"{s}.{cmdline.yaml_name(f)}" for s, c in SECTIONS.items() for f in dataclasses.fields(c)] * top
+    elsewhere = [name for name in dotted if name.split(".")[1] == key] + ([OTHER_NAMES[key]] if top and key in
+                                                                            OTHER_NAMES else [])
+    close = difflib.get_close_matches(key, names, n=1)
+    close_anywhere = difflib.get_close_matches(key, [name.split(".")[1] for name in dotted], n=1)
+    if elsewhere:
+        return f"did you mean {elsewhere[0]}?"
+    if close:
+        return f"did you mean {'.'.join(prefix + (close[0],))}?"
+    if close_anywhere:
+        return f"did you mean {next(name for name in dotted if name.endswith('.' + close_anywhere[0]))}?"
+    return f"valid keys: {', '.join(names)}"
 
 
 def _check_mapping(key: str, value, entry_type) -> None:

@@ -143,6 +143,22 @@ def test_an_empty_yaml_section_and_a_home_relative_config_path_load(tmp_path, mo
     assert cfg.model.n_layer == 3 and cfg.optim.lr == config.OptimConfig().lr
 
 
+@pytest.mark.parametrize("typed, meant", [
+    ("log.eval_every", "train.eval_every"), ("optim.steps", "train.steps"), ("train.grad_accum_steps",
+     "optim.grad_accum_steps"), ("train.seed", "run.seed"), ("data.seq_len", "model.seq_len"),  # another section's
+    ("model.block_size", "model.seq_len"), ("train.learning_rate", "optim.lr"), ("model.n_embd", "model.d_model"),
+    ("optim.lrr", "optim.lr"), ("log.wandbb", "log.wandb"), ("train.eval_evry", "train.eval_every"),
+    ("data.n_layr", "model.n_layer")])
+def test_an_unknown_key_names_the_key_meant_in_any_section(tmp_path, typed, meant):
+    """The hint looked in the key's own section only: --log.eval_every suggested log.every, --optim.steps optim.eps,
+    --model.block_size (nanoGPT's name) model.vocab_size."""
+    with pytest.raises(UserError, match=f"^unknown config key '{typed}'; did you mean {meant}\\?$"):
+        config.load([f"--run.out_dir={tmp_path}", f"--{typed}=1"])
+    (tmp_path / "c.yaml").write_text("block_size: 256\n")  # nanoGPT's, without a section
+    with pytest.raises(UserError, match="^unknown config key 'block_size'; did you mean model.seq_len\\?$"):
+        config.load(["--config", str(tmp_path / "c.yaml"), f"--run.out_dir={tmp_path}"])
+
+
 def test_an_override_replaces_its_keys_whole_value(tmp_path):
     """optim.groups from the command line replaces the file's groups: `{}` clears them, and a new pattern is not
     added beside the file's (where it could clash with a pattern the user never wrote on this command line)."""
