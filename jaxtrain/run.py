@@ -156,11 +156,13 @@ class Trainer:
             return None
         return checkpoint_kind.read_trainer_state(source)["data"].get("tokens")
 
-    def compile(self, state) -> None:
-        """Compile the train step ahead of the loop, so that step 1's throughput is not the compile time."""
+    def compile(self) -> None:
+        """Compile the train step ahead of the loop, so that step 1's throughput is not the compile time, from the
+        state's shapes: a step that does not fit is refused (check_fits) before a fresh state is made, which on a
+        host too small for it hung or ended in XLA's RESOURCE_EXHAUSTED traceback."""
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):  # mesh.batch_sharded pins the activations to this mesh
-            lowered = self.jit_train_step.lower(state, *self.window(int(state.step)))
+            lowered = self.jit_train_step.lower(self.abstract_state, *self.window(0))
             self.train_step = dryrun.compile_fitting(lowered, jax.local_devices()[0])
         dryrun.check_fits(self.train_step, self.abstract_state, jax.local_devices()[0])  # before an OOM in step 1
         if self.is_main:
@@ -284,13 +286,14 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         trainer = Trainer(cfg)
         cfg, agreed = trainer.cfg, AgreedStop(stop, trainer.mesh)  # cfg: model.vocab_size resolved
         agreed.check_start_up()  # a signal during start-up stops it between phases
+        if trainer.resumed is None or trainer.resumed.step < cfg.train.steps:  # else nothing to compile for
+            trainer.compile()
+            agreed.check_start_up()
         state = trainer.initial_state()
         start = int(state.step)
         if start >= cfg.train.steps:
             print(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do", file=sys.stderr)
             return {"steps": start}, None, trainer
-        agreed.check_start_up()
-        trainer.compile(state)
         agreed.check_start_up()
         stop.training_started()
         trainer.open_run_folder()

@@ -67,6 +67,27 @@ def test_what_cannot_fit_is_refused_with_the_levers():
     assert fits.returncode == 0 and "fits:" in fits.stderr
 
 
+def test_by_xla_cpus_estimate_only_a_step_over_the_target_at_its_largest_overstatement_is_refused(capsys):
+    """XLA:CPU's temporaries overstate a GPU's up to 4.1x (measured): 10 GiB of state and 200 of temporaries are
+    10 + 200 / 4.1 = 58.8 GiB at least, under an H100's 72 usable, so that may fit (exit 0, saying so); before, it
+    was refused, as GPT-2 124M at 32 sequences a micro-batch for an A100 is (55.8 GiB by XLA:CPU, 16.1 by XLA:GPU).
+    With 300 GiB of temporaries, 83.2 GiB at least: refused. The target's own compiler's figure is judged as it is."""
+    gib = 2**30
+
+    def verdict(state_gib, temporaries_gib, estimated):
+        rows = [("params (fp32)", state_gib * gib), (dryrun.TEMPORARIES, temporaries_gib * gib)]
+        return dryrun._verdict("h100", rows, (state_gib + temporaries_gib) * gib, estimated)
+
+    assert verdict(10, 200, estimated=True) is None
+    assert "may not fit: 210.00 GiB of h100's 80 GiB per device" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"^does not fit: 310.00 GiB of h100's 80 GiB .* by XLA:CPU, 83.17 GiB with"):
+        verdict(10, 300, estimated=True)
+    assert verdict(10, 62, estimated=False) is True  # 72 GiB: 90% of 80
+    with pytest.raises(UserError, match=r"^does not fit: 73.00 GiB of h100's 80 GiB per device \(91%; 90% usable\); "
+                                        r"levers"):
+        verdict(10, 63, estimated=False)
+
+
 def test_target_devices_are_the_memory_table_keys():
     literal = typing.get_args(typing.get_args(config.RunConfig.__annotations__["target_device"])[0])
     assert set(literal) == set(dryrun.DEVICE_MEMORY)
@@ -264,6 +285,23 @@ def test_on_a_cpu_the_step_is_checked_against_the_hosts_memory(monkeypatch):
                                          "and this host has 31.50 GiB of memory; levers: mesh.fsdp")
 
 
+def test_a_real_run_whose_step_the_host_cannot_hold_is_refused_before_its_state_is_made(tmp_path, cache_dir,
+                                                                                       monkeypatch):
+    """The state was made first, then the step compiled and checked: a state bigger than the host (a 50M-token
+    vocabulary, 25.6 GB) hung in its allocation, deaf to SIGTERM, or ended in RESOURCE_EXHAUSTED's traceback. Now
+    the step is compiled from the state's shapes and checked first; no state is made, the run folder stays as it
+    was (none)."""
+    from test_run import small_args
+    from jaxtrain import run
+    made, initial_state = [], run.Trainer.initial_state
+    monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: 2**20)  # 1 MiB: no step fits
+    monkeypatch.setattr(run.Trainer, "initial_state", lambda self: made.append(1) or initial_state(self))
+    out_dir = tmp_path / "run"
+    with pytest.raises(UserError, match=r"^the train step needs .* GiB and this host has 0.00 GiB of memory; levers"):
+        run.train(config.load(small_args(str(out_dir), cache_dir)))
+    assert made == [] and not out_dir.exists()
+
+
 def _tiny_temporaries(xla_flags: str) -> float:
     """GiB of the step's temporaries in configs/tiny.yaml's dry run on this CPU under `xla_flags`."""
     proc = subprocess.run([sys.executable, "-m", "jaxtrain.run", "--config", "configs/tiny.yaml",
@@ -284,13 +322,30 @@ def test_the_cpu_order_lever_shrinks_the_steps_temporaries():
 def test_host_memory_is_the_physical_memory_or_a_lower_container_limit(monkeypatch, tmp_path):
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 0 < dryrun.host_memory_bytes() <= physical
-    (tmp_path / "v2").write_text("max\n")  # cgroup v2 without a limit
-    (tmp_path / "v1").write_text(f"{2**63 - 4096}\n")  # cgroup v1 without one
-    paths = (str(tmp_path / "v2"), str(tmp_path / "v1"), str(tmp_path / "absent"))
-    monkeypatch.setattr(dryrun, "CGROUP_LIMITS", paths)
+    (tmp_path / "memory.max").write_text("max\n")  # cgroup v2 without a limit
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")  # cgroup v1 without one
+    monkeypatch.setattr(dryrun, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(dryrun, "OWN_CGROUPS", str(tmp_path / "absent"))  # unreadable: the roots of v2 and v1
     assert dryrun.host_memory_bytes() == physical
-    (tmp_path / "v2").write_text("123456789\n")
+    (tmp_path / "memory.max").write_text("123456789\n")
     assert dryrun.host_memory_bytes() == 123456789
+    (tmp_path / "memory" / "job").mkdir()  # a job's own cgroup below the root: its limit binds, and the root's
+    (tmp_path / "memory" / "job" / "memory.limit_in_bytes").write_text("5000\n")
+    (tmp_path / "own").write_text("0::/\n4:memory:/job\n")
+    monkeypatch.setattr(dryrun, "OWN_CGROUPS", str(tmp_path / "own"))
+    assert dryrun.host_memory_bytes() == 5000
+
+
+def test_the_memory_limit_is_this_processs_cgroups_and_those_above_it():
+    """A SLURM job's --mem is its own cgroup's limit (/proc/self/cgroup: memory:/slurm/uid_0/job_7), below the
+    mount's root, which alone was read: a step over the job's limit was OOM-killed instead of refused."""
+    own = "12:pids:/x\n4:memory,cpu:/slurm/uid_0/job_7\n0::/user.slice/job.scope\n"
+    assert dryrun.cgroup_limit_files(own, "/cg") == [
+        "/cg/memory/slurm/uid_0/job_7/memory.limit_in_bytes", "/cg/memory/slurm/uid_0/memory.limit_in_bytes",
+        "/cg/memory/slurm/memory.limit_in_bytes", "/cg/memory/memory.limit_in_bytes",
+        "/cg/user.slice/job.scope/memory.max", "/cg/user.slice/memory.max", "/cg/memory.max"]
+    assert dryrun.cgroup_limit_files("0::/\n", "/cg") == ["/cg/memory.max"]
 
 
 def test_a_run_bigger_than_the_cpu_host_is_refused_before_step_1_and_writes_nothing(tmp_path, cache_dir, monkeypatch):
