@@ -124,6 +124,16 @@ def train_line(step: int, loss: float, lr: float, grad_norm: float, tokens: int,
             "tokens_per_s": tokens_per_s, "mfu": mfu(tokens_per_s, flops_per_token, flops_per_s_peak)}
 
 
+def summary_line(s: dict) -> str:
+    """The end-of-run line, both backends': `s` holds start_step, step, loss, eval_loss, eval_accuracy, tokens_per_s
+    (over the run's training steps), mfu and wall_s (start-up included); n/a for what it lacks."""
+    def fmt(key, spec):
+        return format(s[key], spec) if s.get(key) is not None else "n/a"
+    return (f"done: steps {s.get('start_step', 0)}->{s.get('step', 'n/a')}  loss {fmt('loss', '.4f')}  "
+            f"eval_loss {fmt('eval_loss', '.4f')}  eval_accuracy {fmt('eval_accuracy', '.2%')}  "
+            f"tokens/s {fmt('tokens_per_s', ',.0f')}  mfu {fmt('mfu', '.1%')}  wall {fmt('wall_s', '.1f')}s")
+
+
 class MetricsLogger:
     """Writes metrics for steps start_step+1 .. cfg.train.steps. Only the main process writes. `resumed`: whether
     start_step is the run folder's own checkpoint (else a start from scratch or from init.from). `start_tokens`: the
@@ -180,6 +190,7 @@ class MetricsLogger:
         self.bar.update(step - self.bar.n)
         if self.cfg.logs_at(step):
             self._write(line)
+            self.exclude_time()  # the writing: in an object store, at times an upload of the whole file
             self.line_tokens = self.line_seconds = 0
         return line
 

@@ -267,7 +267,7 @@ def train(cfg: Config) -> dict:
         # Gathered whole on every process (a collective, which a signal to one of several no longer cuts short).
         params = multihost_utils.process_allgather(state.params, tiled=True) if cfg.log.sample_tokens else None
         if trainer.is_main:
-            print(format_summary(summary), file=sys.stderr)
+            print(metrics_lib.summary_line(summary), file=sys.stderr)
             if cfg.log.sample_tokens:
                 print_sample(trainer.cfg, params, trainer.sample_tokenizer)
         if several:  # here, not at exit: a signal now lets this process reach the barrier the others wait at
@@ -402,14 +402,6 @@ def report(pending, logger, divergence: Divergence) -> dict:
                         counters)
     divergence.check(line)
     return line
-
-
-def format_summary(s: dict) -> str:
-    def fmt(key, spec):
-        return format(s[key], spec) if s.get(key) is not None else "n/a"
-    return (f"done: steps {s.get('start_step', 0)}->{s.get('step', 'n/a')}  loss {fmt('loss', '.4f')}  "
-            f"eval_loss {fmt('eval_loss', '.4f')}  eval_accuracy {fmt('eval_accuracy', '.2%')}  "
-            f"tokens/s {fmt('tokens_per_s', ',.0f')}  mfu {fmt('mfu', '.1%')}  wall {fmt('wall_s', '.1f')}s")
 
 
 if __name__ == "__main__":

@@ -364,3 +364,23 @@ def test_a_disk_that_fills_during_the_run_is_one_line_naming_the_file(tmp_path, 
         assert ended.value.code == 2
         assert capsys.readouterr().err == (f"error: could not write {metrics} (No space left on device): free space "
                                            f"there (or mend the storage) and run the same command again\n")
+
+
+def test_an_object_store_file_is_uploaded_whole_at_most_a_twentieth_of_the_time(monkeypatch):
+    """Each upload is of the whole object, which grows with the run: every 30 s, the uploads took a growing share
+    of the run (2 s in 30 by a 600k-step run's end). Now at least 30 s, and at least 20 times the last upload's
+    seconds, apart: a 3 s upload puts the next 60 s later. A fake clock; uploads recorded, not made."""
+    from etils import epath
+    clock, uploads = [0.0], []
+
+    def upload(file, data):  # an upload of 3 s once the file holds 3 records
+        uploads.append((clock[0], data))
+        clock[0] += 3.0 if data.count("\n") >= 3 else 0.0
+
+    monkeypatch.setattr(runfolder.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(runfolder, "write_whole", upload)
+    log = runfolder.GrowingFile(epath.Path("gs://bucket/run/metrics.jsonl"), [])
+    for step in range(1, 15):  # a record every 10 s
+        clock[0] += 10.0
+        log.write(f"{step}\n")
+    assert [(at, data.count("\n")) for at, data in uploads] == [(0.0, 0), (30.0, 3), (93.0, 9)]

@@ -62,7 +62,7 @@ def train(cfg: Config) -> None:
             step, summary = ended
             if step == cfg.train.steps:  # a signal from here on (or in the last step) stops at once, as jaxtrain's
                 stop.nothing_left_to_save(f"the run is trained and saved at step {step}")
-            print(summary)
+            print(metrics.summary_line(summary), file=sys.stderr)
     finally:
         preemption.uninstall()
 
@@ -115,9 +115,10 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, str] | None:
     loss = eval_loss = eval_accuracy = None
     divergence = Divergence(cfg, lambda: checkpoint.latest_step(cfg.run.out_dir), "torchref", progress.skipped)
     skip_non_finite = cfg.train.nan_policy == "skip"
+    start_step = progress.step
     with log, bar:
+        log.exclude_time()  # from here on, as jaxtrain's: its training steps and what happens between them
         for step in range(progress.step, cfg.train.steps):
-            t0 = time.perf_counter()
             inputs, targets = data.window(tokens, seed=progress.data_seed, step=step, batch_size=cfg.data.batch_size,
                                           accum_steps=cfg.optim.grad_accum_steps, seq_len=cfg.model.seq_len)
             loss_scale = scaler.get_scale() if scaler else None  # the scale this window's backward runs with
@@ -128,8 +129,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, str] | None:
             progress.step, progress.tokens = step + 1, progress.tokens + n_tokens
             progress.skipped += not applied
             progress.loss_scale = scaler.state_dict() if scaler else None
-            tokens_per_s = log.train(progress, loss, lr, grad_norm, n_tokens, time.perf_counter() - t0,
-                                     divergence, loss_scale)
+            tokens_per_s = log.train(progress, loss, lr, grad_norm, n_tokens, divergence, loss_scale)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             bar.update()  # redraws the bar with the step's numbers
             evaluated = cfg.evaluates_at(progress.step)
@@ -140,13 +140,16 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, str] | None:
                 log.sync()  # W&B has this step before its checkpoint can exist
                 checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint,
                                 eval_loss if evaluated else None)
+            if evaluated or cfg.saves_at(progress.step) or stop.requested:
+                log.exclude_time()  # evaluation and checkpoint saves are no training step's time
             if stop.requested and progress.step < cfg.train.steps:  # at the last one the run is complete
                 hint = config.resume_hint(cfg, "torchref.run")
                 print(f"\ninterrupted: saved step {progress.step}; {hint}", file=sys.stderr)
                 break
-    return progress.step, (f"torchref: step {progress.step}, loss {loss:.4f}, eval loss {_fmt(eval_loss)}, "
-                           f"eval accuracy {_fmt(eval_accuracy)}, {log.mean_tokens_per_s():,.0f} tokens/s, "
-                           f"{log.wall_s():.1f} s wall")
+    tokens_per_s = log.mean_tokens_per_s()
+    return progress.step, {"start_step": start_step, "step": progress.step, "loss": loss, "eval_loss": eval_loss,
+                           "eval_accuracy": eval_accuracy, "tokens_per_s": tokens_per_s, "wall_s": log.wall_s(),
+                           "mfu": metrics.mfu(tokens_per_s, log.flops_per_token, log.peak_flops)}
 
 
 def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Config, Progress, bool]:
@@ -331,7 +334,7 @@ class MetricsLog:
         self.kept = kept
         self.tokens = self.seconds = 0  # since the last line
         self.total_tokens = self.total_seconds = 0
-        self.started = time.perf_counter()
+        self.started = self.last_time = time.perf_counter()
 
     def __enter__(self):
         # jaxtrain's file: written whole first (a kill leaves the old file or the new), a full disk named
@@ -344,9 +347,12 @@ class MetricsLog:
             self.wandb.close()
 
     def train(self, progress: Progress, loss: float, lr: float, grad_norm: float, n_tokens: int,
-              seconds: float, divergence: Divergence, loss_scale: float | None = None) -> float:
+              divergence: Divergence, loss_scale: float | None = None) -> float:
         """Record one optimizer step, and apply train.nan_policy to it (before anything is saved); returns its
-        tokens/s for the progress bar."""
+        tokens/s for the progress bar. Its time: since the step before was recorded, or since the last
+        exclude_time (jaxtrain's rule, MetricsLogger.train: the host's work between steps counts)."""
+        now = time.perf_counter()
+        seconds, self.last_time = max(now - self.last_time, 1e-9), now
         self.tokens, self.seconds = self.tokens + n_tokens, self.seconds + seconds
         self.total_tokens, self.total_seconds = self.total_tokens + n_tokens, self.total_seconds + seconds
         line = metrics.train_line(progress.step, loss, lr, grad_norm, progress.tokens, self.tokens / self.seconds,
@@ -357,6 +363,7 @@ class MetricsLog:
             line["loss_scale"] = loss_scale
         if self.cfg.logs_at(progress.step):
             self._write(line)
+            self.exclude_time()  # the writing, as jaxtrain's (there an object store's upload at times)
             self.tokens = self.seconds = 0
         divergence.check(line)
         return n_tokens / seconds
@@ -368,8 +375,12 @@ class MetricsLog:
         if self.wandb:
             self.wandb.sync()
 
-    def mean_tokens_per_s(self) -> float:
-        return self.total_tokens / self.total_seconds if self.total_seconds else 0.0
+    def exclude_time(self) -> None:
+        """Leave the time since the last recorded step (an evaluation, a checkpoint save) out of tokens_per_s."""
+        self.last_time = time.perf_counter()
+
+    def mean_tokens_per_s(self) -> float | None:
+        return self.total_tokens / self.total_seconds if self.total_seconds else None
 
     def wall_s(self) -> float:
         return time.perf_counter() - self.started
@@ -378,10 +389,6 @@ class MetricsLog:
         self.file.write(metrics.json_line(record))
         if self.wandb:  # after metrics.jsonl, whose last step bounds what W&B may have (jaxtrain.wandb_log)
             self.wandb.log(record["step"], metrics.scalars(record))
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.4f}"
 
 
 if __name__ == "__main__":
