@@ -15,6 +15,7 @@ or TPU's severalfold. It does not run a step.
 import dataclasses
 import math
 import os
+import re
 import sys
 
 import jax
@@ -31,10 +32,12 @@ from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 
 GIB = 2**30
-# Memory per device, bytes (vendor datasheets): what run.target_device names.
+# Memory per device, bytes, of what run.target_device names: a TPU's datasheet HBM; a GPU's as its driver reports
+# it, XLA's device spec (jaxtrain/gpu_specs: an H100's "80 GB" are 79.11 GiB there, an A100-40GB's 39.42)
 DEVICE_MEMORY = {
     "v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB,
-    "a100-40gb": 40 * GIB, "a100-80gb": 80 * GIB, "h100": 80 * GIB, "h200": 141 * GIB,
+    **{gpu: int(re.search(r"device_memory_size: (\d+)", target_devices.device_spec(gpu))[1])
+       for gpu in target_devices.GPUS},
 }
 # What the runtime keeps for itself (XLA's own allocator reserve, cuDNN/cuBLAS workspaces, fragmentation): a
 # config is said to fit only below this fraction of the device's memory.

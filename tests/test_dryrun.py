@@ -79,13 +79,13 @@ def test_by_xla_cpus_estimate_only_a_step_over_the_target_at_its_largest_oversta
         return dryrun._verdict("h100", rows, (state_gib + temporaries_gib) * gib, estimated)
 
     assert verdict(10, 200, estimated=True) is None
-    assert "may not fit: 210.00 GiB of h100's 80 GiB per device" in capsys.readouterr().err
-    with pytest.raises(UserError, match=r"^does not fit: 310.00 GiB of h100's 80 GiB .* by XLA:CPU, 83.17 GiB with"):
+    assert "may not fit: 210.00 GiB of h100's 79 GiB per device" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"^does not fit: 310.00 GiB of h100's 79 GiB .* by XLA:CPU, 83.17 GiB with"):
         verdict(10, 300, estimated=True)
-    assert verdict(10, 62, estimated=False) is True  # 72 GiB: 90% of 80
-    with pytest.raises(UserError, match=r"^does not fit: 73.00 GiB of h100's 80 GiB per device \(91%; 90% usable\); "
+    assert verdict(10, 61, estimated=False) is True  # 71 GiB: 90% of 79.11 (XLA's spec: 84,942,979,072 bytes) is 71.2
+    with pytest.raises(UserError, match=r"^does not fit: 72.00 GiB of h100's 79 GiB per device \(91%; 90% usable\); "
                                         r"levers"):
-        verdict(10, 63, estimated=False)
+        verdict(10, 62, estimated=False)
 
 
 def test_target_devices_are_the_memory_table_keys():
