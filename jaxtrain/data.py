@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxtrain import embedded_corpus
 from jaxtrain import prepare as prepare_lib
+from jaxtrain.cmdline import positive_int
 from jaxtrain.config import Config, DataConfig
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
@@ -151,6 +152,19 @@ def trained_tokenizer(cfg: Config, data_fingerprint: str | None) -> str:
     return data.tokenizer
 
 
+def _nanogpt_meta(path: str) -> str:
+    """Where `path` holds a train.bin and val.bin of whole uint16 tokens, as nanoGPT's prepare scripts write them
+    (without a meta.json; GPT-2's BPE in openwebtext and shakespeare), the meta.json that reads them as such: no
+    tokenizing again. Else nothing."""
+    sizes = [os.path.getsize(os.path.join(path, f"{split}.bin")) if os.path.isfile(os.path.join(path, f"{split}.bin"))
+             else None for split in ("train", "val")]
+    if None in sizes or any(size % 2 for size in sizes):
+        return ""
+    meta = {"vocab_size": prepare_lib.GPT2_EOT_ID + 1, "dtype": "uint16", "tokenizer": "gpt2",
+            "train_tokens": sizes[0] // 2, "val_tokens": sizes[1] // 2}
+    return f"if its .bin files are nanoGPT's GPT-2 tokens, write this meta.json there: {json.dumps(meta)}; else "
+
+
 def _read_meta(path: str, fix: str = _PREPARE_HINT) -> dict:
     """meta.json of the token folder `path`, checked; `fix`: what a message says to do about a damaged folder."""
     if "://" in path:
@@ -164,7 +178,7 @@ def _read_meta(path: str, fix: str = _PREPARE_HINT) -> dict:
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_path):
         raise UserError(f"{meta_path} is missing (not a jaxtrain data folder, or its prepare was cut short); "
-                        f"{fix}")
+                        f"{_nanogpt_meta(path)}{fix}")
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
@@ -337,7 +351,8 @@ def print_stats(data_cfg: DataConfig) -> None:
 
 def _prepare(args: argparse.Namespace) -> None:
     try:
-        prepare_lib.prepare(args.input, args.out, args.tokenizer, args.val_fraction, overwrite=args.overwrite)
+        prepare_lib.prepare(args.input, args.out, args.tokenizer, args.val_fraction, args.workers,
+                            overwrite=args.overwrite)
     except KeyboardInterrupt:  # prepare leaves --out as it was when interrupted
         print(f"\ninterrupted; {args.out} is unchanged", file=sys.stderr)
         sys.exit(130)
@@ -347,11 +362,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = OneLineParser(prog="python -m jaxtrain.data", description="Prepare token data and inspect it.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text files into train.bin, val.bin, meta.json")
-    p.add_argument("--input", nargs="+", required=True, help="text files or folders (all files, recursively)")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="text files or folders (their files, recursively; hidden names and data folders skipped)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS, required=True)
     p.add_argument("--val-fraction", type=float, default=0.1, help="tail of the token stream held out for val")
     p.add_argument("--overwrite", action="store_true", help="replace the data an existing --out folder holds")
+    p.add_argument("--workers", type=positive_int, help=f"encoding threads; default: the cores this process may "
+                                                        f"use, at most {prepare_lib.MAX_WORKERS}")
     s = sub.add_parser("stats", help="token counts and the entropies a model's loss should beat")
     s.add_argument("--data-path", help="data folder; default: the embedded corpus")
     s.add_argument("--cache-dir", help="where the embedded corpus is prepared; default: ~/.cache/jaxtrain")

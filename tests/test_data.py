@@ -774,3 +774,47 @@ def test_crlf_text_is_cut_into_pieces_that_tokenize_as_the_whole_text(tmp_path, 
     monkeypatch.setattr(prepare, "PIECE_BYTES", 997)
     pieces = list(prepare._pieces([tmp_path / "in" / "f3.txt"], "gpt2"))
     assert len(pieces) > len(contents[3]) // 2000 and max(len(text) for text, _, _ in pieces) < 2 * 997
+
+
+def test_off_a_terminal_prepare_says_how_far_it_is_in_plain_lines(tmp_path, capsys, monkeypatch):
+    """Under nohup, SLURM or CI tqdm shows no bar, and a prepare of hours said nothing until its end. There, a line
+    every PROGRESS_LINE_EVERY_S (0 here, so at each of the 8 pieces of 2 MiB, and the end's): bytes read of the
+    total, tokens."""
+    monkeypatch.setattr(prepare, "PROGRESS_LINE_EVERY_S", 0.0)
+    monkeypatch.setattr(prepare, "PIECE_BYTES", 2**18)
+    (tmp_path / "t.txt").write_bytes(b"x" * 2**21)
+    code, err = _prepare_cli(capsys, "--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o"),
+                             "--workers", "1")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if " MB read (" in line]
+    assert len(lines) == 9 and lines[-1].startswith("prepare: 2.1 of 2.1 MB read (100%), 2,097,152 tokens, "), lines
+    assert lines[3].startswith("prepare: 1.0 of 2.1 MB read (50%), 1,048,576 tokens, "), lines
+
+
+def test_prepare_uses_the_cores_it_may_run_on_at_most_32_and_refuses_0_workers(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(prepare.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert prepare.default_workers() == 32
+    monkeypatch.setattr(prepare.os, "sched_getaffinity", lambda pid: {5})  # a job given one core of many
+    assert prepare.default_workers() == 1
+    code, err = _prepare_cli(capsys, "--input", str(tmp_path), "--out", str(tmp_path / "o"), "--workers", "0")
+    assert code == 2 and "--workers" in err and "Traceback" not in err
+
+
+def test_a_nanogpt_folder_is_told_the_meta_json_that_reads_it(tmp_path):
+    """nanoGPT's prepare scripts write train.bin and val.bin (uint16 GPT-2 tokens) and no meta.json: the refusal
+    asked to tokenize the text again (hours for OpenWebText). It names the meta.json to write; written as said, the
+    folder loads with its 1000 and 100 tokens."""
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    with pytest.raises(UserError) as refused:
+        data.load(data.DataConfig(path=str(tmp_path)), 8)
+    told = str(refused.value).split("write this meta.json there: ")[1].split("; else ")[0]
+    assert json.loads(told) == {"vocab_size": 50257, "dtype": "uint16", "tokenizer": "gpt2", "train_tokens": 1000,
+                                "val_tokens": 100}
+    (tmp_path / "meta.json").write_text(told)
+    loaded = data.load(data.DataConfig(path=str(tmp_path)), 8)
+    assert (len(loaded.train), len(loaded.val), loaded.tokenizer) == (1000, 100, "gpt2")
+    (tmp_path / "meta.json").unlink()
+    (tmp_path / "val.bin").write_bytes(b"odd")  # not uint16 tokens: no meta.json offered
+    with pytest.raises(UserError, match="meta.json is missing .*; create it with"):
+        data.load(data.DataConfig(path=str(tmp_path)), 8)
