@@ -20,7 +20,7 @@ import difflib
 import os
 import shlex
 import typing
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import draccus
 import yaml
@@ -232,12 +232,16 @@ def warmup_init_lr(given: float | None, lr: float, warmup_steps: int) -> float:
     return given if given is not None else lr / (warmup_steps + 1)
 
 
-def load(argv: list[str]) -> Config:
-    """Parse `--config PATH [--section.key=value ...]` into a validated Config; -h/--help prints the keys."""
+def load(argv: list[str], first_check: Callable[[Config], None] | None = None) -> Config:
+    """Parse `--config PATH [--section.key=value ...]` into a validated Config; -h/--help prints the keys.
+    `first_check(cfg)`: a caller's own refusal, before validation's (torchref's of a gs:// run folder, which
+    validation would otherwise ask a package for)."""
     if "-h" in argv or "--help" in argv:
         print(cmdline.usage(Config))
         raise SystemExit(0)
     cfg = _home_expanded(from_dict(cmdline.read(argv, text_keys())))
+    if first_check:
+        first_check(cfg)
     config_checks.validate(cfg)
     if cmdline.given(argv, "run.out_dir") is None:
         runfolder.note_moved_run(cmdline.given(argv, "config"), cfg.run.out_dir)

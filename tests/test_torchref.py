@@ -596,6 +596,16 @@ def test_cli_reports_user_errors(token_dir, tmp_path, capsys):
     assert e.value.code == 2 and "init.from='/nonexistent' does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://bucket/run"])
+def test_a_run_folder_in_a_bucket_is_refused_as_such_not_sent_for_a_package(token_dir, tmp_path, capsys, url):
+    """Config validation asked for s3fs first (`pip install 's3fs'`), after which torchref refused the URL anyway."""
+    with pytest.raises(SystemExit) as e:
+        run.main(tiny_argv(token_dir, tmp_path, f"--run.out_dir={url}"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: run.out_dir={url!r}: torchref writes its run folder on a "
+                                                f"local disk only"), err
+
+
 def test_the_keys_torchref_does_not_read_are_named(token_dir, tmp_path):
     """A config with jaxtrain's devices and kernels set trains in torchref, on one device (the same math): those
     keys are named in its one note, as the TensorBoard and sample keys were, not passed over unsaid."""

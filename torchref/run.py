@@ -40,14 +40,20 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.preci
 
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error():
-        train(config.load(sys.argv[1:] if argv is None else argv))
+        train(config.load(sys.argv[1:] if argv is None else argv, first_check=check_local_run_folder))
+
+
+def check_local_run_folder(cfg: Config) -> None:
+    """The reference loop writes with torch.save and open(): local folders only (said before config validation asks
+    for s3fs or gcsfs, which would not help)."""
+    if "://" in cfg.run.out_dir:
+        raise UserError(f"run.out_dir={cfg.run.out_dir!r}: torchref writes its run folder on a local disk only; "
+                        f"give it a local path (jaxtrain.run writes to gs:// and s3://)")
 
 
 def train(cfg: Config) -> None:
     """Train cfg.train.steps optimizer steps in total, continuing from out_dir's checkpoints when there are any."""
-    if "://" in cfg.run.out_dir:  # the reference loop writes with torch.save and open(): local folders only
-        raise UserError(f"run.out_dir={cfg.run.out_dir!r}: torchref writes its run folder on a local disk only; "
-                        f"give it a local path (jaxtrain.run writes to gs:// and s3://)")
+    check_local_run_folder(cfg)
     if cfg.run.dry_run:
         raise UserError("run.dry_run=true is jaxtrain's: it compiles jaxtrain's step and trains nothing, where "
                         "torchref would train; run it with python -m jaxtrain.run, or drop it")
