@@ -8,6 +8,7 @@ this module.
 import argparse
 import dataclasses
 import inspect
+import json
 import logging
 import math
 import os
@@ -65,8 +66,9 @@ def usage(config_cls) -> str:
         for f in dataclasses.fields(section.type):
             name = yaml_name(f)
             default = getattr(section.type(), f.name)
-            default = ("null" if default is None else  # as an override spells it
-                       default if not isinstance(default, str) or default.isprintable() else repr(default))
+            default = ("null" if default is None else  # as an override spells it, typed in a shell
+                       default if not isinstance(default, str) or default.isprintable() else
+                       f"'{json.dumps(default)}'")  # YAML's double quotes, whose escapes are JSON's: '"\n"'
             lines.append(f"    {f'--{section.name}.{name}={default}':<34} {comments.get(f.name, '')}".rstrip())
     return "\n".join(lines)
 
