@@ -238,7 +238,25 @@ def report(cfg: Config) -> dict:
     summary = {"total_bytes": total, "rows": dict(rows), "fits": None, "compiled_for": compiled_for}
     if cfg.run.target_device:
         summary["fits"] = _verdict(cfg.run.target_device, rows, total, estimated=devices[0].platform == "cpu")
+    elif not cfg.run.dry_run_devices:  # this machine's own devices: the real run's check, where it would refuse
+        summary["fits"] = _fits_here(compiled, abstract_state, devices[0])
     return summary
+
+
+def _fits_here(compiled, abstract_state, device) -> bool | None:
+    """check_fits, as a run on this machine makes it, said on stderr: True, or None where the device reports no
+    memory limit to judge against; a UserError where it does not fit."""
+    check_fits(compiled, abstract_state, device)
+    if device.platform == "cpu":
+        memory = f"{host_memory_bytes() / GIB:.2f} GiB of host memory for {len(jax.local_devices())} CPU device(s)"
+    else:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+        if not limit:
+            print(f"not judged: {device.device_kind} reports no memory limit", file=sys.stderr)
+            return None
+        memory = f"{limit / GIB:.2f} GiB of {device.device_kind}'s memory"
+    print(f"fits this machine: {memory}, as a run here checks it", file=sys.stderr)
+    return True
 
 
 def _verdict(target: str, rows: list[tuple[str, int]], total: int, estimated: bool) -> bool | None:

@@ -88,6 +88,18 @@ def test_by_xla_cpus_estimate_only_a_step_over_the_target_at_its_largest_oversta
         verdict(10, 62, estimated=False)
 
 
+def test_a_dry_run_on_this_machines_devices_judges_them_as_a_run_here_would(monkeypatch, capsys):
+    """Without run.target_device it printed the table and no verdict (63 GiB on this 23.5 GiB host: exit 0), where
+    the real run refuses the config for the host's memory. Now the real run's check, and its refusal."""
+    cfg = config.load(["--config", "configs/tiny.yaml", "--run.dry_run=true", "--model.vocab_size=256"])
+    monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: 2**50)
+    assert dryrun.report(cfg)["fits"] is True
+    assert "fits this machine: 1048576.00 GiB of host memory for" in capsys.readouterr().err
+    monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: 2**20)
+    with pytest.raises(UserError, match=r"^the train step needs .* and this host has 0.00 GiB of memory; levers"):
+        dryrun.report(cfg)
+
+
 def test_target_devices_are_the_memory_table_keys():
     literal = typing.get_args(typing.get_args(config.RunConfig.__annotations__["target_device"])[0])
     assert set(literal) == set(dryrun.DEVICE_MEMORY)
