@@ -165,8 +165,7 @@ class Trainer:
             lowered = self.jit_train_step.lower(self.abstract_state, *self.window(0))
             self.train_step = dryrun.compile_fitting(lowered, jax.local_devices()[0])
         dryrun.check_fits(self.train_step, self.abstract_state, jax.local_devices()[0])  # before an OOM in step 1
-        if self.is_main:
-            print(f"compiled the train step in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        self.compile_s = time.perf_counter() - t0  # said as training starts (run.train_steps)
 
     def initial_state(self) -> step_lib.TrainState:
         """The newest verified checkpoint's state; else a fresh one (created directly in its sharding), with a
@@ -286,7 +285,10 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         trainer = Trainer(cfg)
         cfg, agreed = trainer.cfg, AgreedStop(stop, trainer.mesh)  # cfg: model.vocab_size resolved
         agreed.check_start_up()  # a signal during start-up stops it between phases
-        if trainer.resumed is None or trainer.resumed.step < cfg.train.steps:  # else nothing to compile for
+        # A fresh state is made after its step is compiled and checked against the memory; a resumed or init.from
+        # one is read first, so that init.from's step and shapes are refused at once, not after a compile
+        fresh = trainer.resumed is None and cfg.init.from_ is None
+        if fresh:
             trainer.compile()
             agreed.check_start_up()
         state = trainer.initial_state()
@@ -295,6 +297,9 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
             print(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do", file=sys.stderr)
             return {"steps": start}, None, trainer
         agreed.check_start_up()
+        if not fresh:
+            trainer.compile()
+            agreed.check_start_up()
         stop.training_started()
         trainer.open_run_folder()
         if trainer.is_main:  # after every check: a refused start leaves the run folder as it was
@@ -304,6 +309,8 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
             cfg, start_step=start, resumed=trainer.resumed is not None, start_tokens=trainer.tokens_before_start(),
             flops_per_token=metrics_lib.flops_per_token(cfg, n_params),
             n_devices=jax.device_count(), device_kind=jax.devices()[0].device_kind, is_main=trainer.is_main)
+        if trainer.is_main:  # the last line before step 1, whether the state or the compile came first
+            print(f"compiled the train step in {trainer.compile_s:.1f}s", file=sys.stderr)
         state, summary = loop(trainer, state, start, logger, agreed)
         summary["wall_s"] = time.perf_counter() - t0  # start-up and compilation included
         return summary, state, trainer
@@ -326,9 +333,9 @@ def load_data_everywhere(cfg: Config) -> data_lib.TokenData:
     that failed alone left the others in a collective until the launch's timeout, and other data trained."""
     try:
         data, refusal = data_lib.load(cfg.data, cfg.model.seq_len), None
-    except UserError as e:
+    except Exception as e:  # a UserError, or any other (an unreadable file: PermissionError), raised after the vote
         data, refusal = None, e
-    digest = hashlib.sha256(data.fingerprint.encode()).digest()[:16] if data else bytes(16)
+    digest = hashlib.sha256(data.fingerprint.encode()).digest()[:16] if data is not None else bytes(16)
     votes = mesh_lib.each_process(np.frombuffer(bytes([data is not None]) + digest, np.uint8))
     failed = [i for i, vote in enumerate(votes) if not vote[0]]
     if refusal or failed:

@@ -502,9 +502,10 @@ def test_to_hf_takes_weights_with_their_trainer_state_and_names_what_bare_weight
     assert e.value.code == 2 and "holds weights alone, with neither trainer_state.json" in err
 
 
-def test_init_from_a_state_at_or_past_train_steps_is_refused_in_both_backends(tmp_path):
+def test_init_from_a_state_at_or_past_train_steps_is_refused_in_both_backends(tmp_path, capsys):
     """A full training state at step 3 with train.steps=3 printed "already trained to step 3; nothing to do",
-    exit 0, and left a new run folder that trained nothing. Refused, in both backends, with the key to raise."""
+    exit 0, and left a new run folder that trained nothing. Refused, in both backends, with the key to raise, and
+    by jaxtrain before it compiles the step (minutes for a large model)."""
     cfg = make_cfg(True)
     with pytest.raises(UserError, match=r"init.from=x is a training state at step 3, at or past train.steps=3: "
                                         r"raise train.steps"):
@@ -522,6 +523,7 @@ def test_init_from_a_state_at_or_past_train_steps_is_refused_in_both_backends(tm
         with pytest.raises(UserError, match=f"is a training state at step {STEPS}, at or past train.steps={STEPS}"):
             train(config.load(argv))
         assert not os.path.exists(tmp_path / backend / "config.yaml")
+        assert "compiled the train step" not in capsys.readouterr().err
 
 
 def test_to_hf_writes_no_tokenizer_but_the_one_the_run_trained_with(tmp_path, capsys):
