@@ -281,9 +281,10 @@ class GrowingFile:
     event records). On a local disk each record is appended and flushed as it is written. An object store has no
     append: there the records are kept, and the whole object uploaded at sync() (the run syncs before each
     checkpoint save, so the file always reaches the newest checkpoint), at close(), and at a write UPLOAD_EVERY_S
-    seconds after the last upload, or 1 / UPLOAD_SHARE times that upload's seconds where longer: the uploads, which
-    grow with the file, then take at most that share of the run, and their bytes grow linearly with it (every 30 s
-    they grew with its square: a review counted 260 GB for a 600k-step run's metrics.jsonl and events)."""
+    seconds after the last upload, or 1 / UPLOAD_SHARE times that upload's seconds where longer: between the syncs
+    the uploads, which grow with the file, then take at most that share of the run, and their bytes grow linearly
+    with it (every 30 s they grew with its square: a review counted 260 GB for a 600k-step run's metrics.jsonl and
+    events)."""
 
     def __init__(self, file: epath.Path, records: list[str] | list[bytes], *, binary: bool = False):
         self.file, self.remote, self.empty = file, is_url(os.fspath(file)), b"" if binary else ""

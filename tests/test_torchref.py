@@ -350,18 +350,24 @@ def test_metrics_lines_come_every_log_every_steps_and_at_the_last(token_dir, tmp
 
 def test_the_summary_is_jaxtrains_line_on_stderr_with_mfu(token_dir, tmp_path, capsys):
     """torchref printed its own summary on stdout, without MFU even where the peak was known. Now jaxtrain's line
-    (metrics.summary_line), its tokens/s the mean of metrics.jsonl's rule (tokens over the training time), and
-    MFU = tokens/s x FLOPs per token / peak (1 TFLOP/s given)."""
-    run.train(tiny_cfg(token_dir, str(tmp_path), "--log.peak_tflops=1"))
+    (metrics.summary_line) on stderr: tokens/s the run's tokens over the seconds its metrics lines took (each line's
+    tokens over its tokens_per_s), MFU that times 6 N + 12 L d T FLOPs a token (N: the model's parameters by torch's
+    count, less the looked-up position embedding) over the given peak, 1 TFLOP/s."""
+    cfg = tiny_cfg(token_dir, str(tmp_path), "--log.peak_tflops=1")
+    run.train(cfg)
     captured = capsys.readouterr()
     summary = captured.err.strip().splitlines()[-1]
-    assert "done:" not in captured.out and summary.startswith("done: steps 0->6  loss ")
-    tokens_per_s = float(summary.split("tokens/s ")[1].split()[0].replace(",", ""))
-    mfu = float(summary.split("mfu ")[1].split("%")[0]) / 100
+    assert "done:" not in captured.out and summary.startswith("done: steps 0->6  loss "), summary
     lines = [line for line in read_metrics(tmp_path) if "loss" in line]
-    flops_per_token = lines[0]["mfu"] * 1e12 / lines[0]["tokens_per_s"]  # the lines' own rule, checked elsewhere
-    # printed to 0.1% and to the token a second: 0.0005 and a relative 1e-3 at the thousands of tokens/s here
-    assert mfu == pytest.approx(tokens_per_s * flops_per_token / 1e12, abs=0.0005 + 1e-3 * mfu)
+    tokens = np.diff([0] + [line["tokens"] for line in lines])
+    want_tokens_per_s = tokens.sum() / sum(t / line["tokens_per_s"] for t, line in zip(tokens, lines))
+    m = cfg.model
+    n = sum(p.numel() for p in GPT(dataclasses.replace(m, vocab_size=VOCAB)).parameters()) - m.seq_len * m.d_model
+    want_mfu = want_tokens_per_s * (6 * n + 12 * m.n_layer * m.d_model * m.seq_len) / 1e12
+    got_tokens_per_s = float(summary.split("tokens/s ")[1].split()[0].replace(",", ""))
+    got_mfu = float(summary.split("mfu ")[1].split("%")[0]) / 100
+    assert got_tokens_per_s == pytest.approx(want_tokens_per_s, abs=0.5 + 1e-9)  # printed to the token a second
+    assert got_mfu == pytest.approx(want_mfu, abs=0.0005 + 1e-9)  # printed to 0.1%
 
 
 def test_a_start_with_nothing_to_train_leaves_config_yaml_as_it_was(straight_run, token_dir, tmp_path, capsys):

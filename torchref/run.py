@@ -53,6 +53,7 @@ def check_local_run_folder(cfg: Config) -> None:
 
 def train(cfg: Config) -> None:
     """Train cfg.train.steps optimizer steps in total, continuing from out_dir's checkpoints when there are any."""
+    started = time.perf_counter()  # the summary's wall time: start-up included, as jaxtrain's
     check_local_run_folder(cfg)
     if cfg.run.dry_run:
         raise UserError("run.dry_run=true is jaxtrain's: it compiles jaxtrain's step and trains nothing, where "
@@ -68,7 +69,8 @@ def train(cfg: Config) -> None:
             step, summary = ended
             if step == cfg.train.steps:  # a signal from here on (or in the last step) stops at once, as jaxtrain's
                 stop.nothing_left_to_save(f"the run is trained and saved at step {step}")
-            print(metrics.summary_line(summary), file=sys.stderr)
+                summary["wall_s"] = time.perf_counter() - started
+                print(metrics.summary_line(summary), file=sys.stderr)  # (a stopped run's last line says where)
     finally:
         preemption.uninstall()
 
@@ -154,7 +156,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, str] | None:
                 break
     tokens_per_s = log.mean_tokens_per_s()
     return progress.step, {"start_step": start_step, "step": progress.step, "loss": loss, "eval_loss": eval_loss,
-                           "eval_accuracy": eval_accuracy, "tokens_per_s": tokens_per_s, "wall_s": log.wall_s(),
+                           "eval_accuracy": eval_accuracy, "tokens_per_s": tokens_per_s,
                            "mfu": metrics.mfu(tokens_per_s, log.flops_per_token, log.peak_flops)}
 
 
@@ -340,7 +342,7 @@ class MetricsLog:
         self.kept = kept
         self.tokens = self.seconds = 0  # since the last line
         self.total_tokens = self.total_seconds = 0
-        self.started = self.last_time = time.perf_counter()
+        self.last_time = time.perf_counter()
 
     def __enter__(self):
         # jaxtrain's file: written whole first (a kill leaves the old file or the new), a full disk named
@@ -368,8 +370,7 @@ class MetricsLog:
         if loss_scale is not None:  # train.precision=fp16
             line["loss_scale"] = loss_scale
         if self.cfg.logs_at(progress.step):
-            self._write(line)
-            self.exclude_time()  # the writing, as jaxtrain's (there an object store's upload at times)
+            self._write(line)  # its time counts, as in jaxtrain
             self.tokens = self.seconds = 0
         divergence.check(line)
         return n_tokens / seconds
@@ -387,9 +388,6 @@ class MetricsLog:
 
     def mean_tokens_per_s(self) -> float | None:
         return self.total_tokens / self.total_seconds if self.total_seconds else None
-
-    def wall_s(self) -> float:
-        return time.perf_counter() - self.started
 
     def _write(self, record: dict) -> None:
         self.file.write(metrics.json_line(record))
