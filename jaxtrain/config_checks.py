@@ -221,13 +221,15 @@ def _check_hopper_kernels(cfg) -> None:
 
 
 def _check_keep_best(cfg) -> None:
-    """checkpoint.keep_best ranks the saves that have an eval loss: those where an evaluation falls on a save step.
-    Where none does before the last step, it kept nothing extra without a word (HF Trainer refuses this too)."""
-    every, eval_every = cfg.checkpoint.every, cfg.train.eval_every
-    if cfg.checkpoint.keep_best and (eval_every == 0 or every % eval_every):
+    """checkpoint.keep_best ranks the saves that have an eval loss: those where an evaluation falls on a save step,
+    every lcm(checkpoint.every, train.eval_every) steps. Where none does before the last step (the newest, kept
+    anyway), it kept nothing extra without a word."""
+    every, eval_every, steps = cfg.checkpoint.every, cfg.train.eval_every, cfg.train.steps
+    if cfg.checkpoint.keep_best and (eval_every == 0 or math.lcm(every, eval_every) >= steps):
         raise UserError(f"checkpoint.keep_best keeps the save with the lowest eval loss, and a save has one only "
-                        f"at an evaluation: checkpoint.every={every} must be a multiple of train.eval_every="
-                        f"{eval_every} (> 0); e.g. --train.eval_every={every}")
+                        f"at an evaluation: with checkpoint.every={every} and train.eval_every={eval_every} none "
+                        f"falls on one before the last step ({steps}); make checkpoint.every a multiple of "
+                        f"train.eval_every (> 0), e.g. --train.eval_every={every}")
 
 
 def _check_optional(cfg) -> None:

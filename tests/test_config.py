@@ -108,15 +108,19 @@ def test_a_number_yaml_reads_as_octal_or_base_60_is_refused_on_the_command_line_
 
 
 def test_keep_best_needs_saves_that_fall_on_evaluations(tmp_path):
-    """Evaluations at 2, 4, 6, 8 and saves at 3, 6, 8: the best eval (step 2 in a reviewer's run) had no save, and
-    keep_best kept nothing extra without a word."""
-    base = [f"--run.out_dir={tmp_path}", "--train.steps=8", "--optim.warmup_steps=1", "--checkpoint.keep_best=true"]
-    for every, eval_every in ((3, 2), (4, 0)):
+    """Evaluations every 2 and saves every 3 meet first at step 6: within 8 steps, no save before the last has an
+    eval loss, and keep_best kept nothing extra without a word; within 12, step 6's has. Without evaluations
+    (train.eval_every=0), none has."""
+    base = [f"--run.out_dir={tmp_path}", "--optim.warmup_steps=1", "--checkpoint.keep_best=true"]
+    for steps, every, eval_every in ((6, 3, 2), (8, 4, 0), (8, 8, 8)):
         with pytest.raises(UserError, match=f"^checkpoint.keep_best keeps the save with the lowest eval loss, .*: "
-                                            f"checkpoint.every={every} must be a multiple of train.eval_every="
-                                            f"{eval_every} \\(> 0\\)"):
-            config.load(base + [f"--checkpoint.every={every}", f"--train.eval_every={eval_every}"])
-    assert config.load(base + ["--checkpoint.every=4", "--train.eval_every=2"]).checkpoint.keep_best
+                                            f"with checkpoint.every={every} and train.eval_every={eval_every} none "
+                                            f"falls on one before the last step \\({steps}\\)"):
+            config.load(base + [f"--train.steps={steps}", f"--checkpoint.every={every}",
+                                f"--train.eval_every={eval_every}"])
+    for steps, every, eval_every in ((7, 3, 2), (8, 4, 2), (1300, 300, 200)):  # saves at 6; 4; 600 and 1200
+        assert config.load(base + [f"--train.steps={steps}", f"--checkpoint.every={every}",
+                                   f"--train.eval_every={eval_every}"]).checkpoint.keep_best
 
 
 @pytest.mark.parametrize("key, value", [("run.target_device", "h100"), ("run.dry_run_devices", "8")])
