@@ -158,8 +158,8 @@ def _nanogpt_meta(path: str) -> str:
     tokenizing again. Else nothing."""
     sizes = [os.path.getsize(os.path.join(path, f"{split}.bin")) if os.path.isfile(os.path.join(path, f"{split}.bin"))
              else None for split in ("train", "val")]
-    if None in sizes or any(size % 2 for size in sizes):
-        return ""
+    if None in sizes or any(size % 2 for size in sizes) or os.path.exists(os.path.join(path, "meta.pkl")):
+        return ""  # meta.pkl: nanoGPT's character-level vocabulary, no tokenizer of jaxtrain's
     meta = {"vocab_size": prepare_lib.GPT2_EOT_ID + 1, "dtype": "uint16", "tokenizer": "gpt2",
             "train_tokens": sizes[0] // 2, "val_tokens": sizes[1] // 2}
     return f"if its .bin files are nanoGPT's GPT-2 tokens, write this meta.json there: {json.dumps(meta)}; else "
@@ -178,7 +178,7 @@ def _read_meta(path: str, fix: str = _PREPARE_HINT) -> dict:
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_path):
         raise UserError(f"{meta_path} is missing (not a jaxtrain data folder, or its prepare was cut short); "
-                        f"{_nanogpt_meta(path)}{fix}")
+                        f"{_nanogpt_meta(path) if fix == _PREPARE_HINT else ''}{fix}")  # (not the corpus's cache)
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="text files or folders (their files, recursively; hidden names and data folders skipped)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS, required=True)
-    p.add_argument("--val-fraction", type=float, default=0.1, help="tail of the token stream held out for val")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="tail of the token stream held out for val (default 0.1)")
     p.add_argument("--overwrite", action="store_true", help="replace the data an existing --out folder holds")
     p.add_argument("--workers", type=positive_int, help=f"encoding threads; default: the cores this process may "
                                                         f"use, at most {prepare_lib.MAX_WORKERS}")

@@ -189,7 +189,7 @@ def _stream_tokens(files: list[pathlib.Path], tokenizer: str, encode, workers: i
             yield in_flight.popleft().result()
 
 
-_DATA_FILES = ("train.bin", "val.bin", "meta.json")
+_DATA_FILES = prepare_inputs.DATA_FILES
 
 
 def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0.1, workers: int | None = None,

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from jaxtrain.errors import UserError
 
 _HIDDEN = 'hidden (a name starting with ".")'
+DATA_FILES = ("train.bin", "val.bin", "meta.json")  # what a prepare writes into --out
 _DATA_FOLDER = "jaxtrain data folder(s) (meta.json and train.bin: an earlier prepare's tokens)"
 _UNDER_OUT = "under --out (the data this prepare replaces)"
 _REPEAT = "repeat(s) (an input given twice, or a folder reached again through a symlink)"
@@ -22,8 +23,8 @@ _NOT_FILE = "neither file nor folder (a broken symlink, a socket or a pipe)"
 def input_files(inputs: list[str], out: str) -> list[pathlib.Path]:
     """Files in the order given, each once (the first time: a file read twice could land in both train and val); a
     folder contributes its files, recursively, sorted by path (_folder_files). A file named on the command line is
-    read whatever its name; one under `out` is left out, as the data this prepare replaces (an --out inside an
-    --input folder). Says on stderr how many files are read and what was skipped, and why."""
+    read whatever its name and wherever it lies (nanoGPT keeps input.txt beside the .bin files), but for the data
+    this prepare replaces (_replaced). Says on stderr how many files are read and what was skipped, and why."""
     files, seen_folders, out_real = [], set(), os.path.realpath(out)
     skipped = collections.defaultdict(list)  # reason -> paths
     for item in inputs:
@@ -85,7 +86,7 @@ def _folder_skip(folder: str, out_real: str, seen: set[str], skipped: dict) -> b
         reason = _UNDER_OUT
     elif real in seen:
         reason = _REPEAT
-    elif all(os.path.isfile(os.path.join(folder, name)) for name in ("meta.json", "train.bin")):
+    elif all(os.path.isfile(os.path.join(folder, name)) for name in ("meta.json", "train.bin")):  # val.bin aside
         reason = _DATA_FOLDER
     else:
         seen.add(real)
@@ -95,11 +96,11 @@ def _folder_skip(folder: str, out_real: str, seen: set[str], skipped: dict) -> b
 
 
 def _first_of_each(files: list[pathlib.Path], out_real: str, skipped: dict) -> list[pathlib.Path]:
-    """`files` less those under --out and the repeats of a real file (the first stays, where it was)."""
+    """`files` less the data this prepare replaces and the repeats of a real file (the first stays, where it was)."""
     kept, seen = [], set()
     for path in files:
         real = os.path.realpath(path)
-        if real.startswith(out_real + os.sep):
+        if _replaced(real, out_real):
             skipped[_UNDER_OUT].append(str(path))
         elif real in seen:
             skipped[_REPEAT].append(str(path))
@@ -107,6 +108,16 @@ def _first_of_each(files: list[pathlib.Path], out_real: str, skipped: dict) -> l
             seen.add(real)
             kept.append(path)
     return kept
+
+
+def _replaced(real: str, out_real: str) -> bool:
+    """Whether the file at real path `real` is what a prepare into `out_real` replaces: its data files, or a file
+    in a hidden folder there (a staging folder, .prepare-*). A folder's files under --out are left out as the walk
+    meets --out (_folder_skip)."""
+    if not real.startswith(out_real + os.sep):
+        return False
+    parts = os.path.relpath(real, out_real).split(os.sep)
+    return parts == [parts[0]] and parts[0] in DATA_FILES or parts[0].startswith(".")
 
 
 def _skipped_summary(skipped: dict) -> str:

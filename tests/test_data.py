@@ -223,6 +223,21 @@ def test_prepare_with_out_inside_input_reads_only_the_text(tmp_path, capsys):
     assert bytes(tokens.astype(np.uint8)) == b"alpha beta gamma\ndelta\n"
 
 
+def test_prepare_reads_a_text_it_is_given_inside_out_as_nanogpt_keeps_input_txt(tmp_path, capsys):
+    """nanoGPT keeps input.txt beside train.bin: `--input data/x/input.txt --out data/x` left it out as "under
+    --out" and refused for no files. A file named on the command line is read wherever it lies; the data files
+    this prepare replaces are not, even when named."""
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / "input.txt").write_bytes(b"to be or not to be\n")
+    assert _prepare_cli(capsys, "--input", str(out / "input.txt"), "--out", str(out))[0] == 0
+    assert _tokens(out) == b"to be or not to be\n"
+    code, err = _prepare_cli(capsys, "--input", str(out / "input.txt"), str(out / "train.bin"), "--out", str(out),
+                             "--overwrite")
+    assert code == 0 and "skipped 1: 1 under --out (the data this prepare replaces) such as" in err, err
+    assert _tokens(out) == b"to be or not to be\n"
+
+
 def _tokens(out) -> bytes:
     """The bytes a --tokenizer bytes folder holds, train then val."""
     ids = np.concatenate([np.fromfile(out / "train.bin", np.uint16), np.fromfile(out / "val.bin", np.uint16)])
@@ -815,6 +830,12 @@ def test_a_nanogpt_folder_is_told_the_meta_json_that_reads_it(tmp_path):
     loaded = data.load(data.DataConfig(path=str(tmp_path)), 8)
     assert (len(loaded.train), len(loaded.val), loaded.tokenizer) == (1000, 100, "gpt2")
     (tmp_path / "meta.json").unlink()
-    (tmp_path / "val.bin").write_bytes(b"odd")  # not uint16 tokens: no meta.json offered
-    with pytest.raises(UserError, match="meta.json is missing .*; create it with"):
+    (tmp_path / "meta.pkl").write_bytes(b"")  # nanoGPT's character-level vocabulary: no GPT-2 meta.json offered
+    with pytest.raises(UserError, match="meta.json is missing \\(not a jaxtrain data folder, or its prepare was cut "
+                                        "short\\); create it with"):
+        data.load(data.DataConfig(path=str(tmp_path)), 8)
+    (tmp_path / "meta.pkl").unlink()
+    (tmp_path / "val.bin").write_bytes(b"odd")  # not uint16 tokens: none either
+    with pytest.raises(UserError, match="meta.json is missing \\(not a jaxtrain data folder, or its prepare was cut "
+                                        "short\\); create it with"):
         data.load(data.DataConfig(path=str(tmp_path)), 8)
