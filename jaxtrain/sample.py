@@ -16,7 +16,8 @@ draw: temperature 0 (or one below fp32's smallest normal number) is the argmax; 
 temperature) over the top_k largest logits (nanoGPT's rule: ties with the k-th are kept), then over the fewest
 likeliest of those whose probabilities sum to at least top_p (Hugging Face's nucleus rule; ties with the last kept
 are kept), with sample r's token i drawn with the key jax.random.fold_in(fold_in(key(seed), i), r): the same texts
-for a seed, sample r's the same whatever --num_samples. --stop_at_eot ends each text before its first
+for a seed, and sample r's keys the same whatever --num_samples (its text too where the logits do not depend on the
+batch size, as on a CPU). --stop_at_eot ends each text before its first
 <|endoftext|> (GPT-2's eos_token_id), as Hugging Face's generate does; generation ends once every sample has one.
 """
 
@@ -152,23 +153,30 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
     first are then tokens drawn after it, or -1 where none was."""
     L, N = model_cfg.seq_len, sampling.max_new_tokens
     base_key = jax.random.key(sampling.seed)
+    stop = -2 if stop_id is None else stop_id  # -2: no token id, so no row stops
 
     def generate(params, prompt_BxP):
         B, P = prompt_BxP.shape
         tokens_BxS = jnp.full((B, P + N), -1, jnp.int32).at[:, :P].set(prompt_BxP)
+        stopped_B = jnp.zeros((B,), bool)
 
         def put(i, tokens_BxS, logits_BxV):  # token i of the continuation, drawn and written at position P + i
             token_B = next_token(logits_BxV, jax.random.fold_in(base_key, i), sampling.temperature, sampling.top_k,
                                  sampling.top_p)
             return jax.lax.dynamic_update_slice(tokens_BxS, token_B[:, None], (0, P + i))
 
-        def tokens_from(i, end, step, carry, tokens_of=lambda carry: carry):
-            """carry through step(i, carry) .. step(end - 1, carry), ending early once each row holds stop_id."""
-            def more(i_carry):
-                i, carry = i_carry
-                return i < end if stop_id is None else (i < end) & ~jnp.all(
-                    jnp.any(tokens_of(carry)[:, P:] == stop_id, axis=-1))
-            return jax.lax.while_loop(more, lambda i_carry: (i_carry[0] + 1, step(*i_carry)), (i, carry))[1]
+        def tokens_from(i, end, step, carry, stopped_B, tokens_of=lambda carry: carry):
+            """(carry, stopped_B) through step(i, carry) .. step(end - 1, carry), ending early once every row has
+            drawn stop_id (stopped_B: the rows that have; each step looks at the token it drew alone)."""
+            def more(state):
+                return (state[0] < end) & ~jnp.all(state[2])
+
+            def drawn(state):
+                i, carry, stopped_B = state
+                carry = step(i, carry)
+                token_B = jax.lax.dynamic_slice(tokens_of(carry), (0, P + i), (B, 1))[:, 0]
+                return i + 1, carry, stopped_B | (token_B == stop)
+            return jax.lax.while_loop(more, drawn, (i, carry, stopped_B))[1:]
 
         # Token i follows a text of P + i tokens: from the cache while that fits in seq_len, cropped past it.
         n_cached = max(0, min(N, L - P + 1))
@@ -176,6 +184,7 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
             logits_BxPxV, caches = model_lib.extend(graphdef, params, prompt_BxP,
                                                     model_lib.empty_caches(model_cfg, batch=B, precision=precision))
             tokens_BxS = put(0, tokens_BxS, logits_BxPxV[:, -1])
+            stopped_B = tokens_BxS[:, P] == stop
 
             def cached_step(i, carry):
                 tokens_BxS, caches = carry
@@ -183,14 +192,15 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
                 logits_Bx1xV, caches = model_lib.extend(graphdef, params, last_Bx1, caches)
                 return put(i, tokens_BxS, logits_Bx1xV[:, 0]), caches
 
-            tokens_BxS, _ = tokens_from(1, n_cached, cached_step, (tokens_BxS, caches), lambda carry: carry[0])
+            (tokens_BxS, _), stopped_B = tokens_from(1, n_cached, cached_step, (tokens_BxS, caches), stopped_B,
+                                                     lambda carry: carry[0])
 
         def cropped_step(i, tokens_BxS):
             context_BxL = jax.lax.dynamic_slice(tokens_BxS, (0, P + i - L), (B, L))
             return put(i, tokens_BxS, model_lib.apply(graphdef, params, context_BxL)[:, -1])
 
         if n_cached < N:  # (a loop of no steps is traced all the same, and its slice would not fit)
-            tokens_BxS = tokens_from(n_cached, N, cropped_step, tokens_BxS)
+            tokens_BxS, _ = tokens_from(n_cached, N, cropped_step, tokens_BxS, stopped_B)
         return tokens_BxS
 
     # rounding as the train step's forward pass does (autocast.rounding_options): on a GPU every rounding, and a bf16
@@ -330,7 +340,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--run", required=True, help="the run folder (its run.out_dir), e.g. out/tiny")
     ap.add_argument("--step", type=int, help="the checkpoint's step; default: the newest complete one")
     ap.add_argument("--prompt", default="\n", help="the text to continue (default: a new line)")
-    ap.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens)
+    ap.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens,
+                    help=f"tokens to draw after the prompt (default {defaults.max_new_tokens})")
     ap.add_argument("--temperature", type=float, default=defaults.temperature,
                     help=f"0: always the likeliest token (default {defaults.temperature})")
     ap.add_argument("--top_k", type=int, default=defaults.top_k,

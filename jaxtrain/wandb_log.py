@@ -56,12 +56,12 @@ class WandbLog:
     `last_jsonl_step`, the last step metrics.jsonl held before this start (None where there was none)."""
 
     def __init__(self, cfg, *, start_step: int, resumed: bool, last_jsonl_step: int | None):
-        run_file = runfolder.path(cfg.run.out_dir, RUN_FILE)
-        run_id, may_hold = _saved_run(run_file)
         self.logged_step, self.row, self.row_step, self.failed = start_step, {}, None, False
         if config_checks.wandb_mode(cfg) == "disabled":  # WANDB_MODE=disabled: wandb's stand-in, a run of no record
             self.run = _start(cfg, None)
             return
+        run_file = runfolder.path(cfg.run.out_dir, RUN_FILE)
+        run_id, may_hold = _saved_run(run_file)
         if run_id is not None and not resumed:
             print(f"W&B: this start resumes no checkpoint of {cfg.run.out_dir}, so it logs to a new W&B run; the "
                   f"earlier attempt's steps stay in W&B run {run_id}", file=sys.stderr)

@@ -184,6 +184,10 @@ def test_wandb_disabled_from_the_environment_records_no_wandb_run(tmp_path, cach
     out_dir = tmp_path / "run"
     run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=3", *WANDB)))
     assert not (out_dir / "wandb.json").exists() and not (out_dir / "wandb").exists()
+    (out_dir / "wandb.json").write_text("{}")  # damaged: refused where W&B logs, not read where it does not
+    wandb_log.WandbLog(config.load(small_args(out_dir, cache_dir, *WANDB)), start_step=3, resumed=True,
+                       last_jsonl_step=3).close()
+    assert (out_dir / "wandb.json").read_text() == "{}"
 
 
 def test_online_without_an_api_key_logs_offline_and_says_so_in_one_line(tmp_path, cache_dir):
