@@ -296,7 +296,7 @@ def _devices(cfg: Config) -> tuple[list, str]:
         return devices, f"XLA:{devices[0].platform.upper()} for {target}, ahead of time"
     if count:
         use_fake_devices(count)
-        return jax.devices(), f"XLA:CPU for {count} fake devices"
+        return jax.devices(), f"XLA:CPU for {count} fake device{'s' * (count > 1)}"
     if target:  # XLA:CPU stands in for the target's compiler here, as on fake devices (this machine's own run, not)
         compile_cpu_for_memory()
     return jax.devices(), f"XLA:{jax.default_backend().upper()}"
