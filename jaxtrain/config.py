@@ -2,11 +2,11 @@
 
     python -m jaxtrain.run --config configs/tiny.yaml --optim.lr=3e-4 --train.steps=500
 
-The command line and the YAML file are read into one mapping by jaxtrain.cmdline; its values are decoded into
-the dataclasses by draccus (the typed-config library Levanter uses); unknown keys and wrong types become a
-`UserError` naming the key (config_keys, before draccus sees them); config_checks then checks the values. Pure Python: torchref imports this module, so
-it must never import jax or torch. Whether run.out_dir can hold a run is runfolder.py's to check; whether a
-checkpoint was written by the run a config describes, same_run.py's.
+The command line and the YAML file are read into one mapping by jaxtrain.cmdline; its values are decoded into the
+dataclasses by draccus (the typed-config library Levanter uses); unknown keys and wrong types become a `UserError`
+naming the key (config_keys, before draccus sees them); config_checks then checks the values. Pure Python: torchref
+imports this module, so it must never import jax or torch. Whether run.out_dir can hold a run is runfolder.py's to
+check; whether a checkpoint was written by the run a config describes, same_run.py's.
 
 Batch sizes: `data.batch_size` is the GLOBAL number of sequences per OPTIMIZER step, summed over all
 gradient-accumulation micro-steps and all devices and hosts. Each micro-step processes

@@ -366,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="text files or folders (their files, recursively; hidden names and data folders skipped)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS, required=True)
-    p.add_argument("--val-fraction", type=float, default=0.1, help="tail of the token stream held out for val (default 0.1)")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="tail of the token stream held out for val (default 0.1)")
     p.add_argument("--overwrite", action="store_true", help="replace the data an existing --out folder holds")
     p.add_argument("--workers", type=positive_int, help=f"encoding threads; default: the cores this process may "
                                                         f"use, at most {prepare_lib.MAX_WORKERS}")

@@ -1,5 +1,6 @@
 """Which files a prepare reads (`input_files`: folders walked, hidden names, data folders and repeats left out) and
-whether each is text (`TextCheck`). Pure Python, as prepare.py: torchref imports jaxtrain.data, which imports these."""
+whether each is text (`TextCheck`). Pure Python, as prepare.py: torchref imports jaxtrain.data, which imports
+these."""
 
 import collections
 import codecs

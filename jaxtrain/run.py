@@ -345,8 +345,8 @@ def load_data_everywhere(cfg: Config) -> data_lib.TokenData:
     if other:
         where = f"data.path={cfg.data.path}" if cfg.data.path is not None else "the embedded corpus"
         raise UserError(f"process(es) {', '.join(map(str, other))} read other data than process 0 (the tokens or "
-                        f"meta.json differ: data fingerprints differ; this process read {where}); each host must hold "
-                        f"the same data: copy process 0's folder to every host")
+                        f"meta.json differ: data fingerprints differ; this process read {where}); each host must "
+                        f"hold the same data: copy process 0's folder to every host")
     return data
 
 

@@ -202,14 +202,15 @@ def test_an_empty_text_key_is_named_for_what_it_holds(yaml_path, key, noun):
 def test_an_override_that_starts_like_a_yaml_comment_is_not_a_silent_default(yaml_path):
     """YAML reads `#1` as a comment, null: data.path's default, the embedded corpus, trained on without a word."""
     cfg = config.load(["--config", yaml_path, "--data.path=#1"])
-    with pytest.raises(UserError, match="^data folder '#1' not found; create it with `python -m jaxtrain.data prepare"):
+    with pytest.raises(UserError, match="^data folder '#1' not found; create it with `python -m jaxtrain.data "
+                                        "prepare"):
         data.load(cfg.data, cfg.model.seq_len)
 
 
 def test_a_data_path_in_a_bucket_is_named_a_url():
     """It was 'not a folder'; data is read from a local copy on each host."""
-    with pytest.raises(UserError, match="^data folder 'gs://b/x' is a URL, and data is read from a local folder: copy "
-                                        "it to each host"):
+    with pytest.raises(UserError, match="^data folder 'gs://b/x' is a URL, and data is read from a local folder: "
+                                        "copy it to each host"):
         data.load(config.load(["--data.path=gs://b/x", "--model.vocab_size=256"]).data, 32)
 
 

@@ -125,10 +125,11 @@ def test_a_checkpoint_one_host_cannot_read_is_set_aside_on_every_host(reference,
 
 
 @pytest.mark.slow
-def test_one_host_with_other_data_stops_every_host_in_one_line(tmp_path, cache_dir):
-    """Process 1's copy of the data differs from the data that wrote the checkpoint: it refuses to resume, and so
-    does process 0, each in one line, exit 2, with the run folder as it was. Before, process 0 went on to read the
-    arrays and ended in a traceback when process 1 left (JAX's coordination service aborting it)."""
+def test_hosts_with_other_data_stop_every_host_in_one_line(tmp_path, cache_dir):
+    """Process 1's copy of the data differs from process 0's: both stop at the data, each in one line, exit 2 (before,
+    process 1 refused to resume and process 0 followed it; other data and no checkpoint trained). Both hosts' copies
+    differing from the data that wrote the checkpoint: each refuses to resume from it (before that refusal, process
+    0 went on to read the arrays and ended in a traceback when process 1 left). The run folder stays as it was."""
     out_dir, other_data = str(tmp_path / "run"), str(tmp_path / "other-data")
     run.train(config.load(SMALL + [f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
                                    f"--train.steps={HALF}"]))
@@ -137,20 +138,25 @@ def test_one_host_with_other_data_stops_every_host_in_one_line(tmp_path, cache_d
     before = sorted(os.listdir(out_dir))
     args = [sys.executable, "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
             f"--train.steps={STEPS}", "--mesh.fsdp=4"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", **coordinator_env(2))
-    procs = [subprocess.Popen(args + ([f"--data.path={other_data}"] if i else []), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=dict(
-        env, JAX_PROCESS_ID=str(i)))
-        for i in range(2)]
-    try:
-        outputs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [2, 2], outputs
-    errors = [[line for line in out.splitlines() if line.startswith(("error:", "Traceback"))] for out in outputs]
-    assert len(errors[1]) == 1 and errors[1][0].startswith(
-        f"error: the data ({other_data}) differs from the data that wrote {out_dir}/checkpoints/{HALF} "), outputs[1]
-    assert errors[0] == [f"error: another process refused to resume from {out_dir}/checkpoints/{HALF} (its output "
-                         f"says why); this process stops with it"], outputs[0]
+
+    def errors_of(data_args: list[list[str]]) -> list[list[str]]:
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", **coordinator_env(2))
+        procs = [subprocess.Popen(args + extra, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=dict(env, JAX_PROCESS_ID=str(i))) for i, extra in enumerate(data_args)]
+        try:
+            outputs = [p.communicate(timeout=600)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        assert [p.returncode for p in procs] == [2, 2], outputs
+        return [[line for line in out.splitlines() if line.startswith(("error:", "Traceback"))] for out in outputs]
+
+    other = f"--data.path={other_data}"
+    for errors in errors_of([[], [other]]):
+        assert len(errors) == 1 and errors[0].startswith(
+            "error: process(es) 1 read other data than process 0 (the tokens or meta.json differ: data fingerprints "
+            "differ; "), errors
+    for errors in errors_of([[other], [other]]):
+        assert len(errors) == 1 and errors[0].startswith(
+            f"error: the data ({other_data}) differs from the data that wrote {out_dir}/checkpoints/{HALF} "), errors
     assert sorted(os.listdir(out_dir)) == before and os.listdir(os.path.join(out_dir, "checkpoints")) == [str(HALF)]
