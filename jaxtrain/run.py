@@ -7,8 +7,9 @@ and exits 0, on every process the same step; a second one stops at once (see pre
 
 if __name__ == "__main__":  # before the imports below (jax takes seconds): a signal during them stops cleanly
     from jaxtrain import hostmem, preemption
-    hostmem.use_huge_pages()  # starts this process over once, with glibc's malloc on huge pages
+    hostmem.use_huge_pages(keep_blocked=True)  # starts this process over once, with glibc's malloc on huge pages
     preemption.install()
+    hostmem.release_signals()  # a signal sent during the re-execution reaches preemption's handler
 
 import dataclasses
 import functools
