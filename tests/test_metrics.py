@@ -35,23 +35,36 @@ def test_tokens_per_s_covers_the_steps_since_the_last_line_and_leaves_out_eval_a
     logger.close()
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(line["step"], line["tokens_per_s"]) for line in lines] == [(2, 200 / 3), (4, 100.0)]
-    assert logger.mean_tokens_per_s() == 400 / 5
+    assert logger.mean_tokens_per_s() == 300 / 4  # steps 2 to 4: step 1 holds the runtime's warm-up
 
 
 def test_the_summary_mfu_is_over_the_whole_run_not_its_last_line(tmp_path, monkeypatch):
     clock = Clock()
     monkeypatch.setattr(metrics.time, "perf_counter", clock)
     cfg = config.load([f"--run.out_dir={tmp_path}", "--log.tensorboard=false", "--log.progress=false",
-                       "--train.steps=2", "--optim.warmup_steps=1", "--model.vocab_size=256",
+                       "--train.steps=3", "--optim.warmup_steps=1", "--model.vocab_size=256",
                        "--log.peak_tflops=0.5"])
     logger = metrics.MetricsLogger(cfg, start_step=0, resumed=False, flops_per_token=1e10, n_devices=2,
                                    device_kind="cpu", is_main=True)
-    for step, at, tokens in [(1, 1.0, 100), (2, 5.0, 300)]:  # the last line: 300 tokens in 4 s
+    for step, at, tokens in [(1, 1.0, 100), (2, 5.0, 300), (3, 6.0, 100)]:  # the last line: 100 tokens in 1 s
         clock.now = at
         line = logger.train(step, 1.0, 1e-3, 1.0, tokens)
     logger.close()
-    assert line["mfu"] == 0.75  # 75 tokens/s x 1e10 FLOPs a token / (2 devices x 0.5e12 FLOP/s)
-    assert logger.mean_mfu() == 0.8  # the run: 400 tokens in 5 s
+    assert line["mfu"] == 1.0  # 100 tokens/s x 1e10 FLOPs a token / (2 devices x 0.5e12 FLOP/s)
+    assert logger.mean_mfu() == 0.8  # the run after step 1: 400 tokens in 5 s
+
+
+@pytest.mark.parametrize("steps, want", [
+    ([(100, 5.0)], 20.0),  # one step: its own rate, warm-up and all
+    ([(100, 5.0), (100, 1.0)], 100.0),  # the first step's 5 s of warm-up left out
+    ([(100, 5.0), (200, 1.0), (100, 3.0)], 75.0),  # 300 tokens in 4 s
+    ([], None),  # no step trained
+])
+def test_the_runs_tokens_per_s_leaves_out_its_first_step_when_it_has_others(steps, want):
+    throughput = metrics.RunThroughput()
+    for tokens, seconds in steps:
+        throughput.add(tokens, seconds)
+    assert throughput.tokens_per_s() == want
 
 
 def test_wandb_start_up_is_not_training_time(tmp_path, monkeypatch):

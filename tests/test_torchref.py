@@ -350,9 +350,9 @@ def test_metrics_lines_come_every_log_every_steps_and_at_the_last(token_dir, tmp
 
 def test_the_summary_is_jaxtrains_line_on_stderr_with_mfu(token_dir, tmp_path, capsys):
     """torchref printed its own summary on stdout, without MFU even where the peak was known. Now jaxtrain's line
-    (metrics.summary_line) on stderr: tokens/s the run's tokens over the seconds its metrics lines took (each line's
-    tokens over its tokens_per_s), MFU that times 6 N + 12 L d T FLOPs a token (N: the model's parameters by torch's
-    count, less the looked-up position embedding) over the given peak, 1 TFLOP/s."""
+    (metrics.summary_line) on stderr: tokens/s the run's tokens after step 1 over the seconds their metrics lines
+    took (each line's tokens over its tokens_per_s; one line a step), MFU that times 6 N + 12 L d T FLOPs a token (N:
+    the model's parameters by torch's count, less the looked-up position embedding) over the given peak, 1 TFLOP/s."""
     cfg = tiny_cfg(token_dir, str(tmp_path), "--log.peak_tflops=1")
     run.train(cfg)
     captured = capsys.readouterr()
@@ -360,7 +360,8 @@ def test_the_summary_is_jaxtrains_line_on_stderr_with_mfu(token_dir, tmp_path, c
     assert "done:" not in captured.out and summary.startswith("done: steps 0->6  loss "), summary
     lines = [line for line in read_metrics(tmp_path) if "loss" in line]
     tokens = np.diff([0] + [line["tokens"] for line in lines])
-    want_tokens_per_s = tokens.sum() / sum(t / line["tokens_per_s"] for t, line in zip(tokens, lines))
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    want_tokens_per_s = tokens[1:].sum() / sum(t / line["tokens_per_s"] for t, line in zip(tokens[1:], lines[1:]))
     m = cfg.model
     n = sum(p.numel() for p in GPT(dataclasses.replace(m, vocab_size=VOCAB)).parameters()) - m.seq_len * m.d_model
     want_mfu = want_tokens_per_s * (6 * n + 12 * m.n_layer * m.d_model * m.seq_len) / 1e12

@@ -341,7 +341,7 @@ class MetricsLog:
                                         last_jsonl_step=metrics.last_step(self.path)) if cfg.log.wandb else None
         self.kept = kept
         self.tokens = self.seconds = 0  # since the last line
-        self.total_tokens = self.total_seconds = 0
+        self.run = metrics.RunThroughput()  # for the summary
         self.last_time = time.perf_counter()
 
     def __enter__(self):
@@ -362,7 +362,7 @@ class MetricsLog:
         now = time.perf_counter()
         seconds, self.last_time = max(now - self.last_time, 1e-9), now
         self.tokens, self.seconds = self.tokens + n_tokens, self.seconds + seconds
-        self.total_tokens, self.total_seconds = self.total_tokens + n_tokens, self.total_seconds + seconds
+        self.run.add(n_tokens, seconds)
         line = metrics.train_line(progress.step, loss, lr, grad_norm, progress.tokens, self.tokens / self.seconds,
                                   self.flops_per_token, self.peak_flops)
         if divergence.policy == "skip" or loss_scale is not None:
@@ -387,7 +387,7 @@ class MetricsLog:
         self.last_time = time.perf_counter()
 
     def mean_tokens_per_s(self) -> float | None:
-        return self.total_tokens / self.total_seconds if self.total_seconds else None
+        return self.run.tokens_per_s()
 
     def _write(self, record: dict) -> None:
         self.file.write(metrics.json_line(record))
