@@ -240,6 +240,10 @@ def report(cfg: Config) -> dict:
         summary["fits"] = _verdict(cfg.run.target_device, rows, total, estimated=devices[0].platform == "cpu")
     elif not cfg.run.dry_run_devices:  # this machine's own devices: the real run's check, where it would refuse
         summary["fits"] = _fits_here(compiled, abstract_state, devices[0])
+    else:
+        print(f"not judged: {cfg.run.dry_run_devices} fake devices have no memory of their own; give "
+              f"run.target_device (one of {', '.join(DEVICE_MEMORY)}) to judge the step against a device's",
+              file=sys.stderr)
     return summary
 
 
@@ -292,7 +296,7 @@ def _devices(cfg: Config) -> tuple[list, str]:
         mesh_lib.validate_devices(cfg, count)
     if target and target_devices.compiler_installed(target) and (count or not target_devices.machine_has(target)):
         target_devices.allow_compile_only(target)
-        devices = target_devices.devices(target, count or 1)
+        devices = target_devices.devices(target, count)
         return devices, f"XLA:{devices[0].platform.upper()} for {target}, ahead of time"
     if count:
         use_fake_devices(count)

@@ -58,13 +58,17 @@ def allow_compile_only(target: str) -> None:
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK" if target in GPUS else "ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-def devices(target: str, n: int) -> list:
-    """n compile-only devices of `target`."""
+def devices(target: str, n: int | None) -> list:
+    """n compile-only devices of `target`: one GPU where n is None; a TPU slice needs its count."""
     from jax.experimental import topologies
     if target in GPUS:
+        n = n or 1
         hosts = n // GPUS_PER_HOST if n > GPUS_PER_HOST and n % GPUS_PER_HOST == 0 else 1
         return topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
                                             topology=f"1x{hosts}x{n // hosts}").devices
+    if n is None:  # not one chip: libtpu describes no slice under 2x2, and a chip's share of a step depends on N
+        raise UserError(f"run.target_device={target} compiles for a slice of {target} chips with libtpu: give its "
+                        f"chip count as run.dry_run_devices, {slice_hint(target)}")
     options = {"chip_config_name": "megacore"} if target in MEGACORE else {}
     return topologies.get_topology_desc(platform="tpu", topology_name=tpu_topology(target, n), **options).devices
 
@@ -85,14 +89,18 @@ def target_config(target: str) -> str:
             f"runtime_version {{ major: {cuda[0]} minor: {cuda[1]} patch: 0 }}\n")
 
 
+def slice_hint(target: str) -> str:
+    cores = 64 * (2 if target in MEGACORE else 1)  # Cloud TPU names a v4 or v5p slice by its TensorCores
+    return f"a power of 2 of at least {TPU_MIN_CHIPS} chips (e.g. 64 for {target}-{cores})"
+
+
 def tpu_topology(target: str, chips: int) -> str:
     """The slice of `chips` chips as libtpu names it: powers of 2 spread over the torus's axes, the larger ones
     last (v5e:8x8, v5p:4x4x8; 4 chips: v5e:2x2, v5p:2x2x1)."""
     exponent = int(math.log2(chips)) if chips > 0 else -1
     if chips < TPU_MIN_CHIPS or 2**exponent != chips:
-        cores = 64 * (2 if target in MEGACORE else 1)  # Cloud TPU names a v4 or v5p slice by its TensorCores
-        raise UserError(f"run.dry_run_devices={chips} is not a {target} slice libtpu can describe; give a power of 2 "
-                        f"of at least {TPU_MIN_CHIPS} chips (e.g. 64 for {target}-{cores})")
+        raise UserError(f"run.dry_run_devices={chips} is not a {target} slice libtpu can describe; give "
+                        f"{slice_hint(target)}")
     axes = TPU_AXES[target]
     dims = [2 ** (exponent // axes + (i >= axes - exponent % axes)) for i in range(axes)]
     if axes == 3 and chips == TPU_MIN_CHIPS:

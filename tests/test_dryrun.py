@@ -48,6 +48,9 @@ def test_pod_config_on_64_fake_devices():
     assert table_value(proc.stdout, "gradient accumulator (fp32)") == pytest.approx(params_gib, abs=1e-3)
     # GPT-2 124M's activations for a device's micro-batch of 1024-token sequences are GiBs; 0.1 catches a lost row.
     assert table_value(proc.stdout, "step temporaries (activations, gradients, XLA buffers)") > 0.1
+    # fake devices and no target: nothing to judge against, and the line says what would be
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "not judged: 64 fake devices have no memory of their own; give run.target_device (one of v4, v5e, ")
 
 
 def test_what_cannot_fit_is_refused_with_the_levers():
@@ -98,6 +101,20 @@ def test_a_dry_run_on_this_machines_devices_judges_them_as_a_run_here_would(monk
     monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: 2**20)
     with pytest.raises(UserError, match=r"^the train step needs .* and this host has 0.00 GiB of memory; levers"):
         dryrun.report(cfg)
+
+
+def test_a_tpu_target_without_a_chip_count_asks_for_one_with_libtpu(monkeypatch):
+    """With libtpu and no run.dry_run_devices, the dry run asked libtpu for one chip, and refused the count 1 as
+    "run.dry_run_devices=1", which the user never gave. Now it asks for the slice's chip count."""
+    cfg = config.load(["--config", "configs/tiny.yaml", "--run.dry_run=true", "--run.target_device=v5e"])
+    monkeypatch.setattr(target_devices, "compiler_installed", lambda target: True)
+    monkeypatch.setattr(target_devices, "machine_has", lambda target: False)
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # what allow_compile_only sets, restored after the test
+    with pytest.raises(UserError) as refused:
+        dryrun._devices(cfg)
+    assert str(refused.value) == ("run.target_device=v5e compiles for a slice of v5e chips with libtpu: give its chip "
+                                  "count as run.dry_run_devices, a power of 2 of at least 4 chips (e.g. 64 for "
+                                  "v5e-64)")
 
 
 def test_target_devices_are_the_memory_table_keys():
