@@ -26,9 +26,9 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import checkpoint_kind
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
+from jaxtrain import gpt2_bpe
 from jaxtrain import hf_format
 from jaxtrain import mesh as mesh_lib
-from jaxtrain import prepare
 from jaxtrain import runfolder
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
@@ -71,7 +71,7 @@ def to_hf(src: str, out_dir: str) -> None:
     else:  # weights that from-hf wrote, with the model's config.json and the files it carried beside them
         config, carried, with_bpe = hf_format.read_config(src), hf_format.carried_files(src), False
         note = _carried_tokenizer_note(carried)
-    hf_format.write(out_dir, hf_format.from_nanogpt(tensors), config, prepare.gpt2_bpe_files() if with_bpe else None,
+    hf_format.write(out_dir, hf_format.from_nanogpt(tensors), config, gpt2_bpe.files() if with_bpe else None,
                     carried)
     print(f"wrote {out_dir}: load it with transformers.GPT2LMHeadModel.from_pretrained({out_dir!r}){note}",
           file=sys.stderr)
@@ -85,7 +85,7 @@ def _run_tokenizer(cfg: Config, data_fingerprint: str | None, vocab_rows: int) -
         tokenizer = data_lib.trained_tokenizer(cfg, data_fingerprint)
     except UserError as e:
         return False, f"; no tokenizer files: {e}"
-    gpt2_tokens = prepare.GPT2_EOT_ID + 1
+    gpt2_tokens = gpt2_bpe.EOT_ID + 1
     if tokenizer == "gpt2" and vocab_rows >= gpt2_tokens:
         return True, " and its tokenizer with AutoTokenizer.from_pretrained (GPT-2's BPE, as the run's data)"
     if tokenizer == "gpt2":  # a checkpoint with no data fingerprint, whose data folder was prepared again since

@@ -7,8 +7,8 @@ uint32, as nanoGPT writes them), and `meta.json` = {"vocab_size", "dtype", "toke
     python -m jaxtrain.data prepare --input notes/ book.txt --out data/mine --tokenizer gpt2
     python -m jaxtrain.data stats [--data-path data/mine]
 
-(prepare and the tokenizers live in jaxtrain.prepare.) Without `data.path` the data is the Python standard
-library's own source, byte-tokenized and prepared once into a cache folder (jaxtrain.embedded_corpus).
+(prepare lives in jaxtrain.prepare, GPT-2's BPE in jaxtrain.gpt2_bpe.) Without `data.path` the data is the Python
+standard library's own source, byte-tokenized and prepared once into a cache folder (jaxtrain.embedded_corpus).
 
 Batches are a pure function of (seed, split, step): random windows as in nanoGPT, whose offsets come from PCG64
 seeded with those numbers, drawn for the GLOBAL batch of the step, then cut into micro-batches, of which each
@@ -28,6 +28,7 @@ import sys
 import numpy as np
 
 from jaxtrain import embedded_corpus
+from jaxtrain import gpt2_bpe
 from jaxtrain import prepare as prepare_lib
 from jaxtrain.cmdline import positive_int
 from jaxtrain.config import Config, DataConfig
@@ -160,7 +161,7 @@ def _nanogpt_meta(path: str) -> str:
              else None for split in ("train", "val")]
     if None in sizes or any(size % 2 for size in sizes) or os.path.exists(os.path.join(path, "meta.pkl")):
         return ""  # meta.pkl: nanoGPT's character-level vocabulary, no tokenizer of jaxtrain's
-    meta = {"vocab_size": prepare_lib.GPT2_EOT_ID + 1, "dtype": "uint16", "tokenizer": "gpt2",
+    meta = {"vocab_size": gpt2_bpe.EOT_ID + 1, "dtype": "uint16", "tokenizer": "gpt2",
             "train_tokens": sizes[0] // 2, "val_tokens": sizes[1] // 2}
     return f"if its .bin files are nanoGPT's GPT-2 tokens, write this meta.json there: {json.dumps(meta)}; else "
 

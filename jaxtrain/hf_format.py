@@ -20,12 +20,12 @@ from safetensors.numpy import save_file
 from jaxtrain import runfolder
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
+from jaxtrain.gpt2_bpe import EOT_ID as GPT2_EOT_ID
 from jaxtrain.layer_norm import LN_EPS
-from jaxtrain.prepare import GPT2_EOT_ID
 from jaxtrain.torch_format import folder_into_place
 
 CONFIG, MODEL = "config.json", "model.safetensors"
-# GPT-2's BPE as OpenAI released it (prepare.gpt2_bpe_files) -> the names HF's GPT2Tokenizer reads: the same files.
+# GPT-2's BPE as OpenAI released it (gpt2_bpe.files) -> the names HF's GPT2Tokenizer reads: the same files.
 GPT2_TOKENIZER_FILES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
 # What from-hf carries beside the weights, and to-hf back from its folder, byte for byte: the tokenizer that came with
 # the model (any of transformers' files of it) and how generate() draws from it.
@@ -112,7 +112,7 @@ def to_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def write(out_dir: str, tensors: dict[str, np.ndarray], config: dict, gpt2_files: dict[str, str] | None = None,
           carried: tuple[str, ...] = ()) -> None:
-    """An HF model folder, with GPT-2's tokenizer where `gpt2_files` (prepare.gpt2_bpe_files) are given and the
+    """An HF model folder, with GPT-2's tokenizer where `gpt2_files` (gpt2_bpe.files) are given and the
     `carried` files (carried_files) copied in under their names, written under a temporary name and moved into
     place."""
     with folder_into_place(out_dir) as tmp:

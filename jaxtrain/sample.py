@@ -36,6 +36,7 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import checkpoint_kind
 from jaxtrain import convert
 from jaxtrain import data as data_lib
+from jaxtrain import gpt2_bpe
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
 from jaxtrain import runfolder
@@ -105,7 +106,7 @@ def tokenizer(name: str) -> Tokenizer:
                         f"{' or '.join(prepare_lib.TOKENIZERS)} only")
     if name == "bytes":  # surrogateescape: bytes of the command line that were not UTF-8 come back as they were
         return Tokenizer(lambda text: list(text.encode("utf-8", "surrogateescape")), lambda i: bytes([i]), 256)
-    enc = prepare_lib.gpt2_encoding()
+    enc = gpt2_bpe.encoding()
     # <|endoftext|> may start a prompt, as in nanoGPT's sample.py (tiktoken refuses special tokens unless allowed)
     return Tokenizer(lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}),
                      enc.decode_single_token_bytes, enc.n_vocab, enc.eot_token)

