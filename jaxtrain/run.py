@@ -269,7 +269,7 @@ def train(cfg: Config) -> dict:
         if trainer.is_main:
             print(metrics_lib.summary_line(summary), file=sys.stderr)
             if cfg.log.sample_tokens:
-                print_sample(trainer.cfg, params, trainer.sample_tokenizer)
+                sample_lib.print_end_of_run_sample(trainer.cfg, params, trainer.sample_tokenizer)
         if several:  # here, not at exit: a signal now lets this process reach the barrier the others wait at
             jax.distributed.shutdown()
         return summary
@@ -349,18 +349,6 @@ def load_data_everywhere(cfg: Config) -> data_lib.TokenData:
                         f"meta.json differ: data fingerprints differ; this process read {where}); each host must "
                         f"hold the same data: copy process 0's folder to every host")
     return data
-
-
-def print_sample(cfg: Config, params, tokenizer: sample_lib.Tokenizer) -> None:
-    """log.sample_tokens tokens after log.sample_prompt, drawn by jaxtrain.sample's defaults with run.seed from the
-    whole params (gathered from every process), printed on stdout, on one device, as `python -m jaxtrain.sample`
-    does."""
-    sampling = sample_lib.Sampling(max_new_tokens=cfg.log.sample_tokens, seed=cfg.run.seed)
-    [text] = sample_lib.sample_texts(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt,
-                                     sampling)
-    print(f"sample ({cfg.log.sample_tokens} tokens, temperature {sampling.temperature}, top_k {sampling.top_k}):",
-          file=sys.stderr)
-    print(text, flush=True)
 
 
 def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):

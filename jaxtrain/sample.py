@@ -41,7 +41,7 @@ from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
 from jaxtrain import runfolder
 from jaxtrain.autocast import COMPUTE_DTYPES, backend, rounding_options
-from jaxtrain.config import ModelConfig
+from jaxtrain.config import Config, ModelConfig
 from jaxtrain.config_checks import INT32_MAX
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
 
@@ -242,6 +242,17 @@ def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer,
     prompts = np.asarray([ids] * sampling.num_samples, np.int32)
     tokens = jax.device_get(generator(graphdef, model_cfg, precision, sampling, stop_id)(params, prompts))
     return [tok.decode(_before_stop(row, len(ids), stop_id)) for row in tokens]
+
+
+def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer) -> None:
+    """jaxtrain.run's end-of-run sample: log.sample_tokens tokens after log.sample_prompt, drawn by this module's
+    defaults with run.seed from the whole params (gathered from every process), printed on stdout, on one device,
+    as `python -m jaxtrain.sample` does."""
+    sampling = Sampling(max_new_tokens=cfg.log.sample_tokens, seed=cfg.run.seed)
+    [text] = sample_texts(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling)
+    print(f"sample ({cfg.log.sample_tokens} tokens, temperature {sampling.temperature}, top_k {sampling.top_k}):",
+          file=sys.stderr)
+    print(text, flush=True)
 
 
 def _before_stop(tokens: np.ndarray, prompt_len: int, stop_id: int | None) -> np.ndarray:
