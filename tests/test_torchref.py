@@ -348,6 +348,16 @@ def test_metrics_lines_come_every_log_every_steps_and_at_the_last(token_dir, tmp
     assert [line["step"] for line in read_metrics(tmp_path) if "loss" in line] == [4, 6]
 
 
+def test_each_evaluation_prints_jaxtrains_line_on_stdout(token_dir, tmp_path, capsys):
+    """torchref printed nothing after an evaluation, where jaxtrain prints `step N: eval loss L, accuracy A%`."""
+    run.train(tiny_cfg(token_dir, str(tmp_path)))
+    evals = [line for line in read_metrics(tmp_path) if "eval_loss" in line]
+    assert [line["step"] for line in evals] == [3, 6]
+    want = [f"step {e['step']}: eval loss {round(e['eval_loss'], 4):.4f}, accuracy "
+            f"{round(100 * e['eval_accuracy'], 2):.2f}%" for e in evals]
+    assert capsys.readouterr().out.splitlines() == want
+
+
 def test_the_summary_is_jaxtrains_line_on_stderr_with_mfu(token_dir, tmp_path, capsys):
     """torchref printed its own summary on stdout, without MFU even where the peak was known. Now jaxtrain's line
     (metrics.summary_line) on stderr: tokens/s the run's tokens after step 1 over the seconds their metrics lines

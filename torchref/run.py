@@ -144,6 +144,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, str] | None:
             if evaluated:
                 eval_loss, eval_accuracy = evaluate(model, tokens, cfg, progress.data_seed, device, autocast)
                 log.eval(progress.step, eval_loss, eval_accuracy)
+                bar.write(metrics.eval_text(progress.step, eval_loss, eval_accuracy))
             if cfg.saves_at(progress.step) or stop.requested:
                 log.sync()  # W&B has this step before its checkpoint can exist
                 checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint,
