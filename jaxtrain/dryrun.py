@@ -133,30 +133,31 @@ def memory_table(abstract_state, compiled) -> tuple[list[tuple[str, int]], int]:
     return rows, sum(b for _, b in rows)
 
 
-def check_fits(compiled, abstract_state, device) -> None:
+def check_fits(compiled, abstract_state, device) -> str | None:
     """Before a real run's first step: a UserError naming the levers when the compiled step needs more than the
-    device's memory (GPUs and TPUs report it) or, on CPUs, which report none, than the host's."""
+    device's memory (GPUs and TPUs report it) or, on CPUs, which report none, than the host's. Returns the memory
+    it judged by, in words; None where the device reports none."""
     if device.platform == "cpu":
-        check_fits_host(compiled, abstract_state, len(jax.local_devices(backend="cpu")))
-        return
+        return check_fits_host(compiled, abstract_state, len(jax.local_devices(backend="cpu")))
     stats = device.memory_stats()
     limit = stats.get("bytes_limit") if stats else None
     if not limit:
-        return
+        return None
     _, total = memory_table(abstract_state, compiled)
     if total > limit:
         raise UserError(f"the train step needs {total / GIB:.2f} GiB per device and {device.device_kind} has "
                         f"{limit / GIB:.2f} GiB for it; levers: {LEVERS}")
+    return f"{limit / GIB:.2f} GiB of {device.device_kind}'s memory"
 
 
-def check_fits_host(compiled, abstract_state, n_devices: int) -> None:
+def check_fits_host(compiled, abstract_state, n_devices: int) -> str:
     """check_fits for `n_devices` CPU devices, which all take their memory from this host's: each needs the table's
     total (the state and the step's temporaries: XLA:CPU allocates what its memory_analysis counts), and together
     more than host_memory_bytes() cannot run (XLA:CPU would fail in step 1 with RESOURCE_EXHAUSTED)."""
     _, total = memory_table(abstract_state, compiled)
     host = host_memory_bytes()
     if n_devices * total <= host:
-        return
+        return f"{host / GIB:.2f} GiB of host memory for {n_devices} CPU device(s)"
     several = f" per device, {n_devices * total / GIB:.2f} GiB for {n_devices} CPU devices," if n_devices > 1 else ""
     raise UserError(f"the train step needs {total / GIB:.2f} GiB{several} and this host has {host / GIB:.2f} GiB of "
                     f"memory; levers: {host_levers()}")
@@ -250,15 +251,10 @@ def report(cfg: Config) -> dict:
 def _fits_here(compiled, abstract_state, device) -> bool | None:
     """check_fits, as a run on this machine makes it, said on stderr: True, or None where the device reports no
     memory limit to judge against; a UserError where it does not fit."""
-    check_fits(compiled, abstract_state, device)
-    if device.platform == "cpu":
-        memory = f"{host_memory_bytes() / GIB:.2f} GiB of host memory for {len(jax.local_devices())} CPU device(s)"
-    else:
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-        if not limit:
-            print(f"not judged: {device.device_kind} reports no memory limit", file=sys.stderr)
-            return None
-        memory = f"{limit / GIB:.2f} GiB of {device.device_kind}'s memory"
+    memory = check_fits(compiled, abstract_state, device)
+    if memory is None:
+        print(f"not judged: {device.device_kind} reports no memory limit", file=sys.stderr)
+        return None
     print(f"fits this machine: {memory}, as a run here checks it", file=sys.stderr)
     return True
 
