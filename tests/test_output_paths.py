@@ -15,7 +15,7 @@ import fsspec
 import pytest
 from hypothesis import given, strategies as st
 
-from processes import coordinator_env
+from processes import finish, start_processes
 from test_run import files_but_the_lock, small_args
 from jaxtrain import cmdline, config, runfolder
 from jaxtrain.errors import UserError
@@ -169,16 +169,10 @@ def test_two_processes_refuse_a_journal_without_a_stamp_each_in_one_line(tmp_pat
     waits at its barrier; had process 0 alone met the journal there, process 1 would wait until the barrier's
     timeout. Each reads it at the start and refuses."""
     (tmp_path / ".fresh-in-progress").write_text("garbage")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               **coordinator_env(2))
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxtrain.run", *small_args(str(tmp_path), cache_dir),
-                               "--mesh.fsdp=2", "--run.fresh=true"], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                              env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    cmd = [sys.executable, "-m", "jaxtrain.run", *small_args(str(tmp_path), cache_dir), "--mesh.fsdp=2",
+           "--run.fresh=true"]
+    procs = start_processes([cmd] * 2, 2, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    errs = [err for *_, err in finish(procs, 120)]
     assert [p.returncode for p in procs] == [2, 2], errs
     assert all(err.strip().splitlines()[-1].startswith(f"error: {tmp_path}/.fresh-in-progress should hold the stamp")
                for err in errs), errs

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from processes import coordinator_env
+from processes import finish, start_processes
 from test_mesh import SMALL
 from test_run import final_params, read_metrics, small_args, without_timing
 from jaxtrain import checkpoint, config, preemption, run
@@ -143,13 +143,10 @@ def wait_for_a_logged_step(out_dir, timeout_s: float = 300.0) -> None:
 
 
 def two_processes(out_dir, cache_dir, *extra):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", **coordinator_env(2))
     cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}",
            f"--data.cache_dir={cache_dir}", "--mesh.fsdp=2", "--train.steps=60", "--checkpoint.every=30",
            "--train.eval_every=30", *extra]
-    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=dict(env, JAX_PROCESS_ID=str(i)))
-            for i in range(2)]
+    return start_processes([cmd] * 2, 2, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
@@ -162,7 +159,7 @@ def test_sigterm_to_one_host_saves_the_same_step_on_both(tmp_path, cache_dir):
     procs = two_processes(out_dir, cache_dir)
     wait_for_a_logged_step(out_dir)  # both past start-up: a signal there would stop them before the first step
     procs[1].send_signal(signal.SIGTERM)
-    errs = [p.communicate(timeout=600)[1] for p in procs]
+    errs = [err for *_, err in finish(procs, 600)]
     assert [p.returncode for p in procs] == [0, 0], errs
     saved = {int(e.split("saved step ")[1].split(";")[0]) for e in errs if "saved step " in e}
     assert len(saved) == 1 and all("saved step" in e for e in errs), errs

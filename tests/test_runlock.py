@@ -12,7 +12,7 @@ import types
 import pytest
 from etils import epath
 
-from processes import coordinator_env
+from processes import coordinator_env, finish, start_processes
 from test_preemption import LONG, start, wait_for_a_logged_step
 from test_run import read_metrics, small_args, without_timing
 from jaxtrain import config, run, runlock
@@ -341,14 +341,11 @@ def test_a_refused_start_of_several_processes_is_one_line_on_each(tmp_path, cach
     Gloo DEADLINE_EXCEEDED traceback 30 s later."""
     out_dir = str(tmp_path / "held")
     holder = hold(out_dir)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               **coordinator_env(2))
     start = ["-m", "jaxtrain.run"] if checked else ["-c", UNCHECKED]
     try:
-        procs = [subprocess.Popen([sys.executable, *start, *small_args(out_dir, cache_dir), "--mesh.fsdp=2"],
-                                  stderr=subprocess.PIPE, text=True, env=dict(env, JAX_PROCESS_ID=str(i)))
-                 for i in range(2)]
-        errs = [p.communicate(timeout=120)[1] for p in procs]
+        procs = start_processes([[sys.executable, *start, *small_args(out_dir, cache_dir), "--mesh.fsdp=2"]] * 2, 2,
+                                stderr=subprocess.PIPE, text=True)
+        errs = [err for *_, err in finish(procs, 120)]
     finally:
         holder.kill()
     assert [p.returncode for p in procs] == [2, 2], errs
@@ -378,25 +375,23 @@ def test_a_second_launch_on_the_live_runs_coordinator_is_refused_and_the_run_goe
     run's lease renewed (every second, at run.lock_timeout_s=4) and refuses; before, only process 0 looked at the
     lease, after the join."""
     out_dir = str(tmp_path / "live") if where == "local" else f"{request.getfixturevalue('gcs')()}/live"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               **coordinator_env(2))
+    hosts = coordinator_env(2)  # one for both launches: the second reaches the live run's coordinator
     cmd = [sys.executable, "-m", "jaxtrain.run", *small_args(out_dir, cache_dir, "--train.steps=100000",
                                                              "--checkpoint.every=1000", "--run.lock_timeout_s=4"),
            "--mesh.fsdp=2"]  # a run that outlives the second launch whatever the load: the test stops it
-    launch = lambda: [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]
+    launch = lambda: start_processes([cmd] * 2, 2, hosts, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     live, second = launch(), []
     try:
         wait_for_a_logged_step(out_dir) if where == "local" else wait_for_the_lease(out_dir)
         second = launch()
-        errs = [p.communicate(timeout=120)[1] for p in second]
+        errs = [err for *_, err in finish(second, 120)]
         assert [p.returncode for p in second] == [2, 2], errs
         in_use = f"error: run folder {out_dir} is in use by pid"
         assert all(err.strip().splitlines()[-1].startswith(in_use) for err in errs), errs
         assert all(err.count("\n") == (1 if where == "local" else 2) for err in errs), errs  # gs://: "watching" too
         assert [p.poll() for p in live] == [None, None]  # not aborted
         live[1].send_signal(signal.SIGTERM)
-        live_errs = [p.communicate(timeout=300)[1] for p in live]
+        live_errs = [err for *_, err in finish(live, 300)]
         assert [p.returncode for p in live] == [0, 0], [err[-2000:] for err in live_errs]
     finally:  # a failed check leaves no run behind
         for p in live + second:

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from processes import coordinator_env
+from processes import finish, start_processes
 from test_mesh import losses
 from jaxtrain import config, prepare, run
 
@@ -34,18 +34,11 @@ def launch(out_dir: str, cache_dir: str, steps: int, processes: int, devices: in
            resumes_at: int = HALF) -> None:
     """`python -m jaxtrain.run` as `processes` processes on localhost with `devices` fake devices each; it must say
     that it resumes from step `resumes_at` where that checkpoint exists."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     resumes = os.path.isdir(os.path.join(out_dir, "checkpoints", str(resumes_at)))
-    hosts = coordinator_env(processes)
     args = [sys.executable, "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}",
             f"--train.steps={steps}", f"--mesh.fsdp={fsdp}", *extra]
-    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(
-        env, **({**hosts, "JAX_PROCESS_ID": str(i)} if processes > 1 else {}))) for i in range(processes)]
-    try:
-        outputs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:  # a process left waiting for the others would wait for good
-        for p in procs:
-            p.kill()
+    procs = start_processes([args] * processes, devices, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outputs = [out for _, out, _ in finish(procs, 600)]
     assert [p.returncode for p in procs] == [0] * processes, outputs
     assert (f"resuming from step {resumes_at}" in outputs[0]) == resumes, outputs[0]
 
@@ -140,14 +133,9 @@ def test_hosts_with_other_data_stop_every_host_in_one_line(tmp_path, cache_dir):
             f"--train.steps={STEPS}", "--mesh.fsdp=4"]
 
     def errors_of(data_args: list[list[str]]) -> list[list[str]]:
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", **coordinator_env(2))
-        procs = [subprocess.Popen(args + extra, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env=dict(env, JAX_PROCESS_ID=str(i))) for i, extra in enumerate(data_args)]
-        try:
-            outputs = [p.communicate(timeout=600)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
+        procs = start_processes([args + extra for extra in data_args], 2, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        outputs = [out for _, out, _ in finish(procs, 600)]
         assert [p.returncode for p in procs] == [2, 2], outputs
         return [[line for line in out.splitlines() if line.startswith(("error:", "Traceback"))] for out in outputs]
 
