@@ -806,6 +806,29 @@ def test_off_a_terminal_prepare_says_how_far_it_is_in_plain_lines(tmp_path, caps
     assert lines[3].startswith("prepare: 1.0 of 2.1 MB read (50%), 1,048,576 tokens, "), lines
 
 
+def test_prepare_progress_lines_keep_their_interval_and_stay_off_a_terminal(tmp_path, capsys, monkeypatch):
+    """A clock that ticks 1 s a reading and a line every 3 s: 9 pieces read at 2..10 s (the write began at 1) give
+    lines at 4, 7 and 10 only. On a terminal (tqdm's bar shown) no line is printed over the bar."""
+    import itertools
+    import types
+    clock = itertools.count()
+    monkeypatch.setattr(prepare, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    monkeypatch.setattr(prepare, "PROGRESS_LINE_EVERY_S", 3.0)
+    monkeypatch.setattr(prepare, "PIECE_BYTES", 2**18)
+    (tmp_path / "t.txt").write_bytes(b"x" * 2**21)
+    code, err = _prepare_cli(capsys, "--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o"),
+                             "--workers", "1")
+    assert code == 0, err
+    assert len([line for line in err.splitlines() if " MB read (" in line]) == 3, err
+    real_tqdm = prepare.tqdm
+    monkeypatch.setattr(prepare, "tqdm", lambda *a, **k: real_tqdm(*a, **{**k, "disable": False}))
+    monkeypatch.setattr(prepare, "PROGRESS_LINE_EVERY_S", 0.0)
+    code, err = _prepare_cli(capsys, "--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o2"),
+                             "--workers", "1")
+    assert code == 0, err
+    assert " MB read (" not in err, err
+
+
 def test_prepare_uses_the_cores_it_may_run_on_at_most_32_and_refuses_0_workers(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(prepare.os, "sched_getaffinity", lambda pid: set(range(64)))
     assert prepare.default_workers() == 32
@@ -813,6 +836,14 @@ def test_prepare_uses_the_cores_it_may_run_on_at_most_32_and_refuses_0_workers(t
     assert prepare.default_workers() == 1
     code, err = _prepare_cli(capsys, "--input", str(tmp_path), "--out", str(tmp_path / "o"), "--workers", "0")
     assert code == 2 and "--workers" in err and "Traceback" not in err
+    seen, stream = [], prepare._stream_tokens
+    monkeypatch.setattr(prepare, "_stream_tokens", lambda *a: seen.append(a[-1]) or stream(*a))
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "t.txt").write_text("some text to tokenize\n" * 50)
+    for out, workers in (("o3", ["--workers", "3"]), ("o4", [])):
+        code, err = _prepare_cli(capsys, "--input", str(tmp_path / "in"), "--out", str(tmp_path / out), *workers)
+        assert code == 0, err
+    assert seen == [3, 1]  # --workers as given; without it, the one core of the affinity
 
 
 def test_a_nanogpt_folder_is_told_the_meta_json_that_reads_it(tmp_path):

@@ -101,6 +101,10 @@ def test_a_dry_run_on_this_machines_devices_judges_them_as_a_run_here_would(monk
     monkeypatch.setattr(dryrun, "host_memory_bytes", lambda: 2**20)
     with pytest.raises(UserError, match=r"^the train step needs .* and this host has 0.00 GiB of memory; levers"):
         dryrun.report(cfg)
+    monkeypatch.setattr(dryrun, "use_fake_devices", lambda n: None)  # jax started: its 1 CPU stands in for them
+    fake = config.load(["--config", "configs/tiny.yaml", "--run.dry_run=true", "--model.vocab_size=256",
+                        "--run.dry_run_devices=1"])  # fake devices: not this machine's, not judged as them
+    assert dryrun.report(fake)["fits"] is None and "fits this machine" not in capsys.readouterr().err
 
 
 def test_a_tpu_target_without_a_chip_count_asks_for_one_with_libtpu(monkeypatch):
@@ -120,6 +124,9 @@ def test_a_tpu_target_without_a_chip_count_asks_for_one_with_libtpu(monkeypatch)
 def test_target_devices_are_the_memory_table_keys():
     literal = typing.get_args(typing.get_args(config.RunConfig.__annotations__["target_device"])[0])
     assert set(literal) == set(dryrun.DEVICE_MEMORY)
+    # a GPU's memory is its own XLA device spec's device_memory_size (an H100's 84,942,979,072 bytes: 79.11 GiB)
+    assert {gpu: round(dryrun.DEVICE_MEMORY[gpu] / 2**30, 2) for gpu in target_devices.GPUS} == {
+        "a100-40gb": 39.42, "a100-80gb": 79.26, "h100": 79.11, "h200": 141.0}
     # every GPU target has a device spec, every TPU one a torus
     assert set(target_devices.GPUS) == {"a100-40gb", "a100-80gb", "h100", "h200"}
     assert set(target_devices.GPUS) | set(target_devices.TPU_AXES) == set(literal)
@@ -271,6 +278,8 @@ def test_real_run_check_refuses_a_step_bigger_than_the_device():
     abstract, compiled, total = small_step()
     dryrun.check_fits(compiled, abstract, FakeDevice(None))  # an accelerator that reports no limit: no check
     dryrun.check_fits(compiled, abstract, FakeDevice(total))  # exactly enough
+    assert dryrun._fits_here(compiled, abstract, FakeDevice(None)) is None  # no limit reported: not judged
+    assert dryrun._fits_here(compiled, abstract, FakeDevice(total)) is True
     with pytest.raises(UserError, match="levers: mesh.fsdp"):
         dryrun.check_fits(compiled, abstract, FakeDevice(total - 1))
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))

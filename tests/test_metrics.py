@@ -299,3 +299,12 @@ def test_tensorboard_events_read_back_by_tensorboard_and_never_go_back_in_step(t
     assert [(event.step, event.value) for event in accumulator.Scalars("eval_accuracy")] == [(8, 0.25)]
     assert set(accumulator.Tags()["scalars"]) == {"train/loss", "train/lr", "train/grad_norm", "train/tokens",
                                                   "train/tokens_per_s", "eval_loss", "eval_accuracy"}
+
+
+def test_the_summary_line_puts_each_value_under_its_name_and_n_a_for_what_is_missing():
+    s = {"start_step": 2, "step": 6, "loss": 1.23456, "eval_loss": 2.5, "eval_accuracy": 0.125,
+         "tokens_per_s": 12345.6, "mfu": 0.0, "wall_s": 7.3}
+    assert metrics.summary_line(s) == ("done: steps 2->6  loss 1.2346  eval_loss 2.5000  eval_accuracy 12.50%  "
+                                       "tokens/s 12,346  mfu 0.0%  wall 7.3s")
+    assert metrics.summary_line({"step": 6, "loss": 1.0, "eval_loss": None, "mfu": None, "wall_s": 1.0}) == (
+        "done: steps 0->6  loss 1.0000  eval_loss n/a  eval_accuracy n/a  tokens/s n/a  mfu n/a  wall 1.0s")

@@ -378,3 +378,8 @@ def test_an_object_store_file_is_uploaded_whole_at_most_a_twentieth_of_the_time(
         clock[0] += 10.0
         log.write(f"{step}\n")
     assert [(at, data.count("\n")) for at, data in uploads] == [(0.0, 0), (30.0, 3), (93.0, 9)]
+    clock[0] = 155.0  # 59 s after the last upload ended (62 after it began): not yet; 60 s after it: uploaded
+    log.write("15\n")
+    clock[0] = 156.0
+    log.write("16\n")
+    assert [at for at, _ in uploads] == [0.0, 30.0, 93.0, 156.0]

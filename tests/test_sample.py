@@ -210,6 +210,13 @@ def test_samples_differ_and_the_first_is_the_single_samples_text(loaded):
     assert len(one) == 1 and three[0] == one[0] and len(set(three)) == 3, three
 
 
+def test_row_r_draws_with_the_key_fold_in_key_r():
+    """The module's rule, sample r's key fold_in(key, r): what makes sample r's text the same whatever the batch."""
+    logits, key = jax.random.normal(jax.random.key(0), (3, 50)), jax.random.key(7)
+    want = [int(jax.random.categorical(jax.random.fold_in(key, r), logits[r])) for r in range(3)]
+    assert sample.next_token(logits, key, 1.0, 0).tolist() == want
+
+
 def test_stop_at_eot_ends_each_text_before_its_first_and_generation_when_all_have_one(loaded):
     """The byte model, with a token its three samples all draw standing in for <|endoftext|>: each row's tokens up
     to its first stop are those drawn without one; after the last row's first, none is drawn (-1); the texts end
