@@ -89,8 +89,8 @@ def jaxtrain_only(cfg: Config) -> list[str]:
     return [f"{key}={value}" for key, value in values.items() if value != JAXTRAIN_ONLY[key]]
 
 
-def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, str] | None:
-    """The step the run ended at and its summary line, once its saves are done and its logs closed; None where it
+def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, dict] | None:
+    """The step the run ended at and its summary, once its saves are done and its logs closed; None where it
     trained nothing (already trained, or stopped in start-up)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.run.seed)
@@ -113,6 +113,13 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, str] | None:
     if cfg.run.fresh:
         runfolder.set_aside_previous_run(cfg.run.out_dir)
     config.save(cfg, cfg.run.out_dir)
+    return _loop(cfg, device, tokens, model, optimizer, scheduler, progress, resumed, stop)
+
+
+def _loop(cfg: Config, device: str, tokens, model, optimizer, scheduler, progress: Progress, resumed: bool,
+          stop: preemption.StopRequest) -> tuple[int, dict]:
+    """Steps progress.step+1 .. train.steps, each logged, evaluated and saved as the config says, until a signal
+    saves the step in flight; (the step it ended at, its summary)."""
     autocast = torch.autocast(device, dtype=AUTOCAST_DTYPES.get(cfg.train.precision, torch.bfloat16),
                               enabled=cfg.train.precision in AUTOCAST_DTYPES)
     scaler = loss_scaler(cfg, device, progress)
