@@ -2,6 +2,7 @@
 
 import dataclasses
 import gzip
+import itertools
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import types
 
 import numpy as np
 import pytest
@@ -791,17 +793,22 @@ def test_crlf_text_is_cut_into_pieces_that_tokenize_as_the_whole_text(tmp_path, 
     assert len(pieces) > len(contents[3]) // 2000 and max(len(text) for text, _, _ in pieces) < 2 * 997
 
 
+def _progress_lines(tmp_path, capsys, out: str) -> list[str]:
+    """prepare's plain progress lines on stderr, for 2 MiB of text read by one worker."""
+    (tmp_path / "t.txt").write_bytes(b"x" * 2**21)
+    code, err = _prepare_cli(capsys, "--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / out),
+                             "--workers", "1")
+    assert code == 0, err
+    return [line for line in err.splitlines() if " MB read (" in line]
+
+
 def test_off_a_terminal_prepare_says_how_far_it_is_in_plain_lines(tmp_path, capsys, monkeypatch):
     """Under nohup, SLURM or CI tqdm shows no bar, and a prepare of hours said nothing until its end. There, a line
-    every PROGRESS_LINE_EVERY_S (0 here, so at each of the 8 pieces of 2 MiB, and the end's): bytes read of the
+    every PROGRESS_LINE_EVERY_S (0 here, so at each of the 8 pieces of 256 KiB, and the end's): bytes read of the
     total, tokens."""
     monkeypatch.setattr(prepare, "PROGRESS_LINE_EVERY_S", 0.0)
     monkeypatch.setattr(prepare, "PIECE_BYTES", 2**18)
-    (tmp_path / "t.txt").write_bytes(b"x" * 2**21)
-    code, err = _prepare_cli(capsys, "--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o"),
-                             "--workers", "1")
-    assert code == 0, err
-    lines = [line for line in err.splitlines() if " MB read (" in line]
+    lines = _progress_lines(tmp_path, capsys, "o")
     assert len(lines) == 9 and lines[-1].startswith("prepare: 2.1 of 2.1 MB read (100%), 2,097,152 tokens, "), lines
     assert lines[3].startswith("prepare: 1.0 of 2.1 MB read (50%), 1,048,576 tokens, "), lines
 
@@ -809,24 +816,15 @@ def test_off_a_terminal_prepare_says_how_far_it_is_in_plain_lines(tmp_path, caps
 def test_prepare_progress_lines_keep_their_interval_and_stay_off_a_terminal(tmp_path, capsys, monkeypatch):
     """A clock that ticks 1 s a reading and a line every 3 s: 9 pieces read at 2..10 s (the write began at 1) give
     lines at 4, 7 and 10 only. On a terminal (tqdm's bar shown) no line is printed over the bar."""
-    import itertools
-    import types
     clock = itertools.count()
     monkeypatch.setattr(prepare, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
     monkeypatch.setattr(prepare, "PROGRESS_LINE_EVERY_S", 3.0)
     monkeypatch.setattr(prepare, "PIECE_BYTES", 2**18)
-    (tmp_path / "t.txt").write_bytes(b"x" * 2**21)
-    code, err = _prepare_cli(capsys, "--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o"),
-                             "--workers", "1")
-    assert code == 0, err
-    assert len([line for line in err.splitlines() if " MB read (" in line]) == 3, err
+    assert len(_progress_lines(tmp_path, capsys, "o")) == 3
     real_tqdm = prepare.tqdm
     monkeypatch.setattr(prepare, "tqdm", lambda *a, **k: real_tqdm(*a, **{**k, "disable": False}))
     monkeypatch.setattr(prepare, "PROGRESS_LINE_EVERY_S", 0.0)
-    code, err = _prepare_cli(capsys, "--input", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o2"),
-                             "--workers", "1")
-    assert code == 0, err
-    assert " MB read (" not in err, err
+    assert _progress_lines(tmp_path, capsys, "o2") == []
 
 
 def test_prepare_uses_the_cores_it_may_run_on_at_most_32_and_refuses_0_workers(tmp_path, capsys, monkeypatch):

@@ -116,9 +116,9 @@ def test_a_tpu_target_without_a_chip_count_asks_for_one_with_libtpu(monkeypatch)
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # what allow_compile_only sets, restored after the test
     with pytest.raises(UserError) as refused:
         dryrun._devices(cfg)
-    assert str(refused.value) == ("run.target_device=v5e compiles for a slice of v5e chips with libtpu: give its chip "
-                                  "count as run.dry_run_devices, a power of 2 of at least 4 chips (e.g. 64 for "
-                                  "v5e-64)")
+    assert str(refused.value) == ("run.target_device=v5e compiles for a slice of v5e chips with libtpu: give its "
+                                  "chip count as run.dry_run_devices, a power of 2 of at least 4 chips (e.g. 64 "
+                                  "for v5e-64)")
 
 
 def test_target_devices_are_the_memory_table_keys():
