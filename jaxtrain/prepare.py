@@ -118,8 +118,6 @@ def _stream_tokens(files: list[pathlib.Path], tokenizer: str, encode, workers: i
             yield in_flight.popleft().result()
 
 
-
-
 def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0.1, workers: int | None = None,
             overwrite: bool = False) -> None:
     """Tokenize text files into a data folder, streaming: tokens go to disk as they come, so memory stays flat. val

@@ -62,4 +62,5 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
     finally:
         for p in procs:
             p.kill()
+            p.wait()
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
