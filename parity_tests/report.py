@@ -7,9 +7,9 @@
 
 Exports jaxtrain's fresh params for the config to the torch format (weights only), starts `python -m jaxtrain.run`
 and `python -m torchref.run` from them (dropout forced to 0, every step logged), then each backend once more as its
-own rounding reference: in fp32 with twice the gradient accumulation (same batches, same math, only the fp32 sums
-reordered), in bf16 and fp16 in fp32 (the model in fp32 throughout: FP32_COUNTERPARTS). Both configs are checked
-before anything runs. Writes into --out:
+own rounding reference: in fp32 with another gradient accumulation, twice it where the config allows (same
+batches, same math, only the fp32 sums reordered), in bf16 and fp16 in fp32 (the model in fp32 throughout:
+FP32_COUNTERPARTS). Both configs are checked before anything runs. Writes into --out:
 
     report.md      a table (component, max abs diff, max rel diff, rounding floor, bound, pass/fail), the first step
                    where any column leaves its bound, each bound's reason, the commands and their runtimes
@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import math
 import os
 import shutil
 import sys
@@ -218,9 +219,10 @@ FP32_COUNTERPARTS = {"model.residual_dtype": ("bf16", "fp32"), "model.gelu_fwd":
 
 def reference(precision: str, resolved: dict) -> tuple[str | None, list[str]]:
     """What each backend's second run changes, the rounding-only reference that gives the floor: fp32 (with
-    FP32_COUNTERPARTS) for a bf16 or fp16 report, a UserError where the config refuses that; twice the accumulation
-    for an fp32 one, None where the config refuses that (the batch does not split further, or the smaller
-    micro-batch breaks another of its rules, such as model.vocab_tiles'). Checked as the trainers check a config."""
+    FP32_COUNTERPARTS) for a bf16 or fp16 report, a UserError where the config refuses that; for an fp32 one,
+    another accumulation (accumulations: twice it where the config takes that), None where the config takes no
+    other (a batch of one sequence a device, or micro-batches that break another of its rules, such as
+    model.vocab_tiles'). Checked as the trainers check a config."""
     if precision != "fp32":
         changes = {"train.precision": "fp32", **{key: fp32 for key, (low, fp32) in FP32_COUNTERPARTS.items()
                                                  if _get(resolved, key) == low}}
@@ -230,12 +232,23 @@ def reference(precision: str, resolved: dict) -> tuple[str | None, list[str]]:
         except UserError as e:
             raise UserError(f"the fp32 reference runs ({' '.join(flags)}) would be refused: {e}") from None
         return "fp32", flags
-    k = resolved["optim"]["grad_accum_steps"]
-    try:
-        _check(resolved, {"optim.grad_accum_steps": 2 * k})
-    except UserError:
-        return None, []
-    return f"accum {2 * k}", [f"--optim.grad_accum_steps={2 * k}"]
+    for k in accumulations(resolved["optim"]["grad_accum_steps"], resolved["data"]["batch_size"]):
+        try:
+            _check(resolved, {"optim.grad_accum_steps": k})
+        except UserError:
+            continue
+        return f"accum {k}", [f"--optim.grad_accum_steps={k}"]
+    return None, []
+
+
+def accumulations(k: int, batch_size: int) -> list[int]:
+    """The accumulation counts an fp32 reference may run at, in the order tried: twice k (FLOOR_FACTOR's
+    measurement), half of it where k is even, then every other count that splits the batch, the nearest to k
+    first. Each reorders only the fp32 gradient sums."""
+    half = [k // 2] if k % 2 == 0 else []
+    others = sorted((n for n in range(1, batch_size + 1) if batch_size % n == 0 and n not in {k, 2 * k, *half}),
+                    key=lambda n: (abs(math.log(n / k)), n))
+    return [2 * k, *half, *others]
 
 
 def _get(resolved: dict, key: str):

@@ -58,11 +58,11 @@ def markdown(config: str, precision: str, resolved: dict, flags: list[str], rows
 
 def floor_paragraph(precision: str, refs: dict, ref_flags: list[str] = ()) -> str:
     if not refs:
-        return ("**No rounding floor**: the config does not run at twice the accumulation (the batch does not split "
-                "further, or the smaller micro-batch breaks another of its rules), so no reference run was made; "
+        return ("**No rounding floor**: the config runs at no other accumulation (the batch splits no other way, or "
+                "the other micro-batches break another of its rules), so no reference run was made; "
                 "every bound is its constant part alone, and the key bias is held like the other params.")
     what = (f"in fp32 (how far {precision} alone moves it)" if precision != "fp32" else
-            "with only the order of its fp32 sums changed (twice the accumulation: same batches, same math)")
+            "with only the order of its fp32 sums changed (another accumulation: same batches, same math)")
     factor = judgment.floor_factor(precision)
     given = f" (`{' '.join(ref_flags)}`)" if ref_flags else ""
     return (f"**Rounding floor**: each backend run again {what}: `{'`, `'.join(refs.values())}`{given}. The floor "

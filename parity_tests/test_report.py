@@ -96,16 +96,24 @@ def _resolved(*flags) -> dict:
     return yaml.safe_load(config.dump(config.load(["--config", runs.TINY, *_TILED, *flags])))
 
 
-def test_the_fp32_floor_runs_at_twice_the_accumulation_only_where_the_config_allows_it():
-    """The reference doubles optim.grad_accum_steps; where the halved micro-batch breaks a rule of the config (the
-    batch, or model.vocab_tiles' division of a micro-batch's tokens), the report has no floor, rather than a
-    reference run refused after both backends trained."""
+def test_the_fp32_floor_runs_at_another_accumulation_where_the_config_allows_one():
+    """The reference doubles optim.grad_accum_steps; where the config refuses that (the batch, or model.vocab_tiles'
+    division of a micro-batch's tokens), it halves it, else takes another count that splits the batch. Where none
+    runs, the report has no floor, rather than a reference run refused after both backends trained. With no floor,
+    every bound is its constant alone, which a long correct run can leave: a batch of 3 had none."""
     assert report.reference("fp32", _resolved()) == ("accum 2", ["--optim.grad_accum_steps=2"])
-    assert report.reference("fp32", _resolved("--data.batch_size=3")) == (None, [])  # 3 does not halve
-    # 4 sequences of 48 tokens: 192 a micro-batch, 96 at twice the accumulation, which 64 tiles do not divide
+    assert report.reference("fp32", _resolved("--data.batch_size=3")) == ("accum 3", ["--optim.grad_accum_steps=3"])
+    assert report.reference("fp32", _resolved("--optim.grad_accum_steps=4")) == (
+        "accum 2", ["--optim.grad_accum_steps=2"])  # 8 micro-batches of a batch of 4: no
+    assert report.reference("fp32", _resolved("--data.batch_size=1")) == (None, [])  # one sequence splits no way
+    # 4 sequences of 48 tokens: 192 a micro-batch, 96 at twice the accumulation and 48 at 4, which 64 tiles do not
+    # divide
     assert report.reference("fp32", _resolved("--model.vocab_tiles=64")) == (None, [])
     assert report.reference("fp32", _resolved("--model.vocab_tiles=32")) == (
         "accum 2", ["--optim.grad_accum_steps=2"])
+    # 12 sequences at k=4: 8, 2, then the divisors of 12 nearest to 4 by ratio (3: 0.75, 6: 1.5, 12: 3, 1: 0.25)
+    assert report.accumulations(4, 12) == [8, 2, 3, 6, 12, 1]
+    assert report.accumulations(1, 6) == [2, 3, 6]
     assert report.reference("bf16", _resolved("--data.batch_size=3")) == ("fp32", ["--train.precision=fp32"])
 
 
