@@ -82,11 +82,13 @@ def model_overrides(hf: dict, file: str) -> dict:
             "dropout": hf.get("resid_pdrop", 0.1), "bias": True, "tie_embeddings": hf.get("tie_word_embeddings", True)}
 
 
-def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, file: str) -> dict[str, np.ndarray]:
+def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, tied: bool,
+                          file: str) -> dict[str, np.ndarray]:
     """HF's state dict named as GPT2LMHeadModel's: the names of a GPT2Model's (GPT2Model.save_pretrained) lack
     "transformer.", which is added, as GPT2LMHeadModel.from_pretrained adds it. A tensor nanoGPT's GPT of `n_layer`
-    layers has no place for (a classification head's score.weight) is refused, naming it: a run would refuse the
-    converted checkpoint, with a message about the run's model config."""
+    layers has no place for (a classification head's score.weight) is refused, naming it, and so is one it needs
+    that is missing (config.json's n_layer above the file's layers; an untied model without its head): a run would
+    refuse the converted checkpoint, with a message about the run's model config, or init.from naming one."""
     if not any(name.startswith(BASE) for name in tensors):
         tensors = {BASE + name: x for name, x in tensors.items()}
     layer = [f"h.{i}.{module}.{kind}" for i in range(n_layer) for kind in ("weight", "bias")
@@ -97,6 +99,12 @@ def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, file: st
         raise UserError(f"{file}: tensor {unknown[0]!r} has no place in a GPT2LMHeadModel of {n_layer} layers "
                         f"(nanoGPT's GPT); convert the GPT-2 body alone, saved with "
                         f"model.transformer.save_pretrained(dir)")
+    missing = sorted(gpt - tensors.keys() - ({LM_HEAD} if tied else set()))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UserError(f"{file}: holds no tensor {missing[0]!r}{more}, which a GPT2LMHeadModel of {n_layer} layers "
+                        f"(config.json) needs; convert a folder whose config.json describes its weights, as "
+                        f"model.save_pretrained(dir) writes them")
     return tensors
 
 

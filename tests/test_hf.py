@@ -10,6 +10,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from safetensors import safe_open
@@ -182,6 +183,31 @@ def test_a_tensor_nanogpts_model_has_no_place_for_is_refused_naming_it(tmp_path,
         f"error: {tmp_path / 'classifier' / 'model.safetensors'}: tensor 'score.weight' has no place in a "
         f"GPT2LMHeadModel of 2 layers (nanoGPT's GPT); convert the GPT-2 body alone, saved with "
         f"model.transformer.save_pretrained(dir)\n")
+    assert not (tmp_path / "jt").exists()
+
+
+@pytest.mark.parametrize("case", ["config_has_more_layers", "untied_without_its_head"])
+def test_a_tensor_the_model_needs_that_the_file_lacks_is_refused_naming_it(tmp_path, capsys, case):
+    """config.json's n_layer above the file's layers, or an untied model saved without lm_head.weight: from-hf
+    wrote a folder that init.from refused later. Now from-hf refuses, naming the first missing tensor by name order
+    and how many more there are."""
+    source = hf_model(tmp_path, tie_word_embeddings=case == "config_has_more_layers")
+    if case == "config_has_more_layers":
+        config = json.loads(open(f"{source}/config.json").read())
+        open(f"{source}/config.json", "w").write(json.dumps({**config, "n_layer": 3}))
+        want = "'transformer.h.2.attn.c_attn.bias' and 11 more, which a GPT2LMHeadModel of 3 layers"
+    else:
+        kept = {name: x for name, x in safetensors.numpy.load_file(f"{source}/model.safetensors").items()
+                if name != "lm_head.weight"}
+        safetensors.numpy.save_file(kept, f"{source}/model.safetensors", metadata={"format": "pt"})
+        want = "'lm_head.weight', which a GPT2LMHeadModel of 2 layers"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(["from-hf", source, str(tmp_path / "jt")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err == (
+        f"error: {source}/model.safetensors: holds no tensor {want} (config.json) needs; convert a folder whose "
+        f"config.json describes its weights, as model.save_pretrained(dir) writes them\n")
     assert not (tmp_path / "jt").exists()
 
 
