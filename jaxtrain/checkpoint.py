@@ -170,6 +170,10 @@ class Checkpointer:
         with _reading(where):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             saved_config = meta["config"]
+        if meta.get("step", step) != step:  # a copy or a backup under another step's name: resumed as that step,
+            # it trained on from its own and collided with the saves it made
+            raise CorruptCheckpoint(f"checkpoint {where} holds step {meta['step']}, not the step its folder is "
+                                    f"named for (a copy or a backup put there?)")
         mesh = jax.tree.leaves(abstract_state)[0].sharding.mesh  # where one process refuses, all of them do
         resumed_cfg = _on_every_process(lambda: self._same_run(saved_config, meta, step), mesh, UserError(
             f"another process refused to resume from {where} (its output says why); this process stops with it"))

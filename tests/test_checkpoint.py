@@ -134,6 +134,25 @@ def test_corrupt_checkpoint_is_moved_aside_and_the_run_falls_back(reference, ref
         assert np.array_equal(a, b)
 
 
+def test_a_step_folder_holding_another_step_is_set_aside_not_resumed_as_its_name(reference, tmp_path, cache_dir):
+    """checkpoints/4 copied to checkpoints/10 (a backup put back under another name): the run said "resuming from
+    step 10", trained on from step 4, and failed at its first save on a step that existed, at every start. Now
+    the folder is set aside as a corrupt one is, and the run resumes from its newest true step."""
+    out_dir = str(tmp_path / "run")
+    shutil.copytree(reference, out_dir)
+    checkpoints = os.path.join(out_dir, "checkpoints")
+    os.rename(os.path.join(checkpoints, "8"), os.path.join(checkpoints, "8.orbax-checkpoint-tmp"))
+    shutil.copytree(os.path.join(checkpoints, "4"), os.path.join(checkpoints, "10"))
+    proc = run_cli(out_dir, cache_dir)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    [warning] = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    assert warning.startswith(f"warning: checkpoint {checkpoints}/10 holds step 4, not the step its folder is "
+                              f"named for (a copy or a backup put there?); moved it to {out_dir}/checkpoints.corrupt/10-")
+    assert "resuming from step 6" in proc.stderr
+    assert sorted(os.listdir(checkpoints)) == ["4", "6", "8"]
+    assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(reference))
+
+
 # XLA's own C++ log lines ("E1127 10:45:00.799488   22761 cpu_aot_loader.cc:210] ..."): jax before 0.10.2 writes two
 # each time it loads a CPU executable from a persistent compilation cache (the suite's, conftest.py); not jaxtrain's.
 XLA_LOG_LINE = re.compile(r"[IWEF]\d{4} [\d:.]+ +\d+ [\w.]+\.cc:\d+\] ")

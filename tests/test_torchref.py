@@ -381,6 +381,21 @@ def test_the_summary_is_jaxtrains_line_on_stderr_with_mfu(token_dir, tmp_path, c
     assert got_mfu == pytest.approx(want_mfu, abs=0.0005 + 1e-9)  # printed to 0.1%
 
 
+def test_a_step_folder_holding_another_step_is_refused_naming_it(straight_run, token_dir, tmp_path):
+    """checkpoints/3 copied to checkpoints/9: torchref resumed "from step 3 (.../9)", overwrote the later saves, and
+    rotation kept 9, the newest by name, so every later start trained from 3 again. Now refused, naming it."""
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    checkpoints = os.path.join(out, "checkpoints")
+    shutil.copytree(os.path.join(checkpoints, "3"), os.path.join(checkpoints, "9"))
+    before = files_but_the_lock(out)
+    with pytest.raises(UserError) as refused:
+        run.train(tiny_cfg(token_dir, out))
+    assert str(refused.value) == (f"checkpoint {checkpoints}/9 holds step 3, not the step its folder is named for "
+                                  f"(a copy or a backup put there?); move it out of {checkpoints}")
+    assert files_but_the_lock(out) == before
+
+
 def test_a_start_with_nothing_to_train_leaves_config_yaml_as_it_was(straight_run, token_dir, tmp_path, capsys):
     out = str(tmp_path / "run")
     shutil.copytree(straight_run, out)
