@@ -147,7 +147,8 @@ def test_a_step_folder_holding_another_step_is_set_aside_not_resumed_as_its_name
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     [warning] = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
     assert warning.startswith(f"warning: checkpoint {checkpoints}/10 holds step 4, not the step its folder is "
-                              f"named for (a copy or a backup put there?); moved it to {out_dir}/checkpoints.corrupt/10-")
+                              f"named for (a copy or a backup put there?); moved it to "
+                              f"{out_dir}/checkpoints.corrupt/10-")
     assert "resuming from step 6" in proc.stderr
     assert sorted(os.listdir(checkpoints)) == ["4", "6", "8"]
     assert without_timing(read_metrics(out_dir)) == without_timing(read_metrics(reference))
