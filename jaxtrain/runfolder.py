@@ -139,13 +139,20 @@ def note_moved_run(config_file: str | None, out_dir: str) -> None:
 
 def unwritable(folder: str) -> str | None:
     """Why a local folder cannot be created, or written into where it exists (None: it can), as a predicate of
-    it: "is a file", "lies under X, which is a file", "lies in X, where this user cannot write"."""
-    ancestor = os.path.abspath(folder)
+    it: "is a file", "lies under X, which is a file", "is on a read-only file system", "is a folder this user
+    cannot write into", "lies in X, where this user cannot write"."""
+    folder = ancestor = os.path.abspath(folder)
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
-        return "is a file" if ancestor == os.path.abspath(folder) else f"lies under {ancestor}, which is a file"
-    return None if os.access(ancestor, os.W_OK) else f"lies in {ancestor}, where this user cannot write"
+        return "is a file" if ancestor == folder else f"lies under {ancestor}, which is a file"
+    if os.access(ancestor, os.W_OK):
+        return None
+    where = "is" if ancestor == folder else f"lies in {ancestor},"
+    if os.statvfs(ancestor).f_flag & os.ST_RDONLY:
+        return f"{where} on a read-only file system"
+    return "is a folder this user cannot write into" if ancestor == folder else \
+        f"lies in {ancestor}, where this user cannot write"
 
 
 def check_writable(folder: str, flag: str) -> None:
@@ -187,6 +194,9 @@ def check_local(out_dir: str) -> None:
         if os.path.exists(path) and os.path.isdir(path) != (kind == "folder"):
             raise UserError(f"{path} is a {'folder' if kind == 'file' else 'file'} where the run keeps a {kind} of "
                             f"that name; move it aside, or choose another --run.out_dir")
+        if name and kind == "folder" and os.path.isdir(path) and unwritable(path):  # a save would fail after steps
+            raise UserError(f"{path} {unwritable(path)}, and the run writes into it; make it writable, or choose "
+                            f"another --run.out_dir")
 
 
 # Object stores a run folder may lie in: each has a TensorStore driver (orbax's arrays), an fsspec file system

@@ -38,6 +38,23 @@ def test_unwritable_says_why_in_each_case(tmp_path, a_file, monkeypatch):
     # This machine's tests run as root, which may write anywhere: os.access is what a user without the right sees.
     monkeypatch.setattr(os, "access", lambda path, mode: path != str(tmp_path))
     assert runfolder.unwritable(str(tmp_path / "new")) == f"lies in {tmp_path}, where this user cannot write"
+    assert runfolder.unwritable(str(tmp_path)) == "is a folder this user cannot write into"  # not "lies in" itself
+    read_only = os.statvfs(tmp_path)
+    monkeypatch.setattr(os, "statvfs", lambda path: type("ReadOnly", (), {"f_flag": read_only.f_flag | os.ST_RDONLY}))
+    assert runfolder.unwritable(str(tmp_path)) == "is on a read-only file system"  # not this user's doing
+    assert runfolder.unwritable(str(tmp_path / "new")) == f"lies in {tmp_path}, on a read-only file system"
+
+
+def test_a_run_folder_whose_checkpoints_cannot_be_written_is_refused_at_the_start(tmp_path, monkeypatch):
+    """A checkpoints/ folder the user cannot write into (or immutable, or on a read-only mount) was found at the
+    first save, after the steps before it, and jaxtrain then waited 300 s on orbax's threads before it exited."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(checkpoints))
+    with pytest.raises(UserError) as refused:
+        runfolder.check_local(str(tmp_path / "run"))
+    assert str(refused.value) == (f"{checkpoints} is a folder this user cannot write into, and the run writes into "
+                                  f"it; make it writable, or choose another --run.out_dir")
 
 
 def test_fresh_starts_in_one_second_keep_every_previous_run(tmp_path, monkeypatch, capsys):
