@@ -33,8 +33,8 @@ def exit_on_user_error():
         if e.errno not in STORAGE_REFUSED:
             raise
         where = f" {e.filename}" if e.filename else ""
-        print(f"error: could not write{where} ({e.strerror}): free space there (or mend the storage) and run the "
-              f"same command again", file=sys.stderr)
+        print(f"error: could not write{where} ({e.strerror}): mend what it names (free space, write access, the "
+              f"storage) and run the same command again", file=sys.stderr)
         sys.exit(2)
 
 

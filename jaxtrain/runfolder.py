@@ -274,8 +274,8 @@ def unwritten_checkpoint(directory: str, error: BaseException | str, newest: int
     reason = " ".join(str(error).split())
     reason = reason if len(reason) <= 400 else f"{reason[:200]} ... {reason[-190:]}"
     complete = f"the newest complete one is step {newest}" if newest is not None else "none is complete"
-    return UserError(f"a checkpoint could not be written into {directory} ({reason}); {complete}: free space there "
-                     f"(or mend the storage) and run the same command to resume")
+    return UserError(f"a checkpoint could not be written into {directory} ({reason}); {complete}: mend what it "
+                     f"names (free space, write access, the storage) and run the same command to resume")
 
 
 def read_lines(file: epath.Path) -> list[bytes]:

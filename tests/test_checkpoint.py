@@ -412,8 +412,8 @@ def test_a_save_that_fails_in_the_background_stops_the_run_before_its_next_save(
     finally:
         logging.getLogger("absl").removeHandler(handler)
     assert str(stopped.value) == (f"a checkpoint could not be written into {out_dir}/checkpoints ([Errno 28] No "
-                                  f"space left on device); the newest complete one is step 8: free space there (or "
-                                  f"mend the storage) and run the same command to resume")
+                                  f"space left on device); the newest complete one is step 8: mend what it names "
+                                  f"(free space, write access, the storage) and run the same command to resume")
     trained = [line["step"] for line in read_metrics(out_dir) if "loss" in line]
     assert 16 <= trained[-1] < 24, trained  # the save at step 24 would raise it too, step 24 logged before
     assert "No space left on device" in log.getvalue() and "Traceback" not in log.getvalue(), log.getvalue()
@@ -463,7 +463,8 @@ def test_a_save_that_fails_is_one_line_and_the_same_command_resumes(tmp_path, ca
         run.train(config.load(args))
     assert re.fullmatch(rf"a checkpoint could not be written into {re.escape(out_dir)}/checkpoints "
                         rf"\(RESOURCE_EXHAUSTED: .*No space left on device\); the newest complete one is step 4: "
-                        rf"free space there \(or mend the storage\) and run the same command to resume",
+                        rf"mend what it names \(free space, write access, the storage\) and run the same command "
+                        rf"to resume",
                         str(failed.value)), failed.value
     monkeypatch.undo()
     capsys.readouterr()

@@ -373,8 +373,9 @@ def test_a_disk_that_fills_during_the_run_is_one_line_naming_the_file(tmp_path, 
         with pytest.raises(SystemExit) as ended, exit_on_user_error():
             last_words()
         assert ended.value.code == 2
-        assert capsys.readouterr().err == (f"error: could not write {metrics} (No space left on device): free space "
-                                           f"there (or mend the storage) and run the same command again\n")
+        assert capsys.readouterr().err == (f"error: could not write {metrics} (No space left on device): mend what "
+                                           f"it names (free space, write access, the storage) and run the same "
+                                           f"command again\n")
 
 
 def test_an_object_store_file_is_uploaded_whole_at_most_a_twentieth_of_the_time(monkeypatch):

@@ -533,8 +533,8 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_newest_checkpoint(toke
         run.train(tiny_cfg(token_dir, out))
     assert str(failed.value) == (f"a checkpoint could not be written into {out}/checkpoints (Error while "
                                  f"serializing: I/O error: No space left on device (os error 28)); the newest "
-                                 f"complete one is step 3: free space there (or mend the storage) and run the same "
-                                 f"command to resume")
+                                 f"complete one is step 3: mend what it names (free space, write access, the "
+                                 f"storage) and run the same command to resume")
     assert os.listdir(os.path.join(out, "checkpoints")) == ["3"]  # .tmp-6 removed
 
 
