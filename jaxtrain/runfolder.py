@@ -148,11 +148,10 @@ def unwritable(folder: str) -> str | None:
         return "is a file" if ancestor == folder else f"lies under {ancestor}, which is a file"
     if os.access(ancestor, os.W_OK):
         return None
-    where = "is" if ancestor == folder else f"lies in {ancestor},"
-    if os.statvfs(ancestor).f_flag & os.ST_RDONLY:
-        return f"{where} on a read-only file system"
-    return "is a folder this user cannot write into" if ancestor == folder else \
-        f"lies in {ancestor}, where this user cannot write"
+    read_only = os.statvfs(ancestor).f_flag & os.ST_RDONLY
+    if ancestor == folder:
+        return "is on a read-only file system" if read_only else "is a folder this user cannot write into"
+    return f"lies in {ancestor}, " + ("on a read-only file system" if read_only else "where this user cannot write")
 
 
 def check_writable(folder: str, flag: str) -> None:
@@ -194,9 +193,10 @@ def check_local(out_dir: str) -> None:
         if os.path.exists(path) and os.path.isdir(path) != (kind == "folder"):
             raise UserError(f"{path} is a {'folder' if kind == 'file' else 'file'} where the run keeps a {kind} of "
                             f"that name; move it aside, or choose another --run.out_dir")
-        if name and kind == "folder" and os.path.isdir(path) and unwritable(path):  # a save would fail after steps
-            raise UserError(f"{path} {unwritable(path)}, and the run writes into it; make it writable, or choose "
-                            f"another --run.out_dir")
+        problem = unwritable(path) if name and kind == "folder" and os.path.isdir(path) else None
+        if problem:  # found at the first save, after the steps before it
+            raise UserError(f"{path} {problem}, and the run writes into it; make it writable, or choose another "
+                            f"--run.out_dir")
 
 
 # Object stores a run folder may lie in: each has a TensorStore driver (orbax's arrays), an fsspec file system
