@@ -151,7 +151,6 @@ def _loop(cfg: Config, device: str, tokens, model, optimizer, scheduler, progres
             if evaluated:
                 eval_loss, eval_accuracy = evaluate(model, tokens, cfg, progress.data_seed, device, autocast)
                 log.eval(progress.step, eval_loss, eval_accuracy)
-                bar.write(metrics.eval_text(progress.step, eval_loss, eval_accuracy))
             if cfg.saves_at(progress.step) or stop.requested:
                 log.sync()  # W&B has this step before its checkpoint can exist
                 checkpoint.save(cfg.run.out_dir, progress, model, optimizer, scheduler, cfg, tokens.fingerprint,
@@ -385,6 +384,7 @@ class MetricsLog:
 
     def eval(self, step: int, eval_loss: float, eval_accuracy: float) -> None:
         self._write({"step": step, "eval_loss": eval_loss, "eval_accuracy": eval_accuracy})
+        tqdm.write(metrics.eval_text(step, eval_loss, eval_accuracy))  # above any progress bar, as jaxtrain's
 
     def sync(self) -> None:
         if self.wandb:
