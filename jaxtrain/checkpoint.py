@@ -170,10 +170,7 @@ class Checkpointer:
         with _reading(where):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             saved_config = meta["config"]
-        if meta.get("step", step) != step:  # a copy or a backup under another step's name: resumed as that step,
-            # it trained on from its own and collided with the saves it made
-            raise CorruptCheckpoint(f"checkpoint {where} holds step {meta['step']}, not the step its folder is "
-                                    f"named for (a copy or a backup put there?)")
+        check_named_step(meta, step, where)
         mesh = jax.tree.leaves(abstract_state)[0].sharding.mesh  # where one process refuses, all of them do
         resumed_cfg = _on_every_process(lambda: self._same_run(saved_config, meta, step), mesh, UserError(
             f"another process refused to resume from {where} (its output says why); this process stops with it"))
@@ -315,6 +312,15 @@ def _reading(where: str):
             e = e.__cause__
         message = " ".join(str(e).split())[:300]  # one line: orbax's messages span many
         raise CorruptCheckpoint(f"checkpoint {where} cannot be read ({type(e).__name__}: {message})") from None
+
+
+def check_named_step(meta: dict, step: int, where: str) -> None:
+    """Raise CorruptCheckpoint where the step folder `where`, named `step`, holds another step (its `meta`): a copy
+    or a backup under another step's name. Resumed as its name, it trained on from its own step and collided with
+    the saves it made; sampled or converted, it was labelled with a step it is not."""
+    if meta.get("step", step) != step:
+        raise CorruptCheckpoint(f"checkpoint {where} holds step {meta['step']}, not the step its folder is named for "
+                                f"(a copy or a backup put there?)")
 
 
 def fingerprint(state) -> dict[str, int]:

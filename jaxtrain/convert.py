@@ -144,6 +144,10 @@ def restore_step(step_dir: str, fix: str | None = None):
                                                     "meta": ocp.JsonCheckpointHandler()}) as manager:
         with _unreadable(step_dir, fix):
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        try:
+            checkpoint_lib.check_named_step(meta, step, step_dir)
+        except checkpoint_lib.CorruptCheckpoint as e:
+            raise UserError(f"{e}; {fix or _convert_another(step_dir)}") from None
         cfg = config_lib.from_dict(meta["config"])  # jaxtrain.run writes the resolved model.vocab_size into it
         target = checkpoint_lib.abstract_state(_for_shapes(cfg), cfg.model.vocab_size, mesh_lib.one_device_mesh())
         with _unreadable(step_dir, fix):

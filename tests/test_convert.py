@@ -421,13 +421,42 @@ def test_a_checkpoint_off_its_fingerprint_is_refused_by_the_converters_and_the_s
 def test_a_checkpoint_off_its_fingerprint_names_the_runs_other_steps_to_convert(tmp_path, capsys):
     """README: convert refuses a corrupt step "naming another"; it said only "convert another step folder"."""
     good = _saved_run(tmp_path)
-    bad = os.path.join(os.path.dirname(good), str(STEPS + 1))
-    shutil.copytree(good, bad)
+    bad = copy_step(good, STEPS + 1)
     _break_fingerprint(bad)
     for command in ("to-torch", "to-hf"):
         with pytest.raises(SystemExit):
             convert.main([command, bad, str(tmp_path / command)])
         assert f"it is corrupt; convert another step folder of the run ({good})" in capsys.readouterr().err
+
+
+def test_a_step_folder_holding_another_step_is_refused_by_the_converters_and_the_sampler(tmp_path, capsys):
+    """A copy of the run's step 3 put back as step 4 (a backup restored under another name) was converted, and
+    sampled as "step 4", with exit 0. Refused in one line naming the step it holds, nothing written."""
+    from jaxtrain import sample
+    good = _saved_run(tmp_path)
+    copied = os.path.join(os.path.dirname(good), str(STEPS + 1))
+    shutil.copytree(good, copied)
+    why = (f"checkpoint {copied} holds step {STEPS}, not the step its folder is named for (a copy or a backup put "
+           f"there?)")
+    for command in ("to-torch", "to-hf"):
+        with pytest.raises(SystemExit) as e:
+            convert.main([command, copied, str(tmp_path / command)])
+        assert e.value.code == 2 and not (tmp_path / command).exists()
+        assert capsys.readouterr().err == f"error: {why}; convert another step folder of the run ({good})\n"
+    with pytest.raises(UserError) as e:
+        sample.load(str(tmp_path / "run"), None, None, None)
+    assert str(e.value) == f"{why}; sample another of its checkpoints with --step ({STEPS})"
+
+
+def copy_step(step_dir: str, step: int) -> str:
+    """A copy of the step folder as a true checkpoint of `step` beside it (its meta's step rewritten, as a save at
+    that step writes it): the copy's folder."""
+    copy = os.path.join(os.path.dirname(step_dir), str(step))
+    shutil.copytree(step_dir, copy)
+    meta_file = os.path.join(copy, "meta", "metadata")
+    meta = json.load(open(meta_file))
+    json.dump({**meta, "step": step}, open(meta_file, "w"))
+    return copy
 
 
 def _break_fingerprint(step_dir: str) -> str:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
+from test_convert import copy_step
 from test_run import small_args
 from jaxtrain import autocast, convert, data, model, prepare, sample
 from jaxtrain.errors import UserError
@@ -562,7 +563,7 @@ def _trainer_replacing_the_newest(monkeypatch, checkpoints: str, times: int) -> 
     def restore_as_replaced(step_dir, fix):
         if len(replaced) < times:
             step = int(os.path.basename(step_dir))
-            shutil.copytree(step_dir, os.path.join(checkpoints, str(step + 20)))
+            copy_step(step_dir, step + 20)
             shutil.rmtree(step_dir)
             replaced.append(step)
         return restore(step_dir, fix)
