@@ -35,7 +35,7 @@ from jaxtrain.errors import UserError
 class RunConfig:
     out_dir: str = "out/run"  # metrics.jsonl, config.yaml, checkpoints/<step>/
     seed: int = 0  # params init, data order and dropout all derive from it
-    fresh: bool = False  # start at step 0; the earlier run's checkpoints and logs move to <name>.before-fresh-<time>
+    fresh: bool = False  # start at step 0; the earlier run's checkpoints, config, logs move to <name>.before-fresh-*
     dry_run: bool = False  # compile the train step and print its memory per device; train nothing (jaxtrain/dryrun.py)
     dry_run_devices: Optional[int] = None  # devices to compile for (target_device's, or fake CPUs); null: this host's
     # the dry run compiles for these devices ahead of time, on any host (v4, v5e, v5p, v6e, a100-40gb, a100-80gb,

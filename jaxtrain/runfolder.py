@@ -51,10 +51,11 @@ _RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file
 
 
 # What run.fresh moves aside, each whole, to <name>.before-fresh-<time>: an earlier run's checkpoints (left in place,
-# their higher steps would make max_to_keep delete the new run's and a resume pick the old run), metrics (the new run
-# would overwrite them), TensorBoard events (the new run's first event would hide the old curves) and W&B run (the
-# new run would log to it). One rule for both backends.
-PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "tb", "wandb.json", "wandb")
+# their higher steps would make max_to_keep delete the new run's and a resume pick the old run) and the corrupt ones
+# it set aside, its config.yaml (the new run writes its own: the command line that resumes the old run once it is
+# moved back), metrics (the new run would overwrite them), TensorBoard events (the new run's first event would hide
+# the old curves) and W&B run (the new run would log to it). One rule for both backends.
+PREVIOUS_RUN = ("checkpoints", CORRUPT_CHECKPOINTS, "config.yaml", "metrics.jsonl", "tb", "wandb.json", "wandb")
 
 
 def set_aside_previous_run(out_dir: str) -> list[epath.Path]:

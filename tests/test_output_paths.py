@@ -58,13 +58,16 @@ def test_a_run_folder_whose_checkpoints_cannot_be_written_is_refused_at_the_star
 
 
 def test_fresh_starts_in_one_second_keep_every_previous_run(tmp_path, monkeypatch, capsys):
-    """run.fresh moves checkpoints, metrics, TensorBoard events and the W&B run aside, and nothing else; a second fresh
-    start in the same second (the stamp frozen here) moves the next run's aside under a counted name, overwriting
-    nothing (a file renamed onto an existing name would replace it)."""
+    """run.fresh moves checkpoints, the corrupt ones set aside, config.yaml, metrics, TensorBoard events and the W&B
+    run aside, and nothing else (a file of the user's stays); a second fresh start in the same second (the stamp
+    frozen here) moves the next run's aside under a counted name, overwriting nothing (a file renamed onto an
+    existing name would replace it). config.yaml stayed, and the new run overwrote the old run's."""
     monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261125-010203")
+    (tmp_path / "notes.txt").write_text("the user's")
 
     def lay_out_a_run(label):
         (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+        (tmp_path / "checkpoints.corrupt" / "2-20261125-000000").mkdir(parents=True)
         (tmp_path / "tb").mkdir()
         for name in ("metrics.jsonl", "wandb.json", "config.yaml", "tb/events"):
             (tmp_path / name).write_text(label)
@@ -73,14 +76,15 @@ def test_fresh_starts_in_one_second_keep_every_previous_run(tmp_path, monkeypatc
     runfolder.set_aside_previous_run(str(tmp_path))
     lay_out_a_run("second")
     runfolder.set_aside_previous_run(str(tmp_path))
+    moved = ("checkpoints", "checkpoints.corrupt", "config.yaml", "metrics.jsonl", "tb", "wandb.json")
     assert sorted(os.listdir(tmp_path)) == sorted(
-        ["config.yaml"] + [f"{name}.before-fresh-20261125-010203{count}" for name in ("checkpoints", "metrics.jsonl",
-                                                                                   "tb", "wandb.json")
-                           for count in ("", "-1")])
+        ["notes.txt"] + [f"{name}.before-fresh-20261125-010203{count}" for name in moved for count in ("", "-1")])
     for count, label in (("", "first"), ("-1", "second")):
-        assert (tmp_path / f"metrics.jsonl.before-fresh-20261125-010203{count}").read_text() == label
-        assert (tmp_path / f"tb.before-fresh-20261125-010203{count}" / "events").read_text() == label
-    assert (tmp_path / "config.yaml").read_text() == "second"  # the new run writes its own
+        for name in ("metrics.jsonl", "config.yaml", "tb/events"):
+            top, _, below = name.partition("/")
+            assert (tmp_path / f"{top}.before-fresh-20261125-010203{count}" / below).read_text() == label
+        corrupt = tmp_path / f"checkpoints.corrupt.before-fresh-20261125-010203{count}"
+        assert os.listdir(corrupt) == ["2-20261125-000000"]
     assert f"run.fresh: moved the previous run's tb to {tmp_path}/tb.before-fresh-20261125-010203-1" in \
         capsys.readouterr().err
 
