@@ -89,6 +89,10 @@ class Checkpointer:
             enable_async_checkpointing=cfg.checkpoint.async_save,
             cleanup_tmp_directories=True,  # a killed save's <step>.orbax-checkpoint-tmp; on the primary process
             create=True,
+            # The step's folders made in save(), not in a background thread: where that fails (checkpoints/ made
+            # read-only during the run), the write threads orbax starts beside it wait for its signal until
+            # their 300 s timeout, and the process cannot end before them.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         # Arrays uncompressed: zstd spent most of a save's CPU (taken from training by an async save) to shrink
         # weights and moments by ~4% (benchmarks/NOTES.md). Restore reads the codec a checkpoint's metadata names,

@@ -1,6 +1,7 @@
 """Checkpoints that verify themselves: the fingerprint, fallback past a corrupt checkpoint, rotation, keep_best."""
 
 import asyncio
+import contextlib
 import errno
 import glob
 import io
@@ -351,6 +352,49 @@ def test_rotation_deletes_only_after_the_next_checkpoint_is_committed(tmp_path):
     assert [(steps, listed) for steps, listed, _ in seen] == [([1], ["1", "2"])]
     assert seen[0][2] == checkpoint.fingerprint(states[1])
     assert sorted(os.listdir(saver.directory)) == ["2"]
+
+
+@contextlib.contextmanager
+def unwritable(folder: str):
+    """`folder` made unwritable meanwhile: read-only to its user, or immutable where the tests run as root (whom
+    permissions do not stop; chattr +i, which this machine's file systems take)."""
+    if os.geteuid() != 0:
+        os.chmod(folder, 0o555)
+    elif subprocess.run(["chattr", "+i", folder], capture_output=True).returncode != 0:
+        pytest.skip("no way to make a folder unwritable for root here: chattr +i is refused or missing")
+    try:
+        yield
+    finally:
+        os.chmod(folder, 0o755) if os.geteuid() != 0 else subprocess.run(["chattr", "-i", folder], check=True)
+
+
+def test_a_checkpoints_folder_made_unwritable_during_a_run_fails_its_next_save_with_no_thread_left_waiting(tmp_path):
+    """checkpoints/ made unwritable between two saves: the second one's folder could not be made, in the orbax
+    thread that makes it, and the write threads orbax starts beside that one waited for it until their 300 s
+    timeout, which the process's end waited out (measured: the run's error line, then exit after 309 s). Now the
+    step's folder is made in save(): one line naming the cause and the newest complete step, and no thread of the
+    save is left once the checkpointer is closed (within 60 s here, even under load)."""
+    cfg = tiny_cfg(tmp_path)
+    fresh = step_lib.fresh_state(cfg, 256)
+    saver = checkpoint.Checkpointer(cfg)
+    saver.save(fresh._replace(opt_state=fresh.opt_state._replace(gradient_step=jnp.int32(1))), data_seed=0)
+    saver.wait()
+    before = set(threading.enumerate())
+    with unwritable(saver.directory):
+        with pytest.raises(UserError) as failed:
+            saver.save(fresh._replace(opt_state=fresh.opt_state._replace(gradient_step=jnp.int32(2))), data_seed=0)
+            saver.wait()
+        with contextlib.suppress(UserError):  # the failed save, said again
+            saver.close()
+    deadline = time.monotonic() + 60
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not set(threading.enumerate()) - before, [t.name for t in set(threading.enumerate()) - before]
+    assert str(failed.value) == (f"a checkpoint could not be written into {saver.directory} ([Errno 1] Operation "
+                                 f"not permitted: '{saver.directory}/2.orbax-checkpoint-tmp'); the newest complete "
+                                 f"one is step 1: mend what it names (free space, write access, the storage) and "
+                                 f"run the same command to resume")
+    assert sorted(os.listdir(saver.directory)) == ["1"]
 
 
 def array_compressors(state_dir) -> set:
