@@ -365,7 +365,10 @@ def unwritable(folder: str):
     try:
         yield
     finally:
-        os.chmod(folder, 0o755) if os.geteuid() != 0 else subprocess.run(["chattr", "-i", folder], check=True)
+        if os.geteuid() != 0:
+            os.chmod(folder, 0o755)
+        else:
+            subprocess.run(["chattr", "-i", folder], check=True)
 
 
 def test_a_checkpoints_folder_made_unwritable_during_a_run_fails_its_next_save_with_no_thread_left_waiting(tmp_path):
