@@ -151,6 +151,9 @@ class Checkpointer:
             self._set_aside(failed)
             self._go_on_with(resumed_cfg)
             self._set_best(meta.get("best"))
+            if jax.process_index() == 0:
+                runfolder.warn_best_released(self.best, self.manager.all_steps(), self.cfg.checkpoint.keep_best,
+                                             self.cfg.checkpoint.max_to_keep)
             return Resumed(step, state, meta.get("data_seed", meta["config"]["run"]["seed"]), meta.get("tokens"))
         if failed:
             raise UserError(f"none of the {len(failed)} checkpoints in {self.directory} can be resumed (newest: "

@@ -279,6 +279,18 @@ def unwritten_checkpoint(directory: str, error: BaseException | str, newest: int
                      f"names (free space, write access, the storage) and run the same command to resume")
 
 
+def warn_best_released(best: dict | None, steps: list[int], keep_best: bool, max_to_keep: int) -> None:
+    """A resume without checkpoint.keep_best of a run that kept its best save (`best`, from the checkpoint's own
+    record) older than the newest max_to_keep of `steps`: its next save deletes it, as the flag asks, but a resume
+    that merely left the flag out (the base config, not the run's config.yaml) would lose it without a word. Said
+    once, in both backends' words, with the way to keep it."""
+    if keep_best or best is None or best["step"] not in sorted(steps)[:-max_to_keep]:
+        return
+    print(f"warning: checkpoint.keep_best is false, so the next save deletes step {best['step']}, the lowest eval "
+          f"loss kept so far ({best['eval_loss']:.4f}), older than the newest checkpoint.max_to_keep={max_to_keep}; "
+          f"resume with --checkpoint.keep_best=true to keep it", file=sys.stderr)
+
+
 def read_lines(file: epath.Path) -> list[bytes]:
     """The lines of `file` as bytes, each with its line end (decoding is the reader's: a crash can leave bytes
     that are not text); none when it does not exist."""

@@ -197,11 +197,23 @@ def test_keep_best_keeps_the_best_and_the_newest_and_resumes_from_the_newest(tmp
     best, newest = best_eval_step(out_dir), [2, 4, 6, 8][-max_to_keep:]
     assert best not in newest  # else this test shows nothing
     assert saved_steps(out_dir) == sorted([best, *newest])
+    released = str(tmp_path / "released")
+    shutil.copytree(out_dir, released)
 
     run.train(config.load(small_args(out_dir, cache_dir, *args, "--train.steps=10")))
-    assert "resuming from step 8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resuming from step 8" in err and "keep_best is false" not in err
     assert best_eval_step(out_dir) == best
     assert saved_steps(out_dir) == sorted([best, *[4, 6, 8, 10][-max_to_keep:]])
+
+    # A resume without the flag deletes the best at its next save, as asked; it says so first, once.
+    run.train(config.load(small_args(released, cache_dir, *args, "--checkpoint.keep_best=false", "--train.steps=10")))
+    eval_loss = {line["step"]: line["eval_loss"] for line in read_metrics(released) if "eval_loss" in line}[best]
+    warning = (f"warning: checkpoint.keep_best is false, so the next save deletes step {best}, the lowest eval loss "
+               f"kept so far ({eval_loss:.4f}), older than the newest checkpoint.max_to_keep={max_to_keep}; resume "
+               f"with --checkpoint.keep_best=true to keep it")
+    assert capsys.readouterr().err.count(warning) == 1
+    assert saved_steps(released) == [4, 6, 8, 10][-max_to_keep:]
 
 
 def best_eval_step(out_dir) -> int:

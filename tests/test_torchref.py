@@ -422,7 +422,7 @@ def test_a_save_before_any_update_holds_zero_moments_and_resumes_exactly(token_d
     assert all(torch.equal(a, b) for a, b in zip(final_tensors(resumed).values(), final_tensors(straight).values()))
 
 
-def test_keep_best_keeps_the_lowest_eval_loss_across_a_resume(tmp_path):
+def test_keep_best_keeps_the_lowest_eval_loss_across_a_resume(tmp_path, capsys):
     """checkpoint.keep_best, as jaxtrain keeps it: the newest checkpoint and the save of the lowest eval loss (the
     eval lines of metrics.jsonl say which), also after a resume, which must remember the best of the steps before
     it (before, torchref ignored the key and deleted that checkpoint). The scenario, the best older than the resume,
@@ -439,7 +439,17 @@ def test_keep_best_keeps_the_lowest_eval_loss_across_a_resume(tmp_path):
         evals = {line["step"]: line["eval_loss"] for line in read_metrics(out) if "eval_loss" in line}
         best = min(evals, key=evals.get)
         assert sorted(map(int, os.listdir(os.path.join(out, "checkpoints")))) == sorted({best, steps}), evals
+        if steps == 6:
+            shutil.copytree(out, str(tmp_path / "released"))
     assert best == 3, evals  # the scenario's premise, as the data makes it
+    # A resume without the flag deletes the best at its next save, as asked; it says so first, in jaxtrain's words.
+    capsys.readouterr()
+    run.train(tiny_cfg(data, str(tmp_path / "released"), *args, "--checkpoint.keep_best=false", "--train.steps=9"))
+    assert capsys.readouterr().err.count(
+        f"warning: checkpoint.keep_best is false, so the next save deletes step 3, the lowest eval loss kept so far "
+        f"({evals[3]:.4f}), older than the newest checkpoint.max_to_keep=1; resume with --checkpoint.keep_best=true "
+        f"to keep it") == 1
+    assert os.listdir(tmp_path / "released" / "checkpoints") == ["9"]
 
 
 def test_a_dry_run_is_refused_before_the_run_folder_is_touched(token_dir, tmp_path):

@@ -143,6 +143,8 @@ def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> t
         load_weights(path, model)
         progress = _restore_training(path, state, model, optimizer)
         progress.best = state.get("best")  # this run's own: init.from starts a run with none
+        runfolder.warn_best_released(progress.best, _saved_steps(os.path.dirname(path)), cfg.checkpoint.keep_best,
+                                     cfg.checkpoint.max_to_keep)
         return progress, cfg
 
 
