@@ -6,7 +6,9 @@ reducer); and the element types of the dots of a lowered one (`lowered.as_text()
 import contextlib
 import re
 
-from jaxtrain import autocast
+import jaxlib
+
+from jaxtrain import autocast, kernel_choice
 from jaxtrain import step
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.-]+) .*?\{\n(.*?)^\}", re.S | re.M)
@@ -50,7 +52,11 @@ def traced_for(platform: str) -> contextlib.ExitStack:
 def options_for(platform: str, precision: str = "bf16") -> dict:
     """The compile options of a program traced_for(platform), as the step's (step.compiler_options) on this
     machine: for "cpu-onednn" oneDNN's dots, every rounding kept; none for the others (a GPU's trace runs here on
-    XLA:CPU)."""
+    XLA:CPU). On a jaxlib below kernel_choice.ONEDNN_BF16_JAXLIB, where jaxtrain never asks for oneDNN's dots (its
+    experimental oneDNN path crashed a run, benchmarks/NOTES.md CPU step 6, and aborted a test's compile in a CI run
+    on 2026-12-01), the trace compiles on XLA's own dots."""
     if platform != "cpu-onednn":
         return {}
-    return {**autocast.rounding_options("cpu", precision, onednn=True), **step.ONEDNN_DOTS}
+    jaxlib_version = tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
+    dots = step.ONEDNN_DOTS if jaxlib_version >= kernel_choice.ONEDNN_BF16_JAXLIB else {}
+    return {**autocast.rounding_options("cpu", precision, onednn=True), **dots}
