@@ -176,6 +176,8 @@ def _read_meta(path: str, fix: str = _PREPARE_HINT) -> dict:
                         f"meta.json); {_PREPARE_HINT}")
     if not os.path.isdir(path):
         raise UserError(f"data folder {path!r} not found; {fix}")
+    if not os.access(path, os.R_OK | os.X_OK):  # else its files look missing
+        raise _unreadable(f"data folder {path!r}")
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_path):
         raise UserError(f"{meta_path} is missing (not a jaxtrain data folder, or its prepare was cut short); "
@@ -185,6 +187,8 @@ def _read_meta(path: str, fix: str = _PREPARE_HINT) -> dict:
             meta = json.load(f)
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8 (both ValueErrors), or nesting too deep to parse
         raise UserError(f"{meta_path} is not valid JSON ({e}); {_recreate(fix)}") from None
+    except PermissionError:
+        raise _unreadable(meta_path) from None
     expected = ", ".join(f"{k}: {t.__name__}" for k, t in _META_TYPES.items())
     if not isinstance(meta, dict) or any(type(meta.get(k)) is not t for k, t in _META_TYPES.items()):
         raise UserError(f"{meta_path} is malformed: it must hold {{{expected}}}; {_recreate(fix)}")
@@ -211,7 +215,15 @@ def _open_split(path: str, split: str, dtype: np.dtype, n_tokens: int, seq_len: 
         more = "lower model.seq_len or prepare more text" if seq_len > 1 else "prepare more text"  # 1: the least
         raise UserError(f"{file} has {n_tokens} tokens but a window of model.seq_len={seq_len} needs "
                         f"{seq_len + 1}; {more}")
-    return np.memmap(file, dtype=dtype, mode="r")
+    try:
+        return np.memmap(file, dtype=dtype, mode="r")
+    except PermissionError:
+        raise _unreadable(file) from None
+
+
+def _unreadable(what: str) -> UserError:
+    return UserError(f"{what} cannot be read by this user (its permissions); make it readable (chmod), or ask its "
+                     f"owner to")
 
 
 def _size_mismatch(file: str, size: int, dtype: np.dtype, n_tokens: int, fix: str) -> str:

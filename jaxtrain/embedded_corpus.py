@@ -8,12 +8,12 @@ numpy and the standard library only, as jaxtrain.data, which loads it.
 import hashlib
 import os
 import pathlib
-import shutil
 import sys
 import sysconfig
 import zlib
 
 from jaxtrain import prepare as prepare_lib
+from jaxtrain import runfolder, staging
 from jaxtrain.errors import UserError
 
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
@@ -26,6 +26,9 @@ def folder(cache_dir: str | None) -> str:
     The folder name carries the Python version and a hash of the file list and sizes, so another interpreter
     prepares its own corpus instead of reading a stale one.
     """
+    if cache_dir is not None and runfolder.is_url(cache_dir):  # else prepared into a local folder named gs:
+        raise UserError(f"data.cache_dir={cache_dir!r} is a URL, and the embedded corpus is prepared into a local "
+                        f"folder (~30 MB, once): give a local data.cache_dir, or leave it out (~/.cache/jaxtrain)")
     root = sysconfig.get_paths()["stdlib"]
     files = stdlib_sources(root)
     listing = "".join(f"{rel} {os.path.getsize(os.path.join(root, rel))}\n" for rel in files)
@@ -63,7 +66,7 @@ def prepare(root: str, files: list[str], out: str) -> None:
     parent = os.path.dirname(out)
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = prepare_lib.staging_folder(parent, refuse_live=False)
+        tmp = staging.make(parent, refuse_live=False)
     except OSError as e:
         raise UserError(f"cannot write the embedded corpus to {parent} ({e}); "
                         f"set data.cache_dir to a writable folder") from None
@@ -76,4 +79,4 @@ def prepare(root: str, files: list[str], out: str) -> None:
             raise UserError(f"cannot write the embedded corpus to {out} ({e}); set data.cache_dir to a writable "
                             f"folder with ~30 MB free") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.release(tmp)

@@ -16,10 +16,7 @@ import math
 import os
 import pathlib
 import re
-import secrets
-import shutil
 import signal
-import socket
 import sys
 import time
 
@@ -29,6 +26,7 @@ from tqdm import tqdm
 from jaxtrain import gpt2_bpe
 from jaxtrain import prepare_inputs
 from jaxtrain import runfolder
+from jaxtrain import staging as staging_lib
 from jaxtrain.errors import UserError, exit_no_command_of_its_own
 
 TOKENIZERS = ("bytes", "gpt2")
@@ -135,6 +133,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
         runfolder.check_given(value, flag, "a folder or file by name")
     runfolder.check_not_url(out, "--out")  # else written to a local folder named gs:
     runfolder.check_writable(out, "--out")
+    if os.path.isdir(out):  # a killed prepare's gigabytes go even where this one is refused; a live one refuses
+        staging_lib.remove_killed(out, refuse_live=True)
     existing = [name for name in prepare_inputs.DATA_FILES if os.path.lexists(os.path.join(out, name))]
     if existing and not overwrite:
         raise UserError(f"--out {out} already holds data ({', '.join(existing)}), which runs trained on it need to "
@@ -155,8 +155,13 @@ def _write_into(out: str, files: list[pathlib.Path], tokenizer: str, encoder: tu
     complete; returns the meta. The staging folder goes whatever happens, and so does `out` if this made it and it
     is left empty."""
     created = not os.path.isdir(out)
-    os.makedirs(out, exist_ok=True)
-    staging = staging_folder(out, refuse_live=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+        staging = staging_lib.make(out, refuse_live=True)
+    except OSError as e:  # what runfolder.unwritable cannot foresee: /proc, a name too long, a dangling link
+        if created and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)
+        raise UserError(f"--out {out} cannot be made or written into ({e}); choose another --out") from None
     try:
         meta = _write_data(staging, files, tokenizer, *encoder, val_fraction, workers)
         _check_splits(meta, inputs, val_fraction)
@@ -167,7 +172,7 @@ def _write_into(out: str, files: list[pathlib.Path], tokenizer: str, encoder: tu
         with _signals_deferred(f"the new data is in place in {out}"):
             _move_into_place(staging, out)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        staging_lib.release(staging)
         if created and not os.listdir(out):
             os.rmdir(out)
     return meta
@@ -220,50 +225,6 @@ def _fewest_tokens(val_fraction: float) -> int:
     while min(int(n * val_fraction), n - int(n * val_fraction)) < m:
         n += 1
     return n
-
-
-_STAGING = ".prepare-"  # + host-pid-random: the staging folder of the prepare of that process
-
-
-def staging_folder(out: str, *, refuse_live: bool) -> str:
-    """A new staging folder in `out` for this process, after removing those that killed prepares left there
-    (_remove_killed_stagings). Made by os.mkdir, with the umask's permissions, those of any folder the user makes:
-    tempfile.mkdtemp's 0700 kept a shared cache's other users out of the folder it is renamed into."""
-    _remove_killed_stagings(out, refuse_live)
-    staging = os.path.join(out, f"{_STAGING}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(8)}")
-    os.mkdir(staging)
-    return staging
-
-
-def _remove_killed_stagings(out: str, refuse_live: bool) -> None:
-    """Delete the staging folders in `out` that prepares killed on this host left (a kill -9 or a second Ctrl-C
-    runs no clean-up; each may hold gigabytes of tokens). refuse_live: refuse while another prepare is writing into
-    `out`, whose files and this one's would replace each other's one by one (else leave its folder be: the
-    embedded corpus, where the loser of a race drops its copy). A staging folder of another host is left: its
-    process cannot be seen."""
-    host = socket.gethostname()
-    for name in sorted(os.listdir(out)):
-        owner = re.fullmatch(rf"{re.escape(_STAGING + host)}-(\d+)-\w+", name)
-        if not (owner and os.path.isdir(os.path.join(out, name))):
-            continue
-        pid = int(owner.group(1))
-        alive = _alive(pid)
-        if alive and refuse_live:
-            raise UserError(f"another prepare (process {pid}) is writing into --out {out}; wait for it to finish, "
-                            f"or choose another --out")
-        if not alive:
-            shutil.rmtree(os.path.join(out, name))
-            print(f"prepare: removed {os.path.join(out, name)}, left by a prepare that was killed", file=sys.stderr)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
 
 
 # Off a terminal (nohup, SLURM, CI), where tqdm shows no bar, a progress line this often

@@ -57,8 +57,8 @@ def _folder_files(folder: str, out_real: str, seen: set[str], skipped: dict) -> 
     (.git, .DS_Store), jaxtrain data folders (an earlier prepare's train.bin), --out, and folders seen before."""
     if _folder_skip(folder, out_real, seen, skipped):
         return []
-    files = []
-    for root, dirs, names in os.walk(folder, followlinks=True):
+    files, unreadable = [], []
+    for root, dirs, names in os.walk(folder, followlinks=True, onerror=unreadable.append):
         dirs[:] = [d for d in sorted(dirs) if not (_hidden(os.path.join(root, d), skipped)
                                                    or _folder_skip(os.path.join(root, d), out_real, seen, skipped))]
         for name in sorted(names):  # the first skipped of a kind, named on stderr, is the same every time
@@ -69,6 +69,9 @@ def _folder_files(folder: str, out_real: str, seen: set[str], skipped: dict) -> 
                 files.append(pathlib.Path(path))
             else:
                 skipped[_NOT_FILE].append(path)
+    if unreadable:  # os.walk leaves such a folder out without a word, as its files would be if read
+        raise UserError(f"--input folder {unreadable[0].filename} cannot be read by this user ({len(unreadable)} "
+                        f"such folder(s)); fix its permissions or leave it out")
     return sorted(files)
 
 

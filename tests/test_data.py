@@ -1,11 +1,13 @@
 """jaxtrain.data: deterministic batches, prepare, the embedded corpus, and one clear error per kind of bad data."""
 
 import dataclasses
+import fcntl
 import gzip
 import itertools
 import json
 import math
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -439,18 +441,69 @@ def test_a_prepare_killed_mid_write_is_cleaned_up_by_the_next_and_a_live_one_ref
     while not list(out.glob(".prepare-*/train.bin")):
         assert killed.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
+    [staging] = out.glob(".prepare-*")
     code, err = _prepare_cli(capsys, *args[1:-4])
     assert (code, err.strip().splitlines()) == (2, [
-        "prepare: reading 2 file(s)",
-        f"error: another prepare (process {killed.pid}) is writing into --out {out}; wait for it to finish, or "
-        f"choose another --out"])
+        f"error: another prepare (process {killed.pid}) is writing into --out {out} (its {staging.name}); wait for "
+        f"it to finish, or choose another --out"])
     killed.kill()
     assert killed.wait() == -signal.SIGKILL
-    [staging] = out.glob(".prepare-*")
     assert {name: body for name, body in _files_under(out).items() if not name.startswith(".prepare-")} == before
     code, err = _prepare_cli(capsys, *args[1:-4])
     assert code == 0 and f"prepare: removed {staging}, left by a prepare that was killed" in err, err
     assert _files_under(out) == _files_under(tmp_path / "uninterrupted")
+
+
+def test_a_killed_prepares_folder_goes_even_when_the_next_prepare_is_refused(prepared, capsys):
+    """A prepare --overwrite killed mid-write, then one without --overwrite: refused, as it must be, and the killed
+    one's staging folder (gigabytes on a real corpus) stayed, unmentioned. It goes first now, saying so."""
+    text, out, before = prepared
+    killed = out / f".prepare-{socket.gethostname()}-1-deadbeef"  # process 1 lives: a reused id
+    killed.mkdir()
+    (killed / "train.bin").write_bytes(b"partial")
+    code, err = _prepare_cli(capsys, "--input", str(text), "--out", str(out))
+    removed = f"prepare: removed {killed}, left by a prepare that was killed"
+    assert code == 2 and err.strip().splitlines()[0] == removed
+    assert "already holds data" in err and _files_under(out) == before
+
+
+@pytest.mark.parametrize("out", ["dangling link", "a name too long", "/proc"])
+def test_an_out_that_cannot_be_made_is_refused_in_one_line(tmp_path, capsys, out):
+    """What runfolder.unwritable cannot foresee ended in a traceback from os.makedirs (exit 1)."""
+    text = tmp_path / "in.txt"
+    text.write_text("some text to tokenize\n" * 50)
+    if out == "dangling link":
+        out = tmp_path / "link"
+        out.symlink_to(tmp_path / "nowhere")
+    elif out == "a name too long":
+        out = tmp_path / ("x" * 300)
+    else:
+        out = pathlib.Path("/proc/jaxtrain-data")
+    code, err = _prepare_cli(capsys, "--input", str(text), "--out", str(out))
+    [line] = err.strip().splitlines()[-1:]
+    assert code == 2 and "Traceback" not in err, err
+    assert line.startswith(f"error: --out {out} ") and line.endswith("; choose another --out"), line
+
+
+def test_an_input_folder_this_user_cannot_read_is_refused_not_left_out(tmp_path, capsys, monkeypatch):
+    """os.walk leaves a folder it cannot list out without a word: its files were not read, and the line that names
+    what was skipped did not name it. (Root reads any folder: the listing's refusal is made here.)"""
+    text = tmp_path / "txt"
+    (text / "locked").mkdir(parents=True)
+    (text / "a.txt").write_text("some text to tokenize\n" * 50)
+    (text / "locked" / "b.txt").write_text("more text\n" * 50)
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if os.fspath(path) == str(text / "locked"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    code, err = _prepare_cli(capsys, "--input", str(text), "--out", str(tmp_path / "out"))
+    assert (code, err.strip()) == (2, f"error: --input folder {text / 'locked'} cannot be read by this user (1 such "
+                                      f"folder(s)); fix its permissions or leave it out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_sigterm_during_prepare_cleans_up_as_ctrl_c_does(prepared, capsys, tmp_path):
@@ -588,15 +641,18 @@ def test_embedded_corpus_entropies_are_the_documented_yardstick(embedded):
 def test_embedded_corpus_is_prepared_once_and_atomically(tmp_path, capsys):
     """Also: a staging folder that a killed start-up left (a second Ctrl-C exits at once) is removed, one of a live
     process is left to it; and the corpus folder has the umask's permissions, as a folder the user makes."""
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     host = socket.gethostname()
-    killed, live = (tmp_path / f".prepare-{host}-{ended.stdout.strip()}-x1", tmp_path / f".prepare-{host}-1-x2")
-    killed.mkdir(), live.mkdir()  # pid 1: alive
+    # Process 1 is alive, as a killed prepare's reused id may be: the folder's lock, not its name, tells a live one.
+    killed, live = (tmp_path / f".prepare-{host}-1-x1", tmp_path / f".prepare-{host}-1-x2")
+    killed.mkdir(), live.mkdir()
+    held = os.open(live, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
     (tmp_path / "made-by-the-user").mkdir()
     cfg = DataConfig(cache_dir=str(tmp_path))
     path = data.load(cfg, seq_len=128).path
     assert "preparing embedded corpus" in capsys.readouterr().out
     assert not killed.exists() and live.exists()
+    os.close(held)
     live.rmdir()
     assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(tmp_path / "made-by-the-user").st_mode)
     (tmp_path / "made-by-the-user").rmdir()
@@ -684,6 +740,41 @@ def test_bad_folder_is_one_user_error(tmp_path, case):
         data.load(DataConfig(path=path), seq_len=seq_len)
     for word in words:
         assert word in str(e.value)
+
+
+@pytest.mark.parametrize("unreadable", ["folder", "meta.json", "train.bin"])
+def test_data_this_user_cannot_read_is_named_with_its_permissions(tmp_path, monkeypatch, unreadable):
+    """A data file whose permissions keep this user out ended in a PermissionError traceback (meta.json, train.bin),
+    and a folder it cannot list was said to lack its meta.json. (Root reads anything: the refusals are made here.)"""
+    path = _folder(tmp_path)
+    target = path if unreadable == "folder" else os.path.join(path, unreadable)
+    access, real_open = os.access, open
+
+    def refusing_open(file, *args, **kwargs):
+        if file == target:
+            raise PermissionError(13, "Permission denied", file)
+        return real_open(file, *args, **kwargs)
+
+    if unreadable == "folder":
+        monkeypatch.setattr(os, "access", lambda p, mode: p != path and access(p, mode))
+    elif unreadable == "meta.json":
+        monkeypatch.setattr("builtins.open", refusing_open)
+    else:  # numpy's memmap opens its file with open()
+        monkeypatch.setattr(np, "memmap", lambda file, **kwargs: refusing_open(file))
+    with pytest.raises(UserError) as e:
+        data.load(DataConfig(path=path), seq_len=8)
+    named = f"data folder {path!r}" if unreadable == "folder" else target
+    assert str(e.value) == f"{named} cannot be read by this user (its permissions); make it readable (chmod), or " \
+                           f"ask its owner to"
+
+
+def test_a_url_cache_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """data.cache_dir=gs://... prepared 24 MB into a local folder named gs:, then refused it as a URL data folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^data.cache_dir='gs://bucket/cache' is a URL, and the embedded corpus is "
+                                        r"prepared into a local folder"):
+        data.load(DataConfig(cache_dir="gs://bucket/cache"), seq_len=8)
+    assert os.listdir(tmp_path) == []
 
 
 def test_token_id_beyond_vocab_is_named(tmp_path):
