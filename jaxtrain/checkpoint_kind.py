@@ -76,9 +76,10 @@ def read_trainer_state(path: str) -> dict:
         found = state.get("format") if isinstance(state, dict) else None
         raise DamagedTrainerState(f"{file} is not a {FORMAT} trainer state (format {found!r})",
                                   "point at a torch-format folder")
-    for key, (kind, words) in {"step": (int, "an integer >= 0"), "tied_embeddings": (bool, "a boolean"),
+    for key, (kind, words) in {"step": (int, "an integer from 0 to 2^31 - 1"), "tied_embeddings": (bool, "a boolean"),
                                "data": (dict, "an object"), "config": (dict, "an object")}.items():
-        if not isinstance(state.get(key), kind) or (key == "step" and (state[key] < 0 or not _is_int(state[key]))):
+        if not isinstance(state.get(key), kind) or (key == "step" and not (_is_int(state[key]) and  # int32 steps
+                                                                            0 <= state[key] < 2**31)):
             _damaged(file, key, f"missing or not {words}", state.get(key))
     data, step = state["data"], state["step"]
     if not _is_int(data.get("seed")):

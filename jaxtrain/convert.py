@@ -29,6 +29,7 @@ from jaxtrain import data as data_lib
 from jaxtrain import gpt2_bpe
 from jaxtrain import hf_format
 from jaxtrain import mesh as mesh_lib
+from jaxtrain import orbax_quiet
 from jaxtrain import runfolder
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
@@ -140,8 +141,9 @@ def restore_step(step_dir: str, fix: str | None = None):
     which are listed only then)."""
     root, name = os.path.split(os.path.normpath(os.path.abspath(step_dir)))
     step = int(name)
-    with ocp.CheckpointManager(root, item_handlers={"state": ocp.StandardCheckpointHandler(),
-                                                    "meta": ocp.JsonCheckpointHandler()}) as manager:
+    orbax_quiet.filter_logs()  # a corrupt step: one line, not orbax's tracebacks and its loops' (as a resume)
+    with orbax_quiet.DRAINING.meanwhile(), ocp.CheckpointManager(root, item_handlers={
+            "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}) as manager:
         with _unreadable(step_dir, fix):
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         try:
@@ -171,27 +173,30 @@ def from_torch(src: str, out_dir: str) -> None:
     trainer_state = checkpoint_kind.read_trainer_state(src)
     cfg = config_lib.from_dict(trainer_state["config"])
     # run.seed orders jaxtrain's batches: the run goes on with the data order the checkpoint was trained on.
-    cfg.run.out_dir, cfg.run.seed, cfg.run.fresh = out_dir, trainer_state["data"]["seed"], False
+    # An absolute run.out_dir: config.yaml resumes the run from any folder (a relative one named a folder below it).
+    cfg.run.out_dir, cfg.run.seed, cfg.run.fresh = os.path.abspath(out_dir), trainer_state["data"]["seed"], False
     if cfg.model.vocab_size is None:  # written down, so that the run folder does not depend on the data for it
         cfg.model.vocab_size = torch_format.vocab_size(src)
     state, _ = torch_format.load(src, step_lib.fresh_state(_for_shapes(cfg), cfg.model.vocab_size), cfg)
     _check_finite(state, src)
     existed = os.path.isdir(out_dir)
     try:
-        config_lib.save(cfg, out_dir)
         checkpointer = checkpoint_lib.Checkpointer(cfg, trainer_state.get("data_fingerprint"))
         try:
             checkpointer.save(state, cfg.run.seed, tokens=trainer_state["data"].get("tokens"))
             checkpointer.wait()
         finally:
             checkpointer.close()  # the save's writes end here, before a failure removes what they wrote
+        # Last: a conversion killed before it (kill -9 runs no clean-up) leaves no config.yaml, whose resume
+        # command would have trained from step 0 beside an empty checkpoints/.
+        config_lib.save(cfg, out_dir)
     except BaseException:  # a complete conversion or nothing, as the other conversions (folder_into_place)
         shutil.rmtree(out_dir, ignore_errors=True)
         if existed:  # it was an empty folder (check_new_folder): left as it was
             os.makedirs(out_dir, exist_ok=True)
         raise
     print(f"wrote {out_dir} (step {int(state.step)}); resume with "
-          f"`python -m jaxtrain.run --config {os.path.join(out_dir, 'config.yaml')}`", file=sys.stderr)
+          f"`python -m jaxtrain.run --config {os.path.join(cfg.run.out_dir, 'config.yaml')}`", file=sys.stderr)
 
 
 def _check_finite(state, src: str) -> None:

@@ -153,15 +153,33 @@ def vocab_size(path: str) -> int:
 def check_new_folder(out_dir: str) -> None:
     """Conversions never overwrite: out_dir must not exist yet, or be empty; and it must be writable, which is
     checked before the source is read. It cannot be the folder the command runs in: a conversion is a folder
-    of its own."""
+    of its own; nor a link to a folder that does not exist, nor inside a run's checkpoints/, where rotation deletes
+    it with its step and a resume refuses a folder that is no step."""
     runfolder.check_not_url(out_dir, "DST")
     if not out_dir.strip() or os.path.abspath(out_dir) == os.getcwd():
         raise UserError(f"DST {out_dir!r} is the folder this command runs in; the conversion is made as a new "
                         f"folder: name one, e.g. ./converted")
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):
+        raise UserError(f"DST {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist; make "
+                        f"that folder, or choose another DST")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise UserError(f"{out_dir} already exists and is not an empty folder; choose a new output folder or "
                         f"delete it")
+    checkpoints = next((folder for folder in _ancestors(out_dir) if os.path.basename(folder) == "checkpoints"
+                        and os.path.isfile(os.path.join(os.path.dirname(folder), "config.yaml"))), None)
+    if checkpoints is not None:
+        raise UserError(f"DST {out_dir} lies in the run folder's {checkpoints}, where the run's rotation would "
+                        f"delete it with its step, or a resume refuse it; choose a folder outside checkpoints/")
     runfolder.check_writable(out_dir, "DST")
+
+
+def _ancestors(path: str) -> list[str]:
+    """`path` made absolute and each folder above it, nearest first."""
+    path, found = os.path.abspath(path), []
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        found.append(path)
+    return found
 
 
 def _trainer_state(step: int, skipped: int, tied: bool, cfg: Config, lr_scales: list[float], data: dict,

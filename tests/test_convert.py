@@ -7,10 +7,13 @@ optimizer leaf (moments, counts) holds a value that a mapping bug would change.
 
 import dataclasses
 import functools
+import glob
 import json
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -175,8 +178,10 @@ DAMAGE = {
                           _edit_trainer_state(lambda state: state.update(skipped=9))),
     "skipped negative": ("trainer_state.json", "'skipped' is not an integer from 0 to step",
                          _edit_trainer_state(lambda state: state.update(skipped=-1))),
-    "step a boolean": ("trainer_state.json", "'step' is missing or not an integer >= 0 (got True)",
+    "step a boolean": ("trainer_state.json", "'step' is missing or not an integer from 0 to 2^31 - 1 (got True)",
                        _edit_trainer_state(lambda state: state.update(step=True))),
+    "step past int32": ("trainer_state.json", "'step' is missing or not an integer from 0 to 2^31 - 1 (got "
+                        "1000000000000)", _edit_trainer_state(lambda state: state.update(step=10**12))),
     "tokens negative": ("trainer_state.json", "'data.tokens' is not an integer >= 0 (got -1)",
                         _edit_trainer_state(lambda state: state["data"].update(tokens=-1))),
     "rng a list": ("trainer_state.json", "'rng' is not {torch: <base64> or null, cuda: <base64> or null} (got [1])",
@@ -446,6 +451,56 @@ def test_a_step_folder_holding_another_step_is_refused_by_the_converters_and_the
     with pytest.raises(UserError) as e:
         sample.load(str(tmp_path / "run"), None, None, None)
     assert str(e.value) == f"{why}; sample another of its checkpoints with --step ({STEPS})"
+
+
+def test_a_step_whose_arrays_cannot_be_read_is_one_line_from_the_converter(tmp_path):
+    """A flipped byte in a step's largest data file: the converter's one line came after 50-325 lines of orbax's
+    tracebacks and "Event loop is closed" reports (a resume, through checkpoint.py's quieting, said one line)."""
+    step_dir = _saved_run(tmp_path)
+    data_file = max(glob.glob(os.path.join(step_dir, "state", "d", "*")), key=os.path.getsize)
+    body = bytearray(open(data_file, "rb").read())
+    body[len(body) // 2] ^= 0xFF
+    open(data_file, "wb").write(bytes(body))
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.convert", "to-torch", step_dir, str(tmp_path / "t")],
+                          capture_output=True, text=True)
+    [line] = proc.stderr.splitlines()
+    assert proc.returncode == 2 and line.startswith(f"error: checkpoint {step_dir} cannot be read ("), proc.stderr
+    assert line.endswith("convert another step folder of the run") and not (tmp_path / "t").exists()
+
+
+def test_a_destination_that_would_be_lost_or_cannot_be_made_is_refused_before_the_source_is_read(tmp_path):
+    """DST a link to nowhere ended in a traceback, exit 1; DST in a run's checkpoints/ was written, then deleted
+    with its step by the run's rotation (an export inside the step folder), or it stopped every resume."""
+    step_dir = _saved_run(tmp_path)
+    (tmp_path / "run" / "config.yaml").write_text("the run's\n")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for dst, says in [(tmp_path / "link", f"DST {tmp_path / 'link'} is a symbolic link to {tmp_path / 'nowhere'}, "
+                                          f"which does not exist; make that folder, or choose another DST"),
+                      (checkpoints / str(STEPS) / "torch", f"DST {checkpoints / str(STEPS) / 'torch'} lies in the "
+                                                            f"run folder's {checkpoints}, where the run's rotation"),
+                      (checkpoints / "export", f"DST {checkpoints / 'export'} lies in the run folder's "
+                                               f"{checkpoints}")]:
+        for command in ("to-torch", "to-hf"):
+            with pytest.raises(UserError) as refused:
+                getattr(convert, command.replace("-", "_"))(step_dir, str(dst))
+            assert str(refused.value).startswith(says), refused.value
+    assert os.listdir(checkpoints) == [str(STEPS)] and "torch" not in os.listdir(checkpoints / str(STEPS))
+
+
+def test_from_torch_writes_its_config_last_and_with_an_absolute_out_dir(tmp_path, monkeypatch):
+    """A from-torch killed before its checkpoint was complete left config.yaml beside an empty checkpoints/, and its
+    resume command trained from step 0; a relative DST wrote a relative run.out_dir, which resumed from another
+    folder into a new one there, from step 0."""
+    torch_dir = str(tmp_path / "t")
+    convert.to_torch(_saved_run(tmp_path), torch_dir)
+    written, save = [], config.save
+    monkeypatch.setattr(config, "save", lambda cfg, out_dir: (written.append(
+        checkpoint.saved_steps(out_dir)), save(cfg, out_dir))[1])
+    monkeypatch.chdir(tmp_path)
+    convert.from_torch(torch_dir, "back")
+    assert written == [[STEPS]]  # the step complete when config.yaml was written
+    assert config.load(["--config", str(tmp_path / "back" / "config.yaml")]).run.out_dir == str(tmp_path / "back")
 
 
 def copy_step(step_dir: str, step: int) -> str:

@@ -308,7 +308,7 @@ def test_a_damaged_init_from_source_is_not_to_be_deleted(straight_run, token_dir
 # reader is jaxtrain's now, checkpoint_kind.read_trainer_state): each, and what the error says of it.
 TRAINER_STATE_DAMAGE = {
     "no data seed": (lambda s: s["data"].pop("seed"), "'data.seed' is missing or not an integer (got None)"),
-    "no step": (lambda s: s.pop("step"), "'step' is missing or not an integer >= 0 (got None)"),
+    "no step": (lambda s: s.pop("step"), "'step' is missing or not an integer from 0 to 2^31 - 1 (got None)"),
     "rng a list": (lambda s: s.update(rng=[1]), "'rng' is not {torch: <base64> or null"),
     "rng not torch's": (lambda s: s["rng"].update(torch="AAAA"), "'rng' does not hold torch's RNG states ("),
     "loss scale text": (lambda s: s.update(loss_scale={"scale": "x", "growth_tracker": 0}),
