@@ -116,6 +116,7 @@ def from_hf(src: str, out_dir: str) -> None:
     model = hf_format.model_overrides(config, os.path.join(src, hf_format.CONFIG))
     tensors = hf_format.lm_head_model_tensors(hf_format.read_tensors(src), model["n_layer"], model["tie_embeddings"],
                                               os.path.join(src, hf_format.MODEL))
+    hf_format.check_shapes(tensors, model, os.path.join(src, hf_format.MODEL))
     if model["tie_embeddings"]:
         tensors.pop(hf_format.LM_HEAD, None)  # the same array as wte's, where a writer kept it
     hf_format.write(out_dir, hf_format.to_nanogpt(tensors), config, carried=hf_format.carried_files(src))

@@ -64,6 +64,7 @@ def model_overrides(hf: dict, file: str) -> dict:
     cannot compute the same way."""
     if hf.get("model_type") != "gpt2":
         raise UserError(f"{file}: model_type {hf.get('model_type')!r}; only GPT-2 (GPT2LMHeadModel) converts")
+    _check_types(hf, file)
     d = hf.get("n_embd", 768)
     unlike = {"activation_function": (hf.get("activation_function", "gelu_new"), "gelu"),
               "n_inner": (4 * d if hf.get("n_inner") is None else hf["n_inner"], 4 * d),  # None: HF's 4 x n_embd
@@ -74,12 +75,45 @@ def model_overrides(hf: dict, file: str) -> dict:
     for key, (found, jaxtrain_has) in unlike.items():
         if found != jaxtrain_has:
             gelu_note = (" (GPT-2's own checkpoints use the tanh GELU, gelu_new, which jaxtrain does not implement)"
-                         if key == "activation_function" else "")
+                         if (key, found) == ("activation_function", "gelu_new") else "")
             raise UserError(f"{file}: {key}={found!r}, where jaxtrain's model (nanoGPT's) has {jaxtrain_has!r}; "
                             f"converted, the model would compute something else{gelu_note}")
     return {"vocab_size": hf.get("vocab_size", 50257), "seq_len": hf.get("n_positions", 1024),
             "n_layer": hf.get("n_layer", 12), "n_head": hf.get("n_head", 12), "d_model": d,
             "dropout": hf.get("resid_pdrop", 0.1), "bias": True, "tie_embeddings": hf.get("tie_word_embeddings", True)}
+
+
+# config.json's keys that shape the model: each a whole number > 0 where given (HF's defaults otherwise)
+_SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+
+
+def _check_types(hf: dict, file: str) -> None:
+    """One UserError naming the first key of the wrong type (a hand-edited config.json: "2", 2.0, "yes")."""
+    for key in _SIZES:
+        if key in hf and not (type(hf[key]) is int and hf[key] > 0):
+            raise UserError(f"{file}: {key}={hf[key]!r}, where a whole number > 0 is needed")
+    if hf.get("n_embd", 768) % hf.get("n_head", 12):
+        raise UserError(f"{file}: n_head={hf.get('n_head', 12)} does not divide n_embd={hf.get('n_embd', 768)}")
+    if not isinstance(hf.get("tie_word_embeddings", True), bool):
+        raise UserError(f"{file}: tie_word_embeddings={hf['tie_word_embeddings']!r}, where true or false is needed")
+    dropout = hf.get("resid_pdrop", 0.1)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise UserError(f"{file}: resid_pdrop={dropout!r}, where a number in [0, 1) is needed")
+
+
+def check_shapes(tensors: dict[str, np.ndarray], model: dict, file: str) -> None:
+    """Each tensor (HF's names and Conv1D layout) the shape config.json's model gives it, or one UserError naming
+    the first that differs: config.json and the weights disagree, and a run would refuse the conversion later."""
+    d, V, T = model["d_model"], model["vocab_size"], model["seq_len"]
+    by_suffix = {"wte.weight": (V, d), "wpe.weight": (T, d), "attn.c_attn.weight": (d, 3 * d),
+                 "attn.c_attn.bias": (3 * d,), "attn.c_proj.weight": (d, d), "mlp.c_fc.weight": (d, 4 * d),
+                 "mlp.c_fc.bias": (4 * d,), "mlp.c_proj.weight": (4 * d, d), LM_HEAD: (V, d)}
+    for name, x in tensors.items():
+        want = next((shape for suffix, shape in by_suffix.items() if name.endswith(suffix)), (d,))  # LN, biases
+        if tuple(x.shape) != want:
+            raise UserError(f"{file}: {name} is {tuple(x.shape)}, but config.json (vocab_size {V}, n_positions "
+                            f"{T}, n_embd {d}) makes it {want}; convert a folder whose config.json describes its "
+                            f"weights, as model.save_pretrained(dir) writes them")
 
 
 def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, tied: bool,

@@ -136,6 +136,7 @@ def test_a_model_from_transformers_fine_tunes(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("overrides,named", [({"activation_function": "gelu_new"}, "gelu_new"),
+                                             ({"activation_function": "relu"}, "relu"),
                                              ({"n_inner": 48}, "n_inner"),
                                              ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon")])
 def test_what_jaxtrain_cannot_compute_the_same_is_refused(tmp_path, capsys, overrides, named):
@@ -209,6 +210,31 @@ def test_a_tensor_the_model_needs_that_the_file_lacks_is_refused_naming_it(tmp_p
         f"error: {source}/model.safetensors: holds no tensor {want} (config.json) needs; convert a folder whose "
         f"config.json describes its weights, as model.save_pretrained(dir) writes them\n")
     assert not (tmp_path / "jt").exists()
+
+
+@pytest.mark.parametrize("edit,says", [
+    ({"n_layer": "2"}, "n_layer='2', where a whole number > 0 is needed"),
+    ({"n_layer": 2.0}, "n_layer=2.0, where a whole number > 0 is needed"),
+    ({"vocab_size": -1}, "vocab_size=-1, where a whole number > 0 is needed"),
+    ({"n_head": 5}, "n_head=5 does not divide n_embd=32"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes', where true or false is needed"),
+    ({"vocab_size": 400}, "model.safetensors: transformer.wte.weight is (256, 32), but config.json (vocab_size 400, "
+                          "n_positions 32, n_embd 32) makes it (400, 32)"),
+    ({"n_positions": 64}, "model.safetensors: transformer.wpe.weight is (32, 32), but config.json (vocab_size 256, "
+                          "n_positions 64, n_embd 32) makes it (64, 32)")])
+def test_a_config_json_its_weights_or_its_types_contradict_is_refused_naming_the_key(tmp_path, capsys, edit, says):
+    """A hand-edited config.json: a number as a string or a float ended in a traceback (exit 1), "yes" became
+    --model.tie_embeddings=yes, and sizes the weights do not have were converted, exit 0, into a folder that
+    init.from refused naming that same config.json, and transformers refused after to-hf."""
+    source = hf_model(tmp_path)
+    written = json.loads(open(f"{source}/config.json").read())
+    open(f"{source}/config.json", "w").write(json.dumps({**written, **edit}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(["from-hf", source, str(tmp_path / "jt")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"error: {source}/") and says in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "jt").exists()
 
 
 def test_a_truncated_weights_file_beside_config_json_is_named_unreadable(tmp_path, capsys):
