@@ -2,7 +2,8 @@
 and prepared once into a cache folder (data.cache_dir, default ~/.cache/jaxtrain): a real corpus that needs no
 download. Each file goes whole to train or val, by a hash of its path.
 
-numpy and the standard library only, as jaxtrain.data, which loads it.
+No jax nor torch, as jaxtrain.data, which loads it (torchref imports that): numpy, the standard library, and
+jaxtrain's own path helpers (runfolder: fsspec, etils).
 """
 
 import hashlib

@@ -134,7 +134,10 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
     runfolder.check_not_url(out, "--out")  # else written to a local folder named gs:
     runfolder.check_writable(out, "--out")
     if os.path.isdir(out):  # a killed prepare's gigabytes go even where this one is refused; a live one refuses
-        staging_lib.remove_killed(out, refuse_live=True)
+        try:
+            staging_lib.remove_killed(out, refuse_live=True)
+        except OSError as e:
+            raise _unusable_out(out, e) from None
     existing = [name for name in prepare_inputs.DATA_FILES if os.path.lexists(os.path.join(out, name))]
     if existing and not overwrite:
         raise UserError(f"--out {out} already holds data ({', '.join(existing)}), which runs trained on it need to "
@@ -161,7 +164,7 @@ def _write_into(out: str, files: list[pathlib.Path], tokenizer: str, encoder: tu
     except OSError as e:  # what runfolder.unwritable cannot foresee: /proc, a name too long, a dangling link
         if created and os.path.isdir(out) and not os.listdir(out):
             os.rmdir(out)
-        raise UserError(f"--out {out} cannot be made or written into ({e}); choose another --out") from None
+        raise _unusable_out(out, e) from None
     try:
         meta = _write_data(staging, files, tokenizer, *encoder, val_fraction, workers)
         _check_splits(meta, inputs, val_fraction)
@@ -176,6 +179,10 @@ def _write_into(out: str, files: list[pathlib.Path], tokenizer: str, encoder: tu
         if created and not os.listdir(out):
             os.rmdir(out)
     return meta
+
+
+def _unusable_out(out: str, error: OSError) -> UserError:
+    return UserError(f"--out {out} cannot be made or written into ({error}); choose another --out")
 
 
 class _Terminated(KeyboardInterrupt):

@@ -441,7 +441,7 @@ def test_a_prepare_killed_mid_write_is_cleaned_up_by_the_next_and_a_live_one_ref
     while not list(out.glob(".prepare-*/train.bin")):
         assert killed.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
-    [staging] = out.glob(".prepare-*")
+    [staging] = [path for path in out.glob(".prepare-*") if path.is_dir()]
     code, err = _prepare_cli(capsys, *args[1:-4])
     assert (code, err.strip().splitlines()) == (2, [
         f"error: another prepare (process {killed.pid}) is writing into --out {out} (its {staging.name}); wait for "
@@ -645,15 +645,18 @@ def test_embedded_corpus_is_prepared_once_and_atomically(tmp_path, capsys):
     # Process 1 is alive, as a killed prepare's reused id may be: the folder's lock, not its name, tells a live one.
     killed, live = (tmp_path / f".prepare-{host}-1-x1", tmp_path / f".prepare-{host}-1-x2")
     killed.mkdir(), live.mkdir()
-    held = os.open(live, os.O_RDONLY)
+    held = os.open(f"{live}.lock", os.O_RDWR | os.O_CREAT)  # as staging.make holds a live writer's
     fcntl.flock(held, fcntl.LOCK_EX)
     (tmp_path / "made-by-the-user").mkdir()
     cfg = DataConfig(cache_dir=str(tmp_path))
-    path = data.load(cfg, seq_len=128).path
+    try:
+        path = data.load(cfg, seq_len=128).path
+    finally:
+        os.close(held)
     assert "preparing embedded corpus" in capsys.readouterr().out
     assert not killed.exists() and live.exists()
-    os.close(held)
     live.rmdir()
+    os.remove(f"{live}.lock")
     assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(tmp_path / "made-by-the-user").st_mode)
     (tmp_path / "made-by-the-user").rmdir()
     assert data.load(cfg, seq_len=128).path == path
