@@ -52,9 +52,9 @@ _RUN_FOLDER_KINDS = {"": "folder", "checkpoints": "folder", "config.yaml": "file
 
 # What run.fresh moves aside, each whole, to <name>.before-fresh-<time>: an earlier run's checkpoints (left in place,
 # their higher steps would make max_to_keep delete the new run's and a resume pick the old run) and the corrupt ones
-# it set aside, its config.yaml (the new run writes its own: the command line that resumes the old run once it is
-# moved back), metrics (the new run would overwrite them), TensorBoard events (the new run's first event would hide
-# the old curves) and W&B run (the new run would log to it). One rule for both backends.
+# it set aside, its config.yaml (copied, as the new run writes its own: the command line that resumes the old run
+# once it is moved back), metrics (the new run would overwrite them), TensorBoard events (the new run's first event
+# would hide the old curves) and W&B run (the new run would log to it). One rule for both backends.
 PREVIOUS_RUN = ("checkpoints", CORRUPT_CHECKPOINTS, "config.yaml", "metrics.jsonl", "tb", "wandb.json", "wandb")
 
 
@@ -78,6 +78,10 @@ def set_aside_previous_run(out_dir: str) -> list[epath.Path]:
         write_whole(journal, suffix)
     targets = [source.with_name(source.name + suffix) for source in found]
     for source, target in zip(found, targets):
+        if source.name == "config.yaml":  # copied: a start stopped before it writes its own leaves one to run with
+            write_whole(target, source.read_bytes())
+            print(f"run.fresh: copied the previous run's {source.name} to {target}", file=sys.stderr)
+            continue
         move(source, target)
         print(f"run.fresh: moved the previous run's {source.name} to {target}", file=sys.stderr)
     if suffix is not None:

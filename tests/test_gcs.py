@@ -84,9 +84,9 @@ def test_fresh_sets_the_previous_run_aside_in_a_bucket(gcs, monkeypatch):
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             (folder / name).write_text(label)
         runfolder.set_aside_previous_run(os.fspath(folder))
-    assert sorted(p.name for p in folder.iterdir()) == sorted(
-        [f"{name}.before-fresh-20261125-010203{count}"
-         for name in ("checkpoints", "config.yaml", "metrics.jsonl", "tb") for count in ("", "-1")])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["config.yaml"] + [
+        f"{name}.before-fresh-20261125-010203{count}"
+        for name in ("checkpoints", "config.yaml", "metrics.jsonl", "tb") for count in ("", "-1")])
     for count, label in (("", "first"), ("-1", "second")):
         assert (folder / f"checkpoints.before-fresh-20261125-010203{count}/4/state/data").read_text() == label
         assert (folder / f"tb.before-fresh-20261125-010203{count}/events").read_text() == label

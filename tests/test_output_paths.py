@@ -61,7 +61,8 @@ def test_fresh_starts_in_one_second_keep_every_previous_run(tmp_path, monkeypatc
     """run.fresh moves checkpoints, the corrupt ones set aside, config.yaml, metrics, TensorBoard events and the W&B
     run aside, and nothing else (a file of the user's stays); a second fresh start in the same second (the stamp
     frozen here) moves the next run's aside under a counted name, overwriting nothing (a file renamed onto an
-    existing name would replace it). config.yaml stayed, and the new run overwrote the old run's."""
+    existing name would replace it). config.yaml stayed, and the new run overwrote the old run's; it is copied, so
+    that a start stopped before it writes its own still has one to run with."""
     monkeypatch.setattr(runfolder.time, "strftime", lambda fmt: "20261125-010203")
     (tmp_path / "notes.txt").write_text("the user's")
 
@@ -77,8 +78,9 @@ def test_fresh_starts_in_one_second_keep_every_previous_run(tmp_path, monkeypatc
     lay_out_a_run("second")
     runfolder.set_aside_previous_run(str(tmp_path))
     moved = ("checkpoints", "checkpoints.corrupt", "config.yaml", "metrics.jsonl", "tb", "wandb.json")
-    assert sorted(os.listdir(tmp_path)) == sorted(
-        ["notes.txt"] + [f"{name}.before-fresh-20261125-010203{count}" for name in moved for count in ("", "-1")])
+    assert sorted(os.listdir(tmp_path)) == sorted(["notes.txt", "config.yaml"] + [
+        f"{name}.before-fresh-20261125-010203{count}" for name in moved for count in ("", "-1")])
+    assert (tmp_path / "config.yaml").read_text() == "second"  # copied: until the new run writes its own
     for count, label in (("", "first"), ("-1", "second")):
         for name in ("metrics.jsonl", "config.yaml", "tb/events"):
             top, _, below = name.partition("/")
