@@ -64,7 +64,7 @@ def model_overrides(hf: dict, file: str) -> dict:
     cannot compute the same way."""
     if hf.get("model_type") != "gpt2":
         raise UserError(f"{file}: model_type {hf.get('model_type')!r}; only GPT-2 (GPT2LMHeadModel) converts")
-    _check_types(hf, file)
+    _check_values(hf, file)
     d = hf.get("n_embd", 768)
     unlike = {"activation_function": (hf.get("activation_function", "gelu_new"), "gelu"),
               "n_inner": (4 * d if hf.get("n_inner") is None else hf["n_inner"], 4 * d),  # None: HF's 4 x n_embd
@@ -87,8 +87,9 @@ def model_overrides(hf: dict, file: str) -> dict:
 _SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
 
 
-def _check_types(hf: dict, file: str) -> None:
-    """One UserError naming the first key of the wrong type (a hand-edited config.json: "2", 2.0, "yes")."""
+def _check_values(hf: dict, file: str) -> None:
+    """One UserError naming the first key whose value jaxtrain cannot take (a hand-edited config.json: "2", 2.0,
+    "yes", a dropout of 1, a head count that does not divide the width)."""
     for key in _SIZES:
         if key in hf and not (type(hf[key]) is int and hf[key] > 0):
             raise UserError(f"{file}: {key}={hf[key]!r}, where a whole number > 0 is needed")

@@ -159,13 +159,15 @@ def check_new_folder(out_dir: str) -> None:
     if not out_dir.strip() or os.path.abspath(out_dir) == os.getcwd():
         raise UserError(f"DST {out_dir!r} is the folder this command runs in; the conversion is made as a new "
                         f"folder: name one, e.g. ./converted")
+    out_dir = out_dir.rstrip(os.sep) or out_dir  # "link/" is no link to os.path
     if os.path.islink(out_dir) and not os.path.exists(out_dir):
         raise UserError(f"DST {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist; make "
                         f"that folder, or choose another DST")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise UserError(f"{out_dir} already exists and is not an empty folder; choose a new output folder or "
                         f"delete it")
-    checkpoints = next((folder for folder in _ancestors(out_dir) if os.path.basename(folder) == "checkpoints"
+    checkpoints = next((folder for folder in [os.path.realpath(out_dir), *_ancestors(out_dir)]
+                        if os.path.basename(folder) == "checkpoints"
                         and os.path.isfile(os.path.join(os.path.dirname(folder), "config.yaml"))), None)
     if checkpoints is not None:
         raise UserError(f"DST {out_dir} lies in the run folder's {checkpoints}, where the run's rotation would "
@@ -174,8 +176,8 @@ def check_new_folder(out_dir: str) -> None:
 
 
 def _ancestors(path: str) -> list[str]:
-    """`path` made absolute and each folder above it, nearest first."""
-    path, found = os.path.abspath(path), []
+    """Each folder above `path`, nearest first, links resolved (a DST reached through a link into a run)."""
+    path, found = os.path.realpath(path), []
     while os.path.dirname(path) != path:
         path = os.path.dirname(path)
         found.append(path)

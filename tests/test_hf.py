@@ -218,6 +218,8 @@ def test_a_tensor_the_model_needs_that_the_file_lacks_is_refused_naming_it(tmp_p
     ({"vocab_size": -1}, "vocab_size=-1, where a whole number > 0 is needed"),
     ({"n_head": 5}, "n_head=5 does not divide n_embd=32"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes', where true or false is needed"),
+    ({"resid_pdrop": 1.0}, "resid_pdrop=1.0, where a number in [0, 1) is needed"),
+    ({"resid_pdrop": True}, "resid_pdrop=True, where a number in [0, 1) is needed"),
     ({"vocab_size": 400}, "model.safetensors: transformer.wte.weight is (256, 32), but config.json (vocab_size 400, "
                           "n_positions 32, n_embd 32) makes it (400, 32)"),
     ({"n_positions": 64}, "model.safetensors: transformer.wpe.weight is (32, 32), but config.json (vocab_size 256, "
