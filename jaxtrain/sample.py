@@ -274,6 +274,8 @@ def load(run_dir: str, step: int | None, precision: str | None, tokenizer_name: 
     precision to compute in (None: the run's train.precision) and the tokenizer (None: that of the run's data)."""
     runfolder.check_given(run_dir, "--run", "the run folder, e.g. --run out/tiny")
     runfolder.check_not_url(run_dir, "--run")
+    if not os.path.isdir(run_dir):  # else said to hold no complete checkpoint, as a run that saved none is
+        raise UserError(f"--run {run_dir} does not exist; pass the run.out_dir of a jaxtrain run")
     checkpoint_kind.check_jaxtrain_run(run_dir, "--run")
     step, (state, cfg, meta) = _restore(run_dir, step)
     text_tokenizer = _text_tokenizer(run_dir, cfg, meta, tokenizer_name)

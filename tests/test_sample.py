@@ -390,7 +390,8 @@ def refused(capsys, argv: list[str], named: str) -> None:
 
 
 def test_run_and_step_errors(trained, tmp_path, capsys):
-    refused(capsys, ["--run", str(tmp_path / "nowhere")], "holds no complete checkpoint")
+    refused(capsys, ["--run", str(tmp_path / "nowhere")], f"--run {tmp_path / 'nowhere'} does not exist; pass the "
+                                                          f"run.out_dir of a jaxtrain run")  # not "holds no ..."
     refused(capsys, ["--run", str(tmp_path)], "holds no complete checkpoint")
     refused(capsys, ["--run", trained[0], "--step", "7"], "no checkpoint of step 7; its steps are 20, 40")
     refused(capsys, ["--run", trained[0], "--prompt", ""], "the prompt is empty")
