@@ -322,12 +322,11 @@ def _reading(where: str):
 
 
 def check_named_step(meta: dict, step: int, where: str) -> None:
-    """Raise CorruptCheckpoint where the step folder `where`, named `step`, holds another step (its `meta`): a copy
-    or a backup under another step's name. Resumed as its name, it trained on from its own step and collided with
-    the saves it made; sampled or converted, it was labelled with a step it is not."""
-    if meta.get("step", step) != step:
-        raise CorruptCheckpoint(f"checkpoint {where} holds step {meta['step']}, not the step its folder is named for "
-                                f"(a copy or a backup put there?)")
+    """Raise CorruptCheckpoint where the step folder `where`, named `step`, holds another step (its `meta`):
+    checkpoint_kind.other_step_held, the rule torchref's resume refuses by."""
+    problem = checkpoint_kind.other_step_held(meta.get("step"), step, where)
+    if problem:
+        raise CorruptCheckpoint(problem)
 
 
 def fingerprint(state) -> dict[str, int]:

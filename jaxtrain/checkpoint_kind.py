@@ -290,6 +290,17 @@ def check_jaxtrain_run(path: str, flag: str) -> None:
         raise UserError(f"{flag} {path} {what[found]}")
 
 
+def other_step_held(held, step: int, where: str) -> str | None:
+    """Where the step folder `where`, named `step`, holds another step (`held`, what its own record says), what
+    both backends say of it: a copy or a backup under another step's name, which, resumed as its name, trained on
+    from its own step and collided with the saves it made, and sampled or converted was labelled a step it is not.
+    None where they agree (or the record names none)."""
+    if held is None or held == step:
+        return None
+    return (f"checkpoint {where} holds step {held}, not the step its folder is named for (a copy or a backup put "
+            f"there?)")
+
+
 def check_own_steps(directory: str, backend: str) -> None:
     """The step folders in `directory` (a run folder's checkpoints/, a path or URL) are of `backend`'s format
     ("jaxtrain" or "torchref"): one the other backend wrote is named, with the way to use it, before a resume would

@@ -166,8 +166,7 @@ def check_new_folder(out_dir: str) -> None:
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise UserError(f"{out_dir} already exists and is not an empty folder; choose a new output folder or "
                         f"delete it")
-    checkpoints = next((folder for folder in [os.path.realpath(out_dir), *_ancestors(out_dir)]
-                        if os.path.basename(folder) == "checkpoints"
+    checkpoints = next((folder for folder in _itself_and_above(out_dir) if os.path.basename(folder) == "checkpoints"
                         and os.path.isfile(os.path.join(os.path.dirname(folder), "config.yaml"))), None)
     if checkpoints is not None:
         raise UserError(f"DST {out_dir} lies in the run folder's {checkpoints}, where the run's rotation would "
@@ -175,12 +174,11 @@ def check_new_folder(out_dir: str) -> None:
     runfolder.check_writable(out_dir, "DST")
 
 
-def _ancestors(path: str) -> list[str]:
-    """Each folder above `path`, nearest first, links resolved (a DST reached through a link into a run)."""
-    path, found = os.path.realpath(path), []
-    while os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-        found.append(path)
+def _itself_and_above(path: str) -> list[str]:
+    """`path` and each folder above it, nearest first, links resolved (a DST reached through a link into a run)."""
+    found = [os.path.realpath(path)]
+    while os.path.dirname(found[-1]) != found[-1]:
+        found.append(os.path.dirname(found[-1]))
     return found
 
 

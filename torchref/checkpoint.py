@@ -135,9 +135,9 @@ def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> t
     where training stands and the config the run goes on with (same_run.check: the run's own init.from)."""
     with _fix_for("resume"):
         state = _read_trainer_state(path)
-        if str(state.get("step")) != os.path.basename(path):  # resumed as its name, it trained on from its own step
-            raise UserError(f"checkpoint {path} holds step {state.get('step')}, not the step its folder is named "
-                            f"for (a copy or a backup put there?); move it out of {os.path.dirname(path)}")
+        other = checkpoint_kind.other_step_held(state.get("step"), int(os.path.basename(path)), path)
+        if other:  # jaxtrain sets such a folder aside, having older steps to fall back to; torchref refuses it
+            raise UserError(f"{other}; move it out of {os.path.dirname(path)}")
         cfg = same_run.check(state.get("config", {}), cfg, path, state.get("step"), "torchref")
         check_same_data(state, data_fingerprint, cfg, path)
         load_weights(path, model)
