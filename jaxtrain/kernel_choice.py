@@ -85,6 +85,11 @@ ONEDNN_BF16_JAXLIB = (0, 11)
 BF16_MATMUL_FLAGS = {"amx_bf16": "AMX", "avx512_bf16": "AVX-512 bf16"}
 
 
+def jaxlib_takes_onednn_dots() -> bool:
+    """Whether this jaxlib is one jaxtrain asks for oneDNN's dots on (ONEDNN_BF16_JAXLIB or later)."""
+    return tuple(int(part) for part in jaxlib.__version__.split(".")[:2]) >= ONEDNN_BF16_JAXLIB
+
+
 def onednn_dots(cfg: ModelConfig, precision: str) -> bool:
     """Whether XLA:CPU runs the step's dots as oneDNN's (model.cpu_dots), under bf16 each writing its bf16 result
     (autocast.onednn_dots): auto on a CPU with bf16 matmul units (BF16_MATMUL_FLAGS) under a jaxlib from
@@ -92,8 +97,7 @@ def onednn_dots(cfg: ModelConfig, precision: str) -> bool:
     on an AMX Xeon, where XLA's default dots (YNNPACK) reach a quarter of oneDNN's rate on the Linears' shapes, the
     bf16 step 33% faster and the fp32 one 24%; on an AMD EPYC (Zen 4, AVX-512 bf16) 4% and 24%. Not fp16 (no fp16
     units to measure on), nor a CPU without bf16 units, whose oneDNN bf16 dots would be emulated: unmeasured."""
-    jaxlib_takes_them = tuple(int(part) for part in jaxlib.__version__.split(".")[:2]) >= ONEDNN_BF16_JAXLIB
-    possible = precision in ("bf16", "fp32") and backend() == "cpu" and jaxlib_takes_them
+    possible = precision in ("bf16", "fp32") and backend() == "cpu" and jaxlib_takes_onednn_dots()
     if cfg.cpu_dots == "onednn" and not possible:
         raise UserError(f"model.cpu_dots=onednn needs train.precision=bf16 or fp32 on a CPU and jaxlib >= 0.11 "
                         f"(Python >= 3.12), whose XLA hands oneDNN bf16 dots as they are (got {precision} on "

@@ -6,8 +6,6 @@ reducer); and the element types of the dots of a lowered one (`lowered.as_text()
 import contextlib
 import re
 
-import jaxlib
-
 from jaxtrain import autocast, kernel_choice
 from jaxtrain import step
 
@@ -57,6 +55,5 @@ def options_for(platform: str, precision: str = "bf16") -> dict:
     on 2026-12-01), the trace compiles on XLA's own dots."""
     if platform != "cpu-onednn":
         return {}
-    jaxlib_version = tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
-    dots = step.ONEDNN_DOTS if jaxlib_version >= kernel_choice.ONEDNN_BF16_JAXLIB else {}
+    dots = step.ONEDNN_DOTS if kernel_choice.jaxlib_takes_onednn_dots() else {}
     return {**autocast.rounding_options("cpu", precision, onednn=True), **dots}
