@@ -142,10 +142,15 @@ def wait_for_a_logged_step(out_dir, timeout_s: float = 300.0) -> None:
         time.sleep(0.05)
 
 
+# A pair's run: 30 steps (it was 60; the three runs of the SIGTERM case took 132 s of CI's slow suite). A SIGTERM
+# sent once step 1 is logged was saved at step 4 on this 2-core machine: margin enough before the last step.
+PAIR_STEPS = 30
+
+
 def two_processes(out_dir, cache_dir, *extra):
     cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}",
-           f"--data.cache_dir={cache_dir}", "--mesh.fsdp=2", "--train.steps=60", "--checkpoint.every=30",
-           "--train.eval_every=30", *extra]
+           f"--data.cache_dir={cache_dir}", "--mesh.fsdp=2", f"--train.steps={PAIR_STEPS}",
+           f"--checkpoint.every={PAIR_STEPS // 2}", f"--train.eval_every={PAIR_STEPS // 2}", *extra]
     return start_processes([cmd] * 2, 2, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -163,6 +168,7 @@ def test_sigterm_to_one_host_saves_the_same_step_on_both(tmp_path, cache_dir):
     assert [p.returncode for p in procs] == [0, 0], errs
     saved = {int(e.split("saved step ")[1].split(";")[0]) for e in errs if "saved step " in e}
     assert len(saved) == 1 and all("saved step" in e for e in errs), errs
+    assert saved != {PAIR_STEPS}, "the signal landed after the last step: nothing was preempted"
     assert os.path.isdir(os.path.join(out_dir, "checkpoints", str(saved.pop())))
     for p in two_processes(out_dir, cache_dir):
         assert p.wait(timeout=600) == 0, p.stderr.read()
@@ -302,5 +308,6 @@ def test_a_signal_to_one_host_after_the_last_save_lets_both_end(tmp_path, cache_
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
     assert time.monotonic() - t0 < 60  # the sample (a few seconds here), not a barrier's time-out
-    assert "SIGTERM: the run is trained and saved at step 60; ending with the other processes" in outs[1][1]
+    assert (f"SIGTERM: the run is trained and saved at step {PAIR_STEPS}; ending with the other processes"
+            in outs[1][1])
     assert outs[0][0].strip()  # process 0's sample, on stdout
