@@ -780,6 +780,26 @@ def test_a_url_cache_dir_is_refused_before_anything_is_written(tmp_path, monkeyp
     assert os.listdir(tmp_path) == []
 
 
+def test_a_relative_data_path_missing_here_names_the_folder_it_was_read_from(tmp_path, monkeypatch):
+    """A run started with --data.path=mydata and resumed from another folder (its config.yaml keeps mydata as typed)
+    was told to prepare the data again. Now the refusal names the current folder and the two ways on; an absolute
+    path that is missing is told to prepare only."""
+    path = _folder(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    relative = os.path.relpath(path, tmp_path)
+    with pytest.raises(UserError) as e:
+        data.load(DataConfig(path=relative), seq_len=8)
+    assert str(e.value).startswith(
+        f"data folder {relative!r} not found in the current folder, {elsewhere} (data.path is relative: run where it "
+        f"was given, or pass --data.path=ABSOLUTE_PATH); create it with `python -m jaxtrain.data prepare")
+    with pytest.raises(UserError, match=r"^data folder '/nowhere/data' not found; create it with `python -m"):
+        data.load(DataConfig(path="/nowhere/data"), seq_len=8)
+    monkeypatch.chdir(tmp_path)
+    assert data.load(DataConfig(path=relative), seq_len=8).path == relative  # where it was given: read
+
+
 def test_token_id_beyond_vocab_is_named(tmp_path):
     """data.load checks the ids it fingerprints (all of a small split); a batch checks the windows it draws."""
     path = _folder(tmp_path, train=np.full(100, 300), val=np.full(50, 300), vocab_size=1000)
