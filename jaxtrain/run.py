@@ -81,10 +81,10 @@ class Trainer:
     def _build(self, cfg: Config) -> None:
         runfolder.refuse_unfinished_set_aside(cfg.run.out_dir, cfg.run.fresh)
         self.data = load_data_everywhere(cfg)
-        self.sample_tokenizer = self._sample_tokenizer(cfg) if cfg.log.sample_tokens else None
         vocab_size = data_lib.resolve_vocab_size(cfg.model.vocab_size, self.data)
         # Written down, so that config.yaml and every checkpoint say what the model was built with.
         self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+        self.sample_tokenizer = self._sample_tokenizer(cfg) if cfg.log.sample_tokens else None
         self.mesh = mesh_lib.make_mesh(cfg)
         self.abstract_state = checkpoint_lib.abstract_state(cfg, vocab_size, self.mesh)
         self.state_sharding = jax.tree.map(lambda x: x.sharding, self.abstract_state)
@@ -102,12 +102,19 @@ class Trainer:
 
     def _sample_tokenizer(self, cfg: Config) -> sample_lib.Tokenizer:
         """The end-of-run sample's tokenizer, loaded before the first step: a data folder whose tokenizer jaxtrain
-        does not have (or a gpt2 one without its files here) is refused now, not after the training."""
+        does not have (or a gpt2 one without its files here), or whose meta.json names a tokenizer its vocab_size
+        cannot hold (the prompt's ids past the model's rows), is refused now, not after the training."""
+        refused = f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) could not be drawn"
         try:
-            return sample_lib.tokenizer(self.data.tokenizer)
+            tokenizer = sample_lib.tokenizer(self.data.tokenizer)
         except UserError as e:
-            raise UserError(f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) could not be drawn: "
-                            f"{e}. To train without it, set --log.sample_tokens=0") from None
+            raise UserError(f"{refused}: {e}. To train without it, set --log.sample_tokens=0") from None
+        if (top := max(tokenizer.encode(cfg.log.sample_prompt), default=0)) >= cfg.model.vocab_size:
+            raise UserError(f"{refused}: log.sample_prompt encodes to token id {top} with the data's tokenizer "
+                            f"({self.data.tokenizer}), past the model's {cfg.model.vocab_size} rows: {self.data.path}"
+                            f"/meta.json names a tokenizer its vocab_size does not hold; fix it, or set "
+                            f"--log.sample_tokens=0")
+        return tokenizer
 
     def _open_checkpoints(self) -> checkpoint_lib.Checkpointer:
         self.checkpointer = checkpoint_lib.Checkpointer(self.cfg, self.data.fingerprint)

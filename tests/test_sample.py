@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 
 from test_convert import copy_step
 from test_run import small_args
-from jaxtrain import autocast, convert, data, model, prepare, sample
+from jaxtrain import autocast, config, convert, data, model, prepare, run, sample
 from jaxtrain.errors import UserError
 
 STEPS = 40  # enough that the logits are far from uniform: top-2 gaps mostly well above the rounding bounds below
@@ -521,6 +521,24 @@ def test_data_whose_tokenizer_jaxtrain_lacks_trains_and_its_sample_is_refused_be
     refused(capsys, ["--run", out_dir, "--prompt", "a"],
             f"the data's tokenizer is 'char', and jaxtrain encodes and decodes text with bytes or gpt2 only; sample "
             f"{out_dir} outside jaxtrain, with its data's tokenizer (`python -m jaxtrain.convert to-torch`")
+
+
+def test_a_meta_json_naming_a_tokenizer_its_vocabulary_cannot_hold_is_refused_before_the_first_step(tmp_path,
+                                                                                                      cache_dir):
+    """GPT-2 ids below 256 with a meta.json that says gpt2 and vocab_size 256 (hand-written): they train, and the
+    end-of-run sample's prompt ("def ", GPT-2 id 4299) had no row in the model: exit 2 after the whole run. Now the
+    run is refused before anything is written, naming the meta.json."""
+    tokens = np.random.default_rng(0).integers(0, 256, 20000, dtype=np.uint16)
+    data_dir, out_dir = str(tmp_path / "gpt2-256"), str(tmp_path / "run")
+    prepare.write_token_dir(data_dir, tokens, tokens, 256, "gpt2")
+    with pytest.raises(UserError) as e:
+        run.train(config.load(small_args(out_dir, cache_dir, f"--data.path={data_dir}", "--log.sample_tokens=20",
+                                         "--log.sample_prompt=def ")))
+    assert str(e.value) == (
+        f"the end-of-run sample (log.sample_tokens=20) could not be drawn: log.sample_prompt encodes to token id 4299 "
+        f"with the data's tokenizer (gpt2), past the model's 256 rows: {data_dir}/meta.json names a tokenizer its "
+        f"vocab_size does not hold; fix it, or set --log.sample_tokens=0")
+    assert not os.path.exists(out_dir)
 
 
 INVALID_FLAGS = st.one_of(
