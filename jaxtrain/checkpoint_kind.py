@@ -234,6 +234,16 @@ def check_jaxtrain_step(path: str, command: str) -> None:
         None: f"{'is not a jaxtrain checkpoint step folder' if os.path.exists(path) else 'does not exist'}; pass "
               f"one like out/tiny/checkpoints/400 (a folder named by its step, holding `state` and `meta`)",
     }
+    # A step its run no longer holds, or the run's checkpoints/ itself: the steps it holds, by name
+    listed = name == "checkpoints"
+    root = os.path.normpath(path) if listed else os.path.join(_run_of(path), "checkpoints")
+    kept = ", ".join(sorted((n for n in os.listdir(root) if n.isdigit()), key=int)) if os.path.isdir(root) else ""
+    if found is None and kept and listed:
+        what[None] = (f"is a run's checkpoints folder, holding steps {kept}; pass one of those, e.g. "
+                      f"{newest_step(os.path.dirname(root))}")
+    elif found is None and kept and not os.path.exists(path):
+        what[None] = (f"does not exist: its run holds steps {kept} (a step is kept once saved, until "
+                      f"checkpoint.max_to_keep rotates it out); pass one of those")
     if command == "to-hf":
         what[TORCHREF_RUN] = f"is a torchref run folder; pass one of its checkpoints, e.g. {step}"
         what[HF] = "is a Hugging Face GPT-2 folder already"

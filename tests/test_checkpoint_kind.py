@@ -139,6 +139,22 @@ def test_a_step_folder_must_keep_its_step_number_as_its_name(folders, tmp_path):
         convert.to_torch(str(missing), str(tmp_path / "dst"))
 
 
+def test_a_step_its_run_no_longer_holds_or_the_runs_checkpoints_folder_names_the_steps_it_holds(folders, tmp_path):
+    """to-torch of a step rotated out by checkpoint.max_to_keep said only "does not exist; pass one like
+    out/tiny/checkpoints/400", and of <run>/checkpoints itself "not a jaxtrain checkpoint step folder"."""
+    steps = tmp_path / "run" / "checkpoints"
+    for number in (20, 100):  # listed in step order, not as strings ("100" < "20")
+        shutil.copytree(folders["jaxtrain step"], steps / str(number))
+    kept = "its run holds steps 20, 100 (a step is kept once saved, until checkpoint.max_to_keep rotates it out)"
+    for given, says in [(f"{steps}/40", f"does not exist: {kept}; pass one of those"),
+                        (f"{steps}/", f"is a run's checkpoints folder, holding steps 20, 100; pass one of those, "
+                                      f"e.g. {steps}/100")]:
+        with pytest.raises(UserError) as e:
+            convert.to_torch(given, str(tmp_path / "dst"))
+        assert str(e.value) == f"to-torch SRC {given} {says}"
+    assert not (tmp_path / "dst").exists()
+
+
 def test_a_torch_source_that_is_no_folder_says_so(folders):
     checkpoint_kind.check_torch_source(folders["torch"], "init.from")
     missing, a_file = f"{folders['other']}/nowhere", f"{folders['torch']}/model.safetensors"
