@@ -384,9 +384,10 @@ def main(argv: list[str] | None = None) -> None:
         if not args.prompt:  # as is an empty prompt (any text encodes to at least one token)
             raise UserError(EMPTY_PROMPT)
         run = load(args.run, args.step, args.precision, args.tokenizer)
+        texts = sample_texts(run.params, run.model_cfg, run.precision, run.tokenizer, args.prompt, sampling)
+        # after the prompt's checks (sample_texts'), so that a refused prompt or flag is one line
         print(f"step {run.step} of {args.run}, {run.precision}, temperature {sampling.temperature}, top_k "
               f"{sampling.top_k}, top_p {sampling.top_p}, seed {sampling.seed}", file=sys.stderr)
-        texts = sample_texts(run.params, run.model_cfg, run.precision, run.tokenizer, args.prompt, sampling)
         print(f"\n{SAMPLE_RULE}\n".join(texts))
 
 

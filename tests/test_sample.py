@@ -380,13 +380,14 @@ def test_command_line_prints_the_prompt_and_its_continuation(trained):
 
 
 def refused(capsys, argv: list[str], named: str) -> None:
-    """jaxtrain.sample exits 2 with one line on stderr, naming `named`."""
+    """jaxtrain.sample exits 2 with one line on stderr, naming `named` (no header line before it: a refused
+    --stop_at_eot followed the "step N of RUN" line)."""
     with pytest.raises(SystemExit) as exit_info:
         sample.main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and named in lines[0] and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], err
 
 
 def test_run_and_step_errors(trained, tmp_path, capsys):
