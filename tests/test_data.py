@@ -157,6 +157,12 @@ def test_bad_input_exits_with_one_line(tmp_path, capsys):
         data.main(["prepare", "--input", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--tokenizer", "bytes"])
     assert e.value.code == 2
     assert "neither a file nor a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # was "neither a file nor a folder" too
+        data.main(["prepare", "--input", "gs://bucket/corpus", "--out", str(tmp_path / "o"), "--tokenizer", "bytes"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: --input 'gs://bucket/corpus' is a URL, and prepare reads local files: copy it here first (e.g. "
+        "`gcloud storage cp -r gs://bucket/corpus .`) and pass that\n")
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("empty", ["--input", "--out", "both"])
