@@ -217,9 +217,9 @@ def _check_splits(meta: dict, inputs: list[str], val_fraction: float) -> None:
     if min(train, val) >= MIN_SPLIT_TOKENS:
         return
     also = "raise --val-fraction" if val < MIN_SPLIT_TOKENS else "lower --val-fraction"
-    raise UserError(f"--input {' '.join(inputs)} is too short to split: its {train + val} {meta['tokenizer']} "
-                    f"token(s) give {train} train and {val} val tokens at --val-fraction {val_fraction}, and each "
-                    f"needs {MIN_SPLIT_TOKENS}; give it at least {_fewest_tokens(val_fraction)} tokens of text (far "
+    raise UserError(f"--input {' '.join(inputs)} is too short to split: at --val-fraction {val_fraction}, its "
+                    f"{train + val} token{'' if train + val == 1 else 's'} ({meta['tokenizer']}) split into {train} "
+                    f"train and {val} val, and each split needs {MIN_SPLIT_TOKENS}; give it at least {_fewest_tokens(val_fraction)} tokens of text (far "
                     f"more to train on), or {also}")
 
 

@@ -538,10 +538,11 @@ def test_a_sigterm_during_prepare_cleans_up_as_ctrl_c_does(prepared, capsys, tmp
 @pytest.mark.parametrize("texts,says", [
     ([b""], "holds no text (1 empty file(s)); pass files with the text to train on"),
     ([b"", b""], "holds no text (2 empty file(s)); pass files with the text to train on"),
-    ([b"abc"], "is too short to split: its 3 bytes token(s) give 3 train and 0 val tokens at --val-fraction 0.25, "
-               "and each needs 2; give it at least 8 tokens of text (far more to train on), or raise --val-fraction"),
-    ([b"abcdefg"], "is too short to split: its 7 bytes token(s) give 6 train and 1 val tokens at --val-fraction "
-                   "0.25, and each needs 2; give it at least 8 tokens of text (far more to train on), or raise "
+    ([b"abc"], "is too short to split: at --val-fraction 0.25, its 3 tokens (bytes) split into 3 train and 0 val, "
+               "and each split needs 2; give it at least 8 tokens of text (far more to train on), or raise "
+               "--val-fraction"),
+    ([b"abcdefg"], "is too short to split: at --val-fraction 0.25, its 7 tokens (bytes) split into 6 train and 1 "
+                   "val, and each split needs 2; give it at least 8 tokens of text (far more to train on), or raise "
                    "--val-fraction"),
 ], ids=["empty-file", "empty-files", "val-empty", "val-one-token"])
 def test_prepare_refuses_text_too_short_to_split_and_writes_nothing(tmp_path, capsys, texts, says):
@@ -568,8 +569,9 @@ def test_prepare_with_train_too_short_asks_for_a_lower_val_fraction(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"0123456789")
     with pytest.raises(UserError) as e:
         prepare.prepare([str(tmp_path / "a.txt")], str(tmp_path / "out"), "bytes", 0.9)
-    assert str(e.value).endswith("give 1 train and 9 val tokens at --val-fraction 0.9, and each needs 2; give it at "
-                                 "least 11 tokens of text (far more to train on), or lower --val-fraction")
+    assert str(e.value).endswith("at --val-fraction 0.9, its 10 tokens (bytes) split into 1 train and 9 val, and "
+                                 "each split needs 2; give it at least 11 tokens of text (far more to train on), or "
+                                 "lower --val-fraction")
     (tmp_path / "a.txt").write_bytes(b"0123456789a")
     prepare.prepare([str(tmp_path / "a.txt")], str(tmp_path / "out"), "bytes", 0.9)
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["train_tokens"] == 2
