@@ -25,12 +25,12 @@ import orbax.checkpoint as ocp
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import checkpoint_kind
 from jaxtrain import config as config_lib
-from jaxtrain import data as data_lib
 from jaxtrain import gpt2_bpe
 from jaxtrain import hf_format
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import orbax_quiet
-from jaxtrain import runfolder
+from jaxtrain import prepare as prepare_lib
+from jaxtrain import run_tokenizer, runfolder
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
@@ -47,8 +47,9 @@ def to_torch(step_dir: str, out_dir: str) -> None:
     print(f"wrote {out_dir} (step {int(state.step)}) from {step_dir}", file=sys.stderr)
 
 
-def to_hf(src: str, out_dir: str) -> None:
-    """A jaxtrain step folder or a torch-format folder (one from-hf wrote, too) -> a Hugging Face GPT-2 folder."""
+def to_hf(src: str, out_dir: str, tokenizer: str | None = None) -> None:
+    """A jaxtrain step folder or a torch-format folder (one from-hf wrote, too) -> a Hugging Face GPT-2 folder;
+    `tokenizer` (--tokenizer): the run's, where its data folder is not on this machine to say."""
     torch_format.check_new_folder(out_dir)
     cfg, data_fingerprint = None, None  # a run's config, which names its data and so its tokenizer
     if checkpoint_kind.kind(src) != checkpoint_kind.TORCH:  # a Hugging Face folder too: its weights are laid out
@@ -68,7 +69,10 @@ def to_hf(src: str, out_dir: str) -> None:
     if cfg:
         vocab_rows = tensors[torch_format.WTE].shape[0]
         config, carried = hf_format.hf_config(cfg.model, vocab_rows), ()
-        with_bpe, note = _run_tokenizer(cfg, data_fingerprint, vocab_rows)
+        with_bpe, note = _run_tokenizer(cfg, data_fingerprint, vocab_rows, tokenizer, src)
+    elif tokenizer is not None:
+        raise UserError(f"--tokenizer: {src} holds no run's config (from-hf's weights), and to-hf carries its "
+                        f"tokenizer files as they are; leave --tokenizer out")
     else:  # weights that from-hf wrote, with the model's config.json and the files it carried beside them
         config, carried, with_bpe = hf_format.read_config(src), hf_format.carried_files(src), False
         note = _carried_tokenizer_note(carried)
@@ -78,17 +82,24 @@ def to_hf(src: str, out_dir: str) -> None:
           file=sys.stderr)
 
 
-def _run_tokenizer(cfg: Config, data_fingerprint: str | None, vocab_rows: int) -> tuple[bool, str]:
-    """(whether to-hf writes GPT-2's BPE files beside a run's model, what it says of its tokenizer): that of the data
-    the run trained on where this machine can tell (data.trained_tokenizer, jaxtrain.sample's rule too), and never
-    one with more tokens than the model has embedding rows."""
+def _run_tokenizer(cfg: Config, data_fingerprint: str | None, vocab_rows: int, given: str | None,
+                   src: str) -> tuple[bool, str]:
+    """(whether to-hf writes GPT-2's BPE files beside a run's model, what it says of its tokenizer): `given` or that
+    of the data the run trained on (run_tokenizer's rule, jaxtrain.sample's too), and never one with more tokens
+    than the model has embedding rows."""
     try:
-        tokenizer = data_lib.trained_tokenizer(cfg, data_fingerprint)
+        tokenizer = run_tokenizer.chosen(cfg, data_fingerprint, given, src)
     except UserError as e:
+        if given is not None:  # another than the run's own
+            raise
         return False, f"; no tokenizer files: {e}"
     gpt2_tokens = gpt2_bpe.EOT_ID + 1
     if tokenizer == "gpt2" and vocab_rows >= gpt2_tokens:
-        return True, " and its tokenizer with AutoTokenizer.from_pretrained (GPT-2's BPE, as the run's data)"
+        source = "--tokenizer says" if given else "the run's data"
+        return True, f" and its tokenizer with AutoTokenizer.from_pretrained (GPT-2's BPE, as {source})"
+    if tokenizer == "gpt2" and given:
+        raise UserError(f"--tokenizer gpt2 has {gpt2_tokens} tokens, more than the {vocab_rows} embedding rows of "
+                        f"{src}: the run was trained with another tokenizer; pass --tokenizer bytes, or leave it out")
     if tokenizer == "gpt2":  # a checkpoint with no data fingerprint, whose data folder was prepared again since
         why = (f"the run's data folder names GPT-2's BPE, whose {gpt2_tokens} tokens are more than the model's "
                f"{vocab_rows} embedding rows: the run was trained with another tokenizer")
@@ -254,6 +265,10 @@ def _parser() -> argparse.ArgumentParser:
         hf = sub.add_parser(name, help=direction, description=direction)
         hf.add_argument("src")
         hf.add_argument("dst", help="the folder to create (must not exist, or be empty)")
+    hf_out = sub.choices["to-hf"]
+    hf_out.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
+                        help="the run's, where its data folder is not on this machine to say (default, and the only "
+                             "one accepted where it is: that data's); gpt2 writes GPT-2's BPE files beside the model")
     return ap
 
 
@@ -262,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         args = _parser().parse_args(argv)
         runfolder.check_not_url(args.src, "SRC")
         commands = {"to-torch": to_torch, "from-torch": from_torch, "to-hf": to_hf, "from-hf": from_hf}
-        commands[args.command](args.src, args.dst)
+        commands[args.command](args.src, args.dst, *([args.tokenizer] if args.command == "to-hf" else []))
 
 
 if __name__ == "__main__":

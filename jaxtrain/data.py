@@ -134,25 +134,6 @@ def tokenizer_name(data_cfg: DataConfig) -> str | None:
     return _read_meta(data_cfg.path)["tokenizer"]
 
 
-def trained_tokenizer(cfg: Config, data_fingerprint: str | None) -> str:
-    """The tokenizer in the run's data folder's meta.json while the folder still holds the data the run trained on:
-    its fingerprint (load's, which a resume checks) is the checkpoint's `data_fingerprint`. A folder prepared again
-    since, with other text or another tokenizer, would name a tokenizer that is not the run's. Checkpoints older
-    than data fingerprints record none: the folder's word is all there is. UserError, saying why, where this machine
-    cannot tell (jaxtrain.sample and convert to-hf both follow this rule)."""
-    path = cfg.data.path
-    if path is None:
-        return tokenizer_name(cfg.data)  # the embedded corpus's: bytes
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise UserError(f"the run's data folder {path} is not here to say which tokenizer it used (its meta.json)")
-    data = load(cfg.data, cfg.model.seq_len)
-    if data_fingerprint not in (None, data.fingerprint):
-        raise UserError(f"the run's data folder {path} no longer holds the data the run trained on (its data "
-                        f"fingerprint changed: prepared again since), so its meta.json does not say the run's "
-                        f"tokenizer")
-    return data.tokenizer
-
-
 def _nanogpt_meta(path: str) -> str:
     """Where `path` holds a train.bin and val.bin of whole uint16 tokens, as nanoGPT's prepare scripts write them
     (without a meta.json; GPT-2's BPE in openwebtext and shakespeare), the meta.json that reads them as such: no

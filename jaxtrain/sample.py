@@ -35,11 +35,10 @@ import numpy as np
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import checkpoint_kind
 from jaxtrain import convert
-from jaxtrain import data as data_lib
 from jaxtrain import gpt2_bpe
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
-from jaxtrain import runfolder
+from jaxtrain import run_tokenizer, runfolder
 from jaxtrain.autocast import COMPUTE_DTYPES, backend, rounding_options
 from jaxtrain.config import Config, ModelConfig
 from jaxtrain.config_checks import INT32_MAX
@@ -311,16 +310,9 @@ def _restore(run_dir: str, step: int | None):
 
 
 def _text_tokenizer(run_dir: str, cfg, meta: dict, given: str | None) -> Tokenizer:
-    """The tokenizer to encode the prompt with: `given` (--tokenizer) or that of the run's data, never another than
-    the data's where that is known, nor one with more tokens than the model has embeddings."""
-    own = _own_tokenizer(cfg, meta, given=given is not None)
-    if given is not None and own is not None and given != own:
-        # Its ids would decode as another tokenizer's: GPT-2 ids read as bytes are U+FFFD (the ids past 255) or
-        # stray bytes, and a byte run's ids read as GPT-2's are other text; nothing would say so.
-        data = f"data folder {cfg.data.path}" if cfg.data.path is not None else "data (the embedded corpus)"
-        raise UserError(f"--tokenizer {given} is not the tokenizer of {run_dir}: its {data} was tokenized "
-                        f"with {own}; leave --tokenizer out to use the run's own")
-    name = given or own
+    """The tokenizer to encode the prompt with: `given` (--tokenizer) or that of the run's data (run_tokenizer's
+    rule), never one with more tokens than the model has embeddings."""
+    name = run_tokenizer.chosen(cfg, meta.get("data_fingerprint"), given, run_dir)
     try:
         text_tokenizer = tokenizer(name)
     except UserError as e:
@@ -333,18 +325,6 @@ def _text_tokenizer(run_dir: str, cfg, meta: dict, given: str | None) -> Tokeniz
         raise UserError(f"--tokenizer {name} has {text_tokenizer.size} tokens, more than the {vocab_size} of the "
                         f"model of {run_dir}: the run was trained with another tokenizer; {fix}")
     return text_tokenizer
-
-
-def _own_tokenizer(cfg, meta: dict, given: bool) -> str | None:
-    """The tokenizer of the data the run trained on; where this machine cannot tell which, None if --tokenizer was
-    `given` (it then serves), else refused, asking for it."""
-    try:
-        return data_lib.trained_tokenizer(cfg, meta.get("data_fingerprint"))
-    except UserError as e:
-        if given:
-            return None
-        choices = " or ".join(f"--tokenizer {name}" for name in prepare_lib.TOKENIZERS)
-        raise UserError(f"{e}; pass {choices}, the one the run's data used") from None
 
 
 def _parser() -> argparse.ArgumentParser:

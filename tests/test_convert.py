@@ -627,7 +627,8 @@ def test_to_hf_writes_no_tokenizer_but_the_one_the_run_trained_with(tmp_path, ca
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
     assert capsys.readouterr().err.endswith(
         f"; no tokenizer files: the run's data folder {data_dir} no longer holds the data the run trained on (its "
-        f"data fingerprint changed: prepared again since), so its meta.json does not say the run's tokenizer\n")
+        f"data fingerprint changed: prepared again since), so its meta.json does not say the run's tokenizer; pass "
+        f"--tokenizer bytes or --tokenizer gpt2, the one the run's data used\n")
     convert.main(["to-torch", step_dir, str(tmp_path / "torch")])
     _edit_trainer_state(lambda state: state.update(data_fingerprint=None))(str(tmp_path / "torch"))  # an older one
     capsys.readouterr()

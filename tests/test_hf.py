@@ -87,6 +87,48 @@ def test_a_gpt2_bpe_run_exports_its_tokenizer(tmp_path, cache_dir, capsys):
     loaded, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert all(not keys for keys in info.values()) and loaded.config.vocab_size >= 50257, info
     assert (loaded.config.bos_token_id, loaded.config.eos_token_id) == (50256, 50256)  # GPT-2's, as its tokenizer's
+    # --tokenizer: refused where it is not the data's, which is here to say; where the data is gone, it says
+    step, hf = str(out / "checkpoints" / "3"), str(tmp_path / "hf2")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        convert.main(["to-hf", step, hf, "--tokenizer", "bytes"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"error: --tokenizer bytes is not the tokenizer of {step}: its data folder {tmp_path / 'tokens'} was "
+        f"tokenized with gpt2; leave --tokenizer out to use the run's own\n")
+    os.rename(tmp_path / "tokens", tmp_path / "tokens-elsewhere")
+    convert.main(["to-hf", step, hf])
+    assert capsys.readouterr().err.endswith(
+        f"; no tokenizer files: the run's data folder {tmp_path / 'tokens'} is not here to say which tokenizer it used "
+        f"(its meta.json); pass --tokenizer bytes or --tokenizer gpt2, the one the run's data used\n")
+    assert not os.path.exists(os.path.join(hf, "vocab.json"))
+    shutil.rmtree(hf)
+    convert.main(["to-hf", step, hf, "--tokenizer", "gpt2"])
+    assert capsys.readouterr().err.endswith("and its tokenizer with AutoTokenizer.from_pretrained (GPT-2's BPE, as "
+                                            "--tokenizer says)\n")
+    assert transformers.AutoTokenizer.from_pretrained(hf)(text)["input_ids"] == want
+
+
+def test_to_hf_of_a_byte_run_refuses_tokenizer_gpt2_and_of_from_hfs_weights_any(tmp_path, cache_dir, capsys):
+    """A byte run (its data folder gone, so nothing says bytes) has 256 embedding rows, too few for GPT-2's 50257
+    tokens; a folder from-hf wrote carries its own tokenizer files (if any): --tokenizer is refused for both, and
+    nothing is written."""
+    (tmp_path / "a.txt").write_text("some text to train on, " * 400)
+    prepare.prepare([str(tmp_path / "a.txt")], str(tmp_path / "tokens"), "bytes", 0.5)
+    out, from_hf = tmp_path / "run", str(tmp_path / "from-hf")
+    run.train(config.load(small_args(out, cache_dir, "--train.steps=3", "--checkpoint.every=3",
+                                     f"--data.path={tmp_path / 'tokens'}")))
+    shutil.rmtree(tmp_path / "tokens")
+    convert.main(["from-hf", hf_model(tmp_path), from_hf])
+    step = str(out / "checkpoints" / "3")
+    for src, says in [(step, f"--tokenizer gpt2 has 50257 tokens, more than the 256 embedding rows of {step}: the "
+                             f"run was trained with another tokenizer; pass --tokenizer bytes, or leave it out"),
+                      (from_hf, f"--tokenizer: {from_hf} holds no run's config (from-hf's weights), and to-hf "
+                                f"carries its tokenizer files as they are; leave --tokenizer out")]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            convert.main(["to-hf", src, str(tmp_path / "hf-out"), "--tokenizer", "gpt2"])
+        assert e.value.code == 2 and capsys.readouterr().err == f"error: {says}\n"
+        assert not (tmp_path / "hf-out").exists()
 
 
 def test_a_run_on_a_tokenizer_to_hf_cannot_write_says_so(tmp_path, cache_dir, capsys):

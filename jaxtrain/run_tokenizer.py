@@ -1,0 +1,52 @@
+"""Which tokenizer a run's text is read with: one rule for `jaxtrain.sample` and `convert to-hf`.
+
+A run's tokens mean text only through the tokenizer of the data it trained on. That data's meta.json names it while
+the folder is on this machine and still holds that data; `--tokenizer` names it where the folder is gone, and is
+refused where it says another than the data's (its ids would read as other text, and nothing would say so).
+
+numpy and the standard library only (through jaxtrain.data), as data.py.
+"""
+
+import os
+
+from jaxtrain import data as data_lib
+from jaxtrain import prepare as prepare_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+
+
+def trained_tokenizer(cfg: Config, data_fingerprint: str | None) -> str:
+    """The tokenizer in the run's data folder's meta.json while the folder still holds the data the run trained on:
+    its fingerprint (data.load's, which a resume checks) is the checkpoint's `data_fingerprint`. A folder prepared
+    again since, with other text or another tokenizer, would name a tokenizer that is not the run's. Checkpoints
+    older than data fingerprints record none: the folder's word is all there is. UserError, saying why, where this
+    machine cannot tell."""
+    path = cfg.data.path
+    if path is None:
+        return data_lib.tokenizer_name(cfg.data)  # the embedded corpus's: bytes
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise UserError(f"the run's data folder {path} is not here to say which tokenizer it used (its meta.json)")
+    data = data_lib.load(cfg.data, cfg.model.seq_len)
+    if data_fingerprint not in (None, data.fingerprint):
+        raise UserError(f"the run's data folder {path} no longer holds the data the run trained on (its data "
+                        f"fingerprint changed: prepared again since), so its meta.json does not say the run's "
+                        f"tokenizer")
+    return data.tokenizer
+
+
+def chosen(cfg: Config, data_fingerprint: str | None, given: str | None, run: str) -> str:
+    """`given` (--tokenizer, or None) or the run's own (trained_tokenizer): never another than the data's where this
+    machine can tell which that is; where it cannot, `given`, else a UserError asking for it. `run` names the run
+    (its folder or checkpoint) in the refusals."""
+    try:
+        own = trained_tokenizer(cfg, data_fingerprint)
+    except UserError as e:
+        if given is not None:
+            return given
+        choices = " or ".join(f"--tokenizer {name}" for name in prepare_lib.TOKENIZERS)
+        raise UserError(f"{e}; pass {choices}, the one the run's data used") from None
+    if given is not None and given != own:
+        data = f"data folder {cfg.data.path}" if cfg.data.path is not None else "data (the embedded corpus)"
+        raise UserError(f"--tokenizer {given} is not the tokenizer of {run}: its {data} was tokenized with {own}; "
+                        f"leave --tokenizer out to use the run's own")
+    return own
