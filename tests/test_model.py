@@ -244,8 +244,8 @@ def test_auto_attention_writes_out_a_head_size_cudnn_refuses(d_model, n_head, mo
         return q
     monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn)
     cfg = ModelConfig(seq_len=16, n_layer=1, n_head=n_head, d_model=d_model)
-    with autocast.compiling_for("gpu"):
-        graphdef, params = M.init_params(cfg, vocab_size=V, precision="bf16", seed=0)
+    with autocast.compiling_for("gpu"):  # abstract params: a concrete init compiled each new shape's ops, 2-3 s
+        graphdef, params = nnx.eval_shape(lambda: M.init_params(cfg, vocab_size=V, precision="bf16", seed=0))
         assert jax.eval_shape(lambda p, idx: M.apply(graphdef, p, idx), params, _idx()).shape == (3, 16, V)
         with pytest.raises(UserError, match=f"a multiple of 8 .*head size {d_model // n_head}"):
             kernel_choice.fused_attention(dataclasses.replace(cfg, attention="cudnn"), "bf16")
