@@ -219,8 +219,8 @@ def _check_splits(meta: dict, inputs: list[str], val_fraction: float) -> None:
     also = "raise --val-fraction" if val < MIN_SPLIT_TOKENS else "lower --val-fraction"
     raise UserError(f"--input {' '.join(inputs)} is too short to split: at --val-fraction {val_fraction}, its "
                     f"{train + val} token{'' if train + val == 1 else 's'} ({meta['tokenizer']}) split into {train} "
-                    f"train and {val} val, and each split needs {MIN_SPLIT_TOKENS}; give it at least {_fewest_tokens(val_fraction)} tokens of text (far "
-                    f"more to train on), or {also}")
+                    f"train and {val} val, and each split needs {MIN_SPLIT_TOKENS}; give it at least "
+                    f"{_fewest_tokens(val_fraction)} tokens of text (far more to train on), or {also}")
 
 
 def _fewest_tokens(val_fraction: float) -> int:
