@@ -98,8 +98,8 @@ def test_a_gpt2_bpe_run_exports_its_tokenizer(tmp_path, cache_dir, capsys):
     os.rename(tmp_path / "tokens", tmp_path / "tokens-elsewhere")
     convert.main(["to-hf", step, hf])
     assert capsys.readouterr().err.endswith(
-        f"; no tokenizer files: the run's data folder {tmp_path / 'tokens'} is not here to say which tokenizer it used "
-        f"(its meta.json); pass --tokenizer bytes or --tokenizer gpt2, the one the run's data used\n")
+        f"; no tokenizer files: the run's data folder {tmp_path / 'tokens'} is not here to say which tokenizer it "
+        f"used (its meta.json); pass --tokenizer bytes or --tokenizer gpt2, the one the run's data used\n")
     assert not os.path.exists(os.path.join(hf, "vocab.json"))
     shutil.rmtree(hf)
     convert.main(["to-hf", step, hf, "--tokenizer", "gpt2"])

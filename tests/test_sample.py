@@ -536,9 +536,9 @@ def test_a_meta_json_naming_a_tokenizer_its_vocabulary_cannot_hold_is_refused_be
         run.train(config.load(small_args(out_dir, cache_dir, f"--data.path={data_dir}", "--log.sample_tokens=20",
                                          "--log.sample_prompt=def ")))
     assert str(e.value) == (
-        f"the end-of-run sample (log.sample_tokens=20) could not be drawn: log.sample_prompt encodes to token id 4299 "
-        f"with the data's tokenizer (gpt2), past the model's 256 rows: {data_dir}/meta.json names a tokenizer its "
-        f"vocab_size does not hold; fix it, or set --log.sample_tokens=0")
+        f"the end-of-run sample (log.sample_tokens=20) could not be drawn: log.sample_prompt encodes to token id "
+        f"4299 with the data's tokenizer (gpt2), past the model's 256 rows: {data_dir}/meta.json names a tokenizer "
+        f"its vocab_size does not hold; fix it, or set --log.sample_tokens=0")
     assert not os.path.exists(out_dir)
 
 
