@@ -202,8 +202,8 @@ def test_an_empty_text_key_is_named_for_what_it_holds(yaml_path, key, noun):
 def test_an_override_that_starts_like_a_yaml_comment_is_not_a_silent_default(yaml_path):
     """YAML reads `#1` as a comment, null: data.path's default, the embedded corpus, trained on without a word."""
     cfg = config.load(["--config", yaml_path, "--data.path=#1"])
-    with pytest.raises(UserError, match="^data folder '#1' not found; create it with `python -m jaxtrain.data "
-                                        "prepare"):
+    with pytest.raises(UserError, match=r"^data folder '#1' not found in the current folder, .*; create it with "
+                                        r"`python -m jaxtrain.data prepare"):
         data.load(cfg.data, cfg.model.seq_len)
 
 
