@@ -1,6 +1,6 @@
 """The suite's own plumbing: how many xdist workers `-n auto` starts (conftest.py), test_fuzz's closing count,
 which reaches the terminal from xdist's workers (tests/conftest.py), the dependency floors CI tests
-(.ci/floors.txt) and CI's exit (.ci/run's trap)."""
+(.ci/floors.txt), CI's exit (.ci/run's trap) and the slow tests it runs when short of time."""
 
 import os
 import subprocess
@@ -96,3 +96,15 @@ def test_ci_exits_zero_with_its_venvs_removed_whatever_the_floors_install_did(tm
             if name == "running":
                 assert processes.ended_within(int(pid_file.read_text())), "the install CI left running"
 
+
+def test_the_fault_tests_ci_runs_short_of_time_are_slow_tests_that_exist():
+    """.ci/run's FAULT_TESTS, run alone where the whole slow suite does not fit: a test renamed or no longer slow
+    would leave CI to run nothing (pytest's "not found") or a default test twice."""
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        script = f.read()
+    listed = script.split("FAULT_TESTS=(", 1)[1].split(")", 1)[0].split()
+    assert len(listed) == 3, listed
+    for node in listed:
+        path, name = node.split("::")
+        with open(os.path.join(REPO, path)) as f:
+            assert f"@pytest.mark.slow\ndef {name}(" in f.read(), node
