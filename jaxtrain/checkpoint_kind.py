@@ -237,7 +237,7 @@ def check_jaxtrain_step(path: str, command: str) -> None:
     # A step its run no longer holds, or the run's checkpoints/ itself: the steps it holds, by name
     listed = name == "checkpoints"
     root = os.path.normpath(path) if listed else os.path.join(_run_of(path), "checkpoints")
-    kept = ", ".join(sorted((n for n in os.listdir(root) if n.isdigit()), key=int)) if os.path.isdir(root) else ""
+    kept = _steps_held(root)
     if found is None and kept and listed:
         what[None] = (f"is a run's checkpoints folder, holding steps {kept}; pass one of those, e.g. "
                       f"{newest_step(os.path.dirname(root))}")
@@ -248,6 +248,18 @@ def check_jaxtrain_step(path: str, command: str) -> None:
         what[TORCHREF_RUN] = f"is a torchref run folder; pass one of its checkpoints, e.g. {step}"
         what[HF] = "is a Hugging Face GPT-2 folder already"
     raise UserError(f"{command} SRC {path} {what[found]}")
+
+
+def _steps_held(root: str) -> str:
+    """The step folders' names under a run's checkpoints folder `root`, in step order (the first and last three of
+    more than eight); "" where there is none or it cannot be listed."""
+    try:
+        steps = sorted((n for n in os.listdir(root) if n.isdigit()), key=int)
+    except OSError:  # none, not a folder, or not this user's to list
+        return ""
+    if len(steps) <= 8:
+        return ", ".join(steps)
+    return f"{', '.join(steps[:3])}, ..., {', '.join(steps[-3:])} ({len(steps)} steps)"
 
 
 def check_hf_source(path: str) -> None:

@@ -99,7 +99,8 @@ def _run_tokenizer(cfg: Config, data_fingerprint: str | None, vocab_rows: int, g
         return True, f" and its tokenizer with AutoTokenizer.from_pretrained (GPT-2's BPE, as {source})"
     if tokenizer == "gpt2" and given:
         raise UserError(f"--tokenizer gpt2 has {gpt2_tokens} tokens, more than the {vocab_rows} embedding rows of "
-                        f"{src}: the run was trained with another tokenizer; pass --tokenizer bytes, or leave it out")
+                        f"{src}: the run was trained with another tokenizer; leave --tokenizer out, or pass bytes if "
+                        f"its data was")
     if tokenizer == "gpt2":  # a checkpoint with no data fingerprint, whose data folder was prepared again since
         why = (f"the run's data folder names GPT-2's BPE, whose {gpt2_tokens} tokens are more than the model's "
                f"{vocab_rows} embedding rows: the run was trained with another tokenizer")
@@ -276,8 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error():
         args = _parser().parse_args(argv)
         runfolder.check_not_url(args.src, "SRC")
-        commands = {"to-torch": to_torch, "from-torch": from_torch, "to-hf": to_hf, "from-hf": from_hf}
-        commands[args.command](args.src, args.dst, *([args.tokenizer] if args.command == "to-hf" else []))
+        commands = {"to-torch": to_torch, "from-torch": from_torch, "from-hf": from_hf,
+                    "to-hf": lambda src, dst: to_hf(src, dst, args.tokenizer)}
+        commands[args.command](args.src, args.dst)
 
 
 if __name__ == "__main__":

@@ -157,8 +157,8 @@ def _read_meta(path: str, fix: str = _PREPARE_HINT) -> dict:
                         f"meta.json); {_PREPARE_HINT}")
     if not os.path.isdir(path):  # a relative data.path is read from where the command runs: a resume elsewhere
         where = "" if os.path.isabs(path) or fix != _PREPARE_HINT else (
-            f" in the current folder, {os.getcwd()} (data.path is relative: run where it was given, or pass "
-            f"--data.path=ABSOLUTE_PATH)")
+            f" in the current folder, {os.getcwd()} (a relative path: run where it was given, or give the folder's "
+            f"absolute path)")
         raise UserError(f"data folder {path!r} not found{where}; {fix}")
     if not os.access(path, os.R_OK | os.X_OK):  # else its files look missing
         raise _unreadable(f"data folder {path!r}")

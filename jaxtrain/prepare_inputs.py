@@ -35,8 +35,9 @@ def input_files(inputs: list[str], out: str) -> list[pathlib.Path]:
         elif path.is_file():
             files.append(path)
         elif "://" in item:
-            raise UserError(f"--input {item!r} is a URL, and prepare reads local files: copy it here first (e.g. "
-                            f"`gcloud storage cp -r {item} .`) and pass that")
+            example = f" (`gcloud storage cp -r {item} .`)" if item.startswith("gs://") else ""
+            raise UserError(f"--input {item!r} is a URL, and prepare reads local files: copy it here first{example} "
+                            f"and pass that")
         else:
             raise UserError(f"--input {item!r} is neither a file nor a folder; pass text files or folders of them")
     files = _first_of_each(files, out_real, skipped)

@@ -112,8 +112,9 @@ class Trainer:
         if (top := max(tokenizer.encode(cfg.log.sample_prompt), default=0)) >= cfg.model.vocab_size:
             raise UserError(f"{refused}: log.sample_prompt encodes to token id {top} with the data's tokenizer "
                             f"({self.data.tokenizer}), past the model's {cfg.model.vocab_size} rows: {self.data.path}"
-                            f"/meta.json names a tokenizer its vocab_size does not hold; fix it, or set "
-                            f"--log.sample_tokens=0")
+                            f"/meta.json names a tokenizer its vocab_size does not hold; set --log.sample_tokens=0, "
+                            f"or fix it before a run's first start (its fingerprint, which a resume checks, covers "
+                            f"meta.json)")
         return tokenizer
 
     def _open_checkpoints(self) -> checkpoint_lib.Checkpointer:

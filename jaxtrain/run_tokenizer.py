@@ -4,7 +4,7 @@ A run's tokens mean text only through the tokenizer of the data it trained on. T
 the folder is on this machine and still holds that data; `--tokenizer` names it where the folder is gone, and is
 refused where it says another than the data's (its ids would read as other text, and nothing would say so).
 
-numpy and the standard library only (through jaxtrain.data), as data.py.
+No jax and no torch, as data.py (which torchref imports too).
 """
 
 import os

@@ -209,15 +209,9 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
     return jax.jit(generate, compiler_options=rounding_options(backend(), precision, stream))
 
 
-def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str,
-                 sampling: Sampling) -> list[str]:
-    """The prompt and its continuation, as text, sampling.num_samples times, from the model `model_cfg` with `params`
-    computing in `precision`.
-
-    Attention is the written-out one (model.attention xla), which the cached steps take whatever the config says:
-    one computation for the whole text, and cuDNN's kernel is no choice on a machine without a GPU. So is c_fc with
-    GELU (model.gelu_fwd xla: the same function): gelu_gemm's kernel takes tokens in tiles of 64 rows, and decoding
-    brings one at a time."""
+def prompt_ids(tok: Tokenizer, prompt: str, sampling: Sampling, vocab_size: int) -> list[int]:
+    """The prompt's token ids, once the prompt and `sampling` are checked against the tokenizer and the model: each
+    refusal one line, before any compilation."""
     sampling.check()
     if sampling.stop_at_eot and tok.eot is None:
         raise UserError("--stop_at_eot: the run's tokenizer (bytes) has no end-of-text token; leave the flag out")
@@ -228,10 +222,23 @@ def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer,
         raise UserError(f"the prompt's {len(ids)} tokens and --max_new_tokens {sampling.max_new_tokens} make a text "
                         f"longer than int32 positions reach ({INT32_MAX}); ask for at most "
                         f"{INT32_MAX - len(ids)} new tokens")
-    if max(ids) >= model_cfg.vocab_size:
-        raise UserError(f"the prompt encodes to token id {max(ids)}, beyond the model's vocabulary of "
-                        f"{model_cfg.vocab_size}: the run was trained with another tokenizer; pass the one its data "
-                        f"used ({' or '.join(prepare_lib.TOKENIZERS)})")
+    if max(ids) >= vocab_size:
+        raise UserError(f"the prompt encodes to token id {max(ids)}, beyond the model's vocabulary of {vocab_size}: "
+                        f"the run was trained with another tokenizer; pass the one its data used "
+                        f"({' or '.join(prepare_lib.TOKENIZERS)})")
+    return ids
+
+
+def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str,
+                 sampling: Sampling) -> list[str]:
+    """The prompt and its continuation, as text, sampling.num_samples times, from the model `model_cfg` with `params`
+    computing in `precision`.
+
+    Attention is the written-out one (model.attention xla), which the cached steps take whatever the config says:
+    one computation for the whole text, and cuDNN's kernel is no choice on a machine without a GPU. So is c_fc with
+    GELU (model.gelu_fwd xla: the same function): gelu_gemm's kernel takes tokens in tiles of 64 rows, and decoding
+    brings one at a time."""
+    ids = prompt_ids(tok, prompt, sampling, model_cfg.vocab_size)
     # A bf16 residual stream (model.residual_dtype=bf16) is bf16 arithmetic: sampled in another --precision, the
     # stream is that precision's too, fp32, as config_checks would have it in training
     stream = model_cfg.residual_dtype if precision == "bf16" else "fp32"
@@ -364,10 +371,10 @@ def main(argv: list[str] | None = None) -> None:
         if not args.prompt:  # as is an empty prompt (any text encodes to at least one token)
             raise UserError(EMPTY_PROMPT)
         run = load(args.run, args.step, args.precision, args.tokenizer)
-        texts = sample_texts(run.params, run.model_cfg, run.precision, run.tokenizer, args.prompt, sampling)
-        # after the prompt's checks (sample_texts'), so that a refused prompt or flag is one line
+        prompt_ids(run.tokenizer, args.prompt, sampling, run.model_cfg.vocab_size)  # a refusal: one line, no header
         print(f"step {run.step} of {args.run}, {run.precision}, temperature {sampling.temperature}, top_k "
               f"{sampling.top_k}, top_p {sampling.top_p}, seed {sampling.seed}", file=sys.stderr)
+        texts = sample_texts(run.params, run.model_cfg, run.precision, run.tokenizer, args.prompt, sampling)
         print(f"\n{SAMPLE_RULE}\n".join(texts))
 
 

@@ -153,6 +153,10 @@ def test_a_step_its_run_no_longer_holds_or_the_runs_checkpoints_folder_names_the
             convert.to_torch(given, str(tmp_path / "dst"))
         assert str(e.value) == f"to-torch SRC {given} {says}"
     assert not (tmp_path / "dst").exists()
+    for number in range(1, 10):  # more than eight: the first and last three, and how many
+        (steps / str(number)).mkdir()
+    with pytest.raises(UserError, match=r"its run holds steps 1, 2, 3, \.\.\., 9, 20, 100 \(11 steps\) \(a step"):
+        convert.to_torch(f"{steps}/40", str(tmp_path / "dst"))
 
 
 def test_a_torch_source_that_is_no_folder_says_so(folders):

@@ -160,8 +160,8 @@ def test_bad_input_exits_with_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # was "neither a file nor a folder" too
         data.main(["prepare", "--input", "gs://bucket/corpus", "--out", str(tmp_path / "o"), "--tokenizer", "bytes"])
     assert e.value.code == 2 and capsys.readouterr().err == (
-        "error: --input 'gs://bucket/corpus' is a URL, and prepare reads local files: copy it here first (e.g. "
-        "`gcloud storage cp -r gs://bucket/corpus .`) and pass that\n")
+        "error: --input 'gs://bucket/corpus' is a URL, and prepare reads local files: copy it here first (`gcloud "
+        "storage cp -r gs://bucket/corpus .`) and pass that\n")
     assert not (tmp_path / "o").exists()
 
 
@@ -800,8 +800,8 @@ def test_a_relative_data_path_missing_here_names_the_folder_it_was_read_from(tmp
     with pytest.raises(UserError) as e:
         data.load(DataConfig(path=relative), seq_len=8)
     assert str(e.value).startswith(
-        f"data folder {relative!r} not found in the current folder, {elsewhere} (data.path is relative: run where it "
-        f"was given, or pass --data.path=ABSOLUTE_PATH); create it with `python -m jaxtrain.data prepare")
+        f"data folder {relative!r} not found in the current folder, {elsewhere} (a relative path: run where it was "
+        f"given, or give the folder's absolute path); create it with `python -m jaxtrain.data prepare")
     with pytest.raises(UserError, match=r"^data folder '/nowhere/data' not found; create it with `python -m"):
         data.load(DataConfig(path="/nowhere/data"), seq_len=8)
     monkeypatch.chdir(tmp_path)

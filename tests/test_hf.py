@@ -121,7 +121,8 @@ def test_to_hf_of_a_byte_run_refuses_tokenizer_gpt2_and_of_from_hfs_weights_any(
     convert.main(["from-hf", hf_model(tmp_path), from_hf])
     step = str(out / "checkpoints" / "3")
     for src, says in [(step, f"--tokenizer gpt2 has 50257 tokens, more than the 256 embedding rows of {step}: the "
-                             f"run was trained with another tokenizer; pass --tokenizer bytes, or leave it out"),
+                             f"run was trained with another tokenizer; leave --tokenizer out, or pass bytes if its "
+                             f"data was"),
                       (from_hf, f"--tokenizer: {from_hf} holds no run's config (from-hf's weights), and to-hf "
                                 f"carries its tokenizer files as they are; leave --tokenizer out")]:
         capsys.readouterr()

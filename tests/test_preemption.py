@@ -142,8 +142,9 @@ def wait_for_a_logged_step(out_dir, timeout_s: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-# A pair's run: 30 steps (it was 60; the three runs of the SIGTERM case took 132 s of CI's slow suite). A SIGTERM
-# sent once step 1 is logged was saved at step 4 on this 2-core machine: margin enough before the last step.
+# A pair's run: 30 steps (it was 60; the three runs of the SIGTERM case took 132 s of the slow suite). A SIGTERM
+# sent once step 1 is logged was saved at step 4 on this 2-core machine: margin enough before the last step (a
+# signal in the last step would print no "saved step": the case would fail, not pass untested).
 PAIR_STEPS = 30
 
 
@@ -168,7 +169,6 @@ def test_sigterm_to_one_host_saves_the_same_step_on_both(tmp_path, cache_dir):
     assert [p.returncode for p in procs] == [0, 0], errs
     saved = {int(e.split("saved step ")[1].split(";")[0]) for e in errs if "saved step " in e}
     assert len(saved) == 1 and all("saved step" in e for e in errs), errs
-    assert saved != {PAIR_STEPS}, "the signal landed after the last step: nothing was preempted"
     assert os.path.isdir(os.path.join(out_dir, "checkpoints", str(saved.pop())))
     for p in two_processes(out_dir, cache_dir):
         assert p.wait(timeout=600) == 0, p.stderr.read()

@@ -421,6 +421,19 @@ def test_command_line_prints_samples_between_rules_and_stops_only_with_an_end_of
             "--stop_at_eot: the run's tokenizer (bytes) has no end-of-text token; leave the flag out")
 
 
+def test_the_header_comes_before_the_compilation_and_the_generation(trained, capsys, monkeypatch):
+    """The "step N of RUN" line says what is being sampled while it is (the prompt's checks come first, so that a
+    refusal is one line; a first version of that printed the header after the whole generation)."""
+    seen, generate = [], sample.sample_texts
+
+    def spy(*args):
+        seen.append(capsys.readouterr().err)
+        return generate(*args)
+    monkeypatch.setattr(sample, "sample_texts", spy)
+    sample.main(["--run", trained[0], "--prompt", PROMPT, "--max_new_tokens", "2"])
+    assert len(seen) == 1 and seen[0].startswith(f"step {STEPS} of {trained[0]}, "), seen
+
+
 def test_a_tokenizer_other_than_the_runs_is_refused(trained, loaded, capsys):
     """The run trained on the embedded corpus's bytes: GPT-2's ids would be read as bytes, or beyond its 256."""
     refused(capsys, ["--run", trained[0], "--tokenizer", "gpt2", "--prompt", "Hello"],
@@ -538,7 +551,8 @@ def test_a_meta_json_naming_a_tokenizer_its_vocabulary_cannot_hold_is_refused_be
     assert str(e.value) == (
         f"the end-of-run sample (log.sample_tokens=20) could not be drawn: log.sample_prompt encodes to token id "
         f"4299 with the data's tokenizer (gpt2), past the model's 256 rows: {data_dir}/meta.json names a tokenizer "
-        f"its vocab_size does not hold; fix it, or set --log.sample_tokens=0")
+        f"its vocab_size does not hold; set --log.sample_tokens=0, or fix it before a run's first start (its "
+        f"fingerprint, which a resume checks, covers meta.json)")
     assert not os.path.exists(out_dir)
 
 
