@@ -171,8 +171,17 @@ def _conv1d_layout(file: str) -> bool | None:
 def newest_step(run_dir: str) -> str | None:
     """The step folder of run_dir's checkpoints with the highest step number, or None."""
     root = os.path.join(run_dir, "checkpoints")
-    steps = [int(n) for n in os.listdir(root) if n.isdigit()] if os.path.isdir(root) else []
-    return os.path.join(root, str(max(steps))) if steps else None
+    steps = _step_names(root)
+    return os.path.join(root, steps[-1]) if steps else None
+
+
+def _step_names(root: str) -> list[str]:
+    """The names of the step folders under a run's checkpoints folder `root`, in step order; none where it is no
+    folder or cannot be listed."""
+    try:
+        return sorted((n for n in os.listdir(root) if n.isdigit()), key=int)
+    except OSError:  # none, not a folder, or not this user's to list
+        return []
 
 
 def _run_of(step_dir: str) -> str:
@@ -237,12 +246,12 @@ def check_jaxtrain_step(path: str, command: str) -> None:
     # A step its run no longer holds, or the run's checkpoints/ itself: the steps it holds, by name
     listed = name == "checkpoints"
     root = os.path.normpath(path) if listed else os.path.join(_run_of(path), "checkpoints")
-    kept = _steps_held(root)
-    if found is None and kept and listed:
-        what[None] = (f"is a run's checkpoints folder, holding steps {kept}; pass one of those, e.g. "
-                      f"{newest_step(os.path.dirname(root))}")
-    elif found is None and kept and not os.path.exists(path):
-        what[None] = (f"does not exist: its run holds steps {kept} (a step is kept once saved, until "
+    held = _step_names(root)
+    if found is None and held and listed:
+        what[None] = (f"is a run's checkpoints folder, holding steps {_listing(held)}; pass one of those, e.g. "
+                      f"{os.path.join(root, held[-1])}")
+    elif found is None and held and not os.path.exists(path):
+        what[None] = (f"does not exist: its run holds steps {_listing(held)} (a step is kept once saved, until "
                       f"checkpoint.max_to_keep rotates it out); pass one of those")
     if command == "to-hf":
         what[TORCHREF_RUN] = f"is a torchref run folder; pass one of its checkpoints, e.g. {step}"
@@ -250,13 +259,8 @@ def check_jaxtrain_step(path: str, command: str) -> None:
     raise UserError(f"{command} SRC {path} {what[found]}")
 
 
-def _steps_held(root: str) -> str:
-    """The step folders' names under a run's checkpoints folder `root`, in step order (the first and last three of
-    more than eight); "" where there is none or it cannot be listed."""
-    try:
-        steps = sorted((n for n in os.listdir(root) if n.isdigit()), key=int)
-    except OSError:  # none, not a folder, or not this user's to list
-        return ""
+def _listing(steps: list[str]) -> str:
+    """Step names for a message: all of up to eight, else the first and last three and how many."""
     if len(steps) <= 8:
         return ", ".join(steps)
     return f"{', '.join(steps[:3])}, ..., {', '.join(steps[-3:])} ({len(steps)} steps)"
