@@ -61,7 +61,7 @@ class StopRequest:
     def reclaim(self) -> None:
         """Handle the signals again after something took them: jax.distributed.initialize installs TSL's
         preemption notifier as the SIGTERM handler, which would note the signal for its own sync point and keep
-        training; jaxtrain agrees on a stop through its own collective instead (run.AgreedStop)."""
+        training; jaxtrain agrees on a stop through its own collective instead (agreed_stop.AgreedStop)."""
         for s in SIGNALS:
             signal.signal(s, self._handle)
 

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxtrain import agreed_stop
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import checkpoint_kind
 from jaxtrain import config as config_lib
@@ -221,45 +222,6 @@ class Trainer:
         return float(ce / max(n, 1)), float(correct / max(n, 1))
 
 
-class StoppedInStartUp(Exception):
-    """A signal before the first step: nothing trained, nothing to save."""
-
-
-class AgreedStop:
-    """Whether the run stops after this step, the same answer on every process; and whether it ends at once, a
-    save having failed in the background on any of them. One process: its own signal and failure. Several:
-    mesh.any_process over every process's two flags, dispatched after each step and read after the next, so the
-    loop never waits for it and every host saves the same step (a preemption may signal one host only)."""
-
-    def __init__(self, stop: preemption.StopRequest, mesh):
-        self.stop, self.mesh, self.several = stop, mesh, jax.process_count() > 1
-        self.vote = None
-        self.failed = None  # this process's failed save (a UserError), kept until every process has heard
-
-    def check_start_up(self) -> None:
-        """Between start-up phases: raise StoppedInStartUp when any process was signalled."""
-        if self.requested_now():
-            raise StoppedInStartUp
-
-    def requested_now(self) -> bool:
-        """Whether any process was signalled, waiting for every process's answer: where all of them sync anyway
-        (start-up, an evaluation's end)."""
-        return bool(mesh_lib.any_process(self.stop.requested, self.mesh)) if self.several else self.stop.requested
-
-    def after_step(self, checkpointer: checkpoint_lib.Checkpointer) -> bool:
-        """Whether to save this step and stop; raises the UserError of a save that failed instead."""
-        self.failed = self.failed or checkpointer.background_failure()
-        if not self.several:
-            if self.failed:
-                raise self.failed
-            return self.stop.requested
-        stop, failed = (False, False) if self.vote is None else (bool(x) for x in np.asarray(self.vote))
-        self.vote = mesh_lib.any_process((self.stop.requested, self.failed is not None), self.mesh)
-        if failed:  # every process ends at the same step; the failure's own words are in its process's output
-            raise self.failed or checkpointer.cannot_write("on another process of this run; its error names why")
-        return stop
-
-
 def train(cfg: Config) -> dict:
     """Train to cfg.train.steps; returns the summary of this run. run.dry_run: only say whether it fits."""
     stop = preemption.install()  # `python -m jaxtrain.run` installed it before importing jax
@@ -292,7 +254,7 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
     trainer = logger = None
     try:
         trainer = Trainer(cfg)
-        cfg, agreed = trainer.cfg, AgreedStop(stop, trainer.mesh)  # cfg: model.vocab_size resolved
+        cfg, agreed = trainer.cfg, agreed_stop.AgreedStop(stop, trainer.mesh)  # cfg: model.vocab_size resolved
         agreed.check_start_up()  # a signal during start-up stops it between phases
         # A fresh state is made after its step is compiled and checked against the memory; a resumed or init.from
         # one is read first, so that init.from's step and shapes are refused at once, not after a compile
@@ -323,7 +285,7 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
         state, summary = loop(trainer, state, start, logger, agreed)
         summary["wall_s"] = time.perf_counter() - t0  # start-up and compilation included
         return summary, state, trainer
-    except StoppedInStartUp:
+    except agreed_stop.StoppedInStartUp:
         hint = config_lib.start_up_stop_hint(cfg, "jaxtrain.run")
         print(f"stopped before the first step, nothing new to save; {hint}", file=sys.stderr)
         return {"stopped": True}, None, trainer
@@ -359,7 +321,7 @@ def load_data_everywhere(cfg: Config) -> data_lib.TokenData:
     return data
 
 
-def loop(trainer: Trainer, state, start: int, logger, agreed: AgreedStop):
+def loop(trainer: Trainer, state, start: int, logger, agreed: agreed_stop.AgreedStop):
     """Steps start+1 .. train.steps. Each step's metrics are pulled to the host one step late, so the device
     never waits for logging; checkpoints, evals and the end sync on the step they follow."""
     cfg, eval_batches = trainer.cfg, trainer.eval_batches()

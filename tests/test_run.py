@@ -16,7 +16,7 @@ import pytest
 from design_formulas import default_lr_at
 from parity_tests import inject_nan
 from parity_tests.runs import read_metrics
-from jaxtrain import config, convert, model, run, runlock
+from jaxtrain import agreed_stop, config, convert, model, run, runlock
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import UserError
@@ -217,9 +217,9 @@ def test_a_fresh_start_stopped_before_its_first_step_moves_nothing(reference_run
     before = files_but_the_lock(out_dir)
 
     def signalled(self):
-        raise run.StoppedInStartUp
+        raise agreed_stop.StoppedInStartUp
 
-    monkeypatch.setattr(run.AgreedStop, "check_start_up", signalled)
+    monkeypatch.setattr(agreed_stop.AgreedStop, "check_start_up", signalled)
     assert run.train(config.load(small_args(out_dir, cache_dir, "--run.fresh=true"))) == {"stopped": True}
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "stopped before the first step, nothing new to save; run.fresh has moved nothing aside yet: run the same "
@@ -246,7 +246,7 @@ def test_a_save_that_failed_ends_the_run_once_every_process_heard(several):
     late as on a stop: every process raises after the next step (here one process, made to vote as one of several,
     is the collective's only voter), and a stop requested meanwhile does not save over it."""
     disk_full = UserError("could not write (disk full)")
-    agreed = run.AgreedStop(types.SimpleNamespace(requested=False), mesh_lib.one_device_mesh())
+    agreed = agreed_stop.AgreedStop(types.SimpleNamespace(requested=False), mesh_lib.one_device_mesh())
     agreed.several = several
     saves = SavesThatFail(None, disk_full, None, None)
     assert agreed.after_step(saves) is False
@@ -259,7 +259,7 @@ def test_a_save_that_failed_ends_the_run_once_every_process_heard(several):
 
 
 def test_a_failure_voted_by_another_process_is_named_as_one():
-    agreed = run.AgreedStop(types.SimpleNamespace(requested=False), mesh_lib.one_device_mesh())
+    agreed = agreed_stop.AgreedStop(types.SimpleNamespace(requested=False), mesh_lib.one_device_mesh())
     agreed.several, agreed.vote = True, jax.numpy.array([False, True])  # another process's failure, read now
     with pytest.raises(UserError, match=r"^could not write \(on another process of this run; its error names "
                                         r"why\)$"):
