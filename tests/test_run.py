@@ -16,7 +16,7 @@ import pytest
 from design_formulas import default_lr_at
 from parity_tests import inject_nan
 from parity_tests.runs import read_metrics
-from jaxtrain import agreed_stop, config, convert, model, run, runlock
+from jaxtrain import agreed_stop, config, convert, data, model, run, runlock
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import UserError
@@ -137,6 +137,24 @@ def test_moved_data_resumes_and_other_data_is_refused(reference_run, tmp_path, c
     with pytest.raises(UserError, match=r"the data \(the embedded corpus\) differs from the data that wrote "
                                         r".*checkpoints/4 \(data fingerprint"):
         run.Trainer(config.load(small_args(out_dir, moved)))
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_resume_on_data_with_more_tokens_names_the_data_not_the_vocab_size(reference_run, tmp_path, cache_dir,
+                                                                            fresh):
+    """config.yaml's model.vocab_size (256, the embedded corpus's) given a gpt2 data folder: a resume says the data
+    is not the data the run trained on. It said to raise model.vocab_size, a fix that the resume's config check then
+    refused. A fresh start has no other data to name: there the vocab_size's own refusal stands."""
+    out_dir, gpt2_data = str(tmp_path / "run"), str(tmp_path / "gpt2-data")
+    shutil.copytree(reference_run[0], out_dir)
+    shutil.rmtree(os.path.join(out_dir, "checkpoints", "8"))
+    (tmp_path / "text.txt").write_text("the cat sat on the mat. " * 200)
+    data.main(["prepare", "--input", str(tmp_path / "text.txt"), "--out", gpt2_data, "--tokenizer", "gpt2"])
+    args = ["--config", os.path.join(out_dir, "config.yaml"), f"--run.out_dir={out_dir}", f"--data.path={gpt2_data}"]
+    says = (r"^model.vocab_size=256 is smaller than the data's vocab_size=50257 " if fresh else
+            rf"^the data \({gpt2_data}\) differs from the data that wrote {out_dir}/checkpoints/4 \(data fingerprint")
+    with pytest.raises(UserError, match=says):
+        run.Trainer(config.load(args + ["--run.fresh=true"] * fresh))
 
 
 def test_a_stray_init_from_on_resume_is_not_recorded(reference_run, tmp_path, cache_dir):
