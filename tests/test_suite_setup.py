@@ -1,8 +1,11 @@
 """The suite's own plumbing: how many xdist workers `-n auto` starts (conftest.py), test_fuzz's closing count,
 which reaches the terminal from xdist's workers (tests/conftest.py), the dependency floors CI tests
-(.ci/floors.txt), CI's exit (.ci/run's trap) and the slow tests it runs when short of time."""
+(.ci/floors.txt), CI's exit (.ci/run's trap) and the slow tests it runs when short of time (its fault tests, a
+turn of the rest)."""
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -97,14 +100,43 @@ def test_ci_exits_zero_with_its_venvs_removed_whatever_the_floors_install_did(tm
                 assert processes.ended_within(int(pid_file.read_text())), "the install CI left running"
 
 
+def _ci_array(name: str) -> list[str]:
+    """A bash array of .ci/run's, split as bash splits it (quotes; a backslash-newline inside quotes joins lines)."""
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        body = f.read().split(f"\n{name}=(", 1)[1].split(")\n", 1)[0]
+    return shlex.split(body.replace("\\\n", " "))
+
+
 def test_the_fault_tests_ci_runs_short_of_time_are_slow_tests_that_exist():
     """.ci/run's FAULT_TESTS, run alone where the whole slow suite does not fit: a test renamed or no longer slow
     would leave CI to run nothing (pytest's "not found") or a default test twice."""
-    with open(os.path.join(REPO, ".ci", "run")) as f:
-        script = f.read()
-    listed = script.split("FAULT_TESTS=(", 1)[1].split(")", 1)[0].split()
+    listed = _ci_array("FAULT_TESTS")
     assert len(listed) == 3, listed
     for node in listed:
         path, name = node.split("::")
         with open(os.path.join(REPO, path)) as f:
             assert f"@pytest.mark.slow\ndef {name}(" in f.read(), node
+
+
+def test_every_slow_test_is_a_fault_test_or_in_one_turn_of_ci():
+    """.ci/run, short of time for the whole slow suite, runs FAULT_TESTS with one of SLOW_TURNS (files): a slow test
+    in a file no turn names would never run there, one in two turns twice as often as the others, and a turn with
+    no slow test of its own would run the fault tests alone. Read from the files (the floors' venv, which runs this,
+    cannot import the whole suite): a test is slow by a `@pytest.mark.slow` line, the only way the suite marks one."""
+    faults, turns = _ci_array("FAULT_TESTS"), [turn.split() for turn in _ci_array("SLOW_TURNS")]
+    others = {}  # file -> its slow tests that are not fault tests
+    for folder in ("tests", "parity_tests"):
+        for name in sorted(os.listdir(os.path.join(REPO, folder))):
+            path = f"{folder}/{name}"
+            if not name.endswith(".py") or path == "tests/test_suite_setup.py":  # this file names the marker
+                continue
+            with open(os.path.join(REPO, path)) as f:
+                text = f.read()
+            marked = len(re.findall(r"^@pytest\.mark\.slow$", text, re.M))
+            assert text.count("pytest.mark.slow") == marked, f"{path} marks slow tests in another way"
+            if marked > sum(node.startswith(f"{path}::") for node in faults):
+                others[path] = marked
+    assert len(others) >= 6, others
+    for path in others:
+        assert sum(path in files for files in turns) == 1, (path, turns)
+    assert all(path in others for files in turns for path in files), turns
