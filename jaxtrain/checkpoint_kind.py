@@ -114,19 +114,37 @@ def _damaged(file: str, key: str, problem: str, found) -> None:
     raise DamagedTrainerState(f"{file}: {key!r} is {problem} (got {found!r})")
 
 
-def model_keys_hint(names, tie_embeddings: bool, bias: bool) -> str:
-    """What to set, for a torch-format checkpoint whose tensors (`names`) do not fit the model config: the model.*
-    keys its tensors tell (an lm_head tensor: untied embeddings; bias tensors, LayerNorms' too: model.bias), else
-    the model config it was written with."""
-    keys = []
-    if tie_embeddings == any(name.startswith("lm_head.") for name in names):
-        keys.append(f"model.tie_embeddings={str(not tie_embeddings).lower()}")
-    if bias != any(name.endswith(".bias") for name in names):
-        keys.append(f"model.bias={str(not bias).lower()}")
-    if keys:
-        return f"the checkpoint's tensors say {' and '.join(keys)}: set that"
+def model_keys_hint(shapes: dict[str, tuple], model_cfg) -> str:
+    """What to set, for a torch-format checkpoint whose tensors (`shapes`: name -> shape) do not fit the model
+    config `model_cfg`: the model.* keys its tensors tell (an lm_head tensor: untied embeddings; bias tensors,
+    LayerNorms' too: model.bias; wte's and wpe's shapes: vocab_size, d_model, seq_len; the blocks: n_layer), each
+    as the flag that sets it; else the model config it was written with."""
+    told = {key: value for key, value in _told_by_tensors(shapes).items() if value != getattr(model_cfg, key)}
+    if told:
+        said = ", ".join(f"model.{key}={_yaml(value)} (this config: {_yaml(getattr(model_cfg, key))})"
+                         for key, value in told.items())
+        flags = " ".join(f"--model.{key}={_yaml(value)}" for key, value in told.items())
+        return f"the checkpoint's tensors are those of {said}; pass {flags}"
     return (f"set the model.* config to the checkpoint's (its {TRAINER_STATE} holds it, or the {HF_CONFIG} that "
             f"convert from-hf keeps)")
+
+
+def _yaml(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _told_by_tensors(shapes: dict[str, tuple]) -> dict:
+    """The model.* values a torch-format checkpoint's tensor names and shapes show (n_head is not among them)."""
+    told = {"tie_embeddings": not any(name.startswith("lm_head.") for name in shapes),
+            "bias": any(name.endswith(".bias") for name in shapes)}
+    blocks = {int(m.group(1)) for name in shapes if (m := re.match(r"transformer\.h\.(\d+)\.", name))}
+    if blocks:
+        told["n_layer"] = max(blocks) + 1
+    for name, keys in (("transformer.wte.weight", ("vocab_size", "d_model")), ("transformer.wpe.weight",
+                                                                              ("seq_len", "d_model"))):
+        if len(shapes.get(name, ())) == 2:
+            told.update(zip(keys, (int(n) for n in shapes[name])))
+    return told
 
 
 def check_n_head(path: str, n_head: int) -> None:

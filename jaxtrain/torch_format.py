@@ -275,7 +275,7 @@ def _read_tensors(file: str, expected: dict[str, tuple], cfg: Config) -> dict[st
 
 def _check_tensors(file: str, expected: dict[str, tuple], found: dict[str, tuple], cfg: Config) -> None:
     """One UserError naming the first tensor that is missing, unexpected or of another shape."""
-    hint = checkpoint_kind.model_keys_hint(found, cfg.model.tie_embeddings, cfg.model.bias)
+    hint = checkpoint_kind.model_keys_hint(found, cfg.model)
     for name, shape in expected.items():
         if found.get(name) != shape:
             got = f"shape {found[name]}" if name in found else "no such tensor"

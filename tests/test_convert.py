@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -218,12 +219,34 @@ def test_a_bias_free_untied_checkpoint_names_both_keys_in_both_backends(tmp_path
 
     bare = make_cfg(False, "--model.bias=false")
     torch_format.export(step.fresh_state(bare, V), bare, str(tmp_path / "bare"))
-    says = "the checkpoint's tensors say model.tie_embeddings=false and model.bias=false: set that"
+    says = re.escape("the checkpoint's tensors are those of model.tie_embeddings=false (this config: true), "
+                     "model.bias=false (this config: true); pass --model.tie_embeddings=false --model.bias=false") + "$"
     defaults = make_cfg(True)
     with pytest.raises(UserError, match=says):
         torch_format.load(str(tmp_path / "bare"), step.fresh_state(defaults, V), defaults)
     with pytest.raises(UserError, match=says):
         torchref_checkpoint.load_weights(str(tmp_path / "bare"), GPT(defaults.model))
+
+
+@pytest.mark.parametrize("other, says", [
+    (["--model.d_model=64"], "model.d_model=32 (this config: 64); pass --model.d_model=32"),
+    (["--model.n_layer=3", "--model.seq_len=32"],
+     "model.n_layer=2 (this config: 3), model.seq_len=16 (this config: 32); pass --model.n_layer=2 --model.seq_len=16"),
+    ([f"--model.vocab_size={V + 8}"], f"model.vocab_size={V} (this config: {V + 8}); pass --model.vocab_size={V}")])
+def test_a_shape_mismatch_names_the_flags_the_tensors_tell_in_both_backends(other, says, tmp_path):
+    """A checkpoint of another width, depth, context or vocabulary, loaded into this config: the model.* keys its
+    tensors show, with the values to pass (before: the first tensor of another shape, and "set the model.* config
+    to the checkpoint's"), in jaxtrain and in torchref alike."""
+    from torchref import checkpoint as torchref_checkpoint
+    from torchref.model import GPT
+
+    _, _, out = exported(True, tmp_path)
+    cfg = make_cfg(True, *other)
+    says = "; the checkpoint's tensors are those of " + re.escape(says) + "$"
+    with pytest.raises(UserError, match=says):
+        torch_format.load(out, step.fresh_state(cfg, cfg.model.vocab_size), cfg)
+    with pytest.raises(UserError, match=says):
+        torchref_checkpoint.load_weights(out, GPT(cfg.model))
 
 
 def test_weights_only_load_keeps_a_fresh_optimizer(tmp_path):

@@ -166,7 +166,7 @@ def load_weights(path: str, model) -> None:
     tensors = _read_tensors(file)
     tied = model.cfg.tie_embeddings
     expected = {n: t for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
-    hint = checkpoint_kind.model_keys_hint(tensors, tied, model.cfg.bias)
+    hint = checkpoint_kind.model_keys_hint({n: tuple(t.shape) for n, t in tensors.items()}, model.cfg)
     for name, t in expected.items():
         if name not in tensors:
             raise UserError(f"{file} has no tensor {name!r}; {hint}")
