@@ -70,6 +70,9 @@ def to_hf(src: str, out_dir: str, tokenizer: str | None = None) -> None:
         vocab_rows = tensors[torch_format.WTE].shape[0]
         config, carried = hf_format.hf_config(cfg.model, vocab_rows), ()
         with_bpe, note = _run_tokenizer(cfg, data_fingerprint, vocab_rows, tokenizer, src)
+        if not cfg.model.bias:  # HF's GPT-2 always has biases
+            tensors = hf_format.with_zero_biases(tensors, cfg.model)
+            note += "; the model has no biases (model.bias=false): they are written as zeros, which add nothing"
     elif tokenizer is not None:
         raise UserError(f"--tokenizer: {src} holds no run's config (from-hf's weights), and to-hf carries its "
                         f"tokenizer files as they are; leave --tokenizer out")

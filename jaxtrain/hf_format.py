@@ -5,8 +5,9 @@ nanoGPT took GPT-2's parameter names, so the torch format's model.safetensors (t
 two things only: HF's attention and MLP projections are `Conv1D`s, whose weight is (in, out), the transpose of
 nanoGPT's Linear (out, in); and HF leaves `lm_head.weight` out when the head is tied to `wte`. config.json states
 what nanoGPT's model is: exact GELU (`activation_function="gelu"`, not GPT-2's tanh approximation `gelu_new`),
-LayerNorm eps 1e-5, an MLP of 4 x n_embd, biases everywhere. Models that differ (no biases, another activation or
-MLP width) are refused with the reason: converting them would change what they compute.
+LayerNorm eps 1e-5, an MLP of 4 x n_embd, biases everywhere (a model without them is written with zero ones, which
+add nothing). Models that differ otherwise (another activation or MLP width) are refused with the reason: converting
+them would change what they compute.
 """
 
 import json
@@ -39,10 +40,8 @@ BASE = "transformer."  # GPT2LMHeadModel's name for the GPT2Model in it, which n
 
 def hf_config(model: ModelConfig, vocab_size: int) -> dict:
     """config.json of a GPT2LMHeadModel that computes what jaxtrain's `model` computes (with the residual stream in
-    fp32 whatever model.residual_dtype says: transformers' GPT-2 has no bf16 stream; the weights are the same)."""
-    if not model.bias:
-        raise UserError("the model has no biases (model.bias=false); Hugging Face's GPT-2 always has them, so it "
-                        "cannot be exported as GPT2LMHeadModel. Export it to the torch format (to-torch) instead")
+    fp32 whatever model.residual_dtype says: transformers' GPT-2 has no bf16 stream; the weights are the same; a
+    model without biases with the zero ones of with_zero_biases)."""
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
             "n_positions": model.seq_len, "n_embd": model.d_model, "n_layer": model.n_layer,
             "n_head": model.n_head, "n_inner": None, "activation_function": "gelu",
@@ -141,6 +140,17 @@ def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, tied: bo
                         f"(config.json) needs; convert a folder whose config.json describes its weights, as "
                         f"model.save_pretrained(dir) writes them")
     return tensors
+
+
+def with_zero_biases(tensors: dict[str, np.ndarray], model: ModelConfig) -> dict[str, np.ndarray]:
+    """The torch format's tensors of a model without biases (model.bias=false, nanoGPT's default) with the biases
+    HF's GPT-2 always has, as zeros: x + 0 is x, so transformers computes what the model does."""
+    d = model.d_model
+    widths = {"ln_1": d, "attn.c_attn": 3 * d, "attn.c_proj": d, "ln_2": d, "mlp.c_fc": 4 * d, "mlp.c_proj": d}
+    zeros = {f"{BASE}h.{i}.{module}.bias": width for i in range(model.n_layer) for module, width in widths.items()}
+    zeros[f"{BASE}ln_f.bias"] = d
+    dtype = tensors[f"{BASE}ln_f.weight"].dtype
+    return {**tensors, **{name: np.zeros(width, dtype) for name, width in zeros.items()}}
 
 
 def from_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
