@@ -124,6 +124,33 @@ def resolve_vocab_size(model_vocab: int | None, data: TokenData) -> int:
     return model_vocab
 
 
+def vocab_size_before_resume(model_vocab: int | None, data: TokenData, fresh: bool) -> tuple[int, UserError | None]:
+    """resolve_vocab_size's answer, and its refusal held back where the run may resume (not run.fresh): there a
+    model.vocab_size (config.yaml's) below the data's means other data than the run trained on, which the resume's
+    own checks name; raising model.vocab_size, as the refusal says, would be refused by them next. Both backends
+    build the model at model_vocab, resume, then call refuse_vocab_size_after_resume."""
+    try:
+        return resolve_vocab_size(model_vocab, data), None
+    except UserError as e:
+        if fresh:
+            raise
+        return model_vocab, e
+
+
+def refuse_vocab_size_after_resume(refusal: UserError | None, resumed: bool, data: TokenData, out_dir: str) -> None:
+    """vocab_size_before_resume's refusal, where the resume's checks did not refuse: as it was where nothing
+    resumed; where a checkpoint from before data fingerprints did (its data paths alone are checked), as other data
+    at the same path."""
+    if refusal is None:
+        return
+    if not resumed:
+        raise refusal
+    raise UserError(f"the data ({data.path}) has a vocabulary of {data.vocab_size}, larger than the model.vocab_size "
+                    f"the run in {out_dir} was trained with: it is not the data the run trained on (its checkpoint "
+                    f"is older than data fingerprints, so only the data's path was checked); resume with the data it "
+                    f"was trained on, or start over with --run.fresh=true or a new --run.out_dir")
+
+
 def tokenizer_name(data_cfg: DataConfig) -> str | None:
     """The tokenizer of the data a config names ("bytes" or "gpt2"): the embedded corpus is bytes, a folder's is in
     its meta.json; None where that folder is not on this machine."""

@@ -82,24 +82,19 @@ class Trainer:
     def _build(self, cfg: Config) -> None:
         runfolder.refuse_unfinished_set_aside(cfg.run.out_dir, cfg.run.fresh)
         self.data = load_data_everywhere(cfg)
-        try:
-            vocab_size, too_small = data_lib.resolve_vocab_size(cfg.model.vocab_size, self.data), None
-        except UserError as e:  # a resume's model.vocab_size (config.yaml's) on other data: its check says that first
-            if cfg.run.fresh:
-                raise
-            vocab_size, too_small = cfg.model.vocab_size, e
+        vocab_size, too_small = data_lib.vocab_size_before_resume(cfg.model.vocab_size, self.data, cfg.run.fresh)
         # Written down, so that config.yaml and every checkpoint say what the model was built with.
         self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+        # Before the resume (which may set steps aside): the log.* keys and the data are the same after it.
+        self.sample_tokenizer = self._sample_tokenizer(cfg) if cfg.log.sample_tokens and not too_small else None
         self.mesh = mesh_lib.make_mesh(cfg)
         self.abstract_state = checkpoint_lib.abstract_state(cfg, vocab_size, self.mesh)
         self.state_sharding = jax.tree.map(lambda x: x.sharding, self.abstract_state)
         # The newest checkpoint that verifies, or None. run.fresh opens the checkpoints later (open_run_folder).
         self.resumed = None if cfg.run.fresh else self._open_checkpoints().resume(self.abstract_state)
-        if too_small:
-            raise too_small
+        data_lib.refuse_vocab_size_after_resume(too_small, self.resumed is not None, self.data, cfg.run.out_dir)
         if self.resumed is not None:  # with the run's own init.from, which config.yaml records (same_run.check)
             self.cfg = cfg = self.checkpointer.cfg
-        self.sample_tokenizer = self._sample_tokenizer(cfg) if cfg.log.sample_tokens else None
         if self.resumed is None and cfg.init.from_ is not None:  # what the run starts from, before it is read
             checkpoint_kind.check_torch_source(cfg.init.from_, "init.from")
             checkpoint_kind.check_n_head(cfg.init.from_, cfg.model.n_head)

@@ -1,5 +1,6 @@
 """The main job end to end on a small model: metrics.jsonl, checkpoints, resume, Ctrl-C, clean errors."""
 
+import importlib
 import json
 import os
 import re
@@ -139,22 +140,65 @@ def test_moved_data_resumes_and_other_data_is_refused(reference_run, tmp_path, c
         run.Trainer(config.load(small_args(out_dir, moved)))
 
 
-@pytest.mark.parametrize("fresh", [False, True])
-def test_a_resume_on_data_with_more_tokens_names_the_data_not_the_vocab_size(reference_run, tmp_path, cache_dir,
-                                                                            fresh):
-    """config.yaml's model.vocab_size (256, the embedded corpus's) given a gpt2 data folder: a resume says the data
-    is not the data the run trained on. It said to raise model.vocab_size, a fix that the resume's config check then
-    refused. A fresh start has no other data to name: there the vocab_size's own refusal stands."""
-    out_dir, gpt2_data = str(tmp_path / "run"), str(tmp_path / "gpt2-data")
-    shutil.copytree(reference_run[0], out_dir)
-    shutil.rmtree(os.path.join(out_dir, "checkpoints", "8"))
-    (tmp_path / "text.txt").write_text("the cat sat on the mat. " * 200)
-    data.main(["prepare", "--input", str(tmp_path / "text.txt"), "--out", gpt2_data, "--tokenizer", "gpt2"])
-    args = ["--config", os.path.join(out_dir, "config.yaml"), f"--run.out_dir={out_dir}", f"--data.path={gpt2_data}"]
-    says = (r"^model.vocab_size=256 is smaller than the data's vocab_size=50257 " if fresh else
-            rf"^the data \({gpt2_data}\) differs from the data that wrote {out_dir}/checkpoints/4 \(data fingerprint")
-    with pytest.raises(UserError, match=says):
-        run.Trainer(config.load(args + ["--run.fresh=true"] * fresh))
+@pytest.fixture(scope="module")
+def byte_runs(tmp_path_factory, cache_dir):
+    """backend -> a run of 4 steps on a prepared byte-level data folder; tokenizer -> a folder of the same text."""
+    root = tmp_path_factory.mktemp("byte-runs")
+    (root / "text.txt").write_text("the cat sat on the mat. " * 400)
+    folders = {tokenizer: str(root / tokenizer) for tokenizer in ("bytes", "gpt2")}
+    for tokenizer, folder in folders.items():
+        data.main(["prepare", "--input", str(root / "text.txt"), "--out", folder, "--tokenizer", tokenizer])
+    runs = {backend: str(root / backend) for backend in ("jaxtrain", "torchref")}
+    for backend, out_dir in runs.items():
+        _train(backend, config.load(small_args(out_dir, cache_dir, f"--data.path={folders['bytes']}",
+                                               "--train.steps=4")))
+    return runs, folders
+
+
+def _train(backend: str, cfg):
+    return (run.train if backend == "jaxtrain" else importlib.import_module("torchref.run").train)(cfg)
+
+
+def _trained_from(out_dir: str, backend: str, old_dir: str, data_dir: str, fingerprint: bool) -> None:
+    """The run's config.yaml and checkpoint as if trained from data_dir, the checkpoint with or without its data's
+    fingerprint (one of before them): jaxtrain's meta, torchref's trainer_state.json."""
+    with open(os.path.join(out_dir, "config.yaml")) as f:
+        text = f.read()
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        f.write(text.replace(old_dir, data_dir))
+    step = os.path.join(out_dir, "checkpoints", "4")
+    meta_file = os.path.join(step, "meta", "metadata") if backend == "jaxtrain" else f"{step}/trainer_state.json"
+    with open(meta_file) as f:
+        meta = json.load(f)
+    meta["config"]["data"]["path"] = data_dir
+    if not fingerprint:
+        del meta["data_fingerprint"]
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+
+
+@pytest.mark.parametrize("backend", ["jaxtrain", "torchref"])
+@pytest.mark.parametrize("case", ["other data", "a checkpoint without its data's fingerprint", "fresh"])
+def test_a_resume_on_data_with_more_tokens_names_the_data_not_the_vocab_size(byte_runs, tmp_path, backend, case):
+    """config.yaml's model.vocab_size (256: bytes), its data folder prepared again as GPT-2 BPE: a resume says the
+    data is not the data the run trained on, in both backends. It said to raise model.vocab_size, which the resume's
+    config check then refused. A checkpoint from before data fingerprints (the data's path alone checked) is told
+    the same once read; a fresh start has no other data to name: there the vocab_size's own refusal stands."""
+    runs, folders = byte_runs
+    out_dir, data_dir = str(tmp_path / "run"), str(tmp_path / "data")
+    shutil.copytree(runs[backend], out_dir)
+    shutil.copytree(folders["gpt2"], data_dir)
+    _trained_from(out_dir, backend, folders["bytes"], data_dir, case != "a checkpoint without its data's fingerprint")
+    says = {"other data": rf"the data \({data_dir}\) differs from the data that wrote {out_dir}/checkpoints/4 "
+                          rf"\(data fingerprint [0-9a-f]+ -> [0-9a-f]+: ",
+            "fresh": r"model.vocab_size=256 is smaller than the data's vocab_size=50257 \(",
+            }.get(case, rf"the data \({data_dir}\) has a vocabulary of 50257, larger than the model.vocab_size the "
+                        rf"run in {out_dir} was trained with: it is not the data the run trained on \(its checkpoint "
+                        rf"is older than data fingerprints")
+    cfg = config.load(["--config", os.path.join(out_dir, "config.yaml"), f"--run.out_dir={out_dir}",
+                       f"--run.fresh={str(case == 'fresh').lower()}"])
+    with pytest.raises(UserError, match="^" + says):
+        _train(backend, cfg)
 
 
 def test_a_stray_init_from_on_resume_is_not_recorded(reference_run, tmp_path, cache_dir):

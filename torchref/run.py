@@ -95,12 +95,13 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, dict] | None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.run.seed)
     tokens = data.load(cfg.data, cfg.model.seq_len)
+    vocab_size, too_small = data.vocab_size_before_resume(cfg.model.vocab_size, tokens, cfg.run.fresh)
     # Written down, so that config.yaml and every checkpoint say what the model was built with.
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, vocab_size=data.resolve_vocab_size(cfg.model.vocab_size, tokens)))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     model = GPT(cfg.model).to(device)
     optimizer = configure_optimizer(model, cfg)
     cfg, progress, resumed = start(cfg, model, optimizer, tokens.fingerprint)
+    data.refuse_vocab_size_after_resume(too_small, resumed, tokens, cfg.run.out_dir)
     scheduler = lr_scheduler(optimizer, cfg, progress.updates)
     if progress.step >= cfg.train.steps:  # config.yaml stays the one of the run that trained, as in jaxtrain
         print(f"nothing to train: at step {progress.step} of train.steps={cfg.train.steps}", file=sys.stderr)
