@@ -114,19 +114,24 @@ def _damaged(file: str, key: str, problem: str, found) -> None:
     raise DamagedTrainerState(f"{file}: {key!r} is {problem} (got {found!r})")
 
 
-def model_keys_hint(shapes: dict[str, tuple], model_cfg) -> str:
-    """What to set, for a torch-format checkpoint whose tensors (`shapes`: name -> shape) do not fit the model
-    config `model_cfg`: the model.* keys its tensors tell (an lm_head tensor: untied embeddings; bias tensors,
-    LayerNorms' too: model.bias; wte's and wpe's shapes: vocab_size, d_model, seq_len; the blocks: n_layer), each
-    as the flag that sets it; else the model config it was written with."""
+def model_keys_hint(shapes: dict[str, tuple], model_cfg, config_from: str | None = None) -> str:
+    """What to set, for a torch-format checkpoint whose tensors (`shapes`: name -> shape, of its model.safetensors)
+    do not fit the model config `model_cfg`: the model.* keys its tensors tell (an lm_head tensor: untied
+    embeddings; bias tensors, LayerNorms' too: model.bias; wte's and wpe's shapes: vocab_size, d_model, seq_len; the
+    blocks: n_layer), each as the flag that sets it; else the model config it was written with. `config_from`: the
+    file model_cfg was read from (the folder's own trainer_state.json, in a conversion or a resume), where no flag
+    could mend it: its files disagree."""
     told = {key: value for key, value in _told_by_tensors(shapes).items() if value != getattr(model_cfg, key)}
-    if told:
-        said = ", ".join(f"model.{key}={_yaml(value)} (this config: {_yaml(getattr(model_cfg, key))})"
-                         for key, value in told.items())
-        flags = " ".join(f"--model.{key}={_yaml(value)}" for key, value in told.items())
-        return f"the checkpoint's tensors are those of {said}; pass {flags}"
-    return (f"set the model.* config to the checkpoint's (its {TRAINER_STATE} holds it, or the {HF_CONFIG} that "
-            f"convert from-hf keeps)")
+    if not told:
+        return (f"set the model.* config to the checkpoint's (its {TRAINER_STATE} holds it, or the {HF_CONFIG} "
+                f"that convert from-hf keeps)")
+    said = ", ".join(f"model.{key}={_yaml(value)} ({config_from or 'this config'}: {_yaml(getattr(model_cfg, key))})"
+                     for key, value in told.items())
+    if config_from:
+        return (f"the checkpoint's tensors are those of {said}: the folder's files disagree (one copied from "
+                f"another checkpoint, or {config_from} edited); copy or convert the whole folder again")
+    flags = " ".join(f"--model.{key}={_yaml(value)}" for key, value in told.items())
+    return f"the checkpoint's tensors are those of {said}; pass {flags}"
 
 
 def _yaml(value) -> str:

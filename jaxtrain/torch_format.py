@@ -110,14 +110,14 @@ def folder_into_place(out_dir: str):
         shutil.rmtree(fresh, ignore_errors=True)
 
 
-def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]:
+def load(path: str, template: TrainState, cfg: Config, config_from: str | None = None) -> tuple[TrainState, str]:
     """`template` (a concrete state built from `cfg`) with the checkpoint at `path` in it, and what was loaded:
 
     "full" when optimizer.safetensors and trainer_state.json are there: params, AdamW's moments, and the state at
     the window boundary after trainer_state's step (every count at step, nothing accumulated); the grad-norm
     record, a logging value the format does not carry, stays the template's. "weights" otherwise: params only,
     the template's optimizer state (a fresh one starts at step 0). Every leaf keeps the template's dtype and
-    sharding.
+    sharding. `config_from`: the file `cfg` was read from where it is not the run's (checkpoint_kind.model_keys_hint).
     """
     if not os.path.isdir(path):
         raise UserError(f"torch-format checkpoint {path!r} is not a folder; point at a folder holding {MODEL}")
@@ -125,14 +125,17 @@ def load(path: str, template: TrainState, cfg: Config) -> tuple[TrainState, str]
     leaves = {p: var.get_value() for p, var in nnx.to_flat_state(template.params)}
     shapes = {name: tuple(leaves[p].shape[::-1] if transposed else leaves[p].shape)
               for name, (p, transposed) in names.items()}
-    weights = _read_tensors(os.path.join(path, MODEL), shapes, cfg)
+    weights = _read_tensors(os.path.join(path, MODEL), shapes,
+                           lambda found: checkpoint_kind.model_keys_hint(found, cfg.model, config_from))
     params = _from_torch(template.params, weights, names)
     if not checkpoint_kind.holds_training_state(path):
         return template._replace(params=params), "weights"
     trainer_state = checkpoint_kind.read_trainer_state(path)
     step, skipped = trainer_state["step"], trainer_state.get("skipped", 0)
     moment_shapes = {f"{name}.{key}": shape for name, shape in shapes.items() for _, key in MOMENTS}
-    moments = _read_tensors(os.path.join(path, OPTIMIZER), moment_shapes, cfg)
+    moments = _read_tensors(os.path.join(path, OPTIMIZER), moment_shapes, lambda found: (
+        f"it does not hold the moments of the weights in {MODEL} beside it (copied from another checkpoint?); "
+        f"copy or convert the whole folder again"))
     adam = optim.adam_state(template.opt_state)
     mu, nu = (_from_torch(getattr(adam, field), {n: moments[f"{n}.{key}"] for n in names}, names)
               for field, key in MOMENTS)
@@ -261,21 +264,21 @@ def _put(value, like: jax.Array) -> jax.Array:
     return jax.device_put(np.asarray(value, like.dtype), like.sharding)
 
 
-def _read_tensors(file: str, expected: dict[str, tuple], cfg: Config) -> dict[str, np.ndarray]:
-    """The tensors of `file`, whose names and shapes must be exactly `expected` (torch layout)."""
+def _read_tensors(file: str, expected: dict[str, tuple], hint) -> dict[str, np.ndarray]:
+    """The tensors of `file`, whose names and shapes must be exactly `expected` (torch layout); `hint(found)`: what
+    to do where they are not, from the names and shapes found."""
     try:
         with safe_open(file, framework="np") as f:
             found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-            _check_tensors(file, expected, found, cfg)
+            _check_tensors(file, expected, found, hint(found))
             return {name: f.get_tensor(name) for name in expected}
     except (OSError, SafetensorError) as e:
         raise UserError(f"{file} is missing or unreadable ({e}); re-export the checkpoint, or copy it again "
                         f"if it was truncated") from None
 
 
-def _check_tensors(file: str, expected: dict[str, tuple], found: dict[str, tuple], cfg: Config) -> None:
+def _check_tensors(file: str, expected: dict[str, tuple], found: dict[str, tuple], hint: str) -> None:
     """One UserError naming the first tensor that is missing, unexpected or of another shape."""
-    hint = checkpoint_kind.model_keys_hint(found, cfg.model)
     for name, shape in expected.items():
         if found.get(name) != shape:
             got = f"shape {found[name]}" if name in found else "no such tensor"

@@ -171,6 +171,9 @@ DAMAGE = {
                      _set("model.safetensors", "transformer.h.2.ln_1.weight", (32,))),
     "wrong shape": ("model.safetensors", "'transformer.wpe.weight' expected with shape (16, 32), found shape (8, 32)",
                     _set("model.safetensors", "transformer.wpe.weight", (8, 32))),
+    "moment of another shape": ("optimizer.safetensors", "found shape (8, 32); it does not hold the moments of "
+                                "the weights in model.safetensors beside it (copied from another checkpoint?)",
+                                _set("optimizer.safetensors", "transformer.wpe.weight.exp_avg", (8, 32))),
     "truncated file": ("optimizer.safetensors", "unreadable", _truncate("optimizer.safetensors")),
     "bad json": ("trainer_state.json", "not valid JSON", _bad_json),
     "no data seed": ("trainer_state.json", "'data.seed' is missing or not an integer (got None)",
@@ -220,7 +223,8 @@ def test_a_bias_free_untied_checkpoint_names_both_keys_in_both_backends(tmp_path
     bare = make_cfg(False, "--model.bias=false")
     torch_format.export(step.fresh_state(bare, V), bare, str(tmp_path / "bare"))
     says = re.escape("the checkpoint's tensors are those of model.tie_embeddings=false (this config: true), "
-                     "model.bias=false (this config: true); pass --model.tie_embeddings=false --model.bias=false") + "$"
+                     "model.bias=false (this config: true); pass --model.tie_embeddings=false "
+                     "--model.bias=false") + "$"
     defaults = make_cfg(True)
     with pytest.raises(UserError, match=says):
         torch_format.load(str(tmp_path / "bare"), step.fresh_state(defaults, V), defaults)
@@ -231,7 +235,8 @@ def test_a_bias_free_untied_checkpoint_names_both_keys_in_both_backends(tmp_path
 @pytest.mark.parametrize("other, says", [
     (["--model.d_model=64"], "model.d_model=32 (this config: 64); pass --model.d_model=32"),
     (["--model.n_layer=3", "--model.seq_len=32"],
-     "model.n_layer=2 (this config: 3), model.seq_len=16 (this config: 32); pass --model.n_layer=2 --model.seq_len=16"),
+     "model.n_layer=2 (this config: 3), model.seq_len=16 (this config: 32); pass --model.n_layer=2 "
+     "--model.seq_len=16"),
     ([f"--model.vocab_size={V + 8}"], f"model.vocab_size={V} (this config: {V + 8}); pass --model.vocab_size={V}")])
 def test_a_shape_mismatch_names_the_flags_the_tensors_tell_in_both_backends(other, says, tmp_path):
     """A checkpoint of another width, depth, context or vocabulary, loaded into this config: the model.* keys its
@@ -247,6 +252,24 @@ def test_a_shape_mismatch_names_the_flags_the_tensors_tell_in_both_backends(othe
         torch_format.load(out, step.fresh_state(cfg, cfg.model.vocab_size), cfg)
     with pytest.raises(UserError, match=says):
         torchref_checkpoint.load_weights(out, GPT(cfg.model))
+
+
+def test_a_folder_whose_trainer_state_and_tensors_disagree_says_so_in_both_backends(tmp_path, capsys):
+    """from-torch (and torchref's resume) builds the model from the folder's own trainer_state.json, where no flag
+    applies: tensors of another width than it says are named as the folder's files disagreeing."""
+    from torchref import checkpoint as torchref_checkpoint
+    from torchref.model import GPT
+
+    _, _, out = exported(True, tmp_path)
+    _edit_trainer_state(lambda state: state["config"]["model"].update(d_model=64))(out)
+    says = ("; the checkpoint's tensors are those of model.d_model=32 (trainer_state.json: 64): the folder's files "
+            "disagree (one copied from another checkpoint, or trainer_state.json edited); copy or convert the whole "
+            "folder again")
+    with pytest.raises(SystemExit) as e:
+        convert.main(["from-torch", out, str(tmp_path / "back")])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(says + "\n")
+    with pytest.raises(UserError, match=re.escape(says) + "$"):
+        torchref_checkpoint.load_weights(out, GPT(make_cfg(True, "--model.d_model=64").model), "trainer_state.json")
 
 
 def test_weights_only_load_keeps_a_fresh_optimizer(tmp_path):

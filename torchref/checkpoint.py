@@ -140,7 +140,7 @@ def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> t
             raise UserError(f"{other}; move it out of {os.path.dirname(path)}")
         cfg = same_run.check(state.get("config", {}), cfg, path, state.get("step"), "torchref")
         check_same_data(state, data_fingerprint, cfg, path)
-        load_weights(path, model)
+        load_weights(path, model, checkpoint_kind.TRAINER_STATE)
         progress = _restore_training(path, state, model, optimizer)
         progress.best = state.get("best")  # this run's own: init.from starts a run with none
         runfolder.warn_best_released(progress.best, _saved_steps(os.path.dirname(path)), cfg.checkpoint.keep_best,
@@ -160,13 +160,15 @@ def init_from(path: str, model, optimizer) -> Progress | None:
         return _restore_training(path, _read_trainer_state(path), model, optimizer)
 
 
-def load_weights(path: str, model) -> None:
-    """Copy model.safetensors into the model's parameters in place (the optimizer keeps pointing at them)."""
+def load_weights(path: str, model, config_from: str | None = None) -> None:
+    """Copy model.safetensors into the model's parameters in place (the optimizer keeps pointing at them).
+    `config_from`: the file the model's config was read from where it is not the run's
+    (checkpoint_kind.model_keys_hint)."""
     file = os.path.join(path, "model.safetensors")
     tensors = _read_tensors(file)
     tied = model.cfg.tie_embeddings
     expected = {n: t for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
-    hint = checkpoint_kind.model_keys_hint({n: tuple(t.shape) for n, t in tensors.items()}, model.cfg)
+    hint = checkpoint_kind.model_keys_hint({n: tuple(t.shape) for n, t in tensors.items()}, model.cfg, config_from)
     for name, t in expected.items():
         if name not in tensors:
             raise UserError(f"{file} has no tensor {name!r}; {hint}")
