@@ -104,7 +104,7 @@ def _ci_array(name: str) -> list[str]:
     """A bash array of .ci/run's, split as bash splits it (quotes; a backslash-newline inside quotes joins lines)."""
     with open(os.path.join(REPO, ".ci", "run")) as f:
         body = f.read().split(f"\n{name}=(", 1)[1].split(")\n", 1)[0]
-    return shlex.split(body.replace("\\\n", " "))
+    return shlex.split(body.replace("\\\n", ""))
 
 
 def test_the_fault_tests_ci_runs_short_of_time_are_slow_tests_that_exist():
@@ -124,6 +124,7 @@ def test_every_slow_test_is_a_fault_test_or_in_one_turn_of_ci():
     no slow test of its own would run the fault tests alone. Read from the files (the floors' venv, which runs this,
     cannot import the whole suite): a test is slow by a `@pytest.mark.slow` line, the only way the suite marks one."""
     faults, turns = _ci_array("FAULT_TESTS"), [turn.split() for turn in _ci_array("SLOW_TURNS")]
+    assert len(turns) == 3 and all(turns), turns
     others = {}  # file -> its slow tests that are not fault tests
     for folder in ("tests", "parity_tests"):
         for name in sorted(os.listdir(os.path.join(REPO, folder))):
