@@ -252,7 +252,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  python -m jaxtrain.convert to-torch out/tiny/checkpoints/400 out/tiny-torch\n"
                "  python -m jaxtrain.convert from-torch out/tiny-torch out/tiny-back\n"
-               "  python -m jaxtrain.run --config out/tiny-back/config.yaml    # resumes at step 400",
+               "  python -m jaxtrain.run --config out/tiny-back/config.yaml    # resumes at step 400\n"
+               "  python -m jaxtrain.convert to-hf out/tiny/checkpoints/400 out/tiny-hf    # for transformers\n"
+               "  python -m jaxtrain.convert from-hf my-gpt2-hf out/my-gpt2    # then --init.from=out/my-gpt2",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     to = sub.add_parser("to-torch", help="jaxtrain step folder -> torch-format folder",
@@ -265,10 +267,13 @@ def _parser() -> argparse.ArgumentParser:
     back.add_argument("src", help="a torch-format folder (model.safetensors, optimizer.safetensors, "
                                   "trainer_state.json)")
     back.add_argument("dst", help="the jaxtrain run folder to create (must not exist, or be empty)")
-    for name, direction in (("to-hf", "jaxtrain step folder or torch-format folder -> Hugging Face GPT-2 folder"),
-                            ("from-hf", "Hugging Face GPT-2 folder -> torch-format weights for --init.from")):
+    for name, direction, src in (
+            ("to-hf", "jaxtrain step folder or torch-format folder -> Hugging Face GPT-2 folder",
+             "a jaxtrain step folder (out/tiny/checkpoints/400) or a torch-format folder"),
+            ("from-hf", "Hugging Face GPT-2 folder -> torch-format weights for --init.from",
+             "a folder GPT2LMHeadModel.save_pretrained wrote (config.json, model.safetensors)")):
         hf = sub.add_parser(name, help=direction, description=direction)
-        hf.add_argument("src")
+        hf.add_argument("src", help=src)
         hf.add_argument("dst", help="the folder to create (must not exist, or be empty)")
     hf_out = sub.choices["to-hf"]
     hf_out.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
