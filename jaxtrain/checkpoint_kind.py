@@ -122,6 +122,9 @@ def model_keys_hint(shapes: dict[str, tuple], model_cfg, config_from: str | None
     file model_cfg was read from (the folder's own trainer_state.json, in a conversion or a resume), where no flag
     could mend it: its files disagree."""
     told = {key: value for key, value in _told_by_tensors(shapes).items() if value != getattr(model_cfg, key)}
+    if not told and config_from:
+        return (f"it does not hold the model its {config_from} describes (damaged, or copied from another "
+                f"checkpoint); copy or convert the whole folder again")
     if not told:
         return (f"set the model.* config to the checkpoint's (its {TRAINER_STATE} holds it, or the {HF_CONFIG} "
                 f"that convert from-hf keeps)")

@@ -71,7 +71,7 @@ def to_hf(src: str, out_dir: str, tokenizer: str | None = None) -> None:
         config, carried = hf_format.hf_config(cfg.model, vocab_rows), ()
         with_bpe, note = _run_tokenizer(cfg, data_fingerprint, vocab_rows, tokenizer, src)
         if not cfg.model.bias:  # HF's GPT-2 always has biases
-            tensors = hf_format.with_zero_biases(tensors, cfg.model)
+            tensors = hf_format.with_zero_biases(tensors, cfg.model, src)
             note += "; the model has no biases (model.bias=false): they are written as zeros, which add nothing"
     elif tokenizer is not None:
         raise UserError(f"--tokenizer: {src} holds no run's config (from-hf's weights), and to-hf carries its "
@@ -254,7 +254,7 @@ def _parser() -> argparse.ArgumentParser:
                "  python -m jaxtrain.convert from-torch out/tiny-torch out/tiny-back\n"
                "  python -m jaxtrain.run --config out/tiny-back/config.yaml    # resumes at step 400\n"
                "  python -m jaxtrain.convert to-hf out/tiny/checkpoints/400 out/tiny-hf    # for transformers\n"
-               "  python -m jaxtrain.convert from-hf my-gpt2-hf out/my-gpt2    # then --init.from=out/my-gpt2",
+               "  python -m jaxtrain.convert from-hf my-gpt2-hf out/my-gpt2    # prints the run that fine-tunes it",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     to = sub.add_parser("to-torch", help="jaxtrain step folder -> torch-format folder",

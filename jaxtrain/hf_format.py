@@ -142,9 +142,15 @@ def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, tied: bo
     return tensors
 
 
-def with_zero_biases(tensors: dict[str, np.ndarray], model: ModelConfig) -> dict[str, np.ndarray]:
-    """The torch format's tensors of a model without biases (model.bias=false, nanoGPT's default) with the biases
-    HF's GPT-2 always has, as zeros: x + 0 is x, so transformers computes what the model does."""
+def with_zero_biases(tensors: dict[str, np.ndarray], model: ModelConfig, src: str) -> dict[str, np.ndarray]:
+    """The torch format's tensors of a model without biases (model.bias=false, nanoGPT's train.py default) with the
+    biases HF's GPT-2 always has, as zeros: x + 0 is x, so transformers computes what the model does. Refused where
+    `src`'s tensors hold biases all the same: its config and its weights disagree."""
+    held = sorted(name for name in tensors if name.endswith(".bias"))
+    if held:
+        raise UserError(f"{src}: its config says model.bias=false, and its weights hold {held[0]!r} and "
+                        f"{len(held) - 1} more bias tensors: its files disagree (one edited, or copied from another "
+                        f"checkpoint); copy or convert the whole folder again")
     d = model.d_model
     widths = {"ln_1": d, "attn.c_attn": 3 * d, "attn.c_proj": d, "ln_2": d, "mlp.c_fc": 4 * d, "mlp.c_proj": d}
     zeros = {f"{BASE}h.{i}.{module}.bias": width for i in range(model.n_layer) for module, width in widths.items()}

@@ -272,6 +272,29 @@ def test_a_folder_whose_trainer_state_and_tensors_disagree_says_so_in_both_backe
         torchref_checkpoint.load_weights(out, GPT(make_cfg(True, "--model.d_model=64").model), "trainer_state.json")
 
 
+def test_a_folder_whose_files_disagree_without_a_key_to_name_and_to_hf_of_one_are_refused(tmp_path, capsys):
+    """A bias tensor missing from a folder whose trainer_state.json says biases: no model.* key differs, and the
+    config came from that file, so from-torch says the folder does not hold the model it describes (it told to set
+    the model.* config to trainer_state.json's). to-hf of a folder whose trainer_state.json says model.bias=false
+    beside bias tensors is refused: writing zeros over them would change the model."""
+    _, _, out = exported(True, tmp_path)
+    _drop("model.safetensors", "transformer.h.1.attn.c_proj.bias")(out)
+    with pytest.raises(SystemExit):
+        convert.main(["from-torch", out, str(tmp_path / "back")])
+    assert capsys.readouterr().err.endswith(
+        "found no such tensor; it does not hold the model its trainer_state.json describes (damaged, or copied from "
+        "another checkpoint); copy or convert the whole folder again\n")
+    _, _, whole = exported(True, tmp_path / "whole")
+    _edit_trainer_state(lambda state: state["config"]["model"].update(bias=False))(whole)
+    with pytest.raises(SystemExit):
+        convert.main(["to-hf", whole, str(tmp_path / "hf")])
+    assert capsys.readouterr().err == (
+        f"error: {whole}: its config says model.bias=false, and its weights hold 'transformer.h.0.attn.c_attn.bias' "
+        f"and 12 more bias tensors: its files disagree (one edited, or copied from another checkpoint); copy or "
+        f"convert the whole folder again\n")
+    assert not os.path.exists(tmp_path / "hf")
+
+
 def test_weights_only_load_keeps_a_fresh_optimizer(tmp_path):
     cfg, state, out = exported(False, tmp_path)
     os.remove(os.path.join(out, "optimizer.safetensors"))

@@ -178,14 +178,23 @@ def _trained_from(out_dir: str, backend: str, old_dir: str, data_dir: str, finge
 
 
 @pytest.mark.parametrize("backend", ["jaxtrain", "torchref"])
-@pytest.mark.parametrize("case", ["other data", "a checkpoint without its data's fingerprint", "fresh"])
-def test_a_resume_on_data_with_more_tokens_names_the_data_not_the_vocab_size(byte_runs, tmp_path, backend, case):
+@pytest.mark.parametrize("case", ["other data", "a checkpoint without its data's fingerprint", "fresh",
+                                  "a first start"])
+def test_a_resume_on_data_with_more_tokens_names_the_data_not_the_vocab_size(byte_runs, tmp_path, cache_dir, backend,
+                                                                            case):
     """config.yaml's model.vocab_size (256: bytes), its data folder prepared again as GPT-2 BPE: a resume says the
     data is not the data the run trained on, in both backends. It said to raise model.vocab_size, which the resume's
     config check then refused. A checkpoint from before data fingerprints (the data's path alone checked) is told
-    the same once read; a fresh start has no other data to name: there the vocab_size's own refusal stands."""
+    the same once read; a fresh start has no other data to name, nor a first one: there the vocab_size's own refusal
+    stands, before the end-of-run sample's (whose prompt has GPT-2 ids past 256), with nothing left behind."""
     runs, folders = byte_runs
     out_dir, data_dir = str(tmp_path / "run"), str(tmp_path / "data")
+    if case == "a first start":
+        with pytest.raises(UserError, match=r"^model.vocab_size=256 is smaller than the data's vocab_size=50257 \("):
+            _train(backend, config.load(small_args(out_dir, cache_dir, f"--data.path={folders['gpt2']}",
+                                                   "--model.vocab_size=256", "--log.sample_tokens=20")))
+        assert not os.path.exists(out_dir)
+        return
     shutil.copytree(runs[backend], out_dir)
     shutil.copytree(folders["gpt2"], data_dir)
     _trained_from(out_dir, backend, folders["bytes"], data_dir, case != "a checkpoint without its data's fingerprint")
