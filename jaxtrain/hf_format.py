@@ -148,9 +148,9 @@ def with_zero_biases(tensors: dict[str, np.ndarray], model: ModelConfig, src: st
     `src`'s tensors hold biases all the same: its config and its weights disagree."""
     held = sorted(name for name in tensors if name.endswith(".bias"))
     if held:
-        raise UserError(f"{src}: its config says model.bias=false, and its weights hold {held[0]!r} and "
-                        f"{len(held) - 1} more bias tensors: its files disagree (one edited, or copied from another "
-                        f"checkpoint); copy or convert the whole folder again")
+        raise UserError(f"{src}: its config says model.bias=false, and its weights hold {len(held)} bias tensors "
+                        f"({held[0]!r} first): its files disagree (one edited, or copied from another checkpoint); "
+                        f"copy or convert the whole folder again")
     d = model.d_model
     widths = {"ln_1": d, "attn.c_attn": 3 * d, "attn.c_proj": d, "ln_2": d, "mlp.c_fc": 4 * d, "mlp.c_proj": d}
     zeros = {f"{BASE}h.{i}.{module}.bias": width for i in range(model.n_layer) for module, width in widths.items()}

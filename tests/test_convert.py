@@ -289,9 +289,9 @@ def test_a_folder_whose_files_disagree_without_a_key_to_name_and_to_hf_of_one_ar
     with pytest.raises(SystemExit):
         convert.main(["to-hf", whole, str(tmp_path / "hf")])
     assert capsys.readouterr().err == (
-        f"error: {whole}: its config says model.bias=false, and its weights hold 'transformer.h.0.attn.c_attn.bias' "
-        f"and 12 more bias tensors: its files disagree (one edited, or copied from another checkpoint); copy or "
-        f"convert the whole folder again\n")
+        f"error: {whole}: its config says model.bias=false, and its weights hold 13 bias tensors "
+        f"('transformer.h.0.attn.c_attn.bias' first): its files disagree (one edited, or copied from another "
+        f"checkpoint); copy or convert the whole folder again\n")
     assert not os.path.exists(tmp_path / "hf")
 
 
