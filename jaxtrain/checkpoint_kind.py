@@ -27,6 +27,7 @@ from jaxtrain.errors import UserError
 MODEL, OPTIMIZER, TRAINER_STATE = "model.safetensors", "optimizer.safetensors", "trainer_state.json"
 FORMAT = "jaxtrain-torch/1"  # trainer_state.json's "format"
 HF_CONFIG, C_ATTN = "config.json", "attn.c_attn.weight"
+WTE, WPE = "transformer.wte.weight", "transformer.wpe.weight"  # rows: vocab size, seq_len, whatever a config says
 JAXTRAIN_STEP, TORCH, HF = "jaxtrain step", "torch", "hf"
 JAXTRAIN_RUN, TORCHREF_RUN = "jaxtrain run", "torchref run"
 # The names whose presence makes a folder a step of each format.
@@ -148,8 +149,7 @@ def _told_by_tensors(shapes: dict[str, tuple]) -> dict:
     blocks = {int(m.group(1)) for name in shapes if (m := re.match(r"transformer\.h\.(\d+)\.", name))}
     if blocks:
         told["n_layer"] = max(blocks) + 1
-    for name, keys in (("transformer.wte.weight", ("vocab_size", "d_model")), ("transformer.wpe.weight",
-                                                                              ("seq_len", "d_model"))):
+    for name, keys in ((WTE, ("vocab_size", "d_model")), (WPE, ("seq_len", "d_model"))):
         if len(shapes.get(name, ())) == 2:
             told.update(zip(keys, (int(n) for n in shapes[name])))
     return told

@@ -67,7 +67,7 @@ def to_hf(src: str, out_dir: str, tokenizer: str | None = None) -> None:
                             f"checkpoint's, which holds its model config) nor {hf_format.CONFIG} (from-hf's) to say "
                             f"the model's shape; convert the checkpoint folder the weights came from")
     if cfg:
-        vocab_rows = tensors[torch_format.WTE].shape[0]
+        vocab_rows = tensors[checkpoint_kind.WTE].shape[0]
         config, carried = hf_format.hf_config(cfg.model, vocab_rows), ()
         with_bpe, note = _run_tokenizer(cfg, data_fingerprint, vocab_rows, tokenizer, src)
         if not cfg.model.bias:  # HF's GPT-2 always has biases

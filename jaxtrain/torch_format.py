@@ -35,13 +35,12 @@ from jaxtrain import param_groups
 from jaxtrain import runfolder
 from jaxtrain import same_run
 from jaxtrain import checkpoint_kind
-from jaxtrain.checkpoint_kind import FORMAT, MODEL, OPTIMIZER, TRAINER_STATE
+from jaxtrain.checkpoint_kind import FORMAT, MODEL, OPTIMIZER, TRAINER_STATE, WTE
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.step import TrainState
 
 MOMENTS = (("mu", "exp_avg"), ("nu", "exp_avg_sq"))  # optax ScaleByAdamState field -> torch AdamW state key
-WTE = "transformer.wte.weight"  # its rows are the vocab size, whatever the config says
 
 
 def export(state: TrainState, cfg: Config, out_dir: str, data_seed: int | None = None,
