@@ -35,6 +35,7 @@ CARRIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
 EOT = "<|endoftext|>"
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 LM_HEAD = "lm_head.weight"
+MODULES = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")  # a layer's, each weight and bias
 BASE = "transformer."  # GPT2LMHeadModel's name for the GPT2Model in it, which nanoGPT's GPT took too
 
 
@@ -105,15 +106,20 @@ def check_shapes(tensors: dict[str, np.ndarray], model: dict, file: str) -> None
     """Each tensor (HF's names and Conv1D layout) the shape config.json's model gives it, or one UserError naming
     the first that differs: config.json and the weights disagree, and a run would refuse the conversion later."""
     d, V, T = model["d_model"], model["vocab_size"], model["seq_len"]
-    by_suffix = {"wte.weight": (V, d), "wpe.weight": (T, d), "attn.c_attn.weight": (d, 3 * d),
-                 "attn.c_attn.bias": (3 * d,), "attn.c_proj.weight": (d, d), "mlp.c_fc.weight": (d, 4 * d),
-                 "mlp.c_fc.bias": (4 * d,), "mlp.c_proj.weight": (4 * d, d), LM_HEAD: (V, d)}
     for name, x in tensors.items():
-        want = next((shape for suffix, shape in by_suffix.items() if name.endswith(suffix)), (d,))  # LN, biases
+        want = _shape(name, d, V, T)
         if tuple(x.shape) != want:
             raise UserError(f"{file}: {name} is {tuple(x.shape)}, but config.json (vocab_size {V}, n_positions "
                             f"{T}, n_embd {d}) makes it {want}; convert a folder whose config.json describes its "
                             f"weights, as model.save_pretrained(dir) writes them")
+
+
+def _shape(name: str, d: int, V: int, T: int) -> tuple[int, ...]:
+    """The shape of GPT-2's tensor `name` (HF's Conv1D layout) for n_embd d, vocab size V and n_positions T."""
+    by_suffix = {"wte.weight": (V, d), "wpe.weight": (T, d), "attn.c_attn.weight": (d, 3 * d),
+                 "attn.c_attn.bias": (3 * d,), "attn.c_proj.weight": (d, d), "mlp.c_fc.weight": (d, 4 * d),
+                 "mlp.c_fc.bias": (4 * d,), "mlp.c_proj.weight": (4 * d, d), LM_HEAD: (V, d)}
+    return next((shape for suffix, shape in by_suffix.items() if name.endswith(suffix)), (d,))  # LN, other biases
 
 
 def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, tied: bool,
@@ -125,8 +131,7 @@ def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, tied: bo
     refuse the converted checkpoint, with a message about the run's model config, or init.from naming one."""
     if not any(name.startswith(BASE) for name in tensors):
         tensors = {BASE + name: x for name, x in tensors.items()}
-    layer = [f"h.{i}.{module}.{kind}" for i in range(n_layer) for kind in ("weight", "bias")
-             for module in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")]
+    layer = [f"h.{i}.{module}.{kind}" for i in range(n_layer) for kind in ("weight", "bias") for module in MODULES]
     gpt = {BASE + name for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", *layer)} | {LM_HEAD}
     unknown = sorted(tensors.keys() - gpt)
     if unknown:
@@ -151,12 +156,10 @@ def with_zero_biases(tensors: dict[str, np.ndarray], model: ModelConfig, src: st
         raise UserError(f"{src}: its config says model.bias=false, and its weights hold {len(held)} bias tensors "
                         f"({held[0]!r} first): its files disagree (one edited, or copied from another checkpoint); "
                         f"copy or convert the whole folder again")
-    d = model.d_model
-    widths = {"ln_1": d, "attn.c_attn": 3 * d, "attn.c_proj": d, "ln_2": d, "mlp.c_fc": 4 * d, "mlp.c_proj": d}
-    zeros = {f"{BASE}h.{i}.{module}.bias": width for i in range(model.n_layer) for module, width in widths.items()}
-    zeros[f"{BASE}ln_f.bias"] = d
+    names = [f"{BASE}h.{i}.{module}.bias" for i in range(model.n_layer) for module in MODULES] + [f"{BASE}ln_f.bias"]
     dtype = tensors[f"{BASE}ln_f.weight"].dtype
-    return {**tensors, **{name: np.zeros(width, dtype) for name, width in zeros.items()}}
+    return {**tensors, **{name: np.zeros(_shape(name, model.d_model, model.vocab_size, model.seq_len), dtype)
+                          for name in names}}
 
 
 def from_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
