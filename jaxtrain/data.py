@@ -393,8 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="tail of the token stream held out for val (default 0.1)")
     p.add_argument("--overwrite", action="store_true", help="replace the data an existing --out folder holds")
-    p.add_argument("--workers", type=positive_int, help=f"encoding threads; default: the cores this process may "
-                                                        f"use, at most {prepare_lib.MAX_WORKERS}")
+    p.add_argument("--workers", type=positive_int, help=f"encoding threads, at most the cores this process may run "
+                                                        f"on; default: those, at most {prepare_lib.MAX_WORKERS}")
     s = sub.add_parser("stats", help="token counts and the entropies a model's loss should beat")
     s.add_argument("--data-path", help="data folder; default: the embedded corpus")
     s.add_argument("--cache-dir", help="where the embedded corpus is prepared; default: ~/.cache/jaxtrain")

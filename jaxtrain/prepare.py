@@ -240,10 +240,24 @@ MAX_WORKERS = 32  # each holds up to two 4 MiB pieces and their tokens: 64 threa
 
 
 def default_workers() -> int:
-    """One encoding thread per core this process may run on (its affinity: a SLURM job's or a container's cpuset,
-    not the host's count), at most MAX_WORKERS."""
-    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
-                      os.cpu_count() or 1))
+    """One encoding thread per core this process may run on, at most MAX_WORKERS."""
+    return min(MAX_WORKERS, _cores())
+
+
+def encoding_threads(workers: int | None) -> int:
+    """`workers` (--workers; default_workers where None), at most the cores this process may run on: encoding is
+    CPU-bound, so a thread past them adds memory (two 4 MiB pieces and their tokens), not speed; a note says so."""
+    if workers is None:
+        return default_workers()
+    if workers > _cores():
+        print(f"note: --workers {workers} is more than the {_cores()} cores this process may run on; encoding with "
+              f"{_cores()} threads (more add memory, not speed)", file=sys.stderr)
+    return min(workers, _cores())
+
+
+def _cores() -> int:
+    """The cores this process may run on: its affinity (a SLURM job's or a container's cpuset, not the host's)."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 def _write_data(folder: str, files: list[pathlib.Path], tokenizer: str, encode, vocab_size: int,
@@ -254,7 +268,7 @@ def _write_data(folder: str, files: list[pathlib.Path], tokenizer: str, encode, 
     total, done, said = sum(p.stat().st_size for p in files), 0, start
     with open(train_path, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare ({tokenizer})",
                                            disable=None) as bar:
-        for i, (ids, n_bytes) in enumerate(_stream_tokens(files, tokenizer, encode, workers or default_workers())):
+        for i, (ids, n_bytes) in enumerate(_stream_tokens(files, tokenizer, encode, encoding_threads(workers))):
             ids.astype(dtype).tofile(f)
             n_tokens, done, now = n_tokens + len(ids), done + n_bytes, time.perf_counter()
             if i % 8 == 7:

@@ -956,14 +956,20 @@ def test_prepare_uses_the_cores_it_may_run_on_at_most_32_and_refuses_0_workers(t
     assert prepare.default_workers() == 1
     code, err = _prepare_cli(capsys, "--input", str(tmp_path), "--out", str(tmp_path / "o"), "--workers", "0")
     assert code == 2 and "--workers" in err and "Traceback" not in err
+    monkeypatch.setattr(prepare.os, "sched_getaffinity", lambda pid: {2, 3, 6, 7})  # a job given four cores
     seen, stream = [], prepare._stream_tokens
     monkeypatch.setattr(prepare, "_stream_tokens", lambda *a: seen.append(a[-1]) or stream(*a))
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "t.txt").write_text("some text to tokenize\n" * 50)
-    for out, workers in (("o3", ["--workers", "3"]), ("o4", [])):
+    notes = []
+    for out, workers in (("o3", ["--workers", "3"]), ("o4", []), ("o9", ["--workers", "9"])):
         code, err = _prepare_cli(capsys, "--input", str(tmp_path / "in"), "--out", str(tmp_path / out), *workers)
         assert code == 0, err
-    assert seen == [3, 1]  # --workers as given; without it, the one core of the affinity
+        notes.append([line for line in err.splitlines() if line.startswith("note:")])
+    assert seen == [3, 4, 4]  # --workers as given; without it, the four cores; past them, the four cores
+    assert notes[:2] == [[], []] and notes[2] == [
+        "note: --workers 9 is more than the 4 cores this process may run on; encoding with 4 threads (more add "
+        "memory, not speed)"]
 
 
 def test_a_nanogpt_folder_is_told_the_meta_json_that_reads_it(tmp_path):
