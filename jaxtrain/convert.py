@@ -79,6 +79,9 @@ def to_hf(src: str, out_dir: str, tokenizer: str | None = None) -> None:
     else:  # weights that from-hf wrote, with the model's config.json and the files it carried beside them
         config, carried, with_bpe = hf_format.read_config(src), hf_format.carried_files(src), False
         note = _carried_tokenizer_note(carried)
+        model = hf_format.model_overrides(config, os.path.join(src, hf_format.CONFIG))
+        if not model["bias"]:  # from-hf left out the zero biases of a model to-hf wrote without them
+            tensors = hf_format.with_zero_biases(tensors, config_lib.ModelConfig(**model), src)
     hf_format.write(out_dir, hf_format.from_nanogpt(tensors), config, gpt2_bpe.files() if with_bpe else None,
                     carried)
     print(f"wrote {out_dir}: load it with transformers.GPT2LMHeadModel.from_pretrained({out_dir!r}){note}",
@@ -134,10 +137,18 @@ def from_hf(src: str, out_dir: str) -> None:
     hf_format.check_shapes(tensors, model, os.path.join(src, hf_format.MODEL))
     if model["tie_embeddings"]:
         tensors.pop(hf_format.LM_HEAD, None)  # the same array as wte's, where a writer kept it
+    note = ""
+    if not model["bias"] and (trained := hf_format.trained_biases(tensors)):
+        model["bias"], config = True, {key: x for key, x in config.items() if key != hf_format.BIAS}
+        note = (f" ({hf_format.BIAS} was false: to-hf wrote the model without biases, and {len(trained)} of its bias "
+                f"tensors, {trained[0]!r} first, are no longer zero: trained since, so kept, and the model has "
+                f"biases)")
+    elif not model["bias"]:  # to-hf's zeros: the model trains without them, as before its export
+        tensors = {name: x for name, x in tensors.items() if not name.endswith(".bias")}
     hf_format.write(out_dir, hf_format.to_nanogpt(tensors), config, carried=hf_format.carried_files(src))
     flags = " ".join(f"--model.{key}={str(value).lower() if isinstance(value, bool) else value}"
                      for key, value in model.items())
-    print(f"wrote {out_dir}; fine-tune it with `python -m jaxtrain.run --config CONFIG {flags} "
+    print(f"wrote {out_dir}{note}; fine-tune it with `python -m jaxtrain.run --config CONFIG {flags} "
           f"--init.from={out_dir}`", file=sys.stderr)
 
 

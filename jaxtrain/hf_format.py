@@ -6,8 +6,9 @@ two things only: HF's attention and MLP projections are `Conv1D`s, whose weight 
 nanoGPT's Linear (out, in); and HF leaves `lm_head.weight` out when the head is tied to `wte`. config.json states
 what nanoGPT's model is: exact GELU (`activation_function="gelu"`, not GPT-2's tanh approximation `gelu_new`),
 LayerNorm eps 1e-5, an MLP of 4 x n_embd, biases everywhere (a model without them is written with zero ones, which
-add nothing). Models that differ otherwise (another activation or MLP width) are refused with the reason: converting
-them would change what they compute.
+add nothing, and `"jaxtrain_bias": false`, a key transformers keeps through a load and a save, so that from-hf gives
+back a model without them). Models that differ otherwise (another activation or MLP width) are refused with the
+reason: converting them would change what they compute.
 """
 
 import json
@@ -37,6 +38,7 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 LM_HEAD = "lm_head.weight"
 MODULES = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")  # a layer's, each weight and bias
 BASE = "transformer."  # GPT2LMHeadModel's name for the GPT2Model in it, which nanoGPT's GPT took too
+BIAS = "jaxtrain_bias"  # config.json's key: false for a model without biases (model.bias=false), written as zeros
 
 
 def hf_config(model: ModelConfig, vocab_size: int) -> dict:
@@ -49,7 +51,8 @@ def hf_config(model: ModelConfig, vocab_size: int) -> dict:
             "layer_norm_epsilon": LN_EPS, "resid_pdrop": model.dropout, "embd_pdrop": model.dropout,
             "attn_pdrop": model.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": model.tie_embeddings, **_special_tokens(vocab_size)}
+            "tie_word_embeddings": model.tie_embeddings, **_special_tokens(vocab_size),
+            **({} if model.bias else {BIAS: False})}
 
 
 def _special_tokens(vocab_size: int) -> dict:
@@ -80,7 +83,8 @@ def model_overrides(hf: dict, file: str) -> dict:
                             f"converted, the model would compute something else{gelu_note}")
     return {"vocab_size": hf.get("vocab_size", 50257), "seq_len": hf.get("n_positions", 1024),
             "n_layer": hf.get("n_layer", 12), "n_head": hf.get("n_head", 12), "d_model": d,
-            "dropout": hf.get("resid_pdrop", 0.1), "bias": True, "tie_embeddings": hf.get("tie_word_embeddings", True)}
+            "dropout": hf.get("resid_pdrop", 0.1), "bias": hf.get(BIAS, True),
+            "tie_embeddings": hf.get("tie_word_embeddings", True)}
 
 
 # config.json's keys that shape the model: each a whole number > 0 where given (HF's defaults otherwise)
@@ -95,8 +99,9 @@ def _check_values(hf: dict, file: str) -> None:
             raise UserError(f"{file}: {key}={hf[key]!r}, where a whole number > 0 is needed")
     if hf.get("n_embd", 768) % hf.get("n_head", 12):
         raise UserError(f"{file}: n_head={hf.get('n_head', 12)} does not divide n_embd={hf.get('n_embd', 768)}")
-    if not isinstance(hf.get("tie_word_embeddings", True), bool):
-        raise UserError(f"{file}: tie_word_embeddings={hf['tie_word_embeddings']!r}, where true or false is needed")
+    for key in ("tie_word_embeddings", BIAS):
+        if not isinstance(hf.get(key, True), bool):
+            raise UserError(f"{file}: {key}={hf[key]!r}, where true or false is needed")
     dropout = hf.get("resid_pdrop", 0.1)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise UserError(f"{file}: resid_pdrop={dropout!r}, where a number in [0, 1) is needed")
@@ -160,6 +165,12 @@ def with_zero_biases(tensors: dict[str, np.ndarray], model: ModelConfig, src: st
     dtype = tensors[f"{BASE}ln_f.weight"].dtype
     return {**tensors, **{name: np.zeros(_shape(name, model.d_model, model.vocab_size, model.seq_len), dtype)
                           for name in names}}
+
+
+def trained_biases(tensors: dict[str, np.ndarray]) -> list[str]:
+    """The bias tensors that are not all zero: of a model to-hf wrote without biases (config.json's jaxtrain_bias
+    false), those trained since in transformers, which make it a model with biases."""
+    return sorted(name for name, x in tensors.items() if name.endswith(".bias") and np.any(x))
 
 
 def from_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -80,6 +80,42 @@ def test_a_trained_run_loads_in_transformers_with_the_same_logits(tmp_path, cach
     assert (loaded.config.bos_token_id, loaded.config.eos_token_id) == (None, None)
 
 
+def test_a_model_without_biases_comes_back_from_transformers_without_them(tmp_path, cache_dir, capsys):
+    """to-hf writes a bias-free model (nanoGPT's default) with zero biases, which HF's GPT-2 always has: from-hf of
+    it gave a model with biases, trained from zero. config.json's jaxtrain_bias: false (which transformers keeps
+    through a load and a save) says they are to-hf's zeros: from-hf leaves them out, the model fine-tunes without
+    them and goes back to HF bit for bit. Biases trained in transformers since are kept, the key dropped."""
+    out, hf, again = tmp_path / "run", tmp_path / "hf", tmp_path / "hf-again"
+    run.train(config.load(small_args(out, cache_dir, "--train.steps=4", "--model.bias=false")))
+    convert.main(["to-hf", str(out / "checkpoints" / "4"), str(hf)])
+    assert json.loads((hf / "config.json").read_text())["jaxtrain_bias"] is False
+    transformers.GPT2LMHeadModel.from_pretrained(hf).save_pretrained(again)  # as a user's load and save
+    capsys.readouterr()
+    convert.main(["from-hf", str(again), str(tmp_path / "jt")])
+    said = capsys.readouterr().err
+    assert "--model.bias=false" in said and "no longer zero" not in said, said
+    held = tensors(tmp_path / "jt")
+    assert not [name for name in held if name.endswith(".bias")] and len(held) == 2 + 2 * 6 + 1  # wte, wpe, ln_f
+    convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back")])
+    first, back = tensors(hf), tensors(tmp_path / "back")
+    assert set(first) == set(back) and all(np.array_equal(first[name], back[name]) for name in first)
+    run.train(config.load(small_args(tmp_path / "tuned", cache_dir, "--train.steps=3", "--model.bias=false",
+                                     f"--init.from={tmp_path / 'jt'}")))
+    assert [line["step"] for line in read_metrics(str(tmp_path / "tuned")) if "loss" in line][-1] == 3
+    trained = transformers.GPT2LMHeadModel.from_pretrained(again)
+    with torch.no_grad():
+        trained.transformer.h[1].mlp.c_fc.bias += 0.01
+    trained.save_pretrained(tmp_path / "hf-trained")
+    capsys.readouterr()
+    convert.main(["from-hf", str(tmp_path / "hf-trained"), str(tmp_path / "jt-trained")])
+    said = capsys.readouterr().err
+    assert ("(jaxtrain_bias was false: to-hf wrote the model without biases, and 1 of its bias tensors, "
+            "'transformer.h.1.mlp.c_fc.bias' first, are no longer zero: trained since, so kept, and the model has "
+            "biases)") in said and "--model.bias=true" in said, said
+    assert len([name for name in tensors(tmp_path / "jt-trained") if name.endswith(".bias")]) == 2 * 6 + 1
+    assert "jaxtrain_bias" not in json.loads((tmp_path / "jt-trained" / "config.json").read_text())
+
+
 def test_a_gpt2_bpe_run_exports_its_tokenizer(tmp_path, cache_dir, capsys):
     """A run on GPT-2 BPE tokens: to-hf adds the tokenizer, which encodes and decodes as tiktoken's gpt2 encoding
     (the one prepare wrote the tokens with) does, with <|endoftext|> = 50256 as its end of text."""
@@ -273,6 +309,7 @@ def test_a_tensor_the_model_needs_that_the_file_lacks_is_refused_naming_it(tmp_p
     ({"vocab_size": -1}, "vocab_size=-1, where a whole number > 0 is needed"),
     ({"n_head": 5}, "n_head=5 does not divide n_embd=32"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes', where true or false is needed"),
+    ({"jaxtrain_bias": 0}, "jaxtrain_bias=0, where true or false is needed"),
     ({"resid_pdrop": 1.0}, "resid_pdrop=1.0, where a number in [0, 1) is needed"),
     ({"resid_pdrop": True}, "resid_pdrop=True, where a number in [0, 1) is needed"),
     ({"vocab_size": 400}, "model.safetensors: transformer.wte.weight is (256, 32), but config.json (vocab_size 400, "
