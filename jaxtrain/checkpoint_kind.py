@@ -155,6 +155,32 @@ def _told_by_tensors(shapes: dict[str, tuple]) -> dict:
     return told
 
 
+def vocab_rows(path: str) -> int:
+    """The embedding rows (the vocab size) of the torch-format folder `path`, from its model.safetensors' header (no
+    tensor is read)."""
+    file = os.path.join(path, MODEL)
+    try:
+        with safe_open(file, framework="np") as f:
+            return f.get_slice(WTE).get_shape()[0]
+    except (OSError, SafetensorError) as e:
+        raise UserError(f"{file} is missing, unreadable or has no {WTE!r} ({e}); re-export the checkpoint") from None
+
+
+def check_vocab_rows(path: str, data) -> None:
+    """init.from's embedding must hold a row for each token id of `data` (a data.TokenData): the torch-format folder
+    `path` with fewer rows was trained with another tokenizer. Told to pass its vocab size (model_keys_hint), a run
+    would refuse that as below the data's next."""
+    try:
+        rows = vocab_rows(path)
+    except UserError:  # unreadable, or without wte: the loader says so, as for any tensor
+        return
+    if rows < data.vocab_size:
+        raise UserError(f"init.from={path!r} has {rows} embedding rows (model.vocab_size={rows}), fewer than the "
+                        f"{data.vocab_size} token ids of the data ({data.tokenizer}, {data.path}): it was trained "
+                        f"with another tokenizer; fine-tune it on data of its own tokenizer (data.path), or start "
+                        f"from a checkpoint of this data's")
+
+
 def check_n_head(path: str, n_head: int) -> None:
     """The head count is the one model.* setting a checkpoint's tensors do not show (c_attn's weight is (3d, d)
     however d is split into heads), so where the torch-format folder `path` (init.from) says what it was trained

@@ -98,6 +98,7 @@ class Trainer:
         if self.resumed is None and cfg.init.from_ is not None:  # what the run starts from, before it is read
             checkpoint_kind.check_torch_source(cfg.init.from_, "init.from")
             checkpoint_kind.check_n_head(cfg.init.from_, cfg.model.n_head)
+            checkpoint_kind.check_vocab_rows(cfg.init.from_, self.data)
         self.data_seed = self._data_seed()
         self.jit_train_step = step_lib.jit_train_step(
             cfg, self.data_seed, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))

@@ -35,7 +35,7 @@ from jaxtrain import param_groups
 from jaxtrain import runfolder
 from jaxtrain import same_run
 from jaxtrain import checkpoint_kind
-from jaxtrain.checkpoint_kind import FORMAT, MODEL, OPTIMIZER, TRAINER_STATE, WTE
+from jaxtrain.checkpoint_kind import FORMAT, MODEL, OPTIMIZER, TRAINER_STATE
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.step import TrainState
@@ -140,16 +140,6 @@ def load(path: str, template: TrainState, cfg: Config, config_from: str | None =
               for field, key in MOMENTS)
     opt_state = _at_window_boundary(template.opt_state, mu, nu, step, skipped, trainer_state.get("loss_scale"))
     return TrainState(params, opt_state), "full"
-
-
-def vocab_size(path: str) -> int:
-    """The checkpoint's vocab size, from the header of its model.safetensors (no tensor is read)."""
-    file = os.path.join(path, MODEL)
-    try:
-        with safe_open(file, framework="np") as f:
-            return f.get_slice(WTE).get_shape()[0]
-    except (OSError, SafetensorError) as e:
-        raise UserError(f"{file} is missing, unreadable or has no {WTE!r} ({e}); re-export the checkpoint") from None
 
 
 def check_new_folder(out_dir: str) -> None:

@@ -10,7 +10,7 @@ import shutil
 import jax.numpy as jnp
 import pytest
 
-from jaxtrain import checkpoint, checkpoint_kind, config, convert, run, sample, step, torch_format
+from jaxtrain import checkpoint, checkpoint_kind, config, convert, data, prepare, run, sample, step, torch_format
 from jaxtrain.errors import UserError
 from test_run import small_args
 from torchref import checkpoint as torchref_checkpoint
@@ -249,7 +249,30 @@ def test_init_from_trained_with_another_head_count_is_refused_in_both_backends(f
     with pytest.raises(UserError) as e:
         run.Trainer(cfg)
     assert str(e.value) == says
-    torch_cfg = tiny_cfg(tmp_path / "torchref", "--model.n_head=4")
+    torch_cfg = tiny_cfg(tmp_path / "torchref", "--model.n_head=4", f"--data.cache_dir={cache_dir}")
     with pytest.raises(UserError) as e:
-        torchref_checkpoint.init_from(folders[name], torchref_model.GPT(torch_cfg.model), None)
+        torchref_checkpoint.init_from(folders[name], torchref_model.GPT(torch_cfg.model), None,
+                                      data.load(torch_cfg.data, 32))
+    assert str(e.value) == says
+
+
+@pytest.mark.parametrize("name", ["torch", "from-hf"])
+def test_init_from_with_fewer_embedding_rows_than_the_data_has_ids_is_refused_in_both_backends(folders, tmp_path,
+                                                                                                cache_dir, name):
+    """The folders hold 256 embedding rows (bytes); GPT-2 BPE data has 50257 token ids. The refusal said to pass
+    --model.vocab_size=256, which the run then refused as below the data's vocab_size."""
+    (tmp_path / "text.txt").write_text("GPT-2 tokens for a model of bytes, one line after another.\n" * 200)
+    prepare.prepare([str(tmp_path / "text.txt")], str(tmp_path / "bpe"), "gpt2")
+    says = (f"init.from={folders[name]!r} has 256 embedding rows (model.vocab_size=256), fewer than the 50257 token "
+            f"ids of the data (gpt2, {tmp_path / 'bpe'}): it was trained with another tokenizer; fine-tune it on "
+            f"data of its own tokenizer (data.path), or start from a checkpoint of this data's")
+    cfg = config.load(small_args(tmp_path / "jaxtrain", cache_dir, f"--data.path={tmp_path / 'bpe'}",
+                                 f"--init.from={folders[name]}"))
+    with pytest.raises(UserError) as e:
+        run.Trainer(cfg)
+    assert str(e.value) == says
+    torch_cfg = tiny_cfg(tmp_path / "torchref", f"--data.path={tmp_path / 'bpe'}")
+    with pytest.raises(UserError) as e:
+        torchref_checkpoint.init_from(folders[name], torchref_model.GPT(torch_cfg.model), None,
+                                      data.load(torch_cfg.data, 32))
     assert str(e.value) == says

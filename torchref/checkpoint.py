@@ -148,11 +148,13 @@ def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> t
         return progress, cfg
 
 
-def init_from(path: str, model, optimizer) -> Progress | None:
+def init_from(path: str, model, optimizer, tokens) -> Progress | None:
     """--init.from: the weights, and the whole training state when optimizer.safetensors and trainer_state.json
-    are there too. Returns the Progress to continue from, or None when only weights were loaded."""
+    are there too, to train on `tokens` (data.TokenData), whose ids its embedding must hold. Returns the Progress
+    to continue from, or None when only weights were loaded."""
     checkpoint_kind.check_torch_source(path, "init.from")
     checkpoint_kind.check_n_head(path, model.cfg.n_head)
+    checkpoint_kind.check_vocab_rows(path, tokens)
     with _fix_for("init.from"):
         load_weights(path, model)
         if not checkpoint_kind.holds_training_state(path):

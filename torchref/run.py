@@ -100,7 +100,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, dict] | None
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     model = GPT(cfg.model).to(device)
     optimizer = configure_optimizer(model, cfg)
-    cfg, progress, resumed = start(cfg, model, optimizer, tokens.fingerprint)
+    cfg, progress, resumed = start(cfg, model, optimizer, tokens)
     data.refuse_vocab_size_after_resume(too_small, resumed, tokens, cfg.run.out_dir)
     scheduler = lr_scheduler(optimizer, cfg, progress.updates)
     if progress.step >= cfg.train.steps:  # config.yaml stays the one of the run that trained, as in jaxtrain
@@ -168,25 +168,24 @@ def _loop(cfg: Config, device: str, tokens, model, optimizer, scheduler, progres
                            "mfu": metrics.mfu(tokens_per_s, log.flops_per_token, log.peak_flops)}
 
 
-def start(cfg: Config, model, optimizer, data_fingerprint: str) -> tuple[Config, Progress, bool]:
-    """Where training begins: out_dir's newest checkpoint (unless run.fresh; trained on the data of
-    `data_fingerprint`), else init.from, else step 0 with the fresh init. Also the config the run goes on with (a
-    resume keeps the run's own init.from: checkpoint.resume) and whether this is a resume, whose metrics.jsonl is
-    kept up to the resumed step. run.fresh's move of the previous run aside is the caller's, after init.from has
-    loaded (the last check that can refuse the start) and no stop was asked: a refused or stopped fresh start
-    leaves it in place, to resume."""
+def start(cfg: Config, model, optimizer, tokens: data.TokenData) -> tuple[Config, Progress, bool]:
+    """Where training begins: out_dir's newest checkpoint (unless run.fresh; trained on `tokens`), else init.from,
+    else step 0 with the fresh init. Also the config the run goes on with (a resume keeps the run's own init.from:
+    checkpoint.resume) and whether this is a resume, whose metrics.jsonl is kept up to the resumed step. run.fresh's
+    move of the previous run aside is the caller's, after init.from has loaded (the last check that can refuse the
+    start) and no stop was asked: a refused or stopped fresh start leaves it in place, to resume."""
     runfolder.refuse_unfinished_set_aside(cfg.run.out_dir, cfg.run.fresh)
     checkpoint.remove_partial(cfg.run.out_dir)
     # A jaxtrain checkpoint is named for what it is: a resume would call it damaged (run.fresh sets it aside below).
     if not cfg.run.fresh:
         checkpoint_kind.check_own_steps(os.path.join(cfg.run.out_dir, "checkpoints"), "torchref")
     if not cfg.run.fresh and (path := checkpoint.latest(cfg.run.out_dir)) is not None:
-        progress, cfg = checkpoint.resume(path, cfg, data_fingerprint, model, optimizer)
+        progress, cfg = checkpoint.resume(path, cfg, tokens.fingerprint, model, optimizer)
         print(f"resuming from step {progress.step} ({path})", file=sys.stderr)
         return cfg, progress, True
     progress = Progress(data_seed=cfg.run.seed)
     if cfg.init.from_ is not None:
-        loaded = checkpoint.init_from(cfg.init.from_, model, optimizer)
+        loaded = checkpoint.init_from(cfg.init.from_, model, optimizer, tokens)
         what = f"weights and training state at step {loaded.step}" if loaded else "weights"
         print(f"init.from: loaded {what} from {cfg.init.from_}", file=sys.stderr)
         if loaded is not None:  # the data seed rule jaxtrain follows too, and its step's
