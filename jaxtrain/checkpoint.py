@@ -189,12 +189,12 @@ class Checkpointer:
 
     def _same_run(self, saved_config: dict, meta: dict, step: int) -> Config:
         """The config the run goes on with from `step`, whose `meta` was read: a UserError where the config or this
-        process's data differs from the ones that wrote it."""
+        process's data differs from the ones that wrote it: the data first, whose change can change the config
+        (a model.vocab_size of null: the data's), so that the refusal names the cause."""
         where = self._step_dir(step)
-        resumed_cfg = same_run.check(saved_config, self.cfg, where, step, "jaxtrain")
         if self.data_fingerprint is not None:
-            data_lib.check_same_data(meta, self.data_fingerprint, resumed_cfg, where)
-        return resumed_cfg
+            data_lib.check_same_data(meta, self.data_fingerprint, self.cfg, where)
+        return same_run.check(saved_config, self.cfg, where, step, "jaxtrain")
 
     def _read_state(self, step: int, abstract_state) -> TrainState:
         """The arrays of `step`, this process's shards of them. Read by orbax's handler, not the manager: the

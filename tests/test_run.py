@@ -179,16 +179,25 @@ def _trained_from(out_dir: str, backend: str, old_dir: str, data_dir: str, finge
 
 @pytest.mark.parametrize("backend", ["jaxtrain", "torchref"])
 @pytest.mark.parametrize("case", ["other data", "a checkpoint without its data's fingerprint", "fresh",
-                                  "a first start"])
+                                  "a first start", "the run's command with another data.path"])
 def test_a_resume_on_data_with_more_tokens_names_the_data_not_the_vocab_size(byte_runs, tmp_path, cache_dir, backend,
                                                                             case):
     """config.yaml's model.vocab_size (256: bytes), its data folder prepared again as GPT-2 BPE: a resume says the
     data is not the data the run trained on, in both backends. It said to raise model.vocab_size, which the resume's
     config check then refused. A checkpoint from before data fingerprints (the data's path alone checked) is told
     the same once read; a fresh start has no other data to name, nor a first one: there the vocab_size's own refusal
-    stands, before the end-of-run sample's (whose prompt has GPT-2 ids past 256), with nothing left behind."""
+    stands, before the end-of-run sample's (whose prompt has GPT-2 ids past 256), with nothing left behind. The
+    run's own command with the GPT-2 folder (model.vocab_size null: 50257, the data's) was told that model.vocab_size
+    changed, 256 -> 50257; the data is named first now."""
     runs, folders = byte_runs
     out_dir, data_dir = str(tmp_path / "run"), str(tmp_path / "data")
+    if case == "the run's command with another data.path":
+        shutil.copytree(runs[backend], out_dir)
+        with pytest.raises(UserError, match=rf"^the data \({folders['gpt2']}\) differs from the data that wrote "
+                                            rf"{out_dir}/checkpoints/4 \(data fingerprint "):
+            _train(backend, config.load(small_args(out_dir, cache_dir, f"--data.path={folders['gpt2']}",
+                                                   "--train.steps=4")))
+        return
     if case == "a first start":
         with pytest.raises(UserError, match=r"^model.vocab_size=256 is smaller than the data's vocab_size=50257 \("):
             _train(backend, config.load(small_args(out_dir, cache_dir, f"--data.path={folders['gpt2']}",

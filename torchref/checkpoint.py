@@ -138,8 +138,8 @@ def resume(path: str, cfg: Config, data_fingerprint: str, model, optimizer) -> t
         other = checkpoint_kind.other_step_held(state.get("step"), int(os.path.basename(path)), path)
         if other:  # jaxtrain sets such a folder aside, having older steps to fall back to; torchref refuses it
             raise UserError(f"{other}; move it out of {os.path.dirname(path)}")
+        check_same_data(state, data_fingerprint, cfg, path)  # first, as jaxtrain: other data changes a null vocab
         cfg = same_run.check(state.get("config", {}), cfg, path, state.get("step"), "torchref")
-        check_same_data(state, data_fingerprint, cfg, path)
         load_weights(path, model, checkpoint_kind.TRAINER_STATE)
         progress = _restore_training(path, state, model, optimizer)
         progress.best = state.get("best")  # this run's own: init.from starts a run with none
