@@ -30,6 +30,7 @@ import numpy as np
 from jaxtrain import embedded_corpus
 from jaxtrain import gpt2_bpe
 from jaxtrain import prepare as prepare_lib
+from jaxtrain import runfolder
 from jaxtrain.cmdline import positive_int
 from jaxtrain.config import Config, DataConfig
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
@@ -176,7 +177,7 @@ def _nanogpt_meta(path: str) -> str:
 
 def _read_meta(path: str, fix: str = _PREPARE_HINT) -> dict:
     """meta.json of the token folder `path`, checked; `fix`: what a message says to do about a damaged folder."""
-    if "://" in path:
+    if runfolder.is_url(path):
         raise UserError(f"data folder {path!r} is a URL, and data is read from a local folder: copy it to each host "
                         f"(e.g. `gcloud storage cp -r {path} /data`) and give that folder")
     if os.path.isfile(path):

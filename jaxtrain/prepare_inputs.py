@@ -11,6 +11,7 @@ import sys
 
 from tqdm import tqdm
 
+from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
 _HIDDEN = 'hidden (a name starting with ".")'
@@ -34,7 +35,7 @@ def input_files(inputs: list[str], out: str) -> list[pathlib.Path]:
             files += _folder_files(item, out_real, seen_folders, skipped)
         elif path.is_file():
             files.append(path)
-        elif "://" in item:
+        elif runfolder.is_url(item):
             example = f" (`gcloud storage cp -r {item} .`)" if item.startswith("gs://") else ""
             raise UserError(f"--input {item!r} is a URL, and prepare reads local files: copy it here first{example} "
                             f"and pass that")

@@ -28,8 +28,9 @@ UPLOAD_EVERY_S = 30.0
 UPLOAD_SHARE = 0.05
 
 
-def is_url(out_dir: str) -> bool:
-    return "://" in out_dir
+def is_url(path: str) -> bool:
+    """Whether `path` (a run folder, a data folder, an input) is a URL (gs://, s3://, memory://), not a local path."""
+    return "://" in path
 
 
 def path(out_dir: str, *names: str) -> epath.Path:

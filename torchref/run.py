@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
 def check_local_run_folder(cfg: Config) -> None:
     """The reference loop writes with torch.save and open(): local folders only (said before config validation asks
     for s3fs or gcsfs, which would not help)."""
-    if "://" in cfg.run.out_dir:
+    if runfolder.is_url(cfg.run.out_dir):
         raise UserError(f"run.out_dir={cfg.run.out_dir!r}: torchref writes its run folder on a local disk only; "
                         f"give it a local path (jaxtrain.run writes to gs:// and s3://)")
 
