@@ -24,13 +24,15 @@ def trained_tokenizer(cfg: Config, data_fingerprint: str | None) -> str:
     path = cfg.data.path
     if path is None:
         return data_lib.tokenizer_name(cfg.data)  # the embedded corpus's: bytes
+    relative = not os.path.isabs(path)  # read from this directory, which need not be the one the run ran in
+    named = f"{path} (relative: read from {os.getcwd()})" if relative else path
     if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise UserError(f"the run's data folder {path} is not here to say which tokenizer it used (its meta.json)")
+        raise UserError(f"the run's data folder {named} is not here to say which tokenizer it used (its meta.json)")
     data = data_lib.load(cfg.data, cfg.model.seq_len)
     if data_fingerprint not in (None, data.fingerprint):
-        raise UserError(f"the run's data folder {path} no longer holds the data the run trained on (its data "
-                        f"fingerprint changed: prepared again since), so its meta.json does not say the run's "
-                        f"tokenizer")
+        why = "prepared again since" + (", or another folder than the run's of that name" if relative else "")
+        raise UserError(f"the run's data folder {named} no longer holds the data the run trained on (its data "
+                        f"fingerprint changed: {why}), so its meta.json does not say the run's tokenizer")
     return data.tokenizer
 
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 
 from test_convert import copy_step
 from test_run import small_args
-from jaxtrain import autocast, config, convert, data, model, prepare, run, sample
+from jaxtrain import autocast, config, convert, data, model, prepare, run, run_tokenizer, sample
 from jaxtrain.errors import UserError
 
 STEPS = 40  # enough that the logits are far from uniform: top-2 gaps mostly well above the rounding bounds below
@@ -492,6 +492,26 @@ def test_a_gpt2_run_refuses_bytes_while_its_data_is_here_and_takes_a_tokenizer_o
             f"bytes or --tokenizer gpt2")
     sample.main(["--run", out_dir, "--tokenizer", "gpt2", *flags])
     assert capsys.readouterr().out.startswith("Hello")
+
+
+def test_a_relative_data_path_is_named_as_read_from_this_directory(tmp_path, monkeypatch):
+    """A run's relative data.path is read from the directory jaxtrain.sample or to-hf runs in: another folder of
+    that name there was said to be the run's, prepared again since."""
+    tokens = np.arange(200, dtype=np.uint16) % 256
+    prepare.write_token_dir(str(tmp_path / "elsewhere" / "data" / "tok"), tokens, tokens, 256, "bytes")
+    cfg = config.load(["--config", "configs/tiny.yaml", "--data.path=data/tok", "--model.seq_len=32"])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        run_tokenizer.trained_tokenizer(cfg, "0" * 64)
+    assert str(e.value) == (f"the run's data folder data/tok (relative: read from {tmp_path}) is not here to say "
+                            f"which tokenizer it used (its meta.json)")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(UserError) as e:
+        run_tokenizer.trained_tokenizer(cfg, "0" * 64)
+    assert str(e.value) == (f"the run's data folder data/tok (relative: read from {tmp_path / 'elsewhere'}) no "
+                            f"longer holds the data the run trained on (its data fingerprint changed: prepared "
+                            f"again since, or another folder than the run's of that name), so its meta.json does "
+                            f"not say the run's tokenizer")
 
 
 def test_a_byte_run_whose_folder_was_prepared_again_as_gpt2_takes_bytes_and_refuses_gpt2(tmp_path, cache_dir,
