@@ -170,7 +170,7 @@ class Checkpointer:
         return self._load(step, abstract_state)[1]
 
     def _load(self, step: int, abstract_state) -> tuple[dict, TrainState, Config]:
-        """Meta, then the config and data checks (from meta alone: a refused resume, a changed model shape
+        """Meta, then the data and config checks (from meta alone: a refused resume, a changed model shape
         included, names the changed keys before any array is read), then the arrays and their fingerprint; and the
         config the run goes on with (same_run.check)."""
         where = self._step_dir(step)

@@ -161,9 +161,13 @@ def vocab_rows(path: str) -> int:
     file = os.path.join(path, MODEL)
     try:
         with safe_open(file, framework="np") as f:
-            return f.get_slice(WTE).get_shape()[0]
+            shape = f.get_slice(WTE).get_shape()
     except (OSError, SafetensorError) as e:
         raise UserError(f"{file} is missing, unreadable or has no {WTE!r} ({e}); re-export the checkpoint") from None
+    if len(shape) != 2:
+        raise UserError(f"{file}: {WTE!r} has shape {tuple(shape)}, not (vocab_size, d_model); re-export the "
+                        f"checkpoint")
+    return shape[0]
 
 
 def check_vocab_rows(path: str, data) -> None:

@@ -71,8 +71,8 @@ def to_hf(src: str, out_dir: str, tokenizer: str | None = None) -> None:
         config, carried = hf_format.hf_config(cfg.model, vocab_rows), ()
         with_bpe, note = _run_tokenizer(cfg, data_fingerprint, vocab_rows, tokenizer, src)
         if not cfg.model.bias:  # HF's GPT-2 always has biases
-            tensors = hf_format.with_zero_biases(tensors, cfg.model, src)
-            note += "; the model has no biases (model.bias=false): they are written as zeros, which add nothing"
+            tensors, zeros_note = hf_format.with_zero_biases(tensors, cfg.model, src)
+            note += zeros_note
     elif tokenizer is not None:
         raise UserError(f"--tokenizer: {src} holds no run's config (from-hf's weights), and to-hf carries its "
                         f"tokenizer files as they are; leave --tokenizer out")
@@ -81,7 +81,9 @@ def to_hf(src: str, out_dir: str, tokenizer: str | None = None) -> None:
         note = _carried_tokenizer_note(carried)
         model = hf_format.model_overrides(config, os.path.join(src, hf_format.CONFIG))
         if not model["bias"]:  # from-hf left out the zero biases of a model to-hf wrote without them
-            tensors = hf_format.with_zero_biases(tensors, config_lib.ModelConfig(**model), src)
+            tensors, zeros_note = hf_format.with_zero_biases(tensors, config_lib.ModelConfig(**model), src,
+                                                             f"{hf_format.BIAS}: false")
+            note += zeros_note
     hf_format.write(out_dir, hf_format.from_nanogpt(tensors), config, gpt2_bpe.files() if with_bpe else None,
                     carried)
     print(f"wrote {out_dir}: load it with transformers.GPT2LMHeadModel.from_pretrained({out_dir!r}){note}",

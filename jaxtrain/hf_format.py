@@ -152,19 +152,22 @@ def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, tied: bo
     return tensors
 
 
-def with_zero_biases(tensors: dict[str, np.ndarray], model: ModelConfig, src: str) -> dict[str, np.ndarray]:
-    """The torch format's tensors of a model without biases (model.bias=false, nanoGPT's train.py default) with the
-    biases HF's GPT-2 always has, as zeros: x + 0 is x, so transformers computes what the model does. Refused where
-    `src`'s tensors hold biases all the same: its config and its weights disagree."""
+def with_zero_biases(tensors: dict[str, np.ndarray], model: ModelConfig, src: str,
+                     setting: str = "model.bias=false") -> tuple[dict[str, np.ndarray], str]:
+    """The torch format's tensors of a model without biases (model.bias=false, nanoGPT's train.py default; from-hf's
+    folder of one says `setting`, jaxtrain_bias: false) with the biases HF's GPT-2 always has, as zeros: x + 0 is x,
+    so transformers computes what the model does; and to-hf's note of it. Refused where `src`'s tensors hold biases
+    all the same: its config and its weights disagree."""
     held = sorted(name for name in tensors if name.endswith(".bias"))
     if held:
-        raise UserError(f"{src}: its config says model.bias=false, and its weights hold {len(held)} bias tensors "
+        raise UserError(f"{src}: its config says {setting}, and its weights hold {len(held)} bias tensors "
                         f"({held[0]!r} first): its files disagree (one edited, or copied from another checkpoint); "
                         f"copy or convert the whole folder again")
     names = [f"{BASE}h.{i}.{module}.bias" for i in range(model.n_layer) for module in MODULES] + [f"{BASE}ln_f.bias"]
     dtype = tensors[f"{BASE}ln_f.weight"].dtype
-    return {**tensors, **{name: np.zeros(_shape(name, model.d_model, model.vocab_size, model.seq_len), dtype)
-                          for name in names}}
+    zeros = {name: np.zeros(_shape(name, model.d_model, model.vocab_size, model.seq_len), dtype) for name in names}
+    note = f"; the model has no biases ({setting}): they are written as zeros, which add nothing"
+    return {**tensors, **zeros}, note
 
 
 def trained_biases(tensors: dict[str, np.ndarray]) -> list[str]:

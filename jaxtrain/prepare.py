@@ -245,9 +245,9 @@ def default_workers() -> int:
 
 
 def encoding_threads(workers: int | None) -> int:
-    """`workers` (--workers; default_workers where None), at most the cores this process may run on: encoding is
-    CPU-bound, so a thread past them adds memory (two 4 MiB pieces and their tokens), not speed; a note says so."""
-    if workers is None:
+    """`workers` (--workers; default_workers where None or 0), at most the cores this process may run on: encoding
+    is CPU-bound, so a thread past them adds memory (two 4 MiB pieces and their tokens), not speed; a note says so."""
+    if not workers:
         return default_workers()
     if workers > _cores():
         print(f"note: --workers {workers} is more than the {_cores()} cores this process may run on; encoding with "
@@ -266,9 +266,10 @@ def _write_data(folder: str, files: list[pathlib.Path], tokenizer: str, encode, 
     dtype = _dtype_for(vocab_size)
     train_path, start, n_tokens = os.path.join(folder, "train.bin"), time.perf_counter(), 0
     total, done, said = sum(p.stat().st_size for p in files), 0, start
+    threads = encoding_threads(workers)  # its note before the bar
     with open(train_path, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare ({tokenizer})",
                                            disable=None) as bar:
-        for i, (ids, n_bytes) in enumerate(_stream_tokens(files, tokenizer, encode, encoding_threads(workers))):
+        for i, (ids, n_bytes) in enumerate(_stream_tokens(files, tokenizer, encode, threads)):
             ids.astype(dtype).tofile(f)
             n_tokens, done, now = n_tokens + len(ids), done + n_bytes, time.perf_counter()
             if i % 8 == 7:

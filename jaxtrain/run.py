@@ -92,13 +92,14 @@ class Trainer:
         self.state_sharding = jax.tree.map(lambda x: x.sharding, self.abstract_state)
         # The newest checkpoint that verifies, or None. run.fresh opens the checkpoints later (open_run_folder).
         self.resumed = None if cfg.run.fresh else self._open_checkpoints().resume(self.abstract_state)
-        data_lib.refuse_vocab_size_after_resume(too_small, self.resumed is not None, self.data, cfg.run.out_dir)
         if self.resumed is not None:  # with the run's own init.from, which config.yaml records (same_run.check)
             self.cfg = cfg = self.checkpointer.cfg
         if self.resumed is None and cfg.init.from_ is not None:  # what the run starts from, before it is read
             checkpoint_kind.check_torch_source(cfg.init.from_, "init.from")
             checkpoint_kind.check_n_head(cfg.init.from_, cfg.model.n_head)
             checkpoint_kind.check_vocab_rows(cfg.init.from_, self.data)
+        # After init.from's checks, as torchref: one with too few rows for the data says why better than the size
+        data_lib.refuse_vocab_size_after_resume(too_small, self.resumed is not None, self.data, cfg.run.out_dir)
         self.data_seed = self._data_seed()
         self.jit_train_step = step_lib.jit_train_step(
             cfg, self.data_seed, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))

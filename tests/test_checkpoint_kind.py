@@ -8,13 +8,16 @@ import re
 import shutil
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
+import safetensors.numpy
 
 from jaxtrain import checkpoint, checkpoint_kind, config, convert, data, prepare, run, sample, step, torch_format
 from jaxtrain.errors import UserError
 from test_run import small_args
 from torchref import checkpoint as torchref_checkpoint
 from torchref import model as torchref_model
+from torchref import run as torchref_run
 
 V = 256
 STEPS = (9, 10, 20)
@@ -260,19 +263,29 @@ def test_init_from_trained_with_another_head_count_is_refused_in_both_backends(f
 def test_init_from_with_fewer_embedding_rows_than_the_data_has_ids_is_refused_in_both_backends(folders, tmp_path,
                                                                                                 cache_dir, name):
     """The folders hold 256 embedding rows (bytes); GPT-2 BPE data has 50257 token ids. The refusal said to pass
-    --model.vocab_size=256, which the run then refused as below the data's vocab_size."""
+    --model.vocab_size=256, which the run then refused as below the data's vocab_size. Given that size anyway (a
+    new run: its refusal waits for a resume's checks), both backends name init.from, the cause, first."""
     (tmp_path / "text.txt").write_text("GPT-2 tokens for a model of bytes, one line after another.\n" * 200)
     prepare.prepare([str(tmp_path / "text.txt")], str(tmp_path / "bpe"), "gpt2")
     says = (f"init.from={folders[name]!r} has 256 embedding rows (model.vocab_size=256), fewer than the 50257 token "
             f"ids of the data (gpt2, {tmp_path / 'bpe'}): it was trained with another tokenizer; fine-tune it on "
             f"data of its own tokenizer (data.path), or start from a checkpoint of this data's")
-    cfg = config.load(small_args(tmp_path / "jaxtrain", cache_dir, f"--data.path={tmp_path / 'bpe'}",
-                                 f"--init.from={folders[name]}"))
+    for i, extra in enumerate(([], ["--model.vocab_size=256"])):
+        args = small_args(tmp_path / f"run{i}", cache_dir, f"--data.path={tmp_path / 'bpe'}",
+                          f"--init.from={folders[name]}", *extra)
+        for train in (lambda cfg: run.Trainer(cfg), torchref_run.train):
+            with pytest.raises(UserError) as e:
+                train(config.load(args))
+            assert str(e.value) == says
+
+
+def test_a_wte_that_is_not_two_dimensional_is_one_line(tmp_path):
+    """A hand-made model.safetensors whose wte is a scalar: vocab_rows (convert from-torch's vocab size) raised an
+    IndexError; it is a UserError now, and init.from's row check leaves it to the loader, which names the tensor."""
+    safetensors.numpy.save_file({"transformer.wte.weight": np.zeros((), np.float32)},
+                                str(tmp_path / "model.safetensors"))
     with pytest.raises(UserError) as e:
-        run.Trainer(cfg)
-    assert str(e.value) == says
-    torch_cfg = tiny_cfg(tmp_path / "torchref", f"--data.path={tmp_path / 'bpe'}")
-    with pytest.raises(UserError) as e:
-        torchref_checkpoint.init_from(folders[name], torchref_model.GPT(torch_cfg.model), None,
-                                      data.load(torch_cfg.data, 32))
-    assert str(e.value) == says
+        checkpoint_kind.vocab_rows(str(tmp_path))
+    assert str(e.value) == (f"{tmp_path}/model.safetensors: 'transformer.wte.weight' has shape (), not (vocab_size, "
+                            f"d_model); re-export the checkpoint")
+    checkpoint_kind.check_vocab_rows(str(tmp_path), None)  # no data needed: nothing to compare the rows with

@@ -883,6 +883,7 @@ def test_streaming_prepare_gives_the_whole_text_tokens(tmp_path, monkeypatch, to
     (tmp_path / "in").mkdir()
     contents = _mixed_text_files(tmp_path / "in", newline=newline)
     monkeypatch.setattr(prepare, "PIECE_BYTES", 997)
+    monkeypatch.setattr(prepare, "_cores", lambda: 2)  # two threads encode, on a machine of one core too
     prepare.prepare([str(tmp_path / "in")], str(tmp_path / "out"), tokenizer, 0.1, workers=2)
     if tokenizer == "gpt2":
         enc = gpt2_bpe.encoding()

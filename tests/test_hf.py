@@ -97,6 +97,8 @@ def test_a_model_without_biases_comes_back_from_transformers_without_them(tmp_pa
     held = tensors(tmp_path / "jt")
     assert not [name for name in held if name.endswith(".bias")] and len(held) == 2 + 2 * 6 + 1  # wte, wpe, ln_f
     convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back")])
+    assert capsys.readouterr().err.endswith("; the model has no biases (jaxtrain_bias: false): they are written as "
+                                            "zeros, which add nothing\n")
     first, back = tensors(hf), tensors(tmp_path / "back")
     assert set(first) == set(back) and all(np.array_equal(first[name], back[name]) for name in first)
     run.train(config.load(small_args(tmp_path / "tuned", cache_dir, "--train.steps=3", "--model.bias=false",
