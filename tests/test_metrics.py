@@ -180,7 +180,7 @@ def test_a_start_that_resumed_nothing_begins_metrics_jsonl_empty(tmp_path, backe
             metrics.MetricsLogger(cfg, start_step=2, resumed=resumed, flops_per_token=1.0, n_devices=1,
                                   device_kind="cpu", is_main=True, start_tokens=200).close()
         else:
-            from torchref.run import MetricsLog
+            from torchref.metrics_log import MetricsLog
             with MetricsLog(cfg, 2 if resumed else None, 1.0, None):
                 pass
         assert path.read_text() == "".join(kept), resumed

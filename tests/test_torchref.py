@@ -19,7 +19,7 @@ from design_formulas import FP64, TOP1_HITS, TOP1_LOGITS, TOP1_TARGETS
 from test_run import files_but_the_lock, read_metrics
 from jaxtrain import config
 from jaxtrain.errors import UserError
-from torchref import run
+from torchref import metrics_log, run
 from torchref.model import GPT
 from torchref.optim import configure_optimizer, get_lr, lr_scheduler
 
@@ -652,12 +652,12 @@ def test_the_keys_torchref_does_not_read_are_named(token_dir, tmp_path):
     """A config with jaxtrain's devices and kernels set trains in torchref, on one device (the same math): those
     keys are named in its one note, as the TensorBoard and sample keys were, not passed over unsaid."""
     quiet = tiny_cfg(token_dir, tmp_path, "--log.tensorboard=false", "--log.sample_tokens=0")
-    assert run.jaxtrain_only(quiet) == []
+    assert metrics_log.jaxtrain_only(quiet) == []
     pod = tiny_cfg(token_dir, tmp_path, "--log.tensorboard=false", "--log.sample_tokens=0", "--mesh.fsdp=2",
                    "--model.attention=cudnn", "--model.remat=dots", "--model.vocab_tiles=2")
-    assert run.jaxtrain_only(pod) == ["mesh.fsdp=2", "model.attention=cudnn", "model.remat=dots",
+    assert metrics_log.jaxtrain_only(pod) == ["mesh.fsdp=2", "model.attention=cudnn", "model.remat=dots",
                                                "model.vocab_tiles=2"]
-    assert run.jaxtrain_only(tiny_cfg(token_dir, tmp_path, "--log.tensorboard=true")) == [
+    assert metrics_log.jaxtrain_only(tiny_cfg(token_dir, tmp_path, "--log.tensorboard=true")) == [
         "log.tensorboard=True"]
 
 
@@ -671,5 +671,5 @@ def test_every_model_key_is_read_by_torchref_or_named_as_jaxtrains():
     computes too (TORCHREF_READS, written here by hand) or one JAXTRAIN_ONLY names, so that torchref's note says
     it is not read rather than passing over it unsaid."""
     keys = {f.name for f in dataclasses.fields(config.ModelConfig)}
-    named = {key.split(".", 1)[1] for key in run.JAXTRAIN_ONLY if key.startswith("model.")}
+    named = {key.split(".", 1)[1] for key in metrics_log.JAXTRAIN_ONLY if key.startswith("model.")}
     assert keys - TORCHREF_READS == named
