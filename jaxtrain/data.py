@@ -27,6 +27,7 @@ import sys
 
 import numpy as np
 
+from jaxtrain import data_stats
 from jaxtrain import embedded_corpus
 from jaxtrain import gpt2_bpe
 from jaxtrain import prepare as prepare_lib
@@ -340,40 +341,6 @@ def _recreate(fix: str) -> str:
     return f"re-create the folder: {fix}" if fix == _PREPARE_HINT else fix
 
 
-# Stats -----------------------------------------------------------------------------------------------------------
-
-_STATS_MAX_TOKENS = 2**24  # a prefix this long estimates the entropies well and keeps memory under ~1 GB
-
-
-def entropies(tokens: np.ndarray, vocab_size: int) -> tuple[float, float]:
-    """(unigram entropy H(x_t), bigram conditional entropy H(x_t | x_t-1)) of a token stream, in nats.
-
-    The cross-entropy of the best model that knows only token frequencies, and only the previous token: the
-    yardsticks a trained model's loss should beat.
-    """
-    t = np.asarray(tokens, dtype=np.int64)
-    _, pair_counts = np.unique(t[:-1] * vocab_size + t[1:], return_counts=True)
-    conditional = _entropy(pair_counts) - _entropy(np.bincount(t[:-1], minlength=vocab_size))
-    return _entropy(np.bincount(t, minlength=vocab_size)), conditional
-
-
-def _entropy(counts: np.ndarray) -> float:
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
-
-
-def print_stats(data_cfg: DataConfig) -> None:
-    data = load(data_cfg, seq_len=1)
-    sample = data.train[:_STATS_MAX_TOKENS]
-    h1, h2 = entropies(sample, data.vocab_size)
-    over = f" (first {len(sample):,} tokens)" if len(sample) < len(data.train) else ""
-    print(f"data: {data.path}\ntokenizer: {data.tokenizer}, vocab_size {data.vocab_size}\n"
-          f"train: {len(data.train):,} tokens, val: {len(data.val):,} tokens\n"
-          f"train unigram entropy H(x_t): {h1:.3f} nats{over}\n"
-          f"train bigram conditional entropy H(x_t | x_t-1): {h2:.3f} nats{over}\n"
-          f"(the loss of the best model that sees only token frequencies / only the previous token)")
-
-
 def _prepare(args: argparse.Namespace) -> None:
     try:
         prepare_lib.prepare(args.input, args.out, args.tokenizer, args.val_fraction, args.workers,
@@ -404,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "prepare":
             _prepare(args)
         else:
-            print_stats(DataConfig(path=args.data_path, cache_dir=args.cache_dir))
+            data_stats.print_stats(load(DataConfig(path=args.data_path, cache_dir=args.cache_dir), seq_len=1))
 
 
 if __name__ == "__main__":

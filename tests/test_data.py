@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxtrain import config, data, embedded_corpus, gpt2_bpe, prepare
+from jaxtrain import config, data, data_stats, embedded_corpus, gpt2_bpe, prepare
 from jaxtrain.config import DataConfig
 from jaxtrain.errors import UserError
 
@@ -587,10 +587,10 @@ def test_prepare_too_short_leaves_the_old_data_as_it_was(prepared, capsys, tmp_p
 
 
 def test_entropies_of_known_streams():
-    h1, h2 = data.entropies(np.array([0, 1, 2, 3] * 50), 4)
+    h1, h2 = data_stats.entropies(np.array([0, 1, 2, 3] * 50), 4)
     # Every transition is certain: H(x_t | x_t-1) = 0 up to float64 rounding of the sums of p log p (~1e-16).
     assert h1 == pytest.approx(math.log(4)) and h2 == pytest.approx(0.0, abs=1e-9)
-    h1, h2 = data.entropies(np.random.default_rng(0).integers(0, 2, 100_000), 2)
+    h1, h2 = data_stats.entropies(np.random.default_rng(0).integers(0, 2, 100_000), 2)
     # N = 1e5 fair bits: the plug-in entropy falls short of ln 2 by about 2 (p - 1/2)^2, 5e-6 expected and 1.3e-4 at
     # five standard deviations of p (sd 1.6e-3); the conditional one likewise per pair of symbols. 1e-3 holds for any
     # seed, and a wrong base (log2: 1.0) or an unconditioned H2 of a periodic stream fails it.
@@ -642,7 +642,7 @@ def test_embedded_corpus_is_the_stdlib_split_by_file(embedded):
 
 
 def test_embedded_corpus_entropies_are_the_documented_yardstick(embedded):
-    h1, h2 = data.entropies(embedded.train, 256)
+    h1, h2 = data_stats.entropies(embedded.train, 256)
     assert 3.0 < h1 < 3.5 and 2.2 < h2 < 2.7  # 3.23 and 2.42 nats on CPython 3.11
 
 

@@ -1,0 +1,34 @@
+"""`python -m jaxtrain.data stats`: a token folder's counts, and the entropies a model's loss should beat."""
+
+import numpy as np
+
+MAX_TOKENS = 2**24  # a prefix this long estimates the entropies well and keeps memory under ~1 GB
+
+
+def entropies(tokens: np.ndarray, vocab_size: int) -> tuple[float, float]:
+    """(unigram entropy H(x_t), bigram conditional entropy H(x_t | x_t-1)) of a token stream, in nats.
+
+    The cross-entropy of the best model that knows only token frequencies, and only the previous token: the
+    yardsticks a trained model's loss should beat.
+    """
+    t = np.asarray(tokens, dtype=np.int64)
+    _, pair_counts = np.unique(t[:-1] * vocab_size + t[1:], return_counts=True)
+    conditional = _entropy(pair_counts) - _entropy(np.bincount(t[:-1], minlength=vocab_size))
+    return _entropy(np.bincount(t, minlength=vocab_size)), conditional
+
+
+def _entropy(counts: np.ndarray) -> float:
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def print_stats(data) -> None:
+    """`python -m jaxtrain.data stats` of `data` (a data.TokenData)."""
+    sample = data.train[:MAX_TOKENS]
+    h1, h2 = entropies(sample, data.vocab_size)
+    over = f" (first {len(sample):,} tokens)" if len(sample) < len(data.train) else ""
+    print(f"data: {data.path}\ntokenizer: {data.tokenizer}, vocab_size {data.vocab_size}\n"
+          f"train: {len(data.train):,} tokens, val: {len(data.val):,} tokens\n"
+          f"train unigram entropy H(x_t): {h1:.3f} nats{over}\n"
+          f"train bigram conditional entropy H(x_t | x_t-1): {h2:.3f} nats{over}\n"
+          f"(the loss of the best model that sees only token frequencies / only the previous token)")
