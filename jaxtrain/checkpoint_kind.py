@@ -27,6 +27,7 @@ from jaxtrain.errors import UserError
 MODEL, OPTIMIZER, TRAINER_STATE = "model.safetensors", "optimizer.safetensors", "trainer_state.json"
 FORMAT = "jaxtrain-torch/1"  # trainer_state.json's "format"
 HF_CONFIG, C_ATTN = "config.json", "attn.c_attn.weight"
+HF_SHARD_INDEX = "model.safetensors.index.json"  # a sharded HF save's: tensor name -> the file holding it
 WTE, WPE = "transformer.wte.weight", "transformer.wpe.weight"  # rows: vocab size, seq_len, whatever a config says
 JAXTRAIN_STEP, TORCH, HF = "jaxtrain step", "torch", "hf"
 JAXTRAIN_RUN, TORCHREF_RUN = "jaxtrain run", "torchref run"
@@ -39,7 +40,8 @@ def kind(path: str) -> str | None:
     """The kind of the local folder `path`; None when it is none of them, or not a folder."""
     if not os.path.isdir(path):
         return None
-    if os.path.exists(os.path.join(path, HF_CONFIG)) and _conv1d_layout(os.path.join(path, MODEL)):
+    if os.path.exists(os.path.join(path, HF_CONFIG)) and (os.path.exists(os.path.join(path, HF_SHARD_INDEX))
+                                                          or _conv1d_layout(os.path.join(path, MODEL))):
         return HF
     for step_kind, names in MARKERS.items():
         if any(os.path.exists(os.path.join(path, name)) for name in names):
@@ -156,8 +158,7 @@ def _told_by_tensors(shapes: dict[str, tuple]) -> dict:
 
 
 def vocab_rows(path: str) -> int:
-    """The embedding rows (the vocab size) of the torch-format folder `path`, from its model.safetensors' header (no
-    tensor is read)."""
+    """The embedding rows (vocab size) of the torch-format folder `path`, from its model.safetensors' header."""
     file = os.path.join(path, MODEL)
     try:
         with safe_open(file, framework="np") as f:

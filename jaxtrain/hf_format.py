@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxtrain import runfolder
+from jaxtrain.checkpoint_kind import HF_SHARD_INDEX
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.gpt2_bpe import EOT_ID as GPT2_EOT_ID
@@ -229,17 +230,39 @@ def read_config(src: str) -> dict:
 
 
 def read_tensors(src: str) -> dict[str, np.ndarray]:
-    """The fp32 tensors of src's model.safetensors (transformers' default format), HF's causal-mask buffers left
-    out (older checkpoints saved them)."""
-    weights = os.path.join(src, MODEL)
-    if not os.path.exists(weights):
-        raise UserError(f"{src} has no {MODEL} (a sharded or pytorch_model.bin checkpoint?); load it in "
-                        f"transformers and save it again with model.save_pretrained(dir) (safetensors, one file)")
+    """The tensors of src's model.safetensors (transformers' default format), or of the files its
+    model.safetensors.index.json names (a checkpoint save_pretrained cut into shards: GPT-2 XL in fp32 is past
+    transformers 4's 5 GB a file), in fp32 whatever they were saved in (bf16 too: numpy has it by name once jax has
+    imported ml_dtypes, as torch_format's import of jax does), HF's causal-mask buffers left out (older checkpoints
+    saved them)."""
+    tensors = {}
+    for file, names in _weight_files(src).items():
+        try:
+            with safe_open(file, framework="np") as f:
+                tensors |= {name: f.get_tensor(name).astype(np.float32)
+                            for name in (f.keys() if names is None else names)
+                            if not name.endswith((".attn.bias", ".attn.masked_bias"))}
+        except (OSError, SafetensorError, TypeError) as e:
+            raise UserError(f"{file} is unreadable ({e}); copy it again if it was truncated, or save it again with "
+                            f"model.save_pretrained(dir)") from None
+    return tensors
+
+
+def _weight_files(src: str) -> dict[str, list[str] | None]:
+    """file -> the tensor names to read from it (None: all): src's model.safetensors, or its index's shards."""
+    weights, index = os.path.join(src, MODEL), os.path.join(src, HF_SHARD_INDEX)
+    if os.path.exists(weights) or not os.path.exists(index):
+        if not os.path.exists(weights):
+            raise UserError(f"{src} has no {MODEL} nor {HF_SHARD_INDEX} (a pytorch_model.bin checkpoint?); load "
+                            f"it in transformers and save it again with model.save_pretrained(dir) (safetensors)")
+        return {weights: None}
     try:
-        with safe_open(weights, framework="np") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (OSError, SafetensorError, TypeError) as e:
-        raise UserError(f"{weights} is unreadable ({e}); save it in float32, or copy it again if it was "
-                        f"truncated") from None
-    return {name: x.astype(np.float32) for name, x in tensors.items()
-            if not name.endswith((".attn.bias", ".attn.masked_bias"))}
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {os.path.join(src, shard): [] for shard in weight_map.values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{index} is unreadable or has no weight_map of tensor -> file ({e!r}); copy the folder "
+                        f"again, or save it again with model.save_pretrained(dir)") from None
+    for name, shard in weight_map.items():
+        files[os.path.join(src, shard)].append(name)
+    return files

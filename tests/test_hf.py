@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from jaxtrain import config, convert, gpt2_bpe, hf_format, model, prepare, run, torch_format
+from jaxtrain import checkpoint_kind, config, convert, gpt2_bpe, hf_format, model, prepare, run, torch_format
 from test_run import read_metrics, small_args
 
 DIMS = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)  # test_run's small model, bytes
@@ -45,6 +45,48 @@ def test_a_model_transformers_wrote_round_trips_bit_for_bit(tmp_path, tie):
     # nanoGPT's layout in between: Linear weights (out, in), the transpose of HF's Conv1D (in, out)
     np.testing.assert_array_equal(tensors(tmp_path / "jt")["transformer.h.0.mlp.c_fc.weight"],
                                   before["transformer.h.0.mlp.c_fc.weight"].T)
+
+
+def test_a_sharded_save_converts_as_the_one_file_does(tmp_path, capsys):
+    """save_pretrained cuts a model past max_shard_size (transformers 4's default: 5 GB, under GPT-2 XL's 6.2 GB of
+    fp32) into files a model.safetensors.index.json maps: from-hf refused the folder ("has no model.safetensors").
+    It reads the shards, and the round trip gives the one-file save's tensors bit for bit; an index that names no
+    files is one line."""
+    source = hf_model(tmp_path)
+    transformers.GPT2LMHeadModel.from_pretrained(source).save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    shards = sorted(name for name in os.listdir(tmp_path / "sharded") if name.endswith(".safetensors"))
+    assert len(shards) > 1 and "model.safetensors" not in shards, shards
+    assert checkpoint_kind.kind(str(tmp_path / "sharded")) == checkpoint_kind.HF
+    convert.main(["from-hf", str(tmp_path / "sharded"), str(tmp_path / "jt")])
+    convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back")])
+    before, after = tensors(source), tensors(tmp_path / "back")
+    assert set(before) == set(after) and all(np.array_equal(before[name], after[name]) for name in before)
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(["from-hf", str(tmp_path / "sharded"), str(tmp_path / "jt2")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err == (
+        f"error: {tmp_path / 'sharded'}/model.safetensors.index.json is unreadable or has no weight_map of tensor -> "
+        f"file (KeyError('weight_map')); copy the folder again, or save it again with model.save_pretrained(dir)\n")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_save_converts_to_its_values_in_fp32(tmp_path, dtype):
+    """A model saved in bf16 (numpy reads it through ml_dtypes, which jax brings) or fp16 converts to fp32 tensors
+    holding exactly its values, which torch's own cast to fp32 gives."""
+    source = hf_model(tmp_path)
+    transformers.GPT2LMHeadModel.from_pretrained(source, dtype=dtype).save_pretrained(tmp_path / "half")
+    convert.main(["from-hf", str(tmp_path / "half"), str(tmp_path / "jt")])
+    with safe_open(f"{tmp_path / 'half'}/model.safetensors", framework="pt") as f:
+        saved = {name: f.get_tensor(name) for name in f.keys()}
+    assert {x.dtype for x in saved.values()} == {dtype}
+    converted = tensors(tmp_path / "jt")
+    assert set(converted) == set(saved)
+    for name, x in saved.items():
+        want = x.float().numpy()
+        assert converted[name].dtype == np.float32
+        np.testing.assert_array_equal(converted[name], want.T if name.endswith(hf_format.CONV1D) else want)
 
 
 @pytest.mark.parametrize("bias", [True, False])
