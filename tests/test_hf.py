@@ -34,6 +34,16 @@ def tensors(folder):
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
+def refused(capsys, argv: list[str]) -> str:
+    """What `python -m jaxtrain.convert ARGV` prints on stderr, where it exits 2 (what came before is dropped:
+    transformers' progress bars)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_a_model_transformers_wrote_round_trips_bit_for_bit(tmp_path, tie):
     source = hf_model(tmp_path, tie_word_embeddings=tie)
@@ -62,11 +72,8 @@ def test_a_sharded_save_converts_as_the_one_file_does(tmp_path, capsys):
     before, after = tensors(source), tensors(tmp_path / "back")
     assert set(before) == set(after) and all(np.array_equal(before[name], after[name]) for name in before)
     (tmp_path / "sharded" / "model.safetensors.index.json").write_text('{"metadata": {}}')
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        convert.main(["from-hf", str(tmp_path / "sharded"), str(tmp_path / "jt2")])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err == (
+    err = refused(capsys, ["from-hf", str(tmp_path / "sharded"), str(tmp_path / "jt2")])
+    assert err == (
         f"error: {tmp_path / 'sharded'}/model.safetensors.index.json is unreadable or has no weight_map of tensor -> "
         f"file (KeyError('weight_map')); copy the folder again, or save it again with model.save_pretrained(dir)\n")
 
@@ -246,11 +253,8 @@ def test_a_config_json_that_is_no_object_is_one_line(tmp_path, capsys, written, 
     source = hf_model(tmp_path)
     with open(f"{source}/config.json", "w") as f:
         f.write(written)
-    capsys.readouterr()  # transformers' progress bar
-    with pytest.raises(SystemExit) as exit_info:
-        convert.main(["from-hf", source, str(tmp_path / "jt")])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and named in err and "Traceback" not in err, err
+    err = refused(capsys, ["from-hf", source, str(tmp_path / "jt")])
+    assert err.count("\n") == 1 and named in err and "Traceback" not in err, err
     assert not (tmp_path / "jt").exists()
 
 
@@ -275,10 +279,8 @@ def test_a_model_from_transformers_fine_tunes(tmp_path, cache_dir):
                                              ({"n_inner": 48}, "n_inner"),
                                              ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon")])
 def test_what_jaxtrain_cannot_compute_the_same_is_refused(tmp_path, capsys, overrides, named):
-    with pytest.raises(SystemExit) as exit_info:
-        convert.main(["from-hf", hf_model(tmp_path, **overrides), str(tmp_path / "jt")])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and named in err
+    err = refused(capsys, ["from-hf", hf_model(tmp_path, **overrides), str(tmp_path / "jt")])
+    assert named in err
     assert ("the tanh GELU" in err) == (named == "gelu_new")  # the note on GPT-2's own GELU, where it applies
     assert not (tmp_path / "jt").exists()
 
@@ -311,11 +313,8 @@ def test_a_tensor_nanogpts_model_has_no_place_for_is_refused_naming_it(tmp_path,
     with a message about the run's model config. Now from-hf refuses, in one line naming the tensor."""
     transformers.GPT2ForSequenceClassification(transformers.GPT2Config(
         **DIMS, activation_function="gelu", pad_token_id=0)).save_pretrained(tmp_path / "classifier")
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        convert.main(["from-hf", str(tmp_path / "classifier"), str(tmp_path / "jt")])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err == (
+    err = refused(capsys, ["from-hf", str(tmp_path / "classifier"), str(tmp_path / "jt")])
+    assert err == (
         f"error: {tmp_path / 'classifier' / 'model.safetensors'}: tensor 'score.weight' has no place in a "
         f"GPT2LMHeadModel of 2 layers (nanoGPT's GPT); convert the GPT-2 body alone, saved with "
         f"model.transformer.save_pretrained(dir)\n")
@@ -337,11 +336,8 @@ def test_a_tensor_the_model_needs_that_the_file_lacks_is_refused_naming_it(tmp_p
                 if name != "lm_head.weight"}
         safetensors.numpy.save_file(kept, f"{source}/model.safetensors", metadata={"format": "pt"})
         want = "'lm_head.weight', which a GPT2LMHeadModel of 2 layers"
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        convert.main(["from-hf", source, str(tmp_path / "jt")])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err == (
+    err = refused(capsys, ["from-hf", source, str(tmp_path / "jt")])
+    assert err == (
         f"error: {source}/model.safetensors: holds no tensor {want} (config.json) needs; convert a folder whose "
         f"config.json describes its weights, as model.save_pretrained(dir) writes them\n")
     assert not (tmp_path / "jt").exists()
@@ -367,11 +363,8 @@ def test_a_config_json_its_weights_or_its_types_contradict_is_refused_naming_the
     source = hf_model(tmp_path)
     written = json.loads(open(f"{source}/config.json").read())
     open(f"{source}/config.json", "w").write(json.dumps({**written, **edit}))
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        convert.main(["from-hf", source, str(tmp_path / "jt")])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.startswith(f"error: {source}/") and says in err, err
+    err = refused(capsys, ["from-hf", source, str(tmp_path / "jt")])
+    assert err.startswith(f"error: {source}/") and says in err, err
     assert len(err.splitlines()) == 1 and not (tmp_path / "jt").exists()
 
 
@@ -380,11 +373,8 @@ def test_a_truncated_weights_file_beside_config_json_is_named_unreadable(tmp_pat
     checkpoint already" (the layout of a file it could not read was taken for nanoGPT's)."""
     source = hf_model(tmp_path)
     os.truncate(f"{source}/model.safetensors", 3000)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        convert.main(["from-hf", source, str(tmp_path / "jt")])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    err = refused(capsys, ["from-hf", source, str(tmp_path / "jt")])
+    assert err.count("\n") == 1, err
     assert err.startswith(f"error: {source}/model.safetensors is unreadable (") and "truncated" in err, err
 
 
