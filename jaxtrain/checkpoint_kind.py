@@ -7,7 +7,8 @@ than it takes says what the folder is and the command that takes it, instead of 
                     (torch_format.py): torchref's checkpoints, and what convert to-torch and from-hf write
     hf              Hugging Face's GPT-2 folder (hf_format.py): config.json beside a model.safetensors whose
                     attention weight is laid out as HF's Conv1D keeps it, (d, 3d), the transpose of nanoGPT's Linear
-                    (from-hf keeps config.json beside nanoGPT's layout: a torch folder)
+                    (from-hf keeps config.json beside nanoGPT's layout: a torch folder), or beside the shards a
+                    model.safetensors.index.json maps
     jaxtrain run,   a run folder whose newest checkpoints/<step>/ is a jaxtrain step, or a torch folder
     torchref run
 
@@ -115,103 +116,6 @@ def _is_int(value) -> bool:
 
 def _damaged(file: str, key: str, problem: str, found) -> None:
     raise DamagedTrainerState(f"{file}: {key!r} is {problem} (got {found!r})")
-
-
-def model_keys_hint(shapes: dict[str, tuple], model_cfg, config_from: str | None = None) -> str:
-    """What to set, for a torch-format checkpoint whose tensors (`shapes`: name -> shape, of its model.safetensors)
-    do not fit the model config `model_cfg`: the model.* keys its tensors tell (an lm_head tensor: untied
-    embeddings; bias tensors, LayerNorms' too: model.bias; wte's and wpe's shapes: vocab_size, d_model, seq_len; the
-    blocks: n_layer), each as the flag that sets it; else the model config it was written with. `config_from`: the
-    file model_cfg was read from (the folder's own trainer_state.json, in a conversion or a resume), where no flag
-    could mend it: its files disagree."""
-    told = {key: value for key, value in _told_by_tensors(shapes).items() if value != getattr(model_cfg, key)}
-    if not told and config_from:
-        return (f"it does not hold the model its {config_from} describes (damaged, or copied from another "
-                f"checkpoint); copy or convert the whole folder again")
-    if not told:
-        return (f"set the model.* config to the checkpoint's (its {TRAINER_STATE} holds it, or the {HF_CONFIG} "
-                f"that convert from-hf keeps)")
-    said = ", ".join(f"model.{key}={_yaml(value)} ({config_from or 'this config'}: {_yaml(getattr(model_cfg, key))})"
-                     for key, value in told.items())
-    if config_from:
-        return (f"the checkpoint's tensors are those of {said}: the folder's files disagree (one copied from "
-                f"another checkpoint, or {config_from} edited); copy or convert the whole folder again")
-    flags = " ".join(f"--model.{key}={_yaml(value)}" for key, value in told.items())
-    return f"the checkpoint's tensors are those of {said}; pass {flags}"
-
-
-def _yaml(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _told_by_tensors(shapes: dict[str, tuple]) -> dict:
-    """The model.* values a torch-format checkpoint's tensor names and shapes show (n_head is not among them)."""
-    told = {"tie_embeddings": not any(name.startswith("lm_head.") for name in shapes),
-            "bias": any(name.endswith(".bias") for name in shapes)}
-    blocks = {int(m.group(1)) for name in shapes if (m := re.match(r"transformer\.h\.(\d+)\.", name))}
-    if blocks:
-        told["n_layer"] = max(blocks) + 1
-    for name, keys in ((WTE, ("vocab_size", "d_model")), (WPE, ("seq_len", "d_model"))):
-        if len(shapes.get(name, ())) == 2:
-            told.update(zip(keys, (int(n) for n in shapes[name])))
-    return told
-
-
-def vocab_rows(path: str) -> int:
-    """The embedding rows (vocab size) of the torch-format folder `path`, from its model.safetensors' header."""
-    file = os.path.join(path, MODEL)
-    try:
-        with safe_open(file, framework="np") as f:
-            shape = f.get_slice(WTE).get_shape()
-    except (OSError, SafetensorError) as e:
-        raise UserError(f"{file} is missing, unreadable or has no {WTE!r} ({e}); re-export the checkpoint") from None
-    if len(shape) != 2:
-        raise UserError(f"{file}: {WTE!r} has shape {tuple(shape)}, not (vocab_size, d_model); re-export the "
-                        f"checkpoint")
-    return shape[0]
-
-
-def check_vocab_rows(path: str, data) -> None:
-    """init.from's embedding must hold a row for each token id of `data` (a data.TokenData): the torch-format folder
-    `path` with fewer rows was trained with another tokenizer. Told to pass its vocab size (model_keys_hint), a run
-    would refuse that as below the data's next."""
-    try:
-        rows = vocab_rows(path)
-    except UserError:  # unreadable, or without wte: the loader says so, as for any tensor
-        return
-    if rows < data.vocab_size:
-        raise UserError(f"init.from={path!r} has {rows} embedding rows (model.vocab_size={rows}), fewer than the "
-                        f"{data.vocab_size} token ids of the data ({data.tokenizer}, {data.path}): it was trained "
-                        f"with another tokenizer; fine-tune it on data of its own tokenizer (data.path), or start "
-                        f"from a checkpoint of this data's")
-
-
-def check_n_head(path: str, n_head: int) -> None:
-    """The head count is the one model.* setting a checkpoint's tensors do not show (c_attn's weight is (3d, d)
-    however d is split into heads), so where the torch-format folder `path` (init.from) says what it was trained
-    with (its trainer_state.json's config, or the HF config.json that from-hf keeps), it must be the run's: the
-    same weights split into other heads compute another model."""
-    written = _written_n_head(path)
-    if written is not None and written != n_head:
-        raise UserError(f"init.from={path!r} was trained with model.n_head={written}, and this run has "
-                        f"model.n_head={n_head}: its weights would compute another model; set "
-                        f"--model.n_head={written}")
-
-
-def _written_n_head(path: str) -> int | None:
-    """model.n_head as the folder's trainer_state.json or config.json states it; None where neither does (weights
-    alone), or where the file cannot be read (the loader names that)."""
-    for name, keys in ((TRAINER_STATE, ("config", "model", "n_head")), (HF_CONFIG, ("n_head",))):
-        try:
-            with open(os.path.join(path, name), encoding="utf-8") as f:
-                value = json.load(f)
-            for key in keys:
-                value = value[key]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if _is_int(value):
-            return value
-    return None
 
 
 def _conv1d_layout(file: str) -> bool | None:

@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import checkpoint_kind
+from jaxtrain import checkpoint_model
 from jaxtrain import config as config_lib
 from jaxtrain import gpt2_bpe
 from jaxtrain import hf_format
@@ -205,7 +206,7 @@ def from_torch(src: str, out_dir: str) -> None:
     # An absolute run.out_dir: config.yaml resumes the run from any folder (a relative one named a folder below it).
     cfg.run.out_dir, cfg.run.seed, cfg.run.fresh = os.path.abspath(out_dir), trainer_state["data"]["seed"], False
     if cfg.model.vocab_size is None:  # written down, so that the run folder does not depend on the data for it
-        cfg.model.vocab_size = checkpoint_kind.vocab_rows(src)
+        cfg.model.vocab_size = checkpoint_model.vocab_rows(src)
     state, _ = torch_format.load(src, step_lib.fresh_state(_for_shapes(cfg), cfg.model.vocab_size), cfg,
                                  torch_format.TRAINER_STATE)
     _check_finite(state, src)

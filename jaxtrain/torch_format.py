@@ -35,6 +35,7 @@ from jaxtrain import param_groups
 from jaxtrain import runfolder
 from jaxtrain import same_run
 from jaxtrain import checkpoint_kind
+from jaxtrain import checkpoint_model
 from jaxtrain.checkpoint_kind import FORMAT, MODEL, OPTIMIZER, TRAINER_STATE
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
@@ -116,8 +117,8 @@ def load(path: str, template: TrainState, cfg: Config, config_from: str | None =
     the window boundary after trainer_state's step (every count at step, nothing accumulated); the grad-norm
     record, a logging value the format does not carry, stays the template's. "weights" otherwise: params only,
     the template's optimizer state (a fresh one starts at step 0). Every leaf keeps the template's dtype and
-    sharding. `config_from`: the file `cfg` was read from where it is not the run's (checkpoint_kind.model_keys_hint).
-    """
+    sharding. `config_from`: the file `cfg` was read from where it is not the run's
+    (checkpoint_model.model_keys_hint)."""
     if not os.path.isdir(path):
         raise UserError(f"torch-format checkpoint {path!r} is not a folder; point at a folder holding {MODEL}")
     names = model.torch_names(template.params)
@@ -125,7 +126,7 @@ def load(path: str, template: TrainState, cfg: Config, config_from: str | None =
     shapes = {name: tuple(leaves[p].shape[::-1] if transposed else leaves[p].shape)
               for name, (p, transposed) in names.items()}
     weights = _read_tensors(os.path.join(path, MODEL), shapes,
-                           lambda found: checkpoint_kind.model_keys_hint(found, cfg.model, config_from))
+                           lambda found: checkpoint_model.model_keys_hint(found, cfg.model, config_from))
     params = _from_torch(template.params, weights, names)
     if not checkpoint_kind.holds_training_state(path):
         return template._replace(params=params), "weights"

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from jaxtrain import checkpoint, checkpoint_kind, config, convert, data, prepare, run, sample, step, torch_format
+from jaxtrain import (checkpoint, checkpoint_kind, checkpoint_model, config, convert, data, prepare, run, sample,
+                      step, torch_format)
 from jaxtrain.errors import UserError
 from test_run import small_args
 from torchref import checkpoint as torchref_checkpoint
@@ -285,7 +286,7 @@ def test_a_wte_that_is_not_two_dimensional_is_one_line(tmp_path):
     safetensors.numpy.save_file({"transformer.wte.weight": np.zeros((), np.float32)},
                                 str(tmp_path / "model.safetensors"))
     with pytest.raises(UserError) as e:
-        checkpoint_kind.vocab_rows(str(tmp_path))
+        checkpoint_model.vocab_rows(str(tmp_path))
     assert str(e.value) == (f"{tmp_path}/model.safetensors: 'transformer.wte.weight' has shape (), not (vocab_size, "
                             f"d_model); re-export the checkpoint")
-    checkpoint_kind.check_vocab_rows(str(tmp_path), None)  # no data needed: nothing to compare the rows with
+    checkpoint_model.check_vocab_rows(str(tmp_path), None)  # no data needed: nothing to compare the rows with

@@ -22,7 +22,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from jaxtrain import checkpoint_kind, config, runfolder, same_run
+from jaxtrain import checkpoint_kind, checkpoint_model, config, runfolder, same_run
 from jaxtrain.config import Config
 from jaxtrain.data import check_same_data
 from jaxtrain.errors import UserError
@@ -153,8 +153,8 @@ def init_from(path: str, model, optimizer, tokens) -> Progress | None:
     are there too, to train on `tokens` (data.TokenData), whose ids its embedding must hold. Returns the Progress
     to continue from, or None when only weights were loaded."""
     checkpoint_kind.check_torch_source(path, "init.from")
-    checkpoint_kind.check_n_head(path, model.cfg.n_head)
-    checkpoint_kind.check_vocab_rows(path, tokens)
+    checkpoint_model.check_n_head(path, model.cfg.n_head)
+    checkpoint_model.check_vocab_rows(path, tokens)
     with _fix_for("init.from"):
         load_weights(path, model)
         if not checkpoint_kind.holds_training_state(path):
@@ -165,12 +165,12 @@ def init_from(path: str, model, optimizer, tokens) -> Progress | None:
 def load_weights(path: str, model, config_from: str | None = None) -> None:
     """Copy model.safetensors into the model's parameters in place (the optimizer keeps pointing at them).
     `config_from`: the file the model's config was read from where it is not the run's
-    (checkpoint_kind.model_keys_hint)."""
+    (checkpoint_model.model_keys_hint)."""
     file = os.path.join(path, "model.safetensors")
     tensors = _read_tensors(file)
     tied = model.cfg.tie_embeddings
     expected = {n: t for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
-    hint = checkpoint_kind.model_keys_hint({n: tuple(t.shape) for n, t in tensors.items()}, model.cfg, config_from)
+    hint = checkpoint_model.model_keys_hint({n: tuple(t.shape) for n, t in tensors.items()}, model.cfg, config_from)
     for name, t in expected.items():
         if name not in tensors:
             raise UserError(f"{file} has no tensor {name!r}; {hint}")
