@@ -41,8 +41,7 @@ def kind(path: str) -> str | None:
     """The kind of the local folder `path`; None when it is none of them, or not a folder."""
     if not os.path.isdir(path):
         return None
-    if os.path.exists(os.path.join(path, HF_CONFIG)) and (os.path.exists(os.path.join(path, HF_SHARD_INDEX))
-                                                          or _conv1d_layout(os.path.join(path, MODEL))):
+    if os.path.exists(os.path.join(path, HF_CONFIG)) and _hf_weights(path):
         return HF
     for step_kind, names in MARKERS.items():
         if any(os.path.exists(os.path.join(path, name)) for name in names):
@@ -116,6 +115,13 @@ def _is_int(value) -> bool:
 
 def _damaged(file: str, key: str, problem: str, found) -> None:
     raise DamagedTrainerState(f"{file}: {key!r} is {problem} (got {found!r})")
+
+
+def _hf_weights(path: str) -> bool:
+    """Whether the folder's model.safetensors is in HF's layout (_conv1d_layout), or, with none, a sharded save's
+    index maps its tensors (transformers reads model.safetensors where both are, and so does from-hf)."""
+    model, index = os.path.join(path, MODEL), os.path.join(path, HF_SHARD_INDEX)
+    return bool(_conv1d_layout(model)) if os.path.exists(model) else os.path.exists(index)
 
 
 def _conv1d_layout(file: str) -> bool | None:

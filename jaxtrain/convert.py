@@ -135,9 +135,10 @@ def from_hf(src: str, out_dir: str) -> None:
     checkpoint_kind.check_hf_source(src)
     config = hf_format.read_config(src)
     model = hf_format.model_overrides(config, os.path.join(src, hf_format.CONFIG))
+    listed = hf_format.weights_file(src)  # what the refusals of its tensors name
     tensors = hf_format.lm_head_model_tensors(hf_format.read_tensors(src), model["n_layer"], model["tie_embeddings"],
-                                              os.path.join(src, hf_format.MODEL))
-    hf_format.check_shapes(tensors, model, os.path.join(src, hf_format.MODEL))
+                                              listed)
+    hf_format.check_shapes(tensors, model, listed)
     if model["tie_embeddings"]:
         tensors.pop(hf_format.LM_HEAD, None)  # the same array as wte's, where a writer kept it
     note = ""

@@ -1,5 +1,6 @@
-"""Hugging Face transformers' GPT-2 format (a `GPT2LMHeadModel` folder: config.json, model.safetensors), written
-and read with json, numpy and safetensors only: jaxtrain never imports transformers (nor, through it, torch).
+"""Hugging Face transformers' GPT-2 format (a `GPT2LMHeadModel` folder: config.json, model.safetensors, or the
+shards a model.safetensors.index.json maps), written and read with json, numpy and safetensors only: jaxtrain
+never imports transformers (nor, through it, torch).
 
 nanoGPT took GPT-2's parameter names, so the torch format's model.safetensors (torch_format.py) and HF's differ in
 two things only: HF's attention and MLP projections are `Conv1D`s, whose weight is (in, out), the transpose of
@@ -229,18 +230,30 @@ def read_config(src: str) -> dict:
     return config
 
 
+def weights_file(src: str) -> str:
+    """The file that lists src's tensors: its model.safetensors, or the model.safetensors.index.json of a save
+    cut into shards (save_pretrained past its max_shard_size: GPT-2 XL's 6.2 GB of fp32 is past transformers 4's 5
+    GB); model.safetensors where both are, as transformers reads them. UserError where neither is."""
+    for name in (MODEL, HF_SHARD_INDEX):
+        if os.path.exists(os.path.join(src, name)):
+            return os.path.join(src, name)
+    raise UserError(f"{src} has no {MODEL} nor {HF_SHARD_INDEX} (a pytorch_model.bin checkpoint?); load it in "
+                    f"transformers and save it again with model.save_pretrained(dir) (safetensors)")
+
+
 def read_tensors(src: str) -> dict[str, np.ndarray]:
-    """The tensors of src's model.safetensors (transformers' default format), or of the files its
-    model.safetensors.index.json names (a checkpoint save_pretrained cut into shards: GPT-2 XL in fp32 is past
-    transformers 4's 5 GB a file), in fp32 whatever they were saved in (bf16 too: numpy has it by name once jax has
-    imported ml_dtypes, as torch_format's import of jax does), HF's causal-mask buffers left out (older checkpoints
-    saved them)."""
+    """The tensors of src's weights_file, or of the shards it maps, in fp32 whatever they were saved in (bf16 too:
+    numpy has it by name once jax has imported ml_dtypes, as torch_format's import of jax does), HF's causal-mask
+    buffers left out (older checkpoints saved them)."""
+    listed = weights_file(src)
+    shards = {listed: None} if os.path.basename(listed) == MODEL else _shards(src, listed)
     tensors = {}
-    for file, names in _weight_files(src).items():
+    for file, names in shards.items():
         try:
             with safe_open(file, framework="np") as f:
-                tensors |= {name: f.get_tensor(name).astype(np.float32)
-                            for name in (f.keys() if names is None else names)
+                if names is not None and set(names) != set(f.keys()):
+                    raise UserError(_disagree(listed, file, set(names), set(f.keys())))
+                tensors |= {name: f.get_tensor(name).astype(np.float32) for name in f.keys()
                             if not name.endswith((".attn.bias", ".attn.masked_bias"))}
         except (OSError, SafetensorError, TypeError) as e:
             raise UserError(f"{file} is unreadable ({e}); copy it again if it was truncated, or save it again with "
@@ -248,21 +261,32 @@ def read_tensors(src: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _weight_files(src: str) -> dict[str, list[str] | None]:
-    """file -> the tensor names to read from it (None: all): src's model.safetensors, or its index's shards."""
-    weights, index = os.path.join(src, MODEL), os.path.join(src, HF_SHARD_INDEX)
-    if os.path.exists(weights) or not os.path.exists(index):
-        if not os.path.exists(weights):
-            raise UserError(f"{src} has no {MODEL} nor {HF_SHARD_INDEX} (a pytorch_model.bin checkpoint?); load "
-                            f"it in transformers and save it again with model.save_pretrained(dir) (safetensors)")
-        return {weights: None}
+_RESAVE = "copy the folder again, or save it again with model.save_pretrained(dir)"
+
+
+def _shards(src: str, index: str) -> dict[str, list[str]]:
+    """shard file -> the tensor names the sharded save's `index` maps to it."""
     try:
         with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        files = {os.path.join(src, shard): [] for shard in weight_map.values()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{index} is unreadable or has no weight_map of tensor -> file ({e!r}); copy the folder "
-                        f"again, or save it again with model.save_pretrained(dir)") from None
+            written = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{index} is unreadable ({e}); {_RESAVE}") from None
+    weight_map = written.get("weight_map") if isinstance(written, dict) else None
+    if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+        raise UserError(f"{index} holds no weight_map of tensor name -> file name, as save_pretrained writes; "
+                        f"{_RESAVE}")
+    files = {}
     for name, shard in weight_map.items():
-        files[os.path.join(src, shard)].append(name)
+        files.setdefault(os.path.join(src, shard), []).append(name)
+    for file in files:
+        if not os.path.isfile(file):
+            raise UserError(f"{index} maps tensors to {os.path.basename(file)}, which {src} does not hold; {_RESAVE}")
     return files
+
+
+def _disagree(index: str, file: str, mapped: set[str], held: set[str]) -> str:
+    """The first tensor the index and a shard disagree on, named."""
+    shard = os.path.basename(file)
+    if mapped - held:
+        return f"{index} maps {min(mapped - held)!r} to {shard}, which does not hold it; {_RESAVE}"
+    return f"{file} holds {min(held - mapped)!r}, which {index} does not map to it; {_RESAVE}"

@@ -16,6 +16,7 @@ import transformers
 from safetensors import safe_open
 
 from jaxtrain import checkpoint_kind, config, convert, gpt2_bpe, hf_format, model, prepare, run, torch_format
+from jaxtrain.errors import UserError
 from test_run import read_metrics, small_args
 
 DIMS = dict(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)  # test_run's small model, bytes
@@ -36,7 +37,7 @@ def tensors(folder):
 
 def refused(capsys, argv: list[str]) -> str:
     """What `python -m jaxtrain.convert ARGV` prints on stderr, where it exits 2 (what came before is dropped:
-    transformers' progress bars)."""
+    transformers' progress bars, earlier commands' lines)."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         convert.main(argv)
@@ -57,25 +58,58 @@ def test_a_model_transformers_wrote_round_trips_bit_for_bit(tmp_path, tie):
                                   before["transformer.h.0.mlp.c_fc.weight"].T)
 
 
-def test_a_sharded_save_converts_as_the_one_file_does(tmp_path, capsys):
-    """save_pretrained cuts a model past max_shard_size (transformers 4's default: 5 GB, under GPT-2 XL's 6.2 GB of
-    fp32) into files a model.safetensors.index.json maps: from-hf refused the folder ("has no model.safetensors").
-    It reads the shards, and the round trip gives the one-file save's tensors bit for bit; an index that names no
-    files is one line."""
+def sharded_save(tmp_path) -> tuple[str, str]:
+    """(the one-file save, the same model saved in shards of 40 KB: several, which model.safetensors.index.json
+    maps)"""
     source = hf_model(tmp_path)
     transformers.GPT2LMHeadModel.from_pretrained(source).save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
-    shards = sorted(name for name in os.listdir(tmp_path / "sharded") if name.endswith(".safetensors"))
+    return source, str(tmp_path / "sharded")
+
+
+def test_a_sharded_save_converts_as_the_one_file_does(tmp_path):
+    """save_pretrained cuts a model past max_shard_size (transformers 4's default: 5 GB, under GPT-2 XL's 6.2 GB of
+    fp32) into files a model.safetensors.index.json maps: from-hf refused the folder ("has no model.safetensors").
+    It reads the shards, and the round trip gives the one-file save's tensors bit for bit. init.from is told to
+    convert it, as a one-file HF folder."""
+    source, sharded = sharded_save(tmp_path)
+    shards = sorted(name for name in os.listdir(sharded) if name.endswith(".safetensors"))
     assert len(shards) > 1 and "model.safetensors" not in shards, shards
-    assert checkpoint_kind.kind(str(tmp_path / "sharded")) == checkpoint_kind.HF
-    convert.main(["from-hf", str(tmp_path / "sharded"), str(tmp_path / "jt")])
+    assert checkpoint_kind.kind(sharded) == checkpoint_kind.HF
+    with pytest.raises(UserError, match="from-hf"):
+        checkpoint_kind.check_torch_source(sharded, "init.from")
+    convert.main(["from-hf", sharded, str(tmp_path / "jt")])
     convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back")])
     before, after = tensors(source), tensors(tmp_path / "back")
     assert set(before) == set(after) and all(np.array_equal(before[name], after[name]) for name in before)
-    (tmp_path / "sharded" / "model.safetensors.index.json").write_text('{"metadata": {}}')
-    err = refused(capsys, ["from-hf", str(tmp_path / "sharded"), str(tmp_path / "jt2")])
-    assert err == (
-        f"error: {tmp_path / 'sharded'}/model.safetensors.index.json is unreadable or has no weight_map of tensor -> "
-        f"file (KeyError('weight_map')); copy the folder again, or save it again with model.save_pretrained(dir)\n")
+
+
+RESAVE = "copy the folder again, or save it again with model.save_pretrained(dir)"
+
+
+@pytest.mark.parametrize("damage", ["no weight_map", "a shard gone", "a tensor mapped to the wrong shard",
+                                    "a tensor the index leaves out"])
+def test_a_sharded_save_whose_index_and_shards_disagree_is_one_line(tmp_path, capsys, damage):
+    _, sharded = sharded_save(tmp_path)
+    index = os.path.join(sharded, "model.safetensors.index.json")
+    written = json.loads(open(index).read())
+    weight_map = written["weight_map"]
+    first, last = sorted(set(weight_map.values()))[0], sorted(set(weight_map.values()))[-1]
+    name = min(n for n, shard in weight_map.items() if shard == first)
+    if damage == "no weight_map":
+        written = {"metadata": written["metadata"]}
+        says = f"{index} holds no weight_map of tensor name -> file name, as save_pretrained writes; {RESAVE}"
+    elif damage == "a shard gone":
+        os.remove(os.path.join(sharded, last))
+        says = f"{index} maps tensors to {last}, which {sharded} does not hold; {RESAVE}"
+    elif damage == "a tensor mapped to the wrong shard":
+        weight_map[name] = last
+        says = f"{index} maps {name!r} to {last}, which does not hold it; {RESAVE}"
+    else:
+        del weight_map[name]
+        says = f"{os.path.join(sharded, first)} holds {name!r}, which {index} does not map to it; {RESAVE}"
+    open(index, "w").write(json.dumps(written))
+    assert refused(capsys, ["from-hf", sharded, str(tmp_path / "jt")]) == f"error: {says}\n"
+    assert not (tmp_path / "jt").exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -188,10 +222,7 @@ def test_a_gpt2_bpe_run_exports_its_tokenizer(tmp_path, cache_dir, capsys):
     assert (loaded.config.bos_token_id, loaded.config.eos_token_id) == (50256, 50256)  # GPT-2's, as its tokenizer's
     # --tokenizer: refused where it is not the data's, which is here to say; where the data is gone, it says
     step, hf = str(out / "checkpoints" / "3"), str(tmp_path / "hf2")
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        convert.main(["to-hf", step, hf, "--tokenizer", "bytes"])
-    assert e.value.code == 2 and capsys.readouterr().err == (
+    assert refused(capsys, ["to-hf", step, hf, "--tokenizer", "bytes"]) == (
         f"error: --tokenizer bytes is not the tokenizer of {step}: its data folder {tmp_path / 'tokens'} was "
         f"tokenized with gpt2; leave --tokenizer out to use the run's own\n")
     os.rename(tmp_path / "tokens", tmp_path / "tokens-elsewhere")
@@ -224,10 +255,7 @@ def test_to_hf_of_a_byte_run_refuses_tokenizer_gpt2_and_of_from_hfs_weights_any(
                              f"data was"),
                       (from_hf, f"--tokenizer: {from_hf} holds no run's config (from-hf's weights), and to-hf "
                                 f"carries its tokenizer files as they are; leave --tokenizer out")]:
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as e:
-            convert.main(["to-hf", src, str(tmp_path / "hf-out"), "--tokenizer", "gpt2"])
-        assert e.value.code == 2 and capsys.readouterr().err == f"error: {says}\n"
+        assert refused(capsys, ["to-hf", src, str(tmp_path / "hf-out"), "--tokenizer", "gpt2"]) == f"error: {says}\n"
         assert not (tmp_path / "hf-out").exists()
 
 

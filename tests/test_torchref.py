@@ -656,7 +656,7 @@ def test_the_keys_torchref_does_not_read_are_named(token_dir, tmp_path):
     pod = tiny_cfg(token_dir, tmp_path, "--log.tensorboard=false", "--log.sample_tokens=0", "--mesh.fsdp=2",
                    "--model.attention=cudnn", "--model.remat=dots", "--model.vocab_tiles=2")
     assert metrics_log.jaxtrain_only(pod) == ["mesh.fsdp=2", "model.attention=cudnn", "model.remat=dots",
-                                               "model.vocab_tiles=2"]
+                                              "model.vocab_tiles=2"]
     assert metrics_log.jaxtrain_only(tiny_cfg(token_dir, tmp_path, "--log.tensorboard=true")) == [
         "log.tensorboard=True"]
 
