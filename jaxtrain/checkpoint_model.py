@@ -34,8 +34,12 @@ def model_keys_hint(shapes: dict[str, tuple], model_cfg, config_from: str | None
     if config_from:
         return (f"the checkpoint's tensors are those of {said}: the folder's files disagree (one copied from "
                 f"another checkpoint, or {config_from} edited); copy or convert the whole folder again")
-    flags = " ".join(f"--model.{key}={_yaml(value)}" for key, value in told.items())
-    return f"the checkpoint's tensors are those of {said}; pass {flags}"
+    return f"the checkpoint's tensors are those of {said}; pass {model_flags(told)}"
+
+
+def model_flags(values: dict) -> str:
+    """`--model.key=value` for each model.* value, as the command line takes it (true, not True)."""
+    return " ".join(f"--model.{key}={_yaml(value)}" for key, value in values.items())
 
 
 def _yaml(value) -> str:

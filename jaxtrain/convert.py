@@ -150,9 +150,8 @@ def from_hf(src: str, out_dir: str) -> None:
     elif not model["bias"]:  # to-hf's zeros: the model trains without them, as before its export
         tensors = {name: x for name, x in tensors.items() if not name.endswith(".bias")}
     hf_format.write(out_dir, hf_format.to_nanogpt(tensors), config, carried=hf_format.carried_files(src))
-    flags = " ".join(f"--model.{key}={str(value).lower() if isinstance(value, bool) else value}"
-                     for key, value in model.items())
-    print(f"wrote {out_dir}{note}; fine-tune it with `python -m jaxtrain.run --config CONFIG {flags} "
+    print(f"wrote {out_dir}{note}; fine-tune it with `python -m jaxtrain.run --config CONFIG "
+          f"{checkpoint_model.model_flags(model)} "
           f"--init.from={out_dir}`", file=sys.stderr)
 
 

@@ -249,10 +249,11 @@ def encoding_threads(workers: int | None) -> int:
     is CPU-bound, so a thread past them adds memory (two 4 MiB pieces and their tokens), not speed; a note says so."""
     if not workers:
         return default_workers()
-    if workers > _cores():
-        print(f"note: --workers {workers} is more than the {_cores()} cores this process may run on; encoding with "
-              f"{_cores()} threads (more add memory, not speed)", file=sys.stderr)
-    return min(workers, _cores())
+    cores = _cores()
+    if workers > cores:
+        print(f"note: --workers {workers} is more than the {cores} cores this process may run on; encoding with "
+              f"{cores} threads (more add memory, not speed)", file=sys.stderr)
+    return min(workers, cores)
 
 
 def _cores() -> int:
