@@ -48,9 +48,10 @@ def to_torch(step_dir: str, out_dir: str) -> None:
     print(f"wrote {out_dir} (step {int(state.step)}) from {step_dir}", file=sys.stderr)
 
 
-def to_hf(src: str, out_dir: str, tokenizer: str | None = None) -> None:
+def to_hf(src: str, out_dir: str, tokenizer: str | None = None, dtype: str | None = None) -> None:
     """A jaxtrain step folder or a torch-format folder (one from-hf wrote, too) -> a Hugging Face GPT-2 folder;
-    `tokenizer` (--tokenizer): the run's, where its data folder is not on this machine to say."""
+    `tokenizer` (--tokenizer): the run's, where its data folder is not on this machine to say; `dtype` (--dtype):
+    the weights', by default float32 (a run's are) or, for from-hf's folder, what its config.json says they were."""
     torch_format.check_new_folder(out_dir)
     cfg, data_fingerprint = None, None  # a run's config, which names its data and so its tokenizer
     if checkpoint_kind.kind(src) != checkpoint_kind.TORCH:  # a Hugging Face folder too: its weights are laid out
@@ -85,8 +86,12 @@ def to_hf(src: str, out_dir: str, tokenizer: str | None = None) -> None:
             tensors, zeros_note = hf_format.with_zero_biases(tensors, config_lib.ModelConfig(**model), src,
                                                              f"{hf_format.BIAS}: false")
             note += zeros_note
-    hf_format.write(out_dir, hf_format.from_nanogpt(tensors), config, gpt2_bpe.files() if with_bpe else None,
-                    carried)
+    written = dtype or ("float32" if cfg else hf_format.saved_dtype(config))
+    why = f" ({hf_format.CONFIG}'s dtype: from-hf read them in it)" if written != (dtype or "float32") else ""
+    tensors, dtype_note = hf_format.in_dtype(tensors, written, src, why)
+    note += dtype_note
+    hf_format.write(out_dir, hf_format.from_nanogpt(tensors), {**config, "dtype": written, "torch_dtype": written},
+                    gpt2_bpe.files() if with_bpe else None, carried)
     print(f"wrote {out_dir}: load it with transformers.GPT2LMHeadModel.from_pretrained({out_dir!r}){note}",
           file=sys.stderr)
 
@@ -293,6 +298,10 @@ def _parser() -> argparse.ArgumentParser:
     hf_out.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
                         help="the run's, where its data folder is not on this machine to say (default, and the only "
                              "one accepted where it is: that data's); gpt2 writes GPT-2's BPE files beside the model")
+    hf_out.add_argument("--dtype", choices=tuple(hf_format.DTYPES),
+                        help="the weights' (default float32, a run's own; for a folder from-hf wrote, the dtype its "
+                             "config.json says they were saved in); config.json names it, and from_pretrained loads "
+                             "them in it (transformers 5 by default, 4 with torch_dtype='auto')")
     return ap
 
 
@@ -301,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         args = _parser().parse_args(argv)
         runfolder.check_not_url(args.src, "SRC")
         commands = {"to-torch": to_torch, "from-torch": from_torch, "from-hf": from_hf,
-                    "to-hf": lambda src, dst: to_hf(src, dst, args.tokenizer)}
+                    "to-hf": lambda src, dst: to_hf(src, dst, args.tokenizer, args.dtype)}
         commands[args.command](args.src, args.dst)
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 
+import ml_dtypes  # jax's own dependency: numpy's bfloat16
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -41,6 +42,9 @@ LM_HEAD = "lm_head.weight"
 MODULES = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")  # a layer's, each weight and bias
 BASE = "transformer."  # GPT2LMHeadModel's name for the GPT2Model in it, which nanoGPT's GPT took too
 BIAS = "jaxtrain_bias"  # config.json's key: false for a model without biases (model.bias=false), written as zeros
+# to-hf --dtype: the weights' dtype, which config.json's "dtype" (transformers 5) and "torch_dtype" (4) name and
+# from_pretrained loads them in (transformers 5 by default; 4 with torch_dtype="auto")
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def hf_config(model: ModelConfig, vocab_size: int) -> dict:
@@ -176,6 +180,34 @@ def trained_biases(tensors: dict[str, np.ndarray]) -> list[str]:
     """The bias tensors that are not all zero: of a model to-hf wrote without biases (config.json's jaxtrain_bias
     false), those trained since in transformers, which make it a model with biases."""
     return sorted(name for name, x in tensors.items() if name.endswith(".bias") and np.any(x))
+
+
+def saved_dtype(config: dict) -> str:
+    """The dtype an HF config.json says its weights were saved in (what from-hf read, as fp32), where it is one of
+    DTYPES; float32 otherwise."""
+    said = config.get("dtype", config.get("torch_dtype"))
+    return said if said in DTYPES else "float32"
+
+
+def in_dtype(tensors: dict[str, np.ndarray], dtype: str, src: str,
+             why: str = "") -> tuple[dict[str, np.ndarray], str]:
+    """fp32 `tensors` in `dtype`, each rounded to the nearest value (ties to even), as torch's .to(dtype) rounds, and
+    what to-hf says of it (`why` that dtype after its name); one UserError where a weight lies past dtype's range
+    (float16's 65504), which the cast would turn to inf."""
+    if dtype == "float32":
+        return tensors, ""
+    with np.errstate(over="ignore"):
+        cast = {name: x.astype(DTYPES[dtype]) for name, x in tensors.items()}
+    for name, x in cast.items():
+        if np.any(np.isinf(x) & np.isfinite(tensors[name])):
+            raise UserError(f"--dtype {dtype}: {src}'s {name} holds {np.max(np.abs(tensors[name])):.6g}, past "
+                            f"{dtype}'s largest value, {float(ml_dtypes.finfo(DTYPES[dtype]).max):.6g}; write it "
+                            f"with --dtype bfloat16 (float32's range) or float32")
+    rounded = sum(not np.array_equal(x.astype(np.float32), tensors[name], equal_nan=True) for name, x in cast.items())
+    if not rounded:
+        return cast, f"; the weights are {dtype}{why}, exactly: each was a {dtype} value already"
+    return cast, (f"; the weights are rounded to {dtype}{why} ({rounded} of {len(cast)} tensors changed; --dtype "
+                  f"float32 writes them exactly)")
 
 
 def from_nanogpt(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

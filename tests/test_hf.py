@@ -130,6 +130,72 @@ def test_a_half_precision_save_converts_to_its_values_in_fp32(tmp_path, dtype):
         np.testing.assert_array_equal(converted[name], want.T if name.endswith(hf_format.CONV1D) else want)
 
 
+def torch_tensors(folder) -> dict[str, torch.Tensor]:
+    with safe_open(f"{folder}/model.safetensors", framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_save_goes_back_to_transformers_as_it_came(tmp_path, capsys, dtype):
+    """from-hf reads a bf16 or fp16 save as fp32; to-hf of its folder writes the dtype its config.json says (each
+    value exactly the one saved), and config.json names it, so that from_pretrained loads the model in it; --dtype
+    float32 widens it, and config.json says so (transformers 5 would load fp32 weights named bf16 as bf16)."""
+    name = str(dtype).removeprefix("torch.")
+    transformers.GPT2LMHeadModel.from_pretrained(hf_model(tmp_path), dtype=dtype).save_pretrained(tmp_path / "half")
+    convert.main(["from-hf", str(tmp_path / "half"), str(tmp_path / "jt")])
+    capsys.readouterr()
+    convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back")])
+    assert capsys.readouterr().err.endswith(f"; the weights are {name} (config.json's dtype: from-hf read them in "
+                                            f"it), exactly: each was a {name} value already\n")
+    saved, back = torch_tensors(tmp_path / "half"), torch_tensors(tmp_path / "back")
+    assert set(back) == set(saved)
+    for key, x in saved.items():
+        assert back[key].dtype == dtype and torch.equal(back[key], x), key
+    convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "wide"), "--dtype", "float32"])
+    for folder, want in (("back", dtype), ("wide", torch.float32)):
+        written = json.loads((tmp_path / folder / "config.json").read_text())
+        assert written["dtype"] == written["torch_dtype"] == str(want).removeprefix("torch.")
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / folder)  # transformers 5: dtype="auto"
+        assert {p.dtype for p in loaded.parameters()} == {want}
+
+
+def test_to_hf_dtype_rounds_a_runs_weights_as_torch_does(tmp_path, cache_dir, capsys):
+    """A run's fp32 weights written in bf16 or fp16 (--dtype): each the value torch's .to(dtype) gives (round to
+    nearest, ties to even), bit for bit; to-hf says they were rounded."""
+    out = tmp_path / "run"
+    run.train(config.load(small_args(out, cache_dir, "--train.steps=4")))
+    step = str(out / "checkpoints" / "4")
+    convert.main(["to-hf", step, str(tmp_path / "fp32")])
+    exact = torch_tensors(tmp_path / "fp32")
+    assert {x.dtype for x in exact.values()} == {torch.float32}
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        capsys.readouterr()
+        convert.main(["to-hf", step, str(tmp_path / name), f"--dtype={name}"])
+        assert f"; the weights are rounded to {name} (" in capsys.readouterr().err
+        half = torch_tensors(tmp_path / name)
+        assert set(half) == set(exact) and json.loads((tmp_path / name / "config.json").read_text())["dtype"] == name
+        for key, x in exact.items():
+            assert half[key].dtype == dtype
+            assert torch.equal(half[key].view(torch.int16), x.to(dtype).view(torch.int16)), (name, key)
+
+
+def test_a_weight_past_float16s_range_is_refused_naming_it(tmp_path, capsys):
+    """Written in fp16 it would be inf; bf16 has fp32's range and takes it."""
+    source = hf_model(tmp_path)
+    held = tensors(source)
+    held["transformer.h.1.mlp.c_proj.weight"][3, 5] = -70000.0
+    safetensors.numpy.save_file(held, f"{source}/model.safetensors", metadata={"format": "pt"})
+    convert.main(["from-hf", source, str(tmp_path / "jt")])
+    said = refused(capsys, ["to-hf", str(tmp_path / "jt"), str(tmp_path / "back"), "--dtype=float16"])
+    assert said == (f"error: --dtype float16: {tmp_path / 'jt'}'s transformer.h.1.mlp.c_proj.weight holds 70000, "
+                    f"past float16's largest value, 65504; write it with --dtype bfloat16 (float32's range) or "
+                    f"float32\n")
+    assert not (tmp_path / "back").exists()
+    convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back"), "--dtype=bfloat16"])
+    assert tensors(tmp_path / "back")["transformer.h.1.mlp.c_proj.weight"][3, 5] == -70144  # bf16's nearest, 8 bits
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_trained_run_loads_in_transformers_with_the_same_logits(tmp_path, cache_dir, capsys, bias):
     """With biases or without (bias=False, nanoGPT's train.py default: HF's GPT-2 always has them, and to-hf writes
