@@ -27,6 +27,7 @@ from jaxtrain import checkpoint_kind
 from jaxtrain import checkpoint_model
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
+from jaxtrain import data_stats
 from jaxtrain import dryrun
 from jaxtrain.divergence import Divergence
 from jaxtrain import mesh as mesh_lib
@@ -278,8 +279,9 @@ def train_steps(cfg: Config, stop: preemption.StopRequest) -> tuple[dict, object
             agreed.check_start_up()
         stop.training_started()
         trainer.open_run_folder()
-        if trainer.is_main:  # after every check: a refused start leaves the run folder as it was
+        if trainer.is_main:  # after every check: a refused start leaves the run folder as it was, and says no more
             config_lib.save(cfg, cfg.run.out_dir)
+            data_stats.warn_small_val(trainer.data, cfg)
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         logger = metrics_lib.MetricsLogger(
             cfg, start_step=start, resumed=trainer.resumed is not None, start_tokens=trainer.tokens_before_start(),

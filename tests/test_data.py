@@ -3,6 +3,7 @@
 import dataclasses
 import fcntl
 import gzip
+import importlib
 import itertools
 import json
 import math
@@ -856,6 +857,25 @@ def test_a_full_state_continues_its_data_seed_unless_reseeded(run_seed, reseed, 
     assert data.continued_seed(3, cfg) == want
     err = capsys.readouterr().err
     assert (says in err) if says else err == ""
+
+
+@pytest.mark.parametrize("backend", ["jaxtrain", "torchref"])
+def test_a_val_split_shorter_than_an_evaluation_is_warned_of_at_start(tmp_path, capsys, backend):
+    """An evaluation of 2 batches x 8 windows of 16 tokens reads 256: a val split of 255 tokens is warned of, in
+    both backends (one rule, data_stats.warn_small_val), and one of 256 is not."""
+    train = importlib.import_module(f"{backend}.run").train
+    for n_val, warned in ((255, True), (256, False)):
+        folder = _folder(tmp_path / str(n_val), train=np.arange(2000) % 256, val=np.arange(n_val) % 256)
+        capsys.readouterr()
+        train(config.load([f"--data.path={folder}", f"--run.out_dir={tmp_path / str(n_val) / 'run'}",
+                           "--model.n_layer=1", "--model.n_head=2", "--model.d_model=32", "--model.seq_len=16",
+                           "--data.batch_size=8", "--train.steps=1", "--optim.warmup_steps=0",
+                           "--optim.schedule=constant", "--train.eval_batches=2", "--log.progress=false"]))
+        warning = (f"warning: the val split of {folder} holds {n_val} tokens, fewer than an evaluation reads "
+                   f"(train.eval_batches=2 x data.batch_size=8 windows of model.seq_len=16: 256 tokens): its "
+                   f"windows overlap, so the val loss is of those {n_val} tokens alone; prepare the data with a "
+                   f"larger --val-fraction, or lower train.eval_batches\n")
+        assert capsys.readouterr().err.count(warning) == warned
 
 
 def _mixed_text_files(folder, n_files=4, newline="\n") -> list[bytes]:

@@ -25,7 +25,7 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from jaxtrain import checkpoint_kind, config, data, metrics, preemption, runfolder, runlock, same_run
+from jaxtrain import checkpoint_kind, config, data, data_stats, metrics, preemption, runfolder, runlock, same_run
 from jaxtrain.config import Config
 from jaxtrain.divergence import Divergence
 from jaxtrain.errors import UserError, exit_on_user_error
@@ -100,6 +100,7 @@ def _train(cfg: Config, stop: preemption.StopRequest) -> tuple[int, dict] | None
     if cfg.run.fresh:
         runfolder.set_aside_previous_run(cfg.run.out_dir)
     config.save(cfg, cfg.run.out_dir)
+    data_stats.warn_small_val(tokens, cfg)  # after every check, as jaxtrain
     return _loop(cfg, device, tokens, model, optimizer, scheduler, progress, resumed, stop)
 
 
