@@ -37,14 +37,18 @@ def print_stats(data) -> None:
 
 
 def warn_small_val(data, cfg) -> None:
-    """On stderr, where `data`'s val split (a data.TokenData's) holds fewer tokens than an evaluation of `cfg` (a
-    Config) reads: its windows then overlap, and every evaluation scores the same few tokens again, a loss that
-    says little of any other text. Both backends, once every start-up check has passed."""
-    t = cfg.train
-    reads = t.eval_batches * cfg.data.batch_size * cfg.model.seq_len
-    if len(data.val) < reads:
-        print(f"warning: the val split of {data.path} holds {len(data.val):,} tokens, fewer than an evaluation reads "
-              f"(train.eval_batches={t.eval_batches} x data.batch_size={cfg.data.batch_size} windows of "
-              f"model.seq_len={cfg.model.seq_len}: {reads:,} tokens): its windows overlap, so the val loss is of "
-              f"those {len(data.val):,} tokens alone; prepare the data with a larger --val-fraction, or lower "
-              f"train.eval_batches", file=sys.stderr)
+    """On stderr, where an evaluation of `cfg` (a Config) reads more tokens than `data`'s val split (a
+    data.TokenData's) holds: its windows then overlap, every evaluation scores the same tokens again (a split of a
+    few thousand says little of any other text) and pays for more than it learns. Both backends, once every
+    start-up check has passed."""
+    t, n_val = cfg.train, len(data.val)
+    window = cfg.data.batch_size * cfg.model.seq_len  # tokens an eval batch reads
+    reads = t.eval_batches * window
+    if n_val < reads:
+        fits = n_val // window
+        fix = (f"train.eval_batches={fits} reads no more than it holds, or prepare a larger val split "
+               f"(--val-fraction)" if fits else "prepare a larger val split (--val-fraction)")
+        print(f"warning: an evaluation reads {reads:,} tokens (train.eval_batches={t.eval_batches} x "
+              f"data.batch_size={cfg.data.batch_size} windows of model.seq_len={cfg.model.seq_len}), more than the "
+              f"{n_val:,} of the val split of {data.path}: its windows overlap, each token read {reads / n_val:.1f} "
+              f"times on average, and the val loss is of those {n_val:,} tokens alone; {fix}", file=sys.stderr)

@@ -861,21 +861,25 @@ def test_a_full_state_continues_its_data_seed_unless_reseeded(run_seed, reseed, 
 
 @pytest.mark.parametrize("backend", ["jaxtrain", "torchref"])
 def test_a_val_split_shorter_than_an_evaluation_is_warned_of_at_start(tmp_path, capsys, backend):
-    """An evaluation of 2 batches x 8 windows of 16 tokens reads 256: a val split of 255 tokens is warned of, in
-    both backends (one rule, data_stats.warn_small_val), and one of 256 is not."""
+    """An evaluation of 3 batches x 8 windows of 16 tokens reads 384: val splits of 100 (not one batch) and 255 (one)
+    are warned of, in both backends (one rule, data_stats.warn_small_val), and one of 384 is not."""
     train = importlib.import_module(f"{backend}.run").train
-    for n_val, warned in ((255, True), (256, False)):
+    fixes = {100: "prepare a larger val split (--val-fraction)",
+             255: "train.eval_batches=1 reads no more than it holds, or prepare a larger val split (--val-fraction)"}
+    for n_val in (100, 255, 384):
         folder = _folder(tmp_path / str(n_val), train=np.arange(2000) % 256, val=np.arange(n_val) % 256)
         capsys.readouterr()
         train(config.load([f"--data.path={folder}", f"--run.out_dir={tmp_path / str(n_val) / 'run'}",
                            "--model.n_layer=1", "--model.n_head=2", "--model.d_model=32", "--model.seq_len=16",
                            "--data.batch_size=8", "--train.steps=1", "--optim.warmup_steps=0",
-                           "--optim.schedule=constant", "--train.eval_batches=2", "--log.progress=false"]))
-        warning = (f"warning: the val split of {folder} holds {n_val} tokens, fewer than an evaluation reads "
-                   f"(train.eval_batches=2 x data.batch_size=8 windows of model.seq_len=16: 256 tokens): its "
-                   f"windows overlap, so the val loss is of those {n_val} tokens alone; prepare the data with a "
-                   f"larger --val-fraction, or lower train.eval_batches\n")
-        assert capsys.readouterr().err.count(warning) == warned
+                           "--optim.schedule=constant", "--train.eval_batches=3", "--log.progress=false"]))
+        err = capsys.readouterr().err
+        if n_val in fixes:
+            assert (f"warning: an evaluation reads 384 tokens (train.eval_batches=3 x data.batch_size=8 windows of "
+                    f"model.seq_len=16), more than the {n_val} of the val split of {folder}: its windows overlap, "
+                    f"each token read {384 / n_val:.1f} times on average, and the val loss is of those {n_val} "
+                    f"tokens alone; {fixes[n_val]}\n") in err, err
+        assert err.count("warning: an evaluation reads") == (n_val in fixes), err
 
 
 def _mixed_text_files(folder, n_files=4, newline="\n") -> list[bytes]:
