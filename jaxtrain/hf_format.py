@@ -133,6 +133,28 @@ def _shape(name: str, d: int, V: int, T: int) -> tuple[int, ...]:
     return next((shape for suffix, shape in by_suffix.items() if name.endswith(suffix)), (d,))  # LN, other biases
 
 
+def read_model(src: str) -> tuple[dict[str, np.ndarray], dict, dict, str]:
+    """(its tensors in nanoGPT's names and layout, its jaxtrain model.* settings, its config.json, what to say of
+    them) of the Hugging Face GPT-2 folder `src`: what from-hf writes, and sample --from reads. A model to-hf wrote
+    without biases (jaxtrain_bias false) comes without to-hf's zero biases, or with its biases where they were
+    trained since (not all zero), and config.json then without the key."""
+    config = read_config(src)
+    model = model_overrides(config, os.path.join(src, CONFIG))
+    listed = weights_file(src)  # what the refusals of its tensors name
+    tensors = lm_head_model_tensors(read_tensors(src), model["n_layer"], model["tie_embeddings"], listed)
+    check_shapes(tensors, model, listed)
+    if model["tie_embeddings"]:
+        tensors.pop(LM_HEAD, None)  # the same array as wte's, where a writer kept it
+    note = ""
+    if not model["bias"] and (trained := trained_biases(tensors)):
+        model["bias"], config = True, {key: x for key, x in config.items() if key != BIAS}
+        note = (f" ({BIAS} was false: to-hf wrote the model without biases, and {len(trained)} of its bias tensors, "
+                f"{trained[0]!r} first, are no longer zero: trained since, so kept, and the model has biases)")
+    elif not model["bias"]:  # to-hf's zeros: the model trains without them, as before its export
+        tensors = {name: x for name, x in tensors.items() if not name.endswith(".bias")}
+    return to_nanogpt(tensors), model, config, note
+
+
 def lm_head_model_tensors(tensors: dict[str, np.ndarray], n_layer: int, tied: bool,
                           file: str) -> dict[str, np.ndarray]:
     """HF's state dict named as GPT2LMHeadModel's: the names of a GPT2Model's (GPT2Model.save_pretrained) lack

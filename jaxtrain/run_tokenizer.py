@@ -1,4 +1,5 @@
-"""Which tokenizer a run's text is read with: one rule for `jaxtrain.sample` and `convert to-hf`.
+"""Which tokenizer a run's text is read with: one rule for `jaxtrain.sample` and `convert to-hf`; and a Hugging Face
+folder's (of_hf_folder), for `jaxtrain.sample --from`.
 
 A run's tokens mean text only through the tokenizer of the data it trained on. That data's meta.json names it while
 the folder is on this machine and still holds that data; `--tokenizer` names it where the folder is gone, and is
@@ -10,6 +11,7 @@ No jax and no torch, as data.py (which torchref imports too).
 import os
 
 from jaxtrain import data as data_lib
+from jaxtrain import gpt2_bpe
 from jaxtrain import prepare as prepare_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
@@ -52,3 +54,32 @@ def chosen(cfg: Config, data_fingerprint: str | None, given: str | None, run: st
         raise UserError(f"--tokenizer {given} is not the tokenizer of {run}: its {data} was tokenized with {own}; "
                         f"leave --tokenizer out to use the run's own")
     return own
+
+
+def of_hf_folder(src: str, given: str | None, vocab_size: int) -> str:
+    """The tokenizer a Hugging Face GPT-2 folder's text is read with (from-hf's carries the files of the one it came
+    with): GPT-2's BPE where its files are GPT-2's (gpt2_bpe.differs) and its model has a row for each of its
+    tokens; `given` (--tokenizer) where it holds no files, or GPT-2's with too few rows for them; else a UserError
+    asking for it. Refused where its files are another tokenizer's, which jaxtrain cannot encode with, and where
+    `given` is not the one its files are."""
+    names = (gpt2_bpe.HF_FAST, gpt2_bpe.HF_VOCAB, gpt2_bpe.HF_MERGES)
+    choices = " or ".join(f"--tokenizer {name}" for name in prepare_lib.TOKENIZERS)
+    if not any(os.path.isfile(os.path.join(src, name)) for name in names):
+        if given is not None:
+            return given
+        raise UserError(f"{src} holds no tokenizer files ({', '.join(names)}) to say which tokenizer its model "
+                        f"reads; pass {choices}, the one it was trained with")
+    why = gpt2_bpe.differs(src)
+    if why is not None:
+        raise UserError(f"{src}'s tokenizer is not GPT-2's BPE ({why}), and jaxtrain encodes text with GPT-2's BPE "
+                        f"or bytes only; sample it with transformers' generate")
+    if vocab_size <= gpt2_bpe.EOT_ID:  # GPT-2's files beside a model that cannot have been trained on them
+        if given == "bytes":
+            return given
+        raise UserError(f"{src}'s tokenizer files are GPT-2's BPE, whose {gpt2_bpe.EOT_ID + 1} tokens are more than "
+                        f"its model's {vocab_size} embedding rows: they are not its model's tokenizer; pass "
+                        f"--tokenizer bytes if it was trained on bytes")
+    if given not in (None, "gpt2"):
+        raise UserError(f"--tokenizer {given} is not the tokenizer of {src}: its tokenizer files are GPT-2's BPE; "
+                        f"leave --tokenizer out to use its own")
+    return "gpt2"

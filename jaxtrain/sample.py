@@ -1,11 +1,14 @@
-"""`python -m jaxtrain.sample --run out/tiny [--step N] --prompt "def "`: text from a trained run.
+"""`python -m jaxtrain.sample --run out/tiny [--step N] --prompt "def "`: text from a trained run, or from a model's
+weights (--from FOLDER: a Hugging Face GPT-2 folder among them, as nanoGPT's sample.py samples HF's weights).
 
     python -m jaxtrain.sample --run out/tiny --prompt "def " --max_new_tokens 200 --temperature 0.8 --top_k 40
     python -m jaxtrain.sample --run out/gpt2 --prompt "Once" --top_p 0.9 --num_samples 3 --stop_at_eot
+    python -m jaxtrain.sample --from my-gpt2-hf --prompt "Once upon a time" --temperature 0
 
-Loads a checkpoint of the run (the newest complete one, or --step), encodes the prompt with the tokenizer of the
-data the run trained on (bytes or GPT-2's BPE), generates, and prints the prompt and its continuation decoded
-(--num_samples of them, a line of dashes between two, as nanoGPT's sample.py).
+Loads a checkpoint of the run (the newest complete one, or --step), or the folder (sample_source.py), encodes the
+prompt with the tokenizer of the data the run trained on (bytes or GPT-2's BPE) or the folder's, generates, and
+prints the prompt and its continuation decoded (--num_samples of them, a line of dashes between two, as nanoGPT's
+sample.py).
 
 Generation is one jitted call: the prompt runs through the model once (the prefill), filling a KV cache of
 model.seq_len positions (model.KVCache), and each further token is one cached step of a `while_loop`. The model has
@@ -24,31 +27,24 @@ batch size, as on a CPU). --stop_at_eot ends each text before its first
 import argparse
 import dataclasses
 import math
-import os
 import sys
-from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import checkpoint as checkpoint_lib
-from jaxtrain import checkpoint_kind
-from jaxtrain import convert
-from jaxtrain import gpt2_bpe
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
-from jaxtrain import run_tokenizer, runfolder
+from jaxtrain import sample_source
 from jaxtrain.autocast import COMPUTE_DTYPES, backend, rounding_options
 from jaxtrain.config import Config, ModelConfig
 from jaxtrain.config_checks import INT32_MAX
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
+from jaxtrain.sample_source import Tokenizer
 
-REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
 EMPTY_PROMPT = "the prompt is empty; give one with --prompt (e.g. --prompt $'\\n' for a new line)"
 MAX_SAMPLES = 1024  # texts drawn as one batch: 1024 of GPT-2 124M's KV caches (1024 positions, bf16) are 38 GB
 SAMPLE_RULE = "-" * 15  # the line between two samples, nanoGPT's
-RESTORE_TRIES = 3  # reads of the newest checkpoint of a run still training, each replaced as it was read: give up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,34 +77,6 @@ class Sampling:
                             f"got {self.num_samples}")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed must be in [0, 2**32), got {self.seed}")
-
-
-class Tokenizer(NamedTuple):
-    encode: Callable[[str], list[int]]
-    token_bytes: Callable[[int], bytes]
-    size: int  # ids below this have bytes; a model's vocabulary may be padded past it
-    eot: int | None = None  # the id that ends a document (prepare ends each with it), where the tokenizer has one
-
-    def decode(self, ids) -> str:
-        """Each id's bytes, read as UTF-8 with U+FFFD where they are not (a byte token may be part of a character),
-        as tiktoken's decode does; ids past the tokenizer's, which training never showed, read as U+FFFD too."""
-        pieces = (self.token_bytes(i) if i < self.size else REPLACEMENT for i in map(int, ids))
-        return b"".join(pieces).decode("utf-8", errors="replace")
-
-
-def tokenizer(name: str) -> Tokenizer:
-    """A data folder's tokenizer by its meta.json name. Training reads any folder's ids; encoding a prompt and
-    decoding tokens needs one of prepare's TOKENIZERS (another's ids, read as GPT-2's, would be refused or decode
-    wrong)."""
-    if name not in prepare_lib.TOKENIZERS:
-        raise UserError(f"the data's tokenizer is {name!r}, and jaxtrain encodes and decodes text with "
-                        f"{' or '.join(prepare_lib.TOKENIZERS)} only")
-    if name == "bytes":  # surrogateescape: bytes of the command line that were not UTF-8 come back as they were
-        return Tokenizer(lambda text: list(text.encode("utf-8", "surrogateescape")), lambda i: bytes([i]), 256)
-    enc = gpt2_bpe.encoding()
-    # <|endoftext|> may start a prompt, as in nanoGPT's sample.py (tiktoken refuses special tokens unless allowed)
-    return Tokenizer(lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}),
-                     enc.decode_single_token_bytes, enc.n_vocab, enc.eot_token)
 
 
 def next_token(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int,
@@ -267,79 +235,20 @@ def _before_stop(tokens: np.ndarray, prompt_len: int, stop_id: int | None) -> np
     return tokens[:prompt_len + stops[0]] if len(stops) else tokens
 
 
-class Loaded(NamedTuple):
-    params: object  # nnx.State on one device
-    model_cfg: ModelConfig
-    precision: str
-    tokenizer: Tokenizer
-    step: int
-
-
-def load(run_dir: str, step: int | None, precision: str | None, tokenizer_name: str | None) -> Loaded:
-    """The run's params at `step` (None: the newest complete checkpoint) on one device, its model config, the
-    precision to compute in (None: the run's train.precision) and the tokenizer (None: that of the run's data)."""
-    runfolder.check_given(run_dir, "--run", "the run folder, e.g. --run out/tiny")
-    runfolder.check_not_url(run_dir, "--run")
-    if not os.path.isdir(run_dir):  # else said to hold no complete checkpoint, as a run that saved none is
-        raise UserError(f"--run {run_dir} does not exist; pass the run.out_dir of a jaxtrain run")
-    checkpoint_kind.check_jaxtrain_run(run_dir, "--run")
-    step, (state, cfg, meta) = _restore(run_dir, step)
-    text_tokenizer = _text_tokenizer(run_dir, cfg, meta, tokenizer_name)
-    return Loaded(state.params, cfg.model, precision or cfg.train.precision, text_tokenizer, step)
-
-
-def _restore(run_dir: str, step: int | None):
-    """(step, convert.restore_step's (state, config, meta)) of checkpoint `step`, or with None of the newest one.
-
-    A run still training deletes its older checkpoints once a newer one is saved (checkpoint.max_to_keep), so the
-    newest can vanish while it is read: when it is no longer the newest afterwards, the new newest is read, up to
-    RESTORE_TRIES times. One that fails while it is still the newest is refused as it is: it is corrupt."""
-    for _ in range(RESTORE_TRIES):
-        steps = checkpoint_lib.saved_steps(run_dir)
-        if not steps:
-            raise UserError(f"{run_dir} holds no complete checkpoint (no "
-                            f"{os.path.join(run_dir, 'checkpoints', '<step>')}); pass the run.out_dir of a run that "
-                            f"saved one")
-        if step is not None and step not in steps:
-            raise UserError(f"{run_dir} has no checkpoint of step {step}; its steps are {', '.join(map(str, steps))}")
-        chosen = steps[-1] if step is None else step
-        others = ", ".join(str(s) for s in steps if s != chosen)
-        fix = (f"sample another of its checkpoints with --step ({others})" if others else
-               "its run has no other checkpoint to sample")
-        try:
-            return chosen, convert.restore_step(os.path.join(run_dir, "checkpoints", str(chosen)), fix)
-        except UserError:
-            if step is not None or checkpoint_lib.saved_steps(run_dir)[-1:] == [chosen]:
-                raise
-    raise UserError(f"{run_dir} is still training and replaced its newest checkpoint while it was read, "
-                    f"{RESTORE_TRIES} times; raise its checkpoint.max_to_keep (older steps then stay to be read) or "
-                    f"sample once the run has ended")
-
-
-def _text_tokenizer(run_dir: str, cfg, meta: dict, given: str | None) -> Tokenizer:
-    """The tokenizer to encode the prompt with: `given` (--tokenizer) or that of the run's data (run_tokenizer's
-    rule), never one with more tokens than the model has embeddings."""
-    name = run_tokenizer.chosen(cfg, meta.get("data_fingerprint"), given, run_dir)
-    try:
-        text_tokenizer = tokenizer(name)
-    except UserError as e:
-        raise UserError(f"{e}; sample {run_dir} outside jaxtrain, with its data's tokenizer (`python -m jaxtrain."
-                        f"convert to-torch` writes its checkpoint in nanoGPT's format)") from None
-    vocab_size = cfg.model.vocab_size
-    if text_tokenizer.size > vocab_size:  # its ids past the model's have no embedding, and those below are not its
-        fix = ("pass --tokenizer bytes" if name != "bytes" and tokenizer("bytes").size <= vocab_size else
-               "sample it outside jaxtrain, with its data's tokenizer")
-        raise UserError(f"--tokenizer {name} has {text_tokenizer.size} tokens, more than the {vocab_size} of the "
-                        f"model of {run_dir}: the run was trained with another tokenizer; {fix}")
-    return text_tokenizer
-
-
 def _parser() -> argparse.ArgumentParser:
     defaults = Sampling()
-    ap = OneLineParser(prog="python -m jaxtrain.sample", description="Text from a checkpoint of a trained run.",
-                       epilog='example: python -m jaxtrain.sample --run out/tiny --prompt "def " --temperature 0')
-    ap.add_argument("--run", required=True, help="the run folder (its run.out_dir), e.g. out/tiny")
-    ap.add_argument("--step", type=int, help="the checkpoint's step; default: the newest complete one")
+    ap = OneLineParser(prog="python -m jaxtrain.sample",
+                       description="Text from a checkpoint of a trained run, or from a model's weights.",
+                       epilog='examples:\n'
+                              '  python -m jaxtrain.sample --run out/tiny --prompt "def " --temperature 0\n'
+                              '  python -m jaxtrain.sample --from my-gpt2-hf --prompt "Once upon a time"',
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="the run folder (its run.out_dir), e.g. out/tiny")
+    source.add_argument("--from", dest="from_", metavar="FOLDER",
+                        help="a Hugging Face GPT-2 folder (save_pretrained's), a torch-format checkpoint (what "
+                             "convert from-hf or to-torch writes, torchref's) or a jaxtrain step folder")
+    ap.add_argument("--step", type=int, help="the run's checkpoint's step; default: the newest complete one")
     ap.add_argument("--prompt", default="\n", help="the text to continue (default: a new line)")
     ap.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens,
                     help=f"tokens to draw after the prompt (default {defaults.max_new_tokens})")
@@ -355,10 +264,12 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"texts to draw, as one batch (default {defaults.num_samples})")
     ap.add_argument("--stop_at_eot", action="store_true",
                     help="end each text before its first <|endoftext|> (GPT-2's tokenizer)")
-    ap.add_argument("--precision", choices=tuple(COMPUTE_DTYPES), help="default: the run's train.precision")
+    ap.add_argument("--precision", choices=tuple(COMPUTE_DTYPES),
+                    help="default: the run's train.precision (fp32 for a Hugging Face model)")
     ap.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
                     help="default, and the only one accepted where the run's data folder is here and still holds "
-                         "the data the run trained on: that data's")
+                         "the data the run trained on: that data's (a Hugging Face folder's: GPT-2's BPE where its "
+                         "tokenizer files are GPT-2's)")
     return ap
 
 
@@ -370,10 +281,14 @@ def main(argv: list[str] | None = None) -> None:
         sampling.check()  # before the checkpoint is read
         if not args.prompt:  # as is an empty prompt (any text encodes to at least one token)
             raise UserError(EMPTY_PROMPT)
-        run = load(args.run, args.step, args.precision, args.tokenizer)
+        if args.from_ is not None and args.step is not None:
+            raise UserError(f"--step picks a checkpoint of --run; --from {args.from_} names one folder of weights "
+                            f"already: leave --step out")
+        run = (sample_source.from_run(args.run, args.step, args.precision, args.tokenizer) if args.from_ is None
+               else sample_source.from_folder(args.from_, args.precision, args.tokenizer))
         prompt_ids(run.tokenizer, args.prompt, sampling, run.model_cfg.vocab_size)  # a refusal: one line, no header
-        print(f"step {run.step} of {args.run}, {run.precision}, temperature {sampling.temperature}, top_k "
-              f"{sampling.top_k}, top_p {sampling.top_p}, seed {sampling.seed}", file=sys.stderr)
+        print(f"{run.source}, {run.precision}, temperature {sampling.temperature}, top_k {sampling.top_k}, top_p "
+              f"{sampling.top_p}, seed {sampling.seed}", file=sys.stderr)
         texts = sample_texts(run.params, run.model_cfg, run.precision, run.tokenizer, args.prompt, sampling)
         print(f"\n{SAMPLE_RULE}\n".join(texts))
 

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Callable
 
 import jax
 import numpy as np
@@ -121,18 +122,15 @@ def load(path: str, template: TrainState, cfg: Config, config_from: str | None =
     (checkpoint_model.model_keys_hint)."""
     if not os.path.isdir(path):
         raise UserError(f"torch-format checkpoint {path!r} is not a folder; point at a folder holding {MODEL}")
-    names = model.torch_names(template.params)
-    leaves = {p: var.get_value() for p, var in nnx.to_flat_state(template.params)}
-    shapes = {name: tuple(leaves[p].shape[::-1] if transposed else leaves[p].shape)
-              for name, (p, transposed) in names.items()}
-    weights = _read_tensors(os.path.join(path, MODEL), shapes,
-                           lambda found: checkpoint_model.model_keys_hint(found, cfg.model, config_from))
-    params = _from_torch(template.params, weights, names)
+    params = load_params(path, template.params,
+                         lambda found: checkpoint_model.model_keys_hint(found, cfg.model, config_from))
     if not checkpoint_kind.holds_training_state(path):
         return template._replace(params=params), "weights"
     trainer_state = checkpoint_kind.read_trainer_state(path)
     step, skipped = trainer_state["step"], trainer_state.get("skipped", 0)
-    moment_shapes = {f"{name}.{key}": shape for name, shape in shapes.items() for _, key in MOMENTS}
+    names = model.torch_names(template.params)
+    moment_shapes = {f"{name}.{key}": shape for name, shape in _shapes(template.params, names).items()
+                     for _, key in MOMENTS}
     moments = _read_tensors(os.path.join(path, OPTIMIZER), moment_shapes, lambda found: (
         f"it does not hold the moments of the weights in {MODEL} beside it (copied from another checkpoint?); "
         f"copy or convert the whole folder again"))
@@ -141,6 +139,31 @@ def load(path: str, template: TrainState, cfg: Config, config_from: str | None =
               for field, key in MOMENTS)
     opt_state = _at_window_boundary(template.opt_state, mu, nu, step, skipped, trainer_state.get("loss_scale"))
     return TrainState(params, opt_state), "full"
+
+
+def load_params(path: str, template: nnx.State, hint: Callable[[dict], str]) -> nnx.State:
+    """`template` (params) with the weights of the torch-format folder `path` in it; `hint(found)`: what to do where
+    their names or shapes (found: name -> shape) are not the model's."""
+    names = model.torch_names(template)
+    weights = _read_tensors(os.path.join(path, MODEL), _shapes(template, names), hint)
+    return _from_torch(template, weights, names)
+
+
+def params_from(template: nnx.State, tensors: dict[str, np.ndarray], where: str,
+                hint: Callable[[dict], str]) -> nnx.State:
+    """`template` (params) with the torch-format `tensors` (nanoGPT's names and layout) in it, read from `where`,
+    whose names and shapes must be the model's (`hint`, as load_params's)."""
+    names = model.torch_names(template)
+    found = {name: tuple(x.shape) for name, x in tensors.items()}
+    _check_tensors(where, _shapes(template, names), found, hint(found))
+    return _from_torch(template, tensors, names)
+
+
+def _shapes(template: nnx.State, names: dict) -> dict[str, tuple]:
+    """nanoGPT name -> the shape of its tensor (torch's layout) in the params `template`."""
+    leaves = {p: var.get_value() for p, var in nnx.to_flat_state(template)}
+    return {name: tuple(leaves[p].shape[::-1] if transposed else leaves[p].shape)
+            for name, (p, transposed) in names.items()}
 
 
 def check_new_folder(out_dir: str) -> None:

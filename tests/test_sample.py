@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 
 from test_convert import copy_step
 from test_run import small_args
-from jaxtrain import autocast, config, convert, data, model, prepare, run, run_tokenizer, sample
+from jaxtrain import autocast, config, convert, data, model, prepare, run, run_tokenizer, sample, sample_source
 from jaxtrain.errors import UserError
 
 STEPS = 40  # enough that the logits are far from uniform: top-2 gaps mostly well above the rounding bounds below
@@ -39,7 +39,7 @@ def trained(tmp_path_factory, cache_dir):
 
 @pytest.fixture(scope="module")
 def loaded(trained):
-    return sample.load(trained[0], None, None, None)
+    return sample_source.from_run(trained[0], None, None, None)
 
 
 # The forward pass compiled as the train step compiles it on this backend (autocast.rounding_options), for each
@@ -319,13 +319,13 @@ def test_a_temperature_near_0_draws_the_likeliest_token(temperature):
 
 
 def test_tokenizers_encode_and_decode_known_ids():
-    tok = sample.tokenizer("bytes")
+    tok = sample_source.tokenizer("bytes")
     assert tok.encode("dé") == [0x64, 0xC3, 0xA9]
     assert tok.encode(os.fsdecode(b"a\xff")) == [0x61, 0xFF]  # a command line's undecodable byte, as it was given
     assert tok.decode([0x64, 0xC3, 0xA9]) == "dé"
     assert tok.decode([0x64, 0xE2, 0x82]) == "d\ufffd"  # half a character
     assert tok.decode([0x64, 300]) == "d\ufffd"  # an id of a vocabulary padded past 256
-    gpt2 = sample.tokenizer("gpt2")
+    gpt2 = sample_source.tokenizer("gpt2")
     assert gpt2.encode("Hello world") == [15496, 995]  # GPT-2's own ids
     assert gpt2.encode("<|endoftext|>def") == [50256, 4299]
     assert gpt2.decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
@@ -441,7 +441,7 @@ def test_a_tokenizer_other_than_the_runs_is_refused(trained, loaded, capsys):
             f"with bytes; leave --tokenizer out to use the run's own")
     # Where the run's tokenizer is not known (below), a prompt past the model's vocabulary is still refused.
     with pytest.raises(UserError, match="token id 15496, beyond the model's vocabulary of 256"):
-        sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", sample.tokenizer("gpt2"), "Hello",
+        sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", sample_source.tokenizer("gpt2"), "Hello",
                            sample.Sampling())
 
 
@@ -631,7 +631,7 @@ def test_sampling_a_run_that_replaces_its_newest_checkpoint_reads_the_new_newest
     60 (40's arrays), is read."""
     run_dir, checkpoints = _copy_of(trained, tmp_path)
     _trainer_replacing_the_newest(monkeypatch, checkpoints, times=1)
-    got = sample.load(run_dir, None, None, None)
+    got = sample_source.from_run(run_dir, None, None, None)
     assert got.step == 60 and sorted(os.listdir(checkpoints), key=int) == ["20", "60"]
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(loaded.params), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -640,7 +640,7 @@ def test_sampling_a_run_that_replaces_its_newest_checkpoint_reads_the_new_newest
 def test_a_run_that_keeps_replacing_its_newest_checkpoint_is_named_still_training(trained, tmp_path, monkeypatch,
                                                                                   capsys):
     run_dir, checkpoints = _copy_of(trained, tmp_path)
-    _trainer_replacing_the_newest(monkeypatch, checkpoints, times=sample.RESTORE_TRIES)
+    _trainer_replacing_the_newest(monkeypatch, checkpoints, times=sample_source.RESTORE_TRIES)
     refused(capsys, ["--run", run_dir], f"{run_dir} is still training and replaced its newest checkpoint while it "
                                         f"was read, 3 times; raise its checkpoint.max_to_keep")
     assert sorted(os.listdir(checkpoints), key=int) == ["20", "100"]  # 40 -> 60 -> 80 -> 100

@@ -1,0 +1,189 @@
+"""What `python -m jaxtrain.sample` draws from, with its model config, the precision it computes in and the tokenizer
+its text is read with: a checkpoint of a jaxtrain run (--run, --step), or a folder of weights (--from), as nanoGPT's
+sample.py takes a run's checkpoint or GPT-2's weights from Hugging Face:
+
+    Hugging Face   a GPT2LMHeadModel folder (config.json, model.safetensors or its shards); its tokenizer files
+                   (vocab.json and merges.txt, or tokenizer.json) say its tokenizer where they are GPT-2's BPE
+    torch format   what convert from-hf writes (its weights in nanoGPT's layout, config.json and the tokenizer files
+                   kept beside them) or to-torch writes, and torchref's checkpoints (trainer_state.json's config)
+    jaxtrain step  a step folder of a run, <run>/checkpoints/<step>, read as --run <run> --step <step> reads it
+
+Weights are computed in fp32 where no run's train.precision says otherwise (a Hugging Face model's own dtype is the
+dtype it was stored in, not one it trained with).
+"""
+
+import dataclasses
+import os
+from typing import Callable, NamedTuple
+
+from flax import nnx
+
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import checkpoint_kind
+from jaxtrain import checkpoint_model
+from jaxtrain import config as config_lib
+from jaxtrain import convert
+from jaxtrain import gpt2_bpe
+from jaxtrain import hf_format
+from jaxtrain import model as model_lib
+from jaxtrain import prepare as prepare_lib
+from jaxtrain import run_tokenizer, runfolder, torch_format
+from jaxtrain.config import ModelConfig
+from jaxtrain.errors import UserError
+
+REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
+RESTORE_TRIES = 3  # reads of the newest checkpoint of a run still training, each replaced as it was read: give up
+
+
+class Tokenizer(NamedTuple):
+    encode: Callable[[str], list[int]]
+    token_bytes: Callable[[int], bytes]
+    size: int  # ids below this have bytes; a model's vocabulary may be padded past it
+    eot: int | None = None  # the id that ends a document (prepare ends each with it), where the tokenizer has one
+
+    def decode(self, ids) -> str:
+        """Each id's bytes, read as UTF-8 with U+FFFD where they are not (a byte token may be part of a character),
+        as tiktoken's decode does; ids past the tokenizer's, which training never showed, read as U+FFFD too."""
+        pieces = (self.token_bytes(i) if i < self.size else REPLACEMENT for i in map(int, ids))
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+
+def tokenizer(name: str) -> Tokenizer:
+    """A data folder's tokenizer by its meta.json name. Training reads any folder's ids; encoding a prompt and
+    decoding tokens needs one of prepare's TOKENIZERS (another's ids, read as GPT-2's, would be refused or decode
+    wrong)."""
+    if name not in prepare_lib.TOKENIZERS:
+        raise UserError(f"the data's tokenizer is {name!r}, and jaxtrain encodes and decodes text with "
+                        f"{' or '.join(prepare_lib.TOKENIZERS)} only")
+    if name == "bytes":  # surrogateescape: bytes of the command line that were not UTF-8 come back as they were
+        return Tokenizer(lambda text: list(text.encode("utf-8", "surrogateescape")), lambda i: bytes([i]), 256)
+    enc = gpt2_bpe.encoding()
+    # <|endoftext|> may start a prompt, as in nanoGPT's sample.py (tiktoken refuses special tokens unless allowed)
+    return Tokenizer(lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}),
+                     enc.decode_single_token_bytes, enc.n_vocab, enc.eot_token)
+
+
+class Loaded(NamedTuple):
+    params: object  # nnx.State on one device
+    model_cfg: ModelConfig
+    precision: str
+    tokenizer: Tokenizer
+    step: int | None  # the checkpoint's; None for a Hugging Face model
+    source: str  # what the header line names: "step 40 of out/tiny", a folder
+
+
+def from_run(run_dir: str, step: int | None, precision: str | None, tokenizer_name: str | None) -> Loaded:
+    """The run's params at `step` (None: the newest complete checkpoint) on one device, its model config, the
+    precision to compute in (None: the run's train.precision) and the tokenizer (None: that of the run's data)."""
+    runfolder.check_given(run_dir, "--run", "the run folder, e.g. --run out/tiny")
+    runfolder.check_not_url(run_dir, "--run")
+    if not os.path.isdir(run_dir):  # else said to hold no complete checkpoint, as a run that saved none is
+        raise UserError(f"--run {run_dir} does not exist; pass the run.out_dir of a jaxtrain run")
+    checkpoint_kind.check_jaxtrain_run(run_dir, "--run")
+    step, (state, cfg, meta) = _restore(run_dir, step)
+    return _of_run(state.params, cfg, step, meta.get("data_fingerprint"), precision, tokenizer_name, run_dir)
+
+
+def _of_run(params, cfg, step: int, data_fingerprint: str | None, precision: str | None,
+            tokenizer_name: str | None, where: str) -> Loaded:
+    """Loaded of a run's checkpoint of `step` held at `where` (its config `cfg`): its train.precision and its
+    data's tokenizer unless given."""
+    name = run_tokenizer.chosen(cfg, data_fingerprint, tokenizer_name, where)
+    return Loaded(params, cfg.model, precision or cfg.train.precision,
+                  _text_tokenizer(name, cfg.model.vocab_size, where), step, f"step {step} of {where}")
+
+
+def _restore(run_dir: str, step: int | None):
+    """(step, convert.restore_step's (state, config, meta)) of checkpoint `step`, or with None of the newest one.
+
+    A run still training deletes its older checkpoints once a newer one is saved (checkpoint.max_to_keep), so the
+    newest can vanish while it is read: when it is no longer the newest afterwards, the new newest is read, up to
+    RESTORE_TRIES times. One that fails while it is still the newest is refused as it is: it is corrupt."""
+    for _ in range(RESTORE_TRIES):
+        steps = checkpoint_lib.saved_steps(run_dir)
+        if not steps:
+            raise UserError(f"{run_dir} holds no complete checkpoint (no "
+                            f"{os.path.join(run_dir, 'checkpoints', '<step>')}); pass the run.out_dir of a run that "
+                            f"saved one")
+        if step is not None and step not in steps:
+            raise UserError(f"{run_dir} has no checkpoint of step {step}; its steps are {', '.join(map(str, steps))}")
+        chosen = steps[-1] if step is None else step
+        others = ", ".join(str(s) for s in steps if s != chosen)
+        fix = (f"sample another of its checkpoints with --step ({others})" if others else
+               "its run has no other checkpoint to sample")
+        try:
+            return chosen, convert.restore_step(os.path.join(run_dir, "checkpoints", str(chosen)), fix)
+        except UserError:
+            if step is not None or checkpoint_lib.saved_steps(run_dir)[-1:] == [chosen]:
+                raise
+    raise UserError(f"{run_dir} is still training and replaced its newest checkpoint while it was read, "
+                    f"{RESTORE_TRIES} times; raise its checkpoint.max_to_keep (older steps then stay to be read) or "
+                    f"sample once the run has ended")
+
+
+def _text_tokenizer(name: str, vocab_size: int, where: str) -> Tokenizer:
+    """The tokenizer `name` (the model's, or --tokenizer), never one with more tokens than the model of `where` has
+    embeddings."""
+    try:
+        text_tokenizer = tokenizer(name)
+    except UserError as e:
+        raise UserError(f"{e}; sample {where} outside jaxtrain, with its data's tokenizer (`python -m jaxtrain."
+                        f"convert to-torch` writes its checkpoint in nanoGPT's format)") from None
+    if text_tokenizer.size > vocab_size:  # its ids past the model's have no embedding, and those below are not its
+        fix = ("pass --tokenizer bytes" if name != "bytes" and tokenizer("bytes").size <= vocab_size else
+               "sample it outside jaxtrain, with its data's tokenizer")
+        raise UserError(f"--tokenizer {name} has {text_tokenizer.size} tokens, more than the {vocab_size} of the "
+                        f"model of {where}: the run was trained with another tokenizer; {fix}")
+    return text_tokenizer
+
+
+def from_folder(src: str, precision: str | None, tokenizer_name: str | None) -> Loaded:
+    """The model of the folder of weights `src` (--from: see the module's docstring) on one device, its config, the
+    precision to compute in (None: the run's train.precision where a run's config is there, else fp32) and the
+    tokenizer (None: the run's data's, or the one whose files a Hugging Face folder holds)."""
+    runfolder.check_given(src, "--from", "a folder of weights, e.g. --from my-gpt2-hf")
+    runfolder.check_not_url(src, "--from")
+    found = checkpoint_kind.check_sample_source(src)
+    if found == checkpoint_kind.JAXTRAIN_STEP:
+        state, cfg, meta = convert.restore_step(src, "sample another step folder of its run")
+        return _of_run(state.params, cfg, int(state.step), meta.get("data_fingerprint"), precision, tokenizer_name,
+                       src)
+    if found == checkpoint_kind.TORCH and os.path.exists(os.path.join(src, checkpoint_kind.TRAINER_STATE)):
+        trainer_state = checkpoint_kind.read_trainer_state(src)  # to-torch's, torchref's
+        cfg = config_lib.from_dict(trainer_state["config"])
+        if cfg.model.vocab_size is None:  # a run that took the data's: its rows say it
+            cfg.model.vocab_size = checkpoint_model.vocab_rows(src)
+        params = torch_format.load_params(src, _template(cfg.model), lambda shapes: checkpoint_model.model_keys_hint(
+            shapes, cfg.model, checkpoint_kind.TRAINER_STATE))
+        return _of_run(params, cfg, trainer_state["step"], trainer_state.get("data_fingerprint"), precision,
+                       tokenizer_name, src)
+    return _from_hf(src, found, precision, tokenizer_name)
+
+
+def _from_hf(src: str, found: str, precision: str | None, tokenizer_name: str | None) -> Loaded:
+    """from_folder of a Hugging Face folder (found: HF; a Trainer's checkpoint-N/ holds a trainer_state.json of its
+    own) or of from-hf's (TORCH: nanoGPT's layout beside the config.json it kept)."""
+    if found == checkpoint_kind.HF:
+        tensors, model, _, _ = hf_format.read_model(src)
+    else:
+        model = hf_format.model_overrides(hf_format.read_config(src), os.path.join(src, hf_format.CONFIG))
+    model_cfg = ModelConfig(**model)
+
+    def hint(shapes: dict) -> str:
+        return checkpoint_model.model_keys_hint(shapes, model_cfg, hf_format.CONFIG)
+
+    params = (torch_format.params_from(_template(model_cfg), tensors, hf_format.weights_file(src), hint)
+              if found == checkpoint_kind.HF else torch_format.load_params(src, _template(model_cfg), hint))
+    name = run_tokenizer.of_hf_folder(src, tokenizer_name, model_cfg.vocab_size)
+    return Loaded(params, model_cfg, precision or "fp32", _text_tokenizer(name, model_cfg.vocab_size, src), None,
+                  src)
+
+
+def _template(model_cfg: ModelConfig) -> nnx.State:
+    """The model's params as shapes alone, to read weights into (on the default device, as torch_format puts them):
+    initialised ones would cost GPT-2 XL's 6 GB twice. The attention kernel shapes none, and cuDNN's, which a GPU
+    run may have trained with, refuses a machine without a GPU."""
+    written_out = dataclasses.replace(model_cfg, attention="xla")
+    abstract = nnx.eval_shape(lambda: model_lib.GPT(written_out, vocab_size=model_cfg.vocab_size, precision="fp32",
+                                                    rngs=nnx.Rngs(0)))
+    return nnx.split(abstract, nnx.Param)[1]
