@@ -264,6 +264,8 @@ def check_sample_source(path: str) -> str:
     folder (or config.json beside weights the reader explains), a torch-format folder whose trainer_state.json or
     config.json (from-hf's) says its model; else a UserError saying what it is and what to pass instead."""
     found = kind(path)
+    if found == TORCH and _hf_trainer_checkpoint(path):
+        return HF  # whose reader names what it cannot read (a pytorch_model.bin)
     if found == JAXTRAIN_STEP:
         check_jaxtrain_step(path, "sample")  # named by its step, as Orbax reads it
     said = [name for name in (TRAINER_STATE, HF_CONFIG) if os.path.exists(os.path.join(path, name))]
@@ -281,6 +283,19 @@ def check_sample_source(path: str) -> str:
               f"a jaxtrain step folder (or a jaxtrain run with --run)",
     }
     raise UserError(f"--from {path} {what[found]}")
+
+
+def _hf_trainer_checkpoint(path: str) -> bool:
+    """Whether `path` holds config.json beside a trainer_state.json that is HF Trainer's, not jaxtrain's format: a
+    Trainer's checkpoint-N/ (one of safetensors in HF's layout is HF to kind() already)."""
+    if not os.path.exists(os.path.join(path, HF_CONFIG)):
+        return False
+    try:
+        with open(os.path.join(path, TRAINER_STATE), encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError):  # damaged: read_trainer_state says so
+        return False
+    return not (isinstance(state, dict) and state.get("format") == FORMAT)
 
 
 def _missing(path: str, otherwise: str) -> str:

@@ -86,8 +86,13 @@ def to_hf(src: str, out_dir: str, tokenizer: str | None = None, dtype: str | Non
             tensors, zeros_note = hf_format.with_zero_biases(tensors, config_lib.ModelConfig(**model), src,
                                                              f"{hf_format.BIAS}: false")
             note += zeros_note
-    written = dtype or ("float32" if cfg else hf_format.saved_dtype(config))
-    why = f" ({hf_format.CONFIG}'s dtype: from-hf read them in it)" if written != (dtype or "float32") else ""
+    written, why = dtype or "float32", ""
+    if dtype is None and not cfg and (saved := hf_format.saved_dtype(config)) != "float32":  # from-hf's folder
+        if hf_format.held_exactly(tensors, saved):
+            written, why = saved, f" ({hf_format.CONFIG}'s dtype: from-hf read them in it)"
+        else:
+            note += (f"; the weights are float32: {hf_format.CONFIG} says {saved}, and they are not all {saved} "
+                     f"values (changed since from-hf read them?); --dtype {saved} rounds them")
     tensors, dtype_note = hf_format.in_dtype(tensors, written, src, why)
     note += dtype_note
     hf_format.write(out_dir, hf_format.from_nanogpt(tensors), {**config, "dtype": written, "torch_dtype": written},

@@ -38,8 +38,9 @@ def print_stats(data) -> None:
 
 def warn_small_val(data, cfg) -> None:
     """On stderr, where an evaluation of `cfg` (a Config) reads more tokens than `data`'s val split (a
-    data.TokenData's) holds: its windows then overlap, every evaluation scores the same tokens again (a split of a
-    few thousand says little of any other text) and pays for more than it learns. Both backends, once every
+    data.TokenData's) holds: every evaluation then scores the same tokens over again (its windows start anywhere,
+    drawn with replacement, so they overlap at any size; past the split's size, by more than the split), a loss of a
+    split that may say little of any other text, at more cost than it learns from. Both backends, once every
     start-up check has passed."""
     t, n_val = cfg.train, len(data.val)
     window = cfg.data.batch_size * cfg.model.seq_len  # tokens an eval batch reads
@@ -50,5 +51,5 @@ def warn_small_val(data, cfg) -> None:
                f"(--val-fraction)" if fits else "prepare a larger val split (--val-fraction)")
         print(f"warning: an evaluation reads {reads:,} tokens (train.eval_batches={t.eval_batches} x "
               f"data.batch_size={cfg.data.batch_size} windows of model.seq_len={cfg.model.seq_len}), more than the "
-              f"{n_val:,} of the val split of {data.path}: its windows overlap, each token read {reads / n_val:.1f} "
-              f"times on average, and the val loss is of those {n_val:,} tokens alone; {fix}", file=sys.stderr)
+              f"{n_val:,} that the val split of {data.path} holds: each is read {reads / n_val:.1f} times on "
+              f"average, and the val loss is of those {n_val:,} tokens alone; {fix}", file=sys.stderr)

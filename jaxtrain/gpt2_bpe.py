@@ -60,8 +60,8 @@ def _bundled_files() -> dict[str, str] | None:
 
 EOT_ID = 50256  # <|endoftext|>, GPT-2 BPE's last id
 # A Hugging Face tokenizer's vocabulary and merges: tokenizer.json (which transformers loads first), else the two
-# files of GPT2Tokenizer's own (GPT-2's encoder.json and vocab.bpe under other names: hf_format.GPT2_TOKENIZER_FILES,
-# named here again because this module imports the standard library only); and its settings.
+# files of GPT2Tokenizer's own (GPT-2's encoder.json and vocab.bpe under other names: hf_format.GPT2_TOKENIZER_FILES);
+# and its settings.
 HF_FAST, HF_VOCAB, HF_MERGES, HF_SETTINGS = "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"
 
 

@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 
-import ml_dtypes  # jax's own dependency: numpy's bfloat16
+import ml_dtypes  # numpy's bfloat16
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -26,15 +26,16 @@ from jaxtrain.checkpoint_kind import HF_SHARD_INDEX
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.gpt2_bpe import EOT_ID as GPT2_EOT_ID
+from jaxtrain.gpt2_bpe import HF_FAST, HF_MERGES, HF_SETTINGS, HF_VOCAB
 from jaxtrain.layer_norm import LN_EPS
 from jaxtrain.torch_format import folder_into_place
 
 CONFIG, MODEL = "config.json", "model.safetensors"
 # GPT-2's BPE as OpenAI released it (gpt2_bpe.files) -> the names HF's GPT2Tokenizer reads: the same files.
-GPT2_TOKENIZER_FILES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
+GPT2_TOKENIZER_FILES = {"encoder.json": HF_VOCAB, "vocab.bpe": HF_MERGES}
 # What from-hf carries beside the weights, and to-hf back from its folder, byte for byte: the tokenizer that came with
 # the model (any of transformers' files of it) and how generate() draws from it.
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (HF_VOCAB, HF_MERGES, HF_FAST, HF_SETTINGS, "special_tokens_map.json")
 CARRIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
 EOT = "<|endoftext|>"
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -206,26 +207,38 @@ def trained_biases(tensors: dict[str, np.ndarray]) -> list[str]:
 
 def saved_dtype(config: dict) -> str:
     """The dtype an HF config.json says its weights were saved in (what from-hf read, as fp32), where it is one of
-    DTYPES; float32 otherwise."""
-    said = config.get("dtype", config.get("torch_dtype"))
-    return said if said in DTYPES else "float32"
+    DTYPES; float32 otherwise (none said, or another, or no string at all: a hand-edited file)."""
+    said = config.get("dtype") or config.get("torch_dtype")
+    return said if isinstance(said, str) and said in DTYPES else "float32"
+
+
+def held_exactly(tensors: dict[str, np.ndarray], dtype: str) -> bool:
+    """Whether every value of the fp32 `tensors` is one of `dtype`'s: written in it, none changes."""
+    return all(_exact(x, dtype) for x in tensors.values())
+
+
+def _exact(x: np.ndarray, dtype: str) -> bool:
+    with np.errstate(over="ignore"):
+        return np.array_equal(x.astype(DTYPES[dtype]).astype(np.float32), x, equal_nan=True)
 
 
 def in_dtype(tensors: dict[str, np.ndarray], dtype: str, src: str,
              why: str = "") -> tuple[dict[str, np.ndarray], str]:
     """fp32 `tensors` in `dtype`, each rounded to the nearest value (ties to even), as torch's .to(dtype) rounds, and
     what to-hf says of it (`why` that dtype after its name); one UserError where a weight lies past dtype's range
-    (float16's 65504), which the cast would turn to inf."""
+    (float16's 65504; bfloat16's is float32's but for its last half-ulp), which the cast would turn to inf."""
     if dtype == "float32":
         return tensors, ""
     with np.errstate(over="ignore"):
         cast = {name: x.astype(DTYPES[dtype]) for name, x in tensors.items()}
     for name, x in cast.items():
-        if np.any(np.isinf(x) & np.isfinite(tensors[name])):
-            raise UserError(f"--dtype {dtype}: {src}'s {name} holds {np.max(np.abs(tensors[name])):.6g}, past "
+        over = np.isinf(x) & np.isfinite(tensors[name])
+        if np.any(over):
+            wider = "--dtype bfloat16 (float32's range) or float32" if dtype == "float16" else "--dtype float32"
+            raise UserError(f"--dtype {dtype}: {src}'s {name} holds {np.max(np.abs(tensors[name][over])):.6g}, past "
                             f"{dtype}'s largest value, {float(ml_dtypes.finfo(DTYPES[dtype]).max):.6g}; write it "
-                            f"with --dtype bfloat16 (float32's range) or float32")
-    rounded = sum(not np.array_equal(x.astype(np.float32), tensors[name], equal_nan=True) for name, x in cast.items())
+                            f"with {wider}")
+    rounded = sum(not _exact(x, dtype) for x in tensors.values())
     if not rounded:
         return cast, f"; the weights are {dtype}{why}, exactly: each was a {dtype} value already"
     return cast, (f"; the weights are rounded to {dtype}{why} ({rounded} of {len(cast)} tensors changed; --dtype "
@@ -256,7 +269,7 @@ def write(out_dir: str, tensors: dict[str, np.ndarray], config: dict, gpt2_files
         if gpt2_files:
             for name, hf_name in GPT2_TOKENIZER_FILES.items():
                 shutil.copyfile(gpt2_files[name], os.path.join(tmp, hf_name))
-            _write_json(os.path.join(tmp, "tokenizer_config.json"), {
+            _write_json(os.path.join(tmp, HF_SETTINGS), {
                 "tokenizer_class": "GPT2Tokenizer", "model_max_length": config["n_positions"],
                 "bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "add_prefix_space": False})
 
@@ -297,8 +310,8 @@ def weights_file(src: str) -> str:
 
 def read_tensors(src: str) -> dict[str, np.ndarray]:
     """The tensors of src's weights_file, or of the shards it maps, in fp32 whatever they were saved in (bf16 too:
-    numpy has it by name once jax has imported ml_dtypes, as torch_format's import of jax does), HF's causal-mask
-    buffers left out (older checkpoints saved them)."""
+    safetensors >= 0.4.1 reads it into numpy as ml_dtypes' bfloat16, imported above), HF's causal-mask buffers left
+    out (older checkpoints saved them)."""
     listed = weights_file(src)
     shards = {listed: None} if os.path.basename(listed) == MODEL else _shards(src, listed)
     tensors = {}

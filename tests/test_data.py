@@ -876,9 +876,9 @@ def test_a_val_split_shorter_than_an_evaluation_is_warned_of_at_start(tmp_path, 
         err = capsys.readouterr().err
         if n_val in fixes:
             assert (f"warning: an evaluation reads 384 tokens (train.eval_batches=3 x data.batch_size=8 windows of "
-                    f"model.seq_len=16), more than the {n_val} of the val split of {folder}: its windows overlap, "
-                    f"each token read {384 / n_val:.1f} times on average, and the val loss is of those {n_val} "
-                    f"tokens alone; {fixes[n_val]}\n") in err, err
+                    f"model.seq_len=16), more than the {n_val} that the val split of {folder} holds: each is read "
+                    f"{384 / n_val:.1f} times on average, and the val loss is of those {n_val} tokens alone; "
+                    f"{fixes[n_val]}\n") in err, err
         assert err.count("warning: an evaluation reads") == (n_val in fixes), err
 
 

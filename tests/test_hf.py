@@ -180,6 +180,29 @@ def test_to_hf_dtype_rounds_a_runs_weights_as_torch_does(tmp_path, cache_dir, ca
             assert torch.equal(half[key].view(torch.int16), x.to(dtype).view(torch.int16)), (name, key)
 
 
+@pytest.mark.parametrize("said, written", [({"dtype": None, "torch_dtype": "bfloat16"}, "bfloat16"),
+                                           ({"dtype": ["bfloat16"]}, "float32"), ({"dtype": "int8"}, "float32"),
+                                           ({"dtype": "float16"}, "float32")])
+def test_to_hf_of_from_hfs_folder_takes_its_config_dtype_only_where_it_holds(tmp_path, capsys, said, written):
+    """config.json's dtype (transformers 5's key, else 4's torch_dtype) where it is one to-hf writes and the
+    weights are all values of it; a list (a hand edit: it was a raw TypeError) or another dtype is no such word;
+    float16 said of weights that are not fp16 values (fp32 ones, here) is not believed, and to-hf says so."""
+    source = hf_model(tmp_path)
+    if written == "bfloat16":  # weights that are bf16 values, as a bf16 save's are
+        transformers.GPT2LMHeadModel.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(source)
+    convert.main(["from-hf", source, str(tmp_path / "jt")])
+    config_file = tmp_path / "jt" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **said}))
+    capsys.readouterr()
+    convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back")])
+    err = capsys.readouterr().err
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == written
+    assert {x.dtype for x in torch_tensors(tmp_path / "back").values()} == {getattr(torch, written)}
+    distrusted = ("; the weights are float32: config.json says float16, and they are not all float16 values (changed "
+                  "since from-hf read them?); --dtype float16 rounds them")
+    assert (distrusted in err) == (said == {"dtype": "float16"}), err
+
+
 def test_a_weight_past_float16s_range_is_refused_naming_it(tmp_path, capsys):
     """Written in fp16 it would be inf; bf16 has fp32's range and takes it."""
     source = hf_model(tmp_path)

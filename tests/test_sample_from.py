@@ -72,6 +72,10 @@ def test_a_hugging_face_model_samples_as_transformers_generates(tmp_path, capsys
                                                       f"rows: they are not its model's tokenizer; pass --tokenizer "
                                                       f"bytes if it was trained on bytes")
     assert sampled(capsys, "--from", str(tmp_path / "hf"), "--tokenizer=bytes", "--prompt=def ")[0] == want
+    os.replace(tmp_path / "checkpoint-10" / "model.safetensors", tmp_path / "checkpoint-10" / "pytorch_model.bin")
+    refused(capsys, ["--from", str(tmp_path / "checkpoint-10")], f"error: {tmp_path / 'checkpoint-10'} has no "
+                                                                f"model.safetensors nor model.safetensors.index.json "
+                                                                f"(a pytorch_model.bin checkpoint?)")
 
 
 def gpt2_tokenizer_folder(folder, form: str) -> None:
@@ -97,7 +101,12 @@ def test_a_folder_with_gpt2s_tokenizer_files_is_read_with_gpt2s_bpe(tmp_path, ca
     folder = tmp_path / "hf"
     hf = hf_model(folder, gpt2_bpe.EOT_ID + 1)
     gpt2_tokenizer_folder(folder, form)
+    if form == "tokenizer.json":  # its own add_prefix_space, which transformers overrides with tokenizer_config's
+        held = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        held["pre_tokenizer"]["add_prefix_space"] = True
+        (folder / "tokenizer.json").write_text(json.dumps(held), encoding="utf-8")
     prompt, tokenizer = "Hello, world", transformers.AutoTokenizer.from_pretrained(folder)
+    assert tokenizer("Hello")["input_ids"] == [15496]  # GPT-2's "Hello", not " Hello"
     ids = greedy(hf, tokenizer(prompt)["input_ids"])
     out, _ = sampled(capsys, "--from", str(folder), f"--prompt={prompt}")
     assert out == tokenizer.decode(ids, clean_up_tokenization_spaces=False) + "\n"
