@@ -1,6 +1,6 @@
 """Which model a torch-format checkpoint holds, told from its tensors' names and shapes, and from its config files
-where the tensors cannot say (the head count): the model.* flags a config of another shape needs (model_keys_hint),
-and init.from's refusals before anything is built or read, the same in both backends.
+where the tensors cannot say (the head count, the GELU): the model.* flags a config of another shape needs
+(model_keys_hint), and init.from's refusals before anything is built or read, the same in both backends.
 
 Pure Python (no jax, no torch), as checkpoint_kind.py.
 """
@@ -88,29 +88,39 @@ def check_vocab_rows(path: str, data) -> None:
                         f"from a checkpoint of this data's")
 
 
-def check_n_head(path: str, n_head: int) -> None:
-    """The head count is the one model.* setting a checkpoint's tensors do not show (c_attn's weight is (3d, d)
-    however d is split into heads), so where the torch-format folder `path` (init.from) says what it was trained
-    with (its trainer_state.json's config, or the HF config.json that from-hf keeps), it must be the run's: the
-    same weights split into other heads compute another model."""
-    written = _written_n_head(path)
-    if written is not None and written != n_head:
-        raise UserError(f"init.from={path!r} was trained with model.n_head={written}, and this run has "
-                        f"model.n_head={n_head}: its weights would compute another model; set "
-                        f"--model.n_head={written}")
+# Hugging Face's activation_function names of the GELUs jaxtrain's model computes -> model.gelu_approximate
+# (transformers' own default, where config.json names none, is gelu_new; gelu_pytorch_tanh and gelu_fast are the same
+# tanh formula, written with other roundings)
+HF_GELUS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 
 
-def _written_n_head(path: str) -> int | None:
-    """model.n_head as the folder's trainer_state.json or config.json states it; None where neither does (weights
-    alone), or where the file cannot be read (the loader names that)."""
-    for name, keys in ((TRAINER_STATE, ("config", "model", "n_head")), (HF_CONFIG, ("n_head",))):
+def check_written(path: str, model_cfg) -> None:
+    """The model.* settings a checkpoint's tensors do not show: the head count (c_attn's weight is (3d, d) however d
+    is split into heads) and the GELU. Where the torch-format folder `path` (init.from) says what it was trained with
+    (its trainer_state.json's config, or the HF config.json that from-hf keeps), each must be the run's
+    (`model_cfg`): the same weights split into other heads, or through the other GELU, compute another model."""
+    for key, written in _written(path).items():
+        if written != getattr(model_cfg, key):
+            raise UserError(f"init.from={path!r} was trained with model.{key}={written}, and this run has "
+                            f"model.{key}={getattr(model_cfg, key)}: its weights would compute another model; set "
+                            f"--model.{key}={written}")
+
+
+def _written(path: str) -> dict:
+    """{"n_head": ..., "gelu_approximate": ...} as the folder's trainer_state.json or config.json states them;
+    empty where neither does (weights alone), or where the file cannot be read (the loader names that). A
+    trainer_state.json from before model.gelu_approximate was its default, none."""
+    for name in (TRAINER_STATE, HF_CONFIG):
         try:
             with open(os.path.join(path, name), encoding="utf-8") as f:
-                value = json.load(f)
-            for key in keys:
-                value = value[key]
+                held = json.load(f)
+            said = held["config"]["model"] if name == TRAINER_STATE else held
+            n_head = said["n_head"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+        if not isinstance(n_head, int) or isinstance(n_head, bool):
+            continue
+        gelu = (said.get("gelu_approximate", "none") if name == TRAINER_STATE else
+                HF_GELUS.get(said.get("activation_function", "gelu_new")))
+        return {"n_head": n_head, **({"gelu_approximate": gelu} if gelu in ("none", "tanh") else {})}
+    return {}

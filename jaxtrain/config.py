@@ -54,6 +54,9 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2
     tie_embeddings: bool = True  # lm_head shares wte's weight, as GPT-2
+    # GELU as torch's nn.GELU(approximate=...): none, the exact erf one (nanoGPT's); tanh, the approximation OpenAI's
+    # GPT-2 trained with (Hugging Face's gelu_new), which its checkpoints need to compute what they were trained to
+    gelu_approximate: Literal["none", "tanh"] = "none"
     # auto: cuDNN's fused flash attention on an NVIDIA GPU from Ampere on under bf16 without dropout, with a head size
     # a multiple of 8 up to 128 (256 from Hopper on); the written-out attention elsewhere; xla: always written out,
     # as torchref (its roundings); cudnn: always fused, an error where it cannot run

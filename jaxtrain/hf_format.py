@@ -5,11 +5,11 @@ never imports transformers (nor, through it, torch).
 nanoGPT took GPT-2's parameter names, so the torch format's model.safetensors (torch_format.py) and HF's differ in
 two things only: HF's attention and MLP projections are `Conv1D`s, whose weight is (in, out), the transpose of
 nanoGPT's Linear (out, in); and HF leaves `lm_head.weight` out when the head is tied to `wte`. config.json states
-what nanoGPT's model is: exact GELU (`activation_function="gelu"`, not GPT-2's tanh approximation `gelu_new`),
-LayerNorm eps 1e-5, an MLP of 4 x n_embd, biases everywhere (a model without them is written with zero ones, which
-add nothing, and `"jaxtrain_bias": false`, a key transformers keeps through a load and a save, so that from-hf gives
-back a model without them). Models that differ otherwise (another activation or MLP width) are refused with the
-reason: converting them would change what they compute.
+what nanoGPT's model is: exact GELU (`activation_function="gelu"`), or GPT-2's tanh approximation (`gelu_new`,
+model.gelu_approximate=tanh: OpenAI's GPT-2 checkpoints), LayerNorm eps 1e-5, an MLP of 4 x n_embd, biases everywhere
+(a model without them is written with zero ones, which add nothing, and `"jaxtrain_bias": false`, a key transformers
+keeps through a load and a save, so that from-hf gives back a model without them). Models that differ otherwise
+(another activation or MLP width) are refused with the reason: converting them would change what they compute.
 """
 
 import json
@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 
 from jaxtrain import runfolder
 from jaxtrain.checkpoint_kind import HF_SHARD_INDEX
+from jaxtrain.checkpoint_model import HF_GELUS
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.gpt2_bpe import EOT_ID as GPT2_EOT_ID
@@ -54,7 +55,8 @@ def hf_config(model: ModelConfig, vocab_size: int) -> dict:
     model without biases with the zero ones of with_zero_biases)."""
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
             "n_positions": model.seq_len, "n_embd": model.d_model, "n_layer": model.n_layer,
-            "n_head": model.n_head, "n_inner": None, "activation_function": "gelu",
+            "n_head": model.n_head, "n_inner": None,
+            "activation_function": "gelu_new" if model.gelu_approximate == "tanh" else "gelu",
             "layer_norm_epsilon": LN_EPS, "resid_pdrop": model.dropout, "embd_pdrop": model.dropout,
             "attn_pdrop": model.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
@@ -76,22 +78,24 @@ def model_overrides(hf: dict, file: str) -> dict:
         raise UserError(f"{file}: model_type {hf.get('model_type')!r}; only GPT-2 (GPT2LMHeadModel) converts")
     _check_values(hf, file)
     d = hf.get("n_embd", 768)
-    unlike = {"activation_function": (hf.get("activation_function", "gelu_new"), "gelu"),
-              "n_inner": (4 * d if hf.get("n_inner") is None else hf["n_inner"], 4 * d),  # None: HF's 4 x n_embd
+    unlike = {"n_inner": (4 * d if hf.get("n_inner") is None else hf["n_inner"], 4 * d),  # None: HF's 4 x n_embd
               "layer_norm_epsilon": (hf.get("layer_norm_epsilon", 1e-5), LN_EPS),
               "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), False),
               "reorder_and_upcast_attn": (hf.get("reorder_and_upcast_attn", False), False),
               "scale_attn_weights": (hf.get("scale_attn_weights", True), True)}
     for key, (found, jaxtrain_has) in unlike.items():
         if found != jaxtrain_has:
-            gelu_note = (" (GPT-2's own checkpoints use the tanh GELU, gelu_new, which jaxtrain does not implement)"
-                         if (key, found) == ("activation_function", "gelu_new") else "")
             raise UserError(f"{file}: {key}={found!r}, where jaxtrain's model (nanoGPT's) has {jaxtrain_has!r}; "
-                            f"converted, the model would compute something else{gelu_note}")
+                            f"converted, the model would compute something else")
+    activation = hf.get("activation_function", "gelu_new")  # transformers' default: GPT-2's
+    if activation not in HF_GELUS:
+        raise UserError(f"{file}: activation_function={activation!r}, where jaxtrain's model computes "
+                        f"{' or '.join(map(repr, HF_GELUS))} (model.gelu_approximate none or tanh); converted, the "
+                        f"model would compute something else")
     return {"vocab_size": hf.get("vocab_size", 50257), "seq_len": hf.get("n_positions", 1024),
             "n_layer": hf.get("n_layer", 12), "n_head": hf.get("n_head", 12), "d_model": d,
             "dropout": hf.get("resid_pdrop", 0.1), "bias": hf.get(BIAS, True),
-            "tie_embeddings": hf.get("tie_word_embeddings", True)}
+            "tie_embeddings": hf.get("tie_word_embeddings", True), "gelu_approximate": HF_GELUS[activation]}
 
 
 # config.json's keys that shape the model: each a whole number > 0 where given (HF's defaults otherwise)

@@ -36,6 +36,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import residual_norm
 from jaxtrain import kernel_choice, qkv_grad
 from jaxtrain.gelu_gemm import gelu_linear, mlp
+from jaxtrain.gelu_tanh import gelu_tanh
 from jaxtrain.layer_norm import layer_norm
 from jaxtrain.mesh import batch_sharded, weight_shards
 
@@ -190,6 +191,7 @@ class MLP(nnx.Module):
         self.c_proj = Linear(4 * d, d, bias=cfg.bias, std=_residual_std(cfg), precision=precision, rngs=rngs)
         self.dropout, self.precision, self.remat = cfg.dropout, precision, cfg.remat
         self.fwd_kernel, self.grad_kernel = cfg.gelu_fwd == "pallas", cfg.gelu_grad == "pallas"
+        self.gelu = gelu_tanh if cfg.gelu_approximate == "tanh" else gelu  # the kernels' is exact (config_checks)
         self.ones_width = kernel_choice.ones_width(self.fwd_kernel)  # its input by TMA (gelu_gemm)
 
     def __call__(self, x_BxTxD, key):
@@ -204,7 +206,7 @@ class MLP(nnx.Module):
             y_BxTxD = gelu_linear(self.c_fc(x_BxTxD), self.c_proj.kernel[...], self.c_proj.bias_value(),
                                   self.precision)
         else:
-            y_BxTxD = self.c_proj(gelu(self.c_fc(x_BxTxD)))
+            y_BxTxD = self.c_proj(self.gelu(self.c_fc(x_BxTxD)))
         return _dropout(y_BxTxD, self.dropout, key)
 
 

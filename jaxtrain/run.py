@@ -99,7 +99,7 @@ class Trainer:
             self.cfg = cfg = self.checkpointer.cfg
         if self.resumed is None and cfg.init.from_ is not None:  # what the run starts from, before it is read
             checkpoint_kind.check_torch_source(cfg.init.from_, "init.from")
-            checkpoint_model.check_n_head(cfg.init.from_, cfg.model.n_head)
+            checkpoint_model.check_written(cfg.init.from_, cfg.model)
             checkpoint_model.check_vocab_rows(cfg.init.from_, self.data)
         # After init.from's checks, as torchref: one with too few rows for the data says why better than the size
         data_lib.refuse_vocab_size_after_resume(too_small, self.resumed is not None, self.data, cfg.run.out_dir)

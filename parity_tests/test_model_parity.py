@@ -145,6 +145,23 @@ def test_logits_and_gradients_match(tied, emb):
     report(f"model {case}: per-param gradient max diff / max |grad|, worst param", worst, FP32_CROSS_RTOL)
 
 
+def test_a_tanh_gelu_model_matches():
+    """model.gelu_approximate=tanh (GPT-2's own GELU, for its checkpoints) on both sides: the same comparison as
+    above, fp32 against the fp64 truth and against each other; the exact-GELU model's logits differ from it by far
+    more (so the option acts on both sides: test_trap_tanh_gelu shows that on torchref's, this on jaxtrain's)."""
+    weights, cfg = parity_weights(True), make_cfg("--model.gelu_approximate=tanh")
+    j_logits, j_grads = jax_side(True, weights, cfg=cfg)
+    t_logits, t_grads = torch_side(True, weights, cfg=cfg)
+    truth_logits, truth_grads = torch_side(True, weights, torch.float64, cfg=cfg)
+    scale_close(j_logits, truth_logits, FP32_SIDE_RTOL, "jaxtrain logits vs fp64 (tanh GELU)")
+    scale_close(j_logits, t_logits, FP32_CROSS_RTOL, "logits, jaxtrain vs torchref (tanh GELU)")
+    assert_named_close(j_grads, truth_grads, scale_atol=FP32_SIDE_RTOL, what="jaxtrain gradient vs fp64 (tanh GELU)")
+    assert_named_close(j_grads, t_grads, scale_atol=FP32_CROSS_RTOL,
+                       what="gradient, jaxtrain vs torchref (tanh GELU)")
+    report("model tanh GELU: logits max diff / max |logit|", scale_diff(j_logits, t_logits), FP32_CROSS_RTOL)
+    assert scale_diff(jax_side(True, weights)[0], j_logits) > 10 * FP32_CROSS_RTOL
+
+
 def bf16_sides(residual_dtype: str) -> dict[str, tuple]:
     """{backend: (logits, gradients)} of the tied model at unit scale under bf16, the stream in `residual_dtype`. On
     XLA's default CPU dots, which sum these small dots' fp32 products in torch's order: oneDNN's (model.cpu_dots=auto

@@ -244,16 +244,20 @@ def test_from_hf_names_what_its_source_is(folders, tmp_path, capsys, name, says)
 
 
 @pytest.mark.parametrize("name", ["torch", "from-hf"])
-def test_init_from_trained_with_another_head_count_is_refused_in_both_backends(folders, tmp_path, cache_dir, name):
-    """The folders were written with model.n_head=2 (tiny_cfg); 4 heads fit the same tensors, d_model 32, and
-    would compute another model. trainer_state.json's config says it for the export, config.json for from-hf."""
-    says = (f"init.from={folders[name]!r} was trained with model.n_head=2, and this run has model.n_head=4: its "
-            f"weights would compute another model; set --model.n_head=2")
-    cfg = config.load(small_args(tmp_path / "jaxtrain", cache_dir, "--model.n_head=4", f"--init.from={folders[name]}"))
+@pytest.mark.parametrize("key, written, given", [("n_head", 2, 4), ("gelu_approximate", "none", "tanh")])
+def test_init_from_trained_with_another_head_count_or_gelu_is_refused_in_both_backends(folders, tmp_path, cache_dir,
+                                                                                       name, key, written, given):
+    """The folders were written with model.n_head=2 and the exact GELU (tiny_cfg); 4 heads fit the same tensors,
+    d_model 32, and so does the tanh GELU, and either would compute another model. trainer_state.json's config says
+    it for the export, config.json for from-hf (n_head, activation_function="gelu")."""
+    says = (f"init.from={folders[name]!r} was trained with model.{key}={written}, and this run has "
+            f"model.{key}={given}: its weights would compute another model; set --model.{key}={written}")
+    cfg = config.load(small_args(tmp_path / "jaxtrain", cache_dir, f"--model.{key}={given}",
+                                 f"--init.from={folders[name]}"))
     with pytest.raises(UserError) as e:
         run.Trainer(cfg)
     assert str(e.value) == says
-    torch_cfg = tiny_cfg(tmp_path / "torchref", "--model.n_head=4", f"--data.cache_dir={cache_dir}")
+    torch_cfg = tiny_cfg(tmp_path / "torchref", f"--model.{key}={given}", f"--data.cache_dir={cache_dir}")
     with pytest.raises(UserError) as e:
         torchref_checkpoint.init_from(folders[name], torchref_model.GPT(torch_cfg.model), None,
                                       data.load(torch_cfg.data, 32))

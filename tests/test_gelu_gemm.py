@@ -156,7 +156,9 @@ def test_the_forward_kernel_under_remat_off_a_gpu_is_refused():
      r"{key}=pallas needs model.d_model to be a multiple of 64 \(its kernel's tiles\), got 96"),
     (["--data.batch_size=1", "--model.seq_len=100"], r"a micro-batch's tokens .* to be a multiple of 64 .*got 100"),
     (["--run.dry_run=true", "--run.target_device=a100-80gb"],
-     "a kernel for Hopper GPUs \\(h100, h200\\), not run.target_device=a100")])
+     "a kernel for Hopper GPUs \\(h100, h200\\), not run.target_device=a100"),
+    (["--model.gelu_approximate=tanh"], "{key}=pallas computes the exact GELU, not model.gelu_approximate=tanh; use "
+                                        "{key}=xla")])
 def test_a_config_the_kernel_cannot_run_is_refused(key, overrides, named):
     with pytest.raises(UserError, match=named.format(key=key)):
         config.load(["--config", "configs/tiny.yaml", f"--{key}=pallas", *overrides])

@@ -2,6 +2,7 @@
 GPT2LMHeadModel with no missing or unexpected keys and compute the same logits; a model transformers wrote
 round-trips bit for bit and fine-tunes with --init.from; models jaxtrain cannot compute the same way are refused."""
 
+import dataclasses
 import filecmp
 import json
 import os
@@ -219,12 +220,13 @@ def test_a_weight_past_float16s_range_is_refused_naming_it(tmp_path, capsys):
     assert tensors(tmp_path / "back")["transformer.h.1.mlp.c_proj.weight"][3, 5] == -70144  # bf16's nearest, 8 bits
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_a_trained_run_loads_in_transformers_with_the_same_logits(tmp_path, cache_dir, capsys, bias):
+@pytest.mark.parametrize("bias, gelu", [(True, "none"), (False, "none"), (True, "tanh")])
+def test_a_trained_run_loads_in_transformers_with_the_same_logits(tmp_path, cache_dir, capsys, bias, gelu):
     """With biases or without (bias=False, nanoGPT's train.py default: HF's GPT-2 always has them, and to-hf writes
-    zeros; before, to-hf refused such a model)."""
+    zeros; before, to-hf refused such a model); with the exact GELU or GPT-2's tanh one (gelu_new)."""
     out = tmp_path / "run"
-    run.train(config.load(small_args(out, cache_dir, "--train.steps=4", f"--model.bias={str(bias).lower()}")))
+    run.train(config.load(small_args(out, cache_dir, "--train.steps=4", f"--model.bias={str(bias).lower()}",
+                                     f"--model.gelu_approximate={gelu}")))
     capsys.readouterr()
     convert.main(["to-hf", str(out / "checkpoints" / "4"), str(tmp_path / "hf")])
     said = capsys.readouterr().err
@@ -237,7 +239,8 @@ def test_a_trained_run_loads_in_transformers_with_the_same_logits(tmp_path, cach
     assert len(biases) == 2 * 6 + 1  # each layer's two LayerNorms and four projections, and ln_f
     nonzero = [np.any(held[name]) for name in biases]
     assert all(nonzero) if bias else not any(nonzero)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["activation_function"] == "gelu"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["activation_function"] == {
+        "none": "gelu", "tanh": "gelu_new"}[gelu]
     state, cfg, _ = convert.restore_step(str(out / "checkpoints" / "4"))
     idx = np.random.default_rng(0).integers(0, 256, (3, 32))
     graphdef = model.graphdef(cfg.model, vocab_size=256, precision="fp32")
@@ -391,14 +394,43 @@ def test_a_model_from_transformers_fine_tunes(tmp_path, cache_dir):
     assert losses[-1]["step"] == 3 and all(np.isfinite(line["loss"]) for line in losses)
 
 
-@pytest.mark.parametrize("overrides,named", [({"activation_function": "gelu_new"}, "gelu_new"),
-                                             ({"activation_function": "relu"}, "relu"),
-                                             ({"n_inner": 48}, "n_inner"),
-                                             ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon")])
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu_pytorch_tanh", "gelu_fast"])
+def test_gpt2s_tanh_gelu_converts_and_computes_transformers_logits(tmp_path, cache_dir, capsys, activation):
+    """GPT-2's own checkpoints use the tanh GELU (gelu_new; gelu_pytorch_tanh and gelu_fast are the same formula):
+    refused before, now model.gelu_approximate=tanh, which from-hf's fine-tune line names. The converted model's
+    logits are transformers' (fp32 both sides), and to-hf gives the folder back bit for bit, as gelu_new."""
+    source = hf_model(tmp_path, activation_function=activation)
+    convert.main(["from-hf", source, str(tmp_path / "jt")])
+    assert "--model.gelu_approximate=tanh" in capsys.readouterr().err
+    cfg = config.load(small_args(tmp_path / "run", cache_dir, "--model.gelu_approximate=tanh",
+                                 f"--init.from={tmp_path / 'jt'}"))
+    trainer = run.Trainer(cfg)
+    params = trainer.initial_state().params
+    trainer.close()
+    idx = np.random.default_rng(0).integers(0, 256, (3, 32))
+    graphdef = model.graphdef(cfg.model, vocab_size=256, precision="fp32")
+    ours = np.asarray(jax.jit(model.apply, static_argnums=0)(graphdef, params, idx), np.float64)
+    with torch.no_grad():
+        theirs = transformers.GPT2LMHeadModel.from_pretrained(source).eval()(torch.from_numpy(idx)).logits.double()
+    # as test_a_trained_run_loads_in_transformers_with_the_same_logits: fp32 both sides, other summation orders
+    assert np.abs(ours - theirs.numpy()).max() <= 1e-5 * np.abs(theirs.numpy()).max()
+    exact = dataclasses.replace(cfg.model, gelu_approximate="none")  # the option acts: the exact GELU is further off
+    erf = np.asarray(jax.jit(model.apply, static_argnums=0)(model.graphdef(exact, vocab_size=256, precision="fp32"),
+                                                             params, idx), np.float64)
+    assert np.abs(erf - theirs.numpy()).max() > 10 * np.abs(ours - theirs.numpy()).max()
+    convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back")])
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["activation_function"] == activation
+    before, after = tensors(source), tensors(tmp_path / "back")
+    assert set(before) == set(after) and all(np.array_equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize("overrides,named", [
+    ({"activation_function": "relu"}, "activation_function='relu'"),
+    ({"activation_function": "quick_gelu"}, "activation_function='quick_gelu'"),  # x sigmoid(1.702 x)
+    ({"n_inner": 48}, "n_inner"), ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon")])
 def test_what_jaxtrain_cannot_compute_the_same_is_refused(tmp_path, capsys, overrides, named):
     err = refused(capsys, ["from-hf", hf_model(tmp_path, **overrides), str(tmp_path / "jt")])
-    assert named in err
-    assert ("the tanh GELU" in err) == (named == "gelu_new")  # the note on GPT-2's own GELU, where it applies
+    assert named in err and "converted, the model would compute something else" in err
     assert not (tmp_path / "jt").exists()
 
 

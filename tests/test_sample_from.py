@@ -18,12 +18,12 @@ DIMS = dict(n_positions=32, n_embd=32, n_layer=2, n_head=2, activation_function=
 N_NEW = 12
 
 
-def hf_model(folder, vocab_size: int) -> transformers.GPT2LMHeadModel:
+def hf_model(folder, vocab_size: int, **overrides) -> transformers.GPT2LMHeadModel:
     """A randomly initialised GPT-2 saved in `folder` (its logits' top-2 gaps, ~1e-3, are far above the two
     implementations' fp32 differences, ~1e-7, so greedy texts agree token for token)."""
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab_size, bos_token_id=None,
-                                                              eos_token_id=None, **DIMS)).eval()
+                                                              eos_token_id=None, **{**DIMS, **overrides})).eval()
     hf.save_pretrained(folder)
     return hf
 
@@ -97,9 +97,10 @@ def gpt2_tokenizer_folder(folder, form: str) -> None:
 @pytest.mark.parametrize("form", ["vocab.json and merges.txt", "tokenizer.json"])
 def test_a_folder_with_gpt2s_tokenizer_files_is_read_with_gpt2s_bpe(tmp_path, capsys, form):
     """No --tokenizer: the folder's files say GPT-2's BPE. The prompt's ids are transformers' tokenizer's, the
-    continuation transformers' greedy one, decoded by transformers' tokenizer."""
+    continuation transformers' greedy one, decoded by transformers' tokenizer. The model has GPT-2's own tanh GELU
+    (gelu_new, model.gelu_approximate=tanh), as OpenAI's checkpoints."""
     folder = tmp_path / "hf"
-    hf = hf_model(folder, gpt2_bpe.EOT_ID + 1)
+    hf = hf_model(folder, gpt2_bpe.EOT_ID + 1, activation_function="gelu_new")
     gpt2_tokenizer_folder(folder, form)
     if form == "tokenizer.json":  # its own add_prefix_space, which transformers overrides with tokenizer_config's
         held = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))

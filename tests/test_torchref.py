@@ -663,7 +663,7 @@ def test_the_keys_torchref_does_not_read_are_named(token_dir, tmp_path):
 
 # What torchref/model.py's GPT reads of the model's keys: the math. Every other model key must be in JAXTRAIN_ONLY.
 TORCHREF_READS = {"vocab_size", "seq_len", "n_layer", "n_head", "d_model", "dropout", "bias", "tie_embeddings",
-                  "residual_dtype"}
+                  "gelu_approximate", "residual_dtype"}
 
 
 def test_every_model_key_is_read_by_torchref_or_named_as_jaxtrains():

@@ -153,7 +153,7 @@ def init_from(path: str, model, optimizer, tokens) -> Progress | None:
     are there too, to train on `tokens` (data.TokenData), whose ids its embedding must hold. Returns the Progress
     to continue from, or None when only weights were loaded."""
     checkpoint_kind.check_torch_source(path, "init.from")
-    checkpoint_model.check_n_head(path, model.cfg.n_head)
+    checkpoint_model.check_written(path, model.cfg)
     checkpoint_model.check_vocab_rows(path, tokens)
     with _fix_for("init.from"):
         load_weights(path, model)

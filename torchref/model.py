@@ -1,8 +1,8 @@
 """GPT-2 in plain PyTorch, laid out as nanoGPT's model.py: attention, MLP, Block, GPT.
 
-The state-dict names are nanoGPT's (transformer.wte, transformer.h.0.attn.c_attn, ..., lm_head), so a
-checkpoint reads the same in nanoGPT, here, and in jaxtrain's torch-format bridge. The parity traps are
-pinned down to match jaxtrain/model.py: exact GELU (not tanh), LayerNorm eps 1e-5, a -inf causal mask,
+The state-dict names are nanoGPT's (transformer.wte, transformer.h.0.attn.c_attn, ..., lm_head), so a checkpoint
+reads the same in nanoGPT, here, and in jaxtrain's torch-format bridge. The parity traps are pinned down to match
+jaxtrain/model.py: exact GELU (tanh only as model.gelu_approximate says), LayerNorm eps 1e-5, a -inf causal mask,
 softmax in fp32, GPT-2's init. The forward returns logits only; the training loop owns the loss.
 """
 
@@ -55,7 +55,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
-        self.gelu = nn.GELU()  # exact erf GELU; GPT-2's tanh approximation would break parity
+        self.gelu = nn.GELU(approximate=cfg.gelu_approximate)  # exact erf GELU unless model.gelu_approximate=tanh
         self.c_proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
