@@ -89,9 +89,10 @@ def check_vocab_rows(path: str, data) -> None:
 
 
 # Hugging Face's activation_function names of the GELUs jaxtrain's model computes -> model.gelu_approximate
-# (transformers' own default, where config.json names none, is gelu_new; gelu_pytorch_tanh and gelu_fast are the same
-# tanh formula, written with other roundings)
-HF_GELUS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+# (transformers' own default, where config.json names none, is gelu_new; gelu_python is the exact one written out,
+# gelu_pytorch_tanh, gelu_python_tanh, gelu_fast and gelu_accurate the same tanh formula with other roundings)
+HF_GELUS = {"gelu": "none", "gelu_python": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh",
+            "gelu_python_tanh": "tanh", "gelu_fast": "tanh", "gelu_accurate": "tanh"}
 
 
 def check_written(path: str, model_cfg) -> None:
@@ -107,20 +108,25 @@ def check_written(path: str, model_cfg) -> None:
 
 
 def _written(path: str) -> dict:
-    """{"n_head": ..., "gelu_approximate": ...} as the folder's trainer_state.json or config.json states them;
-    empty where neither does (weights alone), or where the file cannot be read (the loader names that). A
-    trainer_state.json from before model.gelu_approximate was its default, none."""
+    """{"n_head": ..., "gelu_approximate": ...} as the folder's trainer_state.json or config.json states them (each
+    where it does: a config.json's as transformers reads it, n_head 12 and gelu_new where it names none); empty where
+    neither file does (weights alone), or where it cannot be read (the loader names that). A trainer_state.json from
+    before model.gelu_approximate was its default, none."""
     for name in (TRAINER_STATE, HF_CONFIG):
         try:
             with open(os.path.join(path, name), encoding="utf-8") as f:
                 held = json.load(f)
             said = held["config"]["model"] if name == TRAINER_STATE else held
-            n_head = said["n_head"]
-        except (OSError, ValueError, KeyError, TypeError):
+            n_head = said.get("n_head", 12 if name == HF_CONFIG else None)
+            gelu = (said.get("gelu_approximate", "none") if name == TRAINER_STATE else
+                    HF_GELUS.get(_text(said.get("activation_function", "gelu_new"))))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-        if not isinstance(n_head, int) or isinstance(n_head, bool):
-            continue
-        gelu = (said.get("gelu_approximate", "none") if name == TRAINER_STATE else
-                HF_GELUS.get(said.get("activation_function", "gelu_new")))
-        return {"n_head": n_head, **({"gelu_approximate": gelu} if gelu in ("none", "tanh") else {})}
+        return {**({"n_head": n_head} if isinstance(n_head, int) and not isinstance(n_head, bool) else {}),
+                **({"gelu_approximate": gelu} if gelu in ("none", "tanh") else {})}
     return {}
+
+
+def _text(value) -> str | None:
+    """`value` where it is a string (a name to look up), else None: a hand-edited file's list is no name."""
+    return value if isinstance(value, str) else None

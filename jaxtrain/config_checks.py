@@ -197,6 +197,9 @@ def _check_hopper_kernels(cfg) -> None:
                 if value == "pallas"]:
         if cfg.train.precision == "fp32":
             raise UserError(f"{key}=pallas is a bf16 or fp16 kernel; under train.precision=fp32 use {key}=xla")
+        if key.startswith("model.gelu_") and cfg.model.gelu_approximate != "none":
+            raise UserError(f"{key}=pallas computes the exact GELU, not model.gelu_approximate="
+                            f"{cfg.model.gelu_approximate}; use {key}=xla")
         if cfg.run.target_device not in (None, "h100", "h200"):
             raise UserError(f"{key}=pallas is a kernel for Hopper GPUs (h100, h200), not "
                             f"run.target_device={cfg.run.target_device}; use {key}=xla")
@@ -211,10 +214,6 @@ def _check_hopper_kernels(cfg) -> None:
             if size % tile:
                 raise UserError(f"{key}=pallas needs {name} to be a multiple of {tile} (its kernel's tiles), got "
                                 f"{size}; use {key}=xla")
-    for key in ("gelu_fwd", "gelu_grad"):
-        if getattr(cfg.model, key) == "pallas" and cfg.model.gelu_approximate != "none":
-            raise UserError(f"model.{key}=pallas computes the exact GELU, not model.gelu_approximate="
-                            f"{cfg.model.gelu_approximate}; use model.{key}=xla")
     if cfg.model.qkv_grad == "pallas" and cfg.mesh.fsdp > 1:
         raise UserError(f"model.qkv_grad=pallas reads c_attn's weight whole on each device, which mesh.fsdp="
                         f"{cfg.mesh.fsdp} splits; use model.qkv_grad=xla, or mesh.fsdp=1")

@@ -88,10 +88,10 @@ def model_overrides(hf: dict, file: str) -> dict:
             raise UserError(f"{file}: {key}={found!r}, where jaxtrain's model (nanoGPT's) has {jaxtrain_has!r}; "
                             f"converted, the model would compute something else")
     activation = hf.get("activation_function", "gelu_new")  # transformers' default: GPT-2's
-    if activation not in HF_GELUS:
-        raise UserError(f"{file}: activation_function={activation!r}, where jaxtrain's model computes "
-                        f"{' or '.join(map(repr, HF_GELUS))} (model.gelu_approximate none or tanh); converted, the "
-                        f"model would compute something else")
+    if not isinstance(activation, str) or activation not in HF_GELUS:
+        raise UserError(f"{file}: activation_function={activation!r}, where jaxtrain's model computes a GELU, exact "
+                        f"or tanh (model.gelu_approximate none or tanh: {', '.join(HF_GELUS)}); converted, the model "
+                        f"would compute something else")
     return {"vocab_size": hf.get("vocab_size", 50257), "seq_len": hf.get("n_positions", 1024),
             "n_layer": hf.get("n_layer", 12), "n_head": hf.get("n_head", 12), "d_model": d,
             "dropout": hf.get("resid_pdrop", 0.1), "bias": hf.get(BIAS, True),

@@ -3,6 +3,7 @@ torch-format folders written by the converter, a torchref-style run of them, a H
 its from-hf conversion; each is told for what it is, and a tool given one of the wrong kind (--init.from of both
 backends, from-torch, jaxtrain.sample, a run folder) names it and the command that takes it."""
 
+import json
 import os
 import re
 import shutil
@@ -250,16 +251,35 @@ def test_init_from_trained_with_another_head_count_or_gelu_is_refused_in_both_ba
     """The folders were written with model.n_head=2 and the exact GELU (tiny_cfg); 4 heads fit the same tensors,
     d_model 32, and so does the tanh GELU, and either would compute another model. trainer_state.json's config says
     it for the export, config.json for from-hf (n_head, activation_function="gelu")."""
-    says = (f"init.from={folders[name]!r} was trained with model.{key}={written}, and this run has "
+    _refused_in_both_backends(folders[name], key, written, given, tmp_path, cache_dir)
+
+
+@pytest.mark.parametrize("activation", ["gelu_new", None])
+def test_init_from_of_gpt2s_tanh_gelu_without_the_flag_is_refused_in_both_backends(folders, tmp_path, cache_dir,
+                                                                                   activation):
+    """A from-hf folder of GPT-2's own GELU (config.json's gelu_new, or no activation_function: transformers reads
+    that as gelu_new), started from by a run left at model.gelu_approximate=none: the case a user meets."""
+    folder = tmp_path / "gpt2-gelu"
+    shutil.copytree(folders["from-hf"], folder)
+    written = json.loads((folder / "config.json").read_text())
+    written = {k: v for k, v in written.items() if k != "activation_function"}
+    (folder / "config.json").write_text(json.dumps(
+        {**written, **({"activation_function": activation} if activation else {})}))
+    _refused_in_both_backends(str(folder), "gelu_approximate", "tanh", "none", tmp_path, cache_dir)
+
+
+def _refused_in_both_backends(folder: str, key: str, written, given, tmp_path, cache_dir) -> None:
+    """A run of model.{key}={given} starting from `folder`, written with {written}, is refused with one message
+    naming both and the flag, by jaxtrain's Trainer and by torchref's init_from."""
+    says = (f"init.from={folder!r} was trained with model.{key}={written}, and this run has "
             f"model.{key}={given}: its weights would compute another model; set --model.{key}={written}")
-    cfg = config.load(small_args(tmp_path / "jaxtrain", cache_dir, f"--model.{key}={given}",
-                                 f"--init.from={folders[name]}"))
+    cfg = config.load(small_args(tmp_path / "jaxtrain", cache_dir, f"--model.{key}={given}", f"--init.from={folder}"))
     with pytest.raises(UserError) as e:
         run.Trainer(cfg)
     assert str(e.value) == says
     torch_cfg = tiny_cfg(tmp_path / "torchref", f"--model.{key}={given}", f"--data.cache_dir={cache_dir}")
     with pytest.raises(UserError) as e:
-        torchref_checkpoint.init_from(folders[name], torchref_model.GPT(torch_cfg.model), None,
+        torchref_checkpoint.init_from(folder, torchref_model.GPT(torch_cfg.model), None,
                                       data.load(torch_cfg.data, 32))
     assert str(e.value) == says
 

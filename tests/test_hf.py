@@ -36,6 +36,12 @@ def tensors(folder):
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
+def jaxtrain_logits(model_cfg, params, idx) -> np.ndarray:
+    """The fp32 logits (float64) of jaxtrain's model of `model_cfg` (256 byte ids) with `params` on the batch idx."""
+    graphdef = model.graphdef(model_cfg, vocab_size=256, precision="fp32")
+    return np.asarray(jax.jit(model.apply, static_argnums=0)(graphdef, params, idx), np.float64)
+
+
 def refused(capsys, argv: list[str]) -> str:
     """What `python -m jaxtrain.convert ARGV` prints on stderr, where it exits 2 (what came before is dropped:
     transformers' progress bars, earlier commands' lines)."""
@@ -243,8 +249,7 @@ def test_a_trained_run_loads_in_transformers_with_the_same_logits(tmp_path, cach
         "none": "gelu", "tanh": "gelu_new"}[gelu]
     state, cfg, _ = convert.restore_step(str(out / "checkpoints" / "4"))
     idx = np.random.default_rng(0).integers(0, 256, (3, 32))
-    graphdef = model.graphdef(cfg.model, vocab_size=256, precision="fp32")
-    ours = np.asarray(jax.jit(model.apply, static_argnums=0)(graphdef, state.params, idx), np.float64)
+    ours = jaxtrain_logits(cfg.model, state.params, idx)
     with torch.no_grad():
         theirs = loaded.eval()(torch.from_numpy(idx)).logits.double().numpy()
     # fp32 both sides, summed in other orders: each of the 2 * 4 + 1 matmuls (<= 128 terms) and 5 LayerNorms adds
@@ -408,15 +413,12 @@ def test_gpt2s_tanh_gelu_converts_and_computes_transformers_logits(tmp_path, cac
     params = trainer.initial_state().params
     trainer.close()
     idx = np.random.default_rng(0).integers(0, 256, (3, 32))
-    graphdef = model.graphdef(cfg.model, vocab_size=256, precision="fp32")
-    ours = np.asarray(jax.jit(model.apply, static_argnums=0)(graphdef, params, idx), np.float64)
+    ours = jaxtrain_logits(cfg.model, params, idx)
     with torch.no_grad():
         theirs = transformers.GPT2LMHeadModel.from_pretrained(source).eval()(torch.from_numpy(idx)).logits.double()
     # as test_a_trained_run_loads_in_transformers_with_the_same_logits: fp32 both sides, other summation orders
     assert np.abs(ours - theirs.numpy()).max() <= 1e-5 * np.abs(theirs.numpy()).max()
-    exact = dataclasses.replace(cfg.model, gelu_approximate="none")  # the option acts: the exact GELU is further off
-    erf = np.asarray(jax.jit(model.apply, static_argnums=0)(model.graphdef(exact, vocab_size=256, precision="fp32"),
-                                                             params, idx), np.float64)
+    erf = jaxtrain_logits(dataclasses.replace(cfg.model, gelu_approximate="none"), params, idx)  # the option acts
     assert np.abs(erf - theirs.numpy()).max() > 10 * np.abs(ours - theirs.numpy()).max()
     convert.main(["to-hf", str(tmp_path / "jt"), str(tmp_path / "back")])
     assert json.loads((tmp_path / "back" / "config.json").read_text())["activation_function"] == activation
@@ -501,6 +503,7 @@ def test_a_tensor_the_model_needs_that_the_file_lacks_is_refused_naming_it(tmp_p
     ({"jaxtrain_bias": 0}, "jaxtrain_bias=0, where true or false is needed"),
     ({"resid_pdrop": 1.0}, "resid_pdrop=1.0, where a number in [0, 1) is needed"),
     ({"resid_pdrop": True}, "resid_pdrop=True, where a number in [0, 1) is needed"),
+    ({"activation_function": ["gelu"]}, "activation_function=['gelu'], where jaxtrain's model computes a GELU"),
     ({"vocab_size": 400}, "model.safetensors: transformer.wte.weight is (256, 32), but config.json (vocab_size 400, "
                           "n_positions 32, n_embd 32) makes it (400, 32)"),
     ({"n_positions": 64}, "model.safetensors: transformer.wpe.weight is (32, 32), but config.json (vocab_size 256, "
