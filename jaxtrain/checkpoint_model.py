@@ -95,6 +95,13 @@ HF_GELUS = {"gelu": "none", "gelu_python": "none", "gelu_new": "tanh", "gelu_pyt
             "gelu_python_tanh": "tanh", "gelu_fast": "tanh", "gelu_accurate": "tanh"}
 
 
+def hf_gelu(config: dict) -> str | None:
+    """model.gelu_approximate of an HF config.json's activation_function, read as transformers reads it (gelu_new
+    where it names none); None where it names no GELU jaxtrain's model computes (or no name at all: a hand edit)."""
+    activation = config.get("activation_function", "gelu_new")
+    return HF_GELUS.get(activation) if isinstance(activation, str) else None
+
+
 def check_written(path: str, model_cfg) -> None:
     """The model.* settings a checkpoint's tensors do not show: the head count (c_attn's weight is (3d, d) however d
     is split into heads) and the GELU. Where the torch-format folder `path` (init.from) says what it was trained with
@@ -118,15 +125,10 @@ def _written(path: str) -> dict:
                 held = json.load(f)
             said = held["config"]["model"] if name == TRAINER_STATE else held
             n_head = said.get("n_head", 12 if name == HF_CONFIG else None)
-            gelu = (said.get("gelu_approximate", "none") if name == TRAINER_STATE else
-                    HF_GELUS.get(_text(said.get("activation_function", "gelu_new"))))
+            gelu = said.get("gelu_approximate", "none") if name == TRAINER_STATE else hf_gelu(said)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
         return {**({"n_head": n_head} if isinstance(n_head, int) and not isinstance(n_head, bool) else {}),
                 **({"gelu_approximate": gelu} if gelu in ("none", "tanh") else {})}
     return {}
 
-
-def _text(value) -> str | None:
-    """`value` where it is a string (a name to look up), else None: a hand-edited file's list is no name."""
-    return value if isinstance(value, str) else None

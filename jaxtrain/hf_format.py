@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from jaxtrain import runfolder
 from jaxtrain.checkpoint_kind import HF_SHARD_INDEX
-from jaxtrain.checkpoint_model import HF_GELUS
+from jaxtrain.checkpoint_model import HF_GELUS, hf_gelu
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.gpt2_bpe import EOT_ID as GPT2_EOT_ID
@@ -87,15 +87,16 @@ def model_overrides(hf: dict, file: str) -> dict:
         if found != jaxtrain_has:
             raise UserError(f"{file}: {key}={found!r}, where jaxtrain's model (nanoGPT's) has {jaxtrain_has!r}; "
                             f"converted, the model would compute something else")
-    activation = hf.get("activation_function", "gelu_new")  # transformers' default: GPT-2's
-    if not isinstance(activation, str) or activation not in HF_GELUS:
+    gelu = hf_gelu(hf)
+    if gelu is None:
+        activation = hf["activation_function"]  # named: absent is gelu_new
         raise UserError(f"{file}: activation_function={activation!r}, where jaxtrain's model computes a GELU, exact "
                         f"or tanh (model.gelu_approximate none or tanh: {', '.join(HF_GELUS)}); converted, the model "
                         f"would compute something else")
     return {"vocab_size": hf.get("vocab_size", 50257), "seq_len": hf.get("n_positions", 1024),
             "n_layer": hf.get("n_layer", 12), "n_head": hf.get("n_head", 12), "d_model": d,
             "dropout": hf.get("resid_pdrop", 0.1), "bias": hf.get(BIAS, True),
-            "tie_embeddings": hf.get("tie_word_embeddings", True), "gelu_approximate": HF_GELUS[activation]}
+            "tie_embeddings": hf.get("tie_word_embeddings", True), "gelu_approximate": gelu}
 
 
 # config.json's keys that shape the model: each a whole number > 0 where given (HF's defaults otherwise)
@@ -218,12 +219,13 @@ def saved_dtype(config: dict) -> str:
 
 def held_exactly(tensors: dict[str, np.ndarray], dtype: str) -> bool:
     """Whether every value of the fp32 `tensors` is one of `dtype`'s: written in it, none changes."""
-    return all(_exact(x, dtype) for x in tensors.values())
-
-
-def _exact(x: np.ndarray, dtype: str) -> bool:
     with np.errstate(over="ignore"):
-        return np.array_equal(x.astype(DTYPES[dtype]).astype(np.float32), x, equal_nan=True)
+        return all(_same(x.astype(DTYPES[dtype]), x) for x in tensors.values())
+
+
+def _same(cast: np.ndarray, x: np.ndarray) -> bool:
+    """Whether `cast`, fp32 `x` in a narrower dtype, holds x's values (an overflow to inf does not)."""
+    return np.array_equal(cast.astype(np.float32), x, equal_nan=True)
 
 
 def in_dtype(tensors: dict[str, np.ndarray], dtype: str, src: str,
@@ -242,7 +244,7 @@ def in_dtype(tensors: dict[str, np.ndarray], dtype: str, src: str,
             raise UserError(f"--dtype {dtype}: {src}'s {name} holds {np.max(np.abs(tensors[name][over])):.6g}, past "
                             f"{dtype}'s largest value, {float(ml_dtypes.finfo(DTYPES[dtype]).max):.6g}; write it "
                             f"with {wider}")
-    rounded = sum(not _exact(x, dtype) for x in tensors.values())
+    rounded = sum(not _same(cast[name], x) for name, x in tensors.items())
     if not rounded:
         return cast, f"; the weights are {dtype}{why}, exactly: each was a {dtype} value already"
     return cast, (f"; the weights are rounded to {dtype}{why} ({rounded} of {len(cast)} tensors changed; --dtype "

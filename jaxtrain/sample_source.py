@@ -16,6 +16,7 @@ import dataclasses
 import os
 from typing import Callable, NamedTuple
 
+import jax
 from flax import nnx
 
 from jaxtrain import checkpoint as checkpoint_lib
@@ -180,10 +181,9 @@ def _from_hf(src: str, found: str, precision: str | None, tokenizer_name: str | 
 
 
 def _template(model_cfg: ModelConfig) -> nnx.State:
-    """The model's params as shapes alone, to read weights into (on the default device, as torch_format puts them):
-    initialised ones would cost GPT-2 XL's 6 GB twice. The attention kernel shapes none, and cuDNN's, which a GPU
-    run may have trained with, refuses a machine without a GPU."""
+    """The model's params as shapes alone (as checkpoint.abstract_state makes a run's), to read weights into on the
+    default device: initialised ones would cost GPT-2 XL's 6 GB twice. The attention kernel shapes none, and
+    cuDNN's, which a GPU run may have trained with, refuses a machine without a GPU (as convert's _for_shapes)."""
     written_out = dataclasses.replace(model_cfg, attention="xla")
-    abstract = nnx.eval_shape(lambda: model_lib.GPT(written_out, vocab_size=model_cfg.vocab_size, precision="fp32",
-                                                    rngs=nnx.Rngs(0)))
-    return nnx.split(abstract, nnx.Param)[1]
+    return jax.eval_shape(lambda: model_lib.init_params(written_out, vocab_size=model_cfg.vocab_size,
+                                                        precision="fp32", seed=0)[1])
