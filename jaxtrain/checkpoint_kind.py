@@ -188,12 +188,14 @@ def check_torch_source(path: str, flag: str) -> None:
 
 def check_jaxtrain_step(path: str, command: str) -> None:
     """UserError unless `path` is a jaxtrain step folder named by its step (Orbax finds a step by its folder's
-    name), given as `command`'s SRC (to-torch; to-hf, which takes a torch-format folder itself; sample's --from,
-    which checks the other kinds itself): otherwise one line says what it is and what to pass instead."""
+    name), given as `command`'s SRC (to-torch; to-hf, which takes a torch-format folder itself; sample's and
+    evaluate's --from, which check the other kinds themselves): otherwise one line says what it is and what to pass
+    instead."""
     found, name = kind(path), os.path.basename(os.path.normpath(path))
     if found == JAXTRAIN_STEP and name.isdigit():
         return
-    given_as, verb = ("sample --from", "sample") if command == "sample" else (f"{command} SRC", "convert")
+    reads_from = command in ("sample", "evaluate")
+    given_as, verb = (f"{command} --from", command) if reads_from else (f"{command} SRC", "convert")
     step = newest_step(path)
     renamed = (f"is a jaxtrain step folder renamed {name!r}; Orbax finds a step by its folder's name: give it back "
                f"its step number (as in <run>/checkpoints/400)")
@@ -259,15 +261,16 @@ def check_hf_source(path: str) -> None:
     raise UserError(f"from-hf SRC {path} {what[found]}")
 
 
-def check_sample_source(path: str) -> str:
-    """The kind of `path`, sample's --from, where it is one that sample reads: a jaxtrain step, a Hugging Face
-    folder (or config.json beside weights the reader explains), a torch-format folder whose trainer_state.json or
-    config.json (from-hf's) says its model; else a UserError saying what it is and what to pass instead."""
+def check_model_source(path: str, command: str) -> str:
+    """The kind of `path`, the --from of `command` (sample, evaluate), where it is one they read: a jaxtrain step, a
+    Hugging Face folder (or config.json beside weights the reader explains), a torch-format folder whose
+    trainer_state.json or config.json (from-hf's) says its model; else a UserError saying what it is and what to
+    pass instead."""
     found = kind(path)
     if found == TORCH and _hf_trainer_checkpoint(path):
         return HF  # whose reader names what it cannot read (a pytorch_model.bin)
     if found == JAXTRAIN_STEP:
-        check_jaxtrain_step(path, "sample")  # named by its step, as Orbax reads it
+        check_jaxtrain_step(path, command)  # named by its step, as Orbax reads it
     said = [name for name in (TRAINER_STATE, HF_CONFIG) if os.path.exists(os.path.join(path, name))]
     if found in (JAXTRAIN_STEP, HF) or (found == TORCH and said):
         return found
@@ -276,8 +279,8 @@ def check_sample_source(path: str) -> str:
     step = newest_step(path)
     what = {
         TORCH: f"holds weights alone, with neither {TRAINER_STATE} (a checkpoint's, which holds its config) nor "
-               f"{HF_CONFIG} (from-hf's) to say the model's shape; sample the folder the weights came from",
-        JAXTRAIN_RUN: f"is a jaxtrain run folder; sample it with --run {path} (its newest checkpoint, or --step)",
+               f"{HF_CONFIG} (from-hf's) to say the model's shape; {command} the folder the weights came from",
+        JAXTRAIN_RUN: f"is a jaxtrain run folder; {command} it with --run {path} (its newest checkpoint, or --step)",
         TORCHREF_RUN: f"is a torchref run folder, not a checkpoint; pass one of its checkpoints, e.g. --from {step}",
         None: f"{_missing(path, 'holds no model')}; pass a Hugging Face GPT-2 folder, a torch-format checkpoint or "
               f"a jaxtrain step folder (or a jaxtrain run with --run)",

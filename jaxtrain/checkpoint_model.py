@@ -11,6 +11,7 @@ import re
 
 from safetensors import SafetensorError, safe_open
 
+from jaxtrain import config as config_lib
 from jaxtrain.checkpoint_kind import HF_CONFIG, MODEL, TRAINER_STATE, WPE, WTE
 from jaxtrain.errors import UserError
 
@@ -71,6 +72,15 @@ def vocab_rows(path: str) -> int:
         raise UserError(f"{file}: {WTE!r} has shape {tuple(shape)}, not (vocab_size, d_model); re-export the "
                         f"checkpoint")
     return shape[0]
+
+
+def written_config(path: str, trainer_state: dict) -> config_lib.Config:
+    """The config of the run whose checkpoint the torch-format folder `path` is (its trainer_state.json, read), with
+    model.vocab_size written down from the weights' rows where the run took the data's (its config says null)."""
+    cfg = config_lib.from_dict(trainer_state["config"])
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = vocab_rows(path)
+    return cfg
 
 
 def check_vocab_rows(path: str, data) -> None:

@@ -196,12 +196,10 @@ def from_torch(src: str, out_dir: str) -> None:
         raise UserError(f"{src} holds weights only (no {torch_format.OPTIMIZER} and {torch_format.TRAINER_STATE}), not "
                         f"a training state to resume; start a run from it with --init.from={src} instead")
     trainer_state = checkpoint_kind.read_trainer_state(src)
-    cfg = config_lib.from_dict(trainer_state["config"])
+    cfg = checkpoint_model.written_config(src, trainer_state)  # vocab_size: the run folder depends on no data for it
     # run.seed orders jaxtrain's batches: the run goes on with the data order the checkpoint was trained on.
     # An absolute run.out_dir: config.yaml resumes the run from any folder (a relative one named a folder below it).
     cfg.run.out_dir, cfg.run.seed, cfg.run.fresh = os.path.abspath(out_dir), trainer_state["data"]["seed"], False
-    if cfg.model.vocab_size is None:  # written down, so that the run folder does not depend on the data for it
-        cfg.model.vocab_size = checkpoint_model.vocab_rows(src)
     state, _ = torch_format.load(src, step_lib.fresh_state(_for_shapes(cfg), cfg.model.vocab_size), cfg,
                                  torch_format.TRAINER_STATE)
     _check_finite(state, src)

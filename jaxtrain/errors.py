@@ -1,8 +1,8 @@
 """Errors a user can cause and fix, and the one place that turns them into a clean exit.
 
-Every entry point (jaxtrain.run, .data, .convert, .sample, torchref.run, the benchmarks, the parity report) wraps
-its main in `exit_on_user_error`, so a bad config, missing data or a corrupt checkpoint ends in one line that names the
-cause and the fix, with exit code 2, instead of a traceback.
+Every entry point (jaxtrain.run, .data, .convert, .sample, .evaluate, torchref.run, the benchmarks, the parity report)
+wraps its main in `exit_on_user_error`, so a bad config, missing data or a corrupt checkpoint ends in one line that
+names the cause and the fix, with exit code 2, instead of a traceback.
 """
 
 import argparse

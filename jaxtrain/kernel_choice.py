@@ -1,8 +1,10 @@
 """Which kernel each of the model's ops runs as: the config's model.attention, model.norm, model.qkv_grad and
 model.cpu_dots against the backend the step is traced for (autocast.backend). Where a choice cannot run there, one
 error that says why and what to pick instead. The model builds its blocks from these; the train step's compile
-options ask the same questions (step.compiler_options), so that both agree on the program."""
+options ask the same questions (step.compiler_options), so that both agree on the program. A checkpoint whose config
+names another backend's kernels computes here through XLA's ops (of_this_backend)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +15,22 @@ from jaxtrain.config import ModelConfig
 from jaxtrain.config_checks import HOPPER_GEMM_TILE
 from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import triton_available
+
+
+# The kernels a config may name that run on one backend only, and what computes the same function on the others: a
+# GPU's (cuDNN's refuses a CPU; Pallas's interpreters would take hours there) and oneDNN's (a CPU's).
+BACKEND_KERNELS = {
+    "gpu": {"attention": ("cudnn", "auto"), "norm": ("pallas", "auto"), "gelu_fwd": ("pallas", "xla"),
+            "gelu_grad": ("pallas", "xla"), "head_lse": ("pallas", "xla"), "qkv_grad": ("pallas", "xla")},
+    "cpu": {"cpu_dots": ("onednn", "auto")}}
+
+
+def of_this_backend(cfg: ModelConfig) -> tuple[ModelConfig, list[str]]:
+    """(`cfg` with the kernels it names of another backend than this one put back to XLA's ops or auto's choice, the
+    settings so changed): how a checkpoint trained on another backend computes here (sample, evaluate)."""
+    changes = {key: to for where, kernels in BACKEND_KERNELS.items() if where != jax.default_backend()
+               for key, (kernel, to) in kernels.items() if getattr(cfg, key) == kernel}
+    return dataclasses.replace(cfg, **changes), [f"model.{key}={getattr(cfg, key)}" for key in changes]
 
 
 def fused_attention(cfg: ModelConfig, precision: str) -> bool:

@@ -37,7 +37,7 @@ from jaxtrain import runfolder
 from jaxtrain import runlock
 from jaxtrain import same_run
 from jaxtrain import sample as sample_lib
-from jaxtrain import sample_source
+from jaxtrain import model_source
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
@@ -108,13 +108,13 @@ class Trainer:
             cfg, self.data_seed, out_shardings=(self.state_sharding, mesh_lib.replicated(self.mesh)))
         self.eval_step = step_lib.jit_eval_step(cfg)
 
-    def _sample_tokenizer(self, cfg: Config) -> sample_source.Tokenizer:
+    def _sample_tokenizer(self, cfg: Config) -> model_source.Tokenizer:
         """The end-of-run sample's tokenizer, loaded before the first step: a data folder whose tokenizer jaxtrain
         does not have (or a gpt2 one without its files here), or whose meta.json names a tokenizer its vocab_size
         cannot hold (the prompt's ids past the model's rows), is refused now, not after the training."""
         refused = f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) could not be drawn"
         try:
-            tokenizer = sample_source.tokenizer(self.data.tokenizer)
+            tokenizer = model_source.tokenizer(self.data.tokenizer)
         except UserError as e:
             raise UserError(f"{refused}: {e}. To train without it, set --log.sample_tokens=0") from None
         if (top := max(tokenizer.encode(cfg.log.sample_prompt), default=0)) >= cfg.model.vocab_size:
@@ -224,9 +224,7 @@ class Trainer:
     def evaluate(self, params, batches) -> tuple[float, float]:
         """Token-weighted mean CE and top-1 accuracy over all eval batches."""
         with jax.set_mesh(self.mesh):
-            sums = [self.eval_step(params, inputs, targets) for inputs, targets in batches]
-        ce, correct, n = np.sum(jax.device_get(sums), axis=0, dtype=np.float64)
-        return float(ce / max(n, 1)), float(correct / max(n, 1))
+            return step_lib.eval_means([self.eval_step(params, inputs, targets) for inputs, targets in batches])
 
 
 def train(cfg: Config) -> dict:

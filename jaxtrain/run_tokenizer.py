@@ -56,18 +56,25 @@ def chosen(cfg: Config, data_fingerprint: str | None, given: str | None, run: st
     return own
 
 
+HF_FILES = (gpt2_bpe.HF_FAST, gpt2_bpe.HF_VOCAB, gpt2_bpe.HF_MERGES)  # a GPT-2 folder's tokenizer, either form
+
+
+def holds_hf_files(src: str) -> bool:
+    """Whether the Hugging Face folder `src` holds tokenizer files (HF_FILES) to say its model's tokenizer."""
+    return any(os.path.isfile(os.path.join(src, name)) for name in HF_FILES)
+
+
 def of_hf_folder(src: str, given: str | None, vocab_size: int) -> str:
     """The tokenizer a Hugging Face GPT-2 folder's text is read with (from-hf's carries the files of the one it came
     with): GPT-2's BPE where its files are GPT-2's (gpt2_bpe.differs) and its model has a row for each of its
     tokens; `given` (--tokenizer) where it holds no files, or GPT-2's with too few rows for them; else a UserError
     asking for it. Refused where its files are another tokenizer's, which jaxtrain cannot encode with, and where
     `given` is not the one its files are."""
-    names = (gpt2_bpe.HF_FAST, gpt2_bpe.HF_VOCAB, gpt2_bpe.HF_MERGES)
     choices = " or ".join(f"--tokenizer {name}" for name in prepare_lib.TOKENIZERS)
-    if not any(os.path.isfile(os.path.join(src, name)) for name in names):
+    if not holds_hf_files(src):
         if given is not None:
             return given
-        raise UserError(f"{src} holds no tokenizer files ({', '.join(names)}) to say which tokenizer its model "
+        raise UserError(f"{src} holds no tokenizer files ({', '.join(HF_FILES)}) to say which tokenizer its model "
                         f"reads; pass {choices}, the one it was trained with")
     why = gpt2_bpe.differs(src)
     if why is not None:

@@ -5,7 +5,7 @@ weights (--from FOLDER: a Hugging Face GPT-2 folder among them, as nanoGPT's sam
     python -m jaxtrain.sample --run out/gpt2 --prompt "Once" --top_p 0.9 --num_samples 3 --stop_at_eot
     python -m jaxtrain.sample --from my-gpt2-hf --prompt "Once upon a time" --temperature 0
 
-Loads a checkpoint of the run (the newest complete one, or --step), or the folder (sample_source.py), encodes the
+Loads a checkpoint of the run (the newest complete one, or --step), or the folder (model_source.py), encodes the
 prompt with the tokenizer of the data the run trained on (bytes or GPT-2's BPE) or the folder's, generates, and
 prints the prompt and its continuation decoded (--num_samples of them, a line of dashes between two, as nanoGPT's
 sample.py).
@@ -35,12 +35,12 @@ import numpy as np
 
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
-from jaxtrain import sample_source
-from jaxtrain.autocast import COMPUTE_DTYPES, backend, rounding_options
+from jaxtrain import model_source
+from jaxtrain.autocast import backend, rounding_options
 from jaxtrain.config import Config, ModelConfig
 from jaxtrain.config_checks import INT32_MAX
 from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
-from jaxtrain.sample_source import Tokenizer
+from jaxtrain.model_source import Tokenizer
 
 EMPTY_PROMPT = "the prompt is empty; give one with --prompt (e.g. --prompt $'\\n' for a new line)"
 MAX_SAMPLES = 1024  # texts drawn as one batch: 1024 of GPT-2 124M's KV caches (1024 positions, bf16) are 38 GB
@@ -207,10 +207,10 @@ def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer,
     GELU (model.gelu_fwd xla: the same function): gelu_gemm's kernel takes tokens in tiles of 64 rows, and decoding
     brings one at a time."""
     ids = prompt_ids(tok, prompt, sampling, model_cfg.vocab_size)
-    # A bf16 residual stream (model.residual_dtype=bf16) is bf16 arithmetic: sampled in another --precision, the
-    # stream is that precision's too, fp32, as config_checks would have it in training
-    stream = model_cfg.residual_dtype if precision == "bf16" else "fp32"
-    model_cfg = dataclasses.replace(model_cfg, attention="xla", gelu_fwd="xla", residual_dtype=stream)
+    # computed_here: another backend's kernels through XLA's ops; a bf16 residual stream (model.residual_dtype=bf16,
+    # bf16 arithmetic) sampled in another --precision is that precision's, fp32, as config_checks has it in training
+    model_cfg = dataclasses.replace(model_source.computed_here(model_cfg, precision)[0], attention="xla",
+                                    gelu_fwd="xla")
     graphdef = model_lib.graphdef(model_cfg, vocab_size=model_cfg.vocab_size, precision=precision)
     stop_id = tok.eot if sampling.stop_at_eot else None
     prompts = np.asarray([ids] * sampling.num_samples, np.int32)
@@ -243,12 +243,7 @@ def _parser() -> argparse.ArgumentParser:
                               '  python -m jaxtrain.sample --run out/tiny --prompt "def " --temperature 0\n'
                               '  python -m jaxtrain.sample --from my-gpt2-hf --prompt "Once upon a time"',
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = ap.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", help="the run folder (its run.out_dir), e.g. out/tiny")
-    source.add_argument("--from", dest="from_", metavar="FOLDER",
-                        help="a Hugging Face GPT-2 folder (save_pretrained's), a torch-format checkpoint (what "
-                             "convert from-hf or to-torch writes, torchref's) or a jaxtrain step folder")
-    ap.add_argument("--step", type=int, help="the run's checkpoint's step; default: the newest complete one")
+    model_source.add_arguments(ap)
     ap.add_argument("--prompt", default="\n", help="the text to continue (default: a new line)")
     ap.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens,
                     help=f"tokens to draw after the prompt (default {defaults.max_new_tokens})")
@@ -264,8 +259,6 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"texts to draw, as one batch (default {defaults.num_samples})")
     ap.add_argument("--stop_at_eot", action="store_true",
                     help="end each text before its first <|endoftext|> (GPT-2's tokenizer)")
-    ap.add_argument("--precision", choices=tuple(COMPUTE_DTYPES),
-                    help="default: the run's train.precision (fp32 for a Hugging Face model)")
     ap.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
                     help="default, and the only one accepted where the run's data folder is here and still holds "
                          "the data the run trained on: that data's (a Hugging Face folder's: GPT-2's BPE where its "
@@ -281,15 +274,12 @@ def main(argv: list[str] | None = None) -> None:
         sampling.check()  # before the checkpoint is read
         if not args.prompt:  # as is an empty prompt (any text encodes to at least one token)
             raise UserError(EMPTY_PROMPT)
-        if args.from_ is not None and args.step is not None:
-            raise UserError(f"--step picks a checkpoint of --run; --from {args.from_} names one folder of weights "
-                            f"already: leave --step out")
-        run = (sample_source.from_run(args.run, args.step, args.precision, args.tokenizer) if args.from_ is None
-               else sample_source.from_folder(args.from_, args.precision, args.tokenizer))
-        prompt_ids(run.tokenizer, args.prompt, sampling, run.model_cfg.vocab_size)  # a refusal: one line, no header
+        run = model_source.load(args, "sample")
+        tokenizer = model_source.text_tokenizer(run, args.tokenizer)
+        prompt_ids(tokenizer, args.prompt, sampling, run.model_cfg.vocab_size)  # a refusal: one line, no header
         print(f"{run.source}, {run.precision}, temperature {sampling.temperature}, top_k {sampling.top_k}, top_p "
               f"{sampling.top_p}, seed {sampling.seed}", file=sys.stderr)
-        texts = sample_texts(run.params, run.model_cfg, run.precision, run.tokenizer, args.prompt, sampling)
+        texts = sample_texts(run.params, run.model_cfg, run.precision, tokenizer, args.prompt, sampling)
         print(f"\n{SAMPLE_RULE}\n".join(texts))
 
 

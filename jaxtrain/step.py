@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -296,3 +297,10 @@ def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
         zeros = (jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
         return jax.lax.scan(micro, zeros, (inputs_KxBxT, targets_KxBxT))[0]
     return eval_step
+
+
+def eval_means(sums: list) -> tuple[float, float]:
+    """(loss, accuracy): eval_step's sums of each batch, added up in float64 (thousands of batches of fp32 sums
+    would round), the CE and the correct predictions over the valid tokens of all: token-weighted."""
+    ce, correct, n = np.sum(jax.device_get(sums), axis=0, dtype=np.float64)
+    return float(ce / max(n, 1)), float(correct / max(n, 1))

@@ -479,7 +479,7 @@ def test_a_checkpoint_off_its_fingerprint_is_refused_by_the_converters_and_the_s
     does: a corrupt checkpoint converted with exit 0, and from-torch then gave the damage a valid fingerprint. Here
     the arrays read but one checksum in meta differs (what a flipped bit in them gives), so each refuses, naming
     the array and what to do instead, and writes nothing."""
-    from jaxtrain import sample_source
+    from jaxtrain import model_source
     step_dir = _saved_run(tmp_path)
     path = _break_fingerprint(step_dir)
     for command in ("to-torch", "to-hf"):
@@ -489,7 +489,7 @@ def test_a_checkpoint_off_its_fingerprint_is_refused_by_the_converters_and_the_s
         assert e.value.code == 2 and f"checkpoint {step_dir} does not match its fingerprint: {path}" in err
         assert "it is corrupt; convert another step folder of the run" in err and not (tmp_path / command).exists()
     with pytest.raises(UserError, match=f"{path} .*it is corrupt; its run has no other checkpoint to sample"):
-        sample_source.from_run(str(tmp_path / "run"), None, None, None)
+        model_source.from_run(str(tmp_path / "run"), None, None, "sample")
 
 
 def test_a_checkpoint_off_its_fingerprint_names_the_runs_other_steps_to_convert(tmp_path, capsys):
@@ -506,7 +506,7 @@ def test_a_checkpoint_off_its_fingerprint_names_the_runs_other_steps_to_convert(
 def test_a_step_folder_holding_another_step_is_refused_by_the_converters_and_the_sampler(tmp_path, capsys):
     """A copy of the run's step 3 put back as step 4 (a backup restored under another name) was converted, and
     sampled as "step 4", with exit 0. Refused in one line naming the step it holds, nothing written."""
-    from jaxtrain import sample_source
+    from jaxtrain import model_source
     good = _saved_run(tmp_path)
     copied = os.path.join(os.path.dirname(good), str(STEPS + 1))
     shutil.copytree(good, copied)
@@ -518,7 +518,7 @@ def test_a_step_folder_holding_another_step_is_refused_by_the_converters_and_the
         assert e.value.code == 2 and not (tmp_path / command).exists()
         assert capsys.readouterr().err == f"error: {why}; convert another step folder of the run ({good})\n"
     with pytest.raises(UserError) as e:
-        sample_source.from_run(str(tmp_path / "run"), None, None, None)
+        model_source.from_run(str(tmp_path / "run"), None, None, "sample")
     assert str(e.value) == f"{why}; sample another of its checkpoints with --step ({STEPS})"
 
 

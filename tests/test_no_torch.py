@@ -1,5 +1,5 @@
-"""A jaxtrain process never loads torch, though torch is installed here (the [test] extra brings it): not the
-trainer, not the converter, not the sampler, not --help. Python's -X importtime lists every module a process
+"""A jaxtrain process never loads torch, though torch is installed here (the [test] extra brings it): not the trainer,
+not the converter, not the sampler, not the evaluator, not --help. Python's -X importtime lists every module a process
 imports, lazily imported ones included, on stderr; no line may name torch or one of its submodules. Nor, off a GPU,
 does it run the code of Pallas's GPU backends, which only the GPU kernels use (imported on first use, first_use.py:
 Mosaic GPU's 0.4 s of a start, Triton's 0.14 s)."""
@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+from jaxtrain import embedded_corpus
 from test_run import small_args
 
 TORCH_IMPORT = re.compile(r"^import time:.*\|\s+torch(\.|$)", re.M)
@@ -39,7 +40,9 @@ def test_training_and_converting_never_import_torch_nor_gpu_pallas(tmp_path, cac
     converted = imports_of("jaxtrain.convert", "to-torch", str(out / "checkpoints" / "4"), str(tmp_path / "torch"))
     exported = imports_of("jaxtrain.convert", "to-hf", str(out / "checkpoints" / "4"), str(tmp_path / "hf"))
     sampled = imports_of("jaxtrain.sample", "--run", str(out), "--max_new_tokens", "3")
-    for stderr in (imports_of("jaxtrain.run", "--help"), trained, converted, exported, sampled):
+    evaluated = imports_of("jaxtrain.evaluate", "--from", str(tmp_path / "hf"), "--data",
+                           embedded_corpus.folder(cache_dir), "--batches", "1")
+    for stderr in (imports_of("jaxtrain.run", "--help"), trained, converted, exported, sampled, evaluated):
         assert "jaxtrain" in stderr and not TORCH_IMPORT.search(stderr), TORCH_IMPORT.findall(stderr)[:5]
         assert not GPU_PALLAS_IMPORT.search(stderr), GPU_PALLAS_IMPORT.findall(stderr)
     # The pattern finds both modules' imports; and hopper_gemm.plgpu and fused_norm.pl_triton read the modules a

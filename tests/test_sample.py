@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 
 from test_convert import copy_step
 from test_run import small_args
-from jaxtrain import autocast, config, convert, data, model, prepare, run, run_tokenizer, sample, sample_source
+from jaxtrain import autocast, config, convert, data, model, prepare, run, run_tokenizer, sample, model_source
 from jaxtrain.errors import UserError
 
 STEPS = 40  # enough that the logits are far from uniform: top-2 gaps mostly well above the rounding bounds below
@@ -39,7 +39,12 @@ def trained(tmp_path_factory, cache_dir):
 
 @pytest.fixture(scope="module")
 def loaded(trained):
-    return sample_source.from_run(trained[0], None, None, None)
+    return model_source.from_run(trained[0], None, None, "sample")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(loaded):
+    return model_source.text_tokenizer(loaded, None)
 
 
 # The forward pass compiled as the train step compiles it on this backend (autocast.rounding_options), for each
@@ -131,7 +136,7 @@ def test_greedy_continuation_is_the_full_forward_argmax(loaded, precision, strea
             rtol=0, atol=STREAM_ATOL if stream == "bf16" else LOGIT_ATOL[precision], err_msg=f"token {i}")
 
 
-def test_a_bf16_stream_run_sampled_in_fp32_runs_an_fp32_stream(loaded, monkeypatch):
+def test_a_bf16_stream_run_sampled_in_fp32_runs_an_fp32_stream(loaded, monkeypatch, tokenizer):
     """--precision fp32 on a run trained with model.residual_dtype=bf16: fp32 arithmetic throughout, the stream too
     (a bf16 stream beside fp32 Linears would be promoted to fp32 at its first add by XLA's ops but stay bf16 in the
     norm kernels): the sampler is built for an fp32 stream and gives the text of the same config with one."""
@@ -140,7 +145,7 @@ def test_a_bf16_stream_run_sampled_in_fp32_runs_an_fp32_stream(loaded, monkeypat
                                                                          real(graphdef, cfg, *a))[1])
     for stream in ("bf16", "fp32"):
         cfg = dataclasses.replace(loaded.model_cfg, residual_dtype=stream)
-        seen[stream] = sample.sample_texts(loaded.params, cfg, "fp32", loaded.tokenizer, "hello",
+        seen[stream] = sample.sample_texts(loaded.params, cfg, "fp32", tokenizer, "hello",
                                            sample.Sampling(max_new_tokens=4))
     assert built == ["fp32", "fp32"] and seen["bf16"] == seen["fp32"]
 
@@ -152,12 +157,12 @@ def test_a_rematted_model_samples_what_it_samples_without(loaded):
     assert _generate(rematted, "fp32", temperature=0.0)[1] == _generate(loaded, "fp32", temperature=0.0)[1]
 
 
-def test_a_model_trained_with_the_gelu_kernel_samples_through_xlas_mlp(loaded):
+def test_a_model_trained_with_the_gelu_kernel_samples_through_xlas_mlp(loaded, tokenizer):
     """model.gelu_fwd=pallas's kernel takes tokens in tiles of 64 rows and decoding brings one at a time: a run
     trained with it samples (sample_text, as `python -m jaxtrain.sample` and the end-of-run sample call it) the
     text XLA's MLP gives, the same function."""
     texts = [sample.sample_texts(loaded.params, dataclasses.replace(loaded.model_cfg, gelu_fwd=gelu_fwd), "bf16",
-                                loaded.tokenizer, "hello", sample.Sampling(max_new_tokens=4, temperature=0.0))
+                                tokenizer, "hello", sample.Sampling(max_new_tokens=4, temperature=0.0))
              for gelu_fwd in ("pallas", "xla")]
     assert texts[0] == texts[1] and texts[0][0].startswith("hello")
 
@@ -201,11 +206,11 @@ def test_top_k_1_is_greedy_and_a_seed_fixes_the_text(loaded):
     assert _generate(loaded, "fp32", temperature=1.0, top_k=0, seed=1)[1] != seed_0
 
 
-def test_samples_differ_and_the_first_is_the_single_samples_text(loaded):
+def test_samples_differ_and_the_first_is_the_single_samples_text(loaded, tokenizer):
     """num_samples 3 at temperature 1: three texts, the first that of num_samples 1 with the same seed (sample r's
     keys do not depend on how many are drawn)."""
     def texts(n):
-        return sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", loaded.tokenizer, PROMPT, sample.Sampling(
+        return sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", tokenizer, PROMPT, sample.Sampling(
             max_new_tokens=N_NEW, temperature=1.0, top_k=0, seed=2, num_samples=n))
     one, three = texts(1), texts(3)
     assert len(one) == 1 and three[0] == one[0] and len(set(three)) == 3, three
@@ -218,7 +223,7 @@ def test_row_r_draws_with_the_key_fold_in_key_r():
     assert sample.next_token(logits, key, 1.0, 0).tolist() == want
 
 
-def test_stop_at_eot_ends_each_text_before_its_first_and_generation_when_all_have_one(loaded):
+def test_stop_at_eot_ends_each_text_before_its_first_and_generation_when_all_have_one(loaded, tokenizer):
     """The byte model, with a token its three samples all draw standing in for <|endoftext|>: each row's tokens up
     to its first stop are those drawn without one; after the last row's first, none is drawn (-1); the texts end
     before their first."""
@@ -233,7 +238,7 @@ def test_stop_at_eot_ends_each_text_before_its_first_and_generation_when_all_hav
     stopped = np.asarray(sample.generator(graphdef, loaded.model_cfg, "fp32", rule, stop_id)(loaded.params, prompts))
     np.testing.assert_array_equal(stopped[:, :P + max(first) + 1], free[:, :P + max(first) + 1])
     assert np.all(stopped[:, P + max(first) + 1:] == -1), stopped
-    tok = loaded.tokenizer._replace(eot=stop_id)
+    tok = tokenizer._replace(eot=stop_id)
     texts = sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", tok, bytes(LONG_PROMPT).decode(),
                                 dataclasses.replace(rule, num_samples=3, stop_at_eot=True))
     assert texts == [tok.decode(row[:P + f]) for row, f in zip(free, first)]
@@ -319,13 +324,13 @@ def test_a_temperature_near_0_draws_the_likeliest_token(temperature):
 
 
 def test_tokenizers_encode_and_decode_known_ids():
-    tok = sample_source.tokenizer("bytes")
+    tok = model_source.tokenizer("bytes")
     assert tok.encode("dé") == [0x64, 0xC3, 0xA9]
     assert tok.encode(os.fsdecode(b"a\xff")) == [0x61, 0xFF]  # a command line's undecodable byte, as it was given
     assert tok.decode([0x64, 0xC3, 0xA9]) == "dé"
     assert tok.decode([0x64, 0xE2, 0x82]) == "d\ufffd"  # half a character
     assert tok.decode([0x64, 300]) == "d\ufffd"  # an id of a vocabulary padded past 256
-    gpt2 = sample_source.tokenizer("gpt2")
+    gpt2 = model_source.tokenizer("gpt2")
     assert gpt2.encode("Hello world") == [15496, 995]  # GPT-2's own ids
     assert gpt2.encode("<|endoftext|>def") == [50256, 4299]
     assert gpt2.decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
@@ -400,13 +405,13 @@ def test_run_and_step_errors(trained, tmp_path, capsys):
     refused(capsys, ["--run", ""], "--run is an empty path")  # was: "error:  holds no complete checkpoint"
 
 
-def test_a_text_longer_than_int32_positions_is_refused(trained, loaded, capsys):
+def test_a_text_longer_than_int32_positions_is_refused(trained, loaded, capsys, tokenizer):
     """--max_new_tokens 3000000000 ended in jit's OverflowError, a traceback: the text's positions are int32."""
     refused(capsys, ["--run", trained[0], "--max_new_tokens", "3000000000"],
             "--max_new_tokens must be below 2147483647 (2**31 - 1")
     with pytest.raises(UserError, match="the prompt's 4 tokens and --max_new_tokens 2147483646 make a text longer "
                                         "than int32 positions reach .*ask for at most 2147483643 new tokens"):
-        sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", loaded.tokenizer, PROMPT,
+        sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", tokenizer, PROMPT,
                            sample.Sampling(max_new_tokens=2**31 - 2))
 
 
@@ -441,7 +446,7 @@ def test_a_tokenizer_other_than_the_runs_is_refused(trained, loaded, capsys):
             f"with bytes; leave --tokenizer out to use the run's own")
     # Where the run's tokenizer is not known (below), a prompt past the model's vocabulary is still refused.
     with pytest.raises(UserError, match="token id 15496, beyond the model's vocabulary of 256"):
-        sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", sample_source.tokenizer("gpt2"), "Hello",
+        sample.sample_texts(loaded.params, loaded.model_cfg, "fp32", model_source.tokenizer("gpt2"), "Hello",
                            sample.Sampling())
 
 
@@ -631,7 +636,7 @@ def test_sampling_a_run_that_replaces_its_newest_checkpoint_reads_the_new_newest
     60 (40's arrays), is read."""
     run_dir, checkpoints = _copy_of(trained, tmp_path)
     _trainer_replacing_the_newest(monkeypatch, checkpoints, times=1)
-    got = sample_source.from_run(run_dir, None, None, None)
+    got = model_source.from_run(run_dir, None, None, "sample")
     assert got.step == 60 and sorted(os.listdir(checkpoints), key=int) == ["20", "60"]
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(loaded.params), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -640,7 +645,7 @@ def test_sampling_a_run_that_replaces_its_newest_checkpoint_reads_the_new_newest
 def test_a_run_that_keeps_replacing_its_newest_checkpoint_is_named_still_training(trained, tmp_path, monkeypatch,
                                                                                   capsys):
     run_dir, checkpoints = _copy_of(trained, tmp_path)
-    _trainer_replacing_the_newest(monkeypatch, checkpoints, times=sample_source.RESTORE_TRIES)
+    _trainer_replacing_the_newest(monkeypatch, checkpoints, times=model_source.RESTORE_TRIES)
     refused(capsys, ["--run", run_dir], f"{run_dir} is still training and replaced its newest checkpoint while it "
                                         f"was read, 3 times; raise its checkpoint.max_to_keep")
     assert sorted(os.listdir(checkpoints), key=int) == ["20", "100"]  # 40 -> 60 -> 80 -> 100

@@ -1,6 +1,7 @@
-"""What `python -m jaxtrain.sample` draws from, with its model config, the precision it computes in and the tokenizer
-its text is read with: a checkpoint of a jaxtrain run (--run, --step), or a folder of weights (--from), as nanoGPT's
-sample.py takes a run's checkpoint or GPT-2's weights from Hugging Face:
+"""The model that `python -m jaxtrain.sample` draws from and `python -m jaxtrain.evaluate` scores, with its model
+config, the precision it computes in and, where the weights are a run's, that run's config (its data, its eval set):
+a checkpoint of a jaxtrain run (--run, --step), or a folder of weights (--from), as nanoGPT's sample.py takes a
+run's checkpoint or GPT-2's weights from Hugging Face; and the tokenizer its text is read with (text_tokenizer):
 
     Hugging Face   a GPT2LMHeadModel folder (config.json, model.safetensors or its shards); its tokenizer files
                    (vocab.json and merges.txt, or tokenizer.json) say its tokenizer where they are GPT-2's BPE
@@ -12,6 +13,7 @@ Weights are computed in fp32 where no run's train.precision says otherwise (a Hu
 dtype it was stored in, not one it trained with).
 """
 
+import argparse
 import dataclasses
 import os
 from typing import Callable, NamedTuple
@@ -22,14 +24,15 @@ from flax import nnx
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import checkpoint_kind
 from jaxtrain import checkpoint_model
-from jaxtrain import config as config_lib
 from jaxtrain import convert
 from jaxtrain import gpt2_bpe
 from jaxtrain import hf_format
+from jaxtrain import kernel_choice
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
 from jaxtrain import run_tokenizer, runfolder, torch_format
-from jaxtrain.config import ModelConfig
+from jaxtrain.autocast import COMPUTE_DTYPES
+from jaxtrain.config import Config, ModelConfig
 from jaxtrain.errors import UserError
 
 REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
@@ -68,33 +71,78 @@ class Loaded(NamedTuple):
     params: object  # nnx.State on one device
     model_cfg: ModelConfig
     precision: str
-    tokenizer: Tokenizer
     step: int | None  # the checkpoint's; None for a Hugging Face model
     source: str  # what the header line names: "step 40 of out/tiny", a folder
+    where: str  # the run folder or the folder of weights, as given
+    cfg: Config | None = None  # the config of the run the weights are a checkpoint of; None for a Hugging Face model
+    data_fingerprint: str | None = None  # of the data that run trained on, where its checkpoint records it
+    data_seed: int | None = None  # that run's data seed (its batch order and eval set), where recorded
 
 
-def from_run(run_dir: str, step: int | None, precision: str | None, tokenizer_name: str | None) -> Loaded:
-    """The run's params at `step` (None: the newest complete checkpoint) on one device, its model config, the
-    precision to compute in (None: the run's train.precision) and the tokenizer (None: that of the run's data)."""
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The command-line arguments that say which model sample or evaluate reads (load), and in what precision."""
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="the run folder (its run.out_dir), e.g. out/tiny")
+    source.add_argument("--from", dest="from_", metavar="FOLDER",
+                        help="a Hugging Face GPT-2 folder (save_pretrained's), a torch-format checkpoint (what "
+                             "convert from-hf or to-torch writes, torchref's) or a jaxtrain step folder")
+    ap.add_argument("--step", type=int, help="the run's checkpoint's step; default: the newest complete one")
+    ap.add_argument("--precision", choices=tuple(COMPUTE_DTYPES),
+                    help="default: the run's train.precision (fp32 for a Hugging Face model)")
+
+
+def load(args: argparse.Namespace, command: str) -> Loaded:
+    """The model add_arguments' `args` name, for `command` ("sample", "evaluate": what the refusals say to do with
+    another checkpoint or folder)."""
+    if args.from_ is not None and args.step is not None:
+        raise UserError(f"--step picks a checkpoint of --run; --from {args.from_} names one folder of weights "
+                        f"already: leave --step out")
+    if args.from_ is None:
+        return from_run(args.run, args.step, args.precision, command)
+    return from_folder(args.from_, args.precision, command)
+
+
+def from_run(run_dir: str, step: int | None, precision: str | None, command: str) -> Loaded:
+    """The run's params at `step` (None: the newest complete checkpoint) on one device, its config and the precision
+    to compute in (None: the run's train.precision). `command` ("sample", "evaluate") is what the refusals say to do
+    with another checkpoint."""
     runfolder.check_given(run_dir, "--run", "the run folder, e.g. --run out/tiny")
     runfolder.check_not_url(run_dir, "--run")
     if not os.path.isdir(run_dir):  # else said to hold no complete checkpoint, as a run that saved none is
         raise UserError(f"--run {run_dir} does not exist; pass the run.out_dir of a jaxtrain run")
     checkpoint_kind.check_jaxtrain_run(run_dir, "--run")
-    step, (state, cfg, meta) = _restore(run_dir, step)
-    return _of_run(state.params, cfg, step, meta.get("data_fingerprint"), precision, tokenizer_name, run_dir)
+    step, (state, cfg, meta) = _restore(run_dir, step, command)
+    return _of_run(state.params, cfg, step, meta, precision, run_dir)
 
 
-def _of_run(params, cfg, step: int, data_fingerprint: str | None, precision: str | None,
-            tokenizer_name: str | None, where: str) -> Loaded:
-    """Loaded of a run's checkpoint of `step` held at `where` (its config `cfg`): its train.precision and its
-    data's tokenizer unless given."""
-    name = run_tokenizer.chosen(cfg, data_fingerprint, tokenizer_name, where)
-    return Loaded(params, cfg.model, precision or cfg.train.precision,
-                  _text_tokenizer(name, cfg.model.vocab_size, where), step, f"step {step} of {where}")
+def _of_run(params, cfg: Config, step: int, meta: dict, precision: str | None, where: str) -> Loaded:
+    """Loaded of a run's checkpoint of `step` held at `where` (its config `cfg`; `meta`: its data_fingerprint and
+    data_seed, where recorded), in its train.precision unless given."""
+    return Loaded(params, cfg.model, precision or cfg.train.precision, step, f"step {step} of {where}", where, cfg,
+                  meta.get("data_fingerprint"), meta.get("data_seed", cfg.run.seed))
 
 
-def _restore(run_dir: str, step: int | None):
+def computed_here(model_cfg: ModelConfig, precision: str) -> tuple[ModelConfig, list[str]]:
+    """(the config a checkpoint's model computes with here in `precision`, the settings changed for it): its
+    kernels where they run on this backend, the same function through XLA's ops for another's
+    (kernel_choice.of_this_backend); its residual stream bf16 only under bf16, as config_checks holds a run to."""
+    model_cfg, changed = kernel_choice.of_this_backend(model_cfg)
+    stream = model_cfg.residual_dtype if precision == "bf16" else "fp32"
+    return dataclasses.replace(model_cfg, residual_dtype=stream), changed
+
+
+def text_tokenizer(loaded: Loaded, given: str | None) -> Tokenizer:
+    """The tokenizer the text of `loaded`'s model is read with: `given` (--tokenizer) or, for a run's checkpoint,
+    that of the run's data (run_tokenizer.chosen), for a Hugging Face folder the one its files are
+    (run_tokenizer.of_hf_folder)."""
+    if loaded.cfg is not None:
+        name = run_tokenizer.chosen(loaded.cfg, loaded.data_fingerprint, given, loaded.where)
+    else:
+        name = run_tokenizer.of_hf_folder(loaded.where, given, loaded.model_cfg.vocab_size)
+    return _text_tokenizer(name, loaded.model_cfg.vocab_size, loaded.where)
+
+
+def _restore(run_dir: str, step: int | None, command: str):
     """(step, convert.restore_step's (state, config, meta)) of checkpoint `step`, or with None of the newest one.
 
     A run still training deletes its older checkpoints once a newer one is saved (checkpoint.max_to_keep), so the
@@ -110,8 +158,8 @@ def _restore(run_dir: str, step: int | None):
             raise UserError(f"{run_dir} has no checkpoint of step {step}; its steps are {', '.join(map(str, steps))}")
         chosen = steps[-1] if step is None else step
         others = ", ".join(str(s) for s in steps if s != chosen)
-        fix = (f"sample another of its checkpoints with --step ({others})" if others else
-               "its run has no other checkpoint to sample")
+        fix = (f"{command} another of its checkpoints with --step ({others})" if others else
+               f"its run has no other checkpoint to {command}")
         try:
             return chosen, convert.restore_step(os.path.join(run_dir, "checkpoints", str(chosen)), fix)
         except UserError:
@@ -119,7 +167,7 @@ def _restore(run_dir: str, step: int | None):
                 raise
     raise UserError(f"{run_dir} is still training and replaced its newest checkpoint while it was read, "
                     f"{RESTORE_TRIES} times; raise its checkpoint.max_to_keep (older steps then stay to be read) or "
-                    f"sample once the run has ended")
+                    f"{command} once the run has ended")
 
 
 def _text_tokenizer(name: str, vocab_size: int, where: str) -> Tokenizer:
@@ -138,30 +186,27 @@ def _text_tokenizer(name: str, vocab_size: int, where: str) -> Tokenizer:
     return text_tokenizer
 
 
-def from_folder(src: str, precision: str | None, tokenizer_name: str | None) -> Loaded:
-    """The model of the folder of weights `src` (--from: see the module's docstring) on one device, its config, the
-    precision to compute in (None: the run's train.precision where a run's config is there, else fp32) and the
-    tokenizer (None: the run's data's, or the one whose files a Hugging Face folder holds)."""
+def from_folder(src: str, precision: str | None, command: str) -> Loaded:
+    """The model of the folder of weights `src` (--from: see the module's docstring) on one device, its config and
+    the precision to compute in (None: the run's train.precision where a run's config is there, else fp32).
+    `command` ("sample", "evaluate") is what the refusals say to do with another folder."""
     runfolder.check_given(src, "--from", "a folder of weights, e.g. --from my-gpt2-hf")
     runfolder.check_not_url(src, "--from")
-    found = checkpoint_kind.check_sample_source(src)
+    found = checkpoint_kind.check_model_source(src, command)
     if found == checkpoint_kind.JAXTRAIN_STEP:
-        state, cfg, meta = convert.restore_step(src, "sample another step folder of its run")
-        return _of_run(state.params, cfg, int(state.step), meta.get("data_fingerprint"), precision, tokenizer_name,
-                       src)
+        state, cfg, meta = convert.restore_step(src, f"{command} another step folder of its run")
+        return _of_run(state.params, cfg, int(state.step), meta, precision, src)
     if found == checkpoint_kind.TORCH and os.path.exists(os.path.join(src, checkpoint_kind.TRAINER_STATE)):
         trainer_state = checkpoint_kind.read_trainer_state(src)  # to-torch's, torchref's
-        cfg = config_lib.from_dict(trainer_state["config"])
-        if cfg.model.vocab_size is None:  # a run that took the data's: its rows say it
-            cfg.model.vocab_size = checkpoint_model.vocab_rows(src)
+        cfg = checkpoint_model.written_config(src, trainer_state)
         params = torch_format.load_params(src, _template(cfg.model), lambda shapes: checkpoint_model.model_keys_hint(
             shapes, cfg.model, checkpoint_kind.TRAINER_STATE))
-        return _of_run(params, cfg, trainer_state["step"], trainer_state.get("data_fingerprint"), precision,
-                       tokenizer_name, src)
-    return _from_hf(src, found, precision, tokenizer_name)
+        meta = {"data_fingerprint": trainer_state.get("data_fingerprint"), "data_seed": trainer_state["data"]["seed"]}
+        return _of_run(params, cfg, trainer_state["step"], meta, precision, src)
+    return _from_hf(src, found, precision)
 
 
-def _from_hf(src: str, found: str, precision: str | None, tokenizer_name: str | None) -> Loaded:
+def _from_hf(src: str, found: str, precision: str | None) -> Loaded:
     """from_folder of a Hugging Face folder (found: HF; a Trainer's checkpoint-N/ holds a trainer_state.json of its
     own) or of from-hf's (TORCH: nanoGPT's layout beside the config.json it kept)."""
     if found == checkpoint_kind.HF:
@@ -175,9 +220,7 @@ def _from_hf(src: str, found: str, precision: str | None, tokenizer_name: str | 
 
     params = (torch_format.params_from(_template(model_cfg), tensors, hf_format.weights_file(src), hint)
               if found == checkpoint_kind.HF else torch_format.load_params(src, _template(model_cfg), hint))
-    name = run_tokenizer.of_hf_folder(src, tokenizer_name, model_cfg.vocab_size)
-    return Loaded(params, model_cfg, precision or "fp32", _text_tokenizer(name, model_cfg.vocab_size, src), None,
-                  src)
+    return Loaded(params, model_cfg, precision or "fp32", None, src, src)
 
 
 def _template(model_cfg: ModelConfig) -> nnx.State:

@@ -1,0 +1,189 @@
+"""`python -m jaxtrain.evaluate --run out/tiny [--step N]`: the eval loss and accuracy of a run's checkpoint, or of
+a model's weights (--from FOLDER: a Hugging Face GPT-2 folder among them), on the val split of a data folder, without
+training: nanoGPT's eval_only (its eval_gpt2 configs give GPT-2's loss on OpenWebText), Levanter's eval_lm.
+
+    python -m jaxtrain.evaluate --run out/tiny                     # the run's eval set: the loss the run logged
+    python -m jaxtrain.evaluate --run out/tiny --data data/other   # its model on another folder's val split
+    python -m jaxtrain.evaluate --from gpt2-hf --data data/owt --batches 500 --batch_size 8
+
+The eval set is drawn as a run draws its own (data.eval_batch): --batches batches of --batch_size sequences of the
+model's seq_len tokens, from the val split, with --seed's keys, each batch in --micro_batches parts. A run's
+checkpoint takes its run's: train.eval_batches, data.batch_size, optim.grad_accum_steps and the data seed it trained
+with, on its data: for a run that evaluated on one device, of this kind, the numbers metrics.jsonl holds for that
+step, bit for bit (a run on several shards each batch, and its matmuls of other shapes may round otherwise: tiny.yaml
+in bf16 on 2 CPU devices logged 3.60636, scored here 3.60641). A model without a run (a Hugging Face folder,
+from-hf's) takes --data and nanoGPT's eval_gpt2 batch size, 8.
+
+The loss is the token-weighted mean cross-entropy over the set's tokens (nats; the run's eval step,
+step.make_eval_step, in the precision the run trained in, fp32 for a Hugging Face model), the accuracy the share of
+them whose target is the top-1 prediction. Prints one JSON line on stdout (metrics.jsonl's eval_loss and
+eval_accuracy with the perplexity, the tokens and what was evaluated) and a sentence of them on stderr. Computes on
+one device, as jaxtrain.sample.
+"""
+
+import argparse
+import dataclasses
+import math
+import sys
+
+import jax
+from tqdm import tqdm
+
+from jaxtrain import data as data_lib
+from jaxtrain import gpt2_bpe
+from jaxtrain import metrics as metrics_lib
+from jaxtrain import model_source
+from jaxtrain import prepare as prepare_lib
+from jaxtrain import run_tokenizer
+from jaxtrain import step as step_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
+
+FOLDER_BATCH_SIZE = 8  # sequences a batch for a model without a run: nanoGPT's config/eval_gpt2*.py
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """The sequences evaluated: `batches` batches of `batch_size` windows of the val split, drawn with `seed`'s
+    keys, each batch in `micro_batches` parts (data.eval_batch)."""
+    data: data_lib.TokenData
+    batches: int
+    batch_size: int
+    micro_batches: int
+    seed: int
+
+    def check(self) -> None:
+        if self.batches <= 0:
+            raise UserError(f"--batches must be > 0, got {self.batches}")
+        if self.batch_size <= 0 or self.micro_batches <= 0:
+            raise UserError(f"--batch_size and --micro_batches must be > 0, got {self.batch_size} and "
+                            f"{self.micro_batches}")
+        if self.batch_size % self.micro_batches:
+            raise UserError(f"--batch_size {self.batch_size} is not divisible by --micro_batches "
+                            f"{self.micro_batches}: each part is batch_size / micro_batches sequences")
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"--seed must be in [0, 2**32), got {self.seed}")
+
+
+def eval_set(loaded: model_source.Loaded, args) -> EvalSet:
+    """The set `args` asks for, each part not given taken from the run of `loaded`'s checkpoint (see the module's
+    docstring); a model without a run needs --data."""
+    run = loaded.cfg
+    if run is None and args.data is None:
+        raise UserError(f"--from {loaded.where} is a model's weights without a run's data to evaluate on: pass "
+                        f"--data FOLDER, a folder {prepare_lib.COMMAND} wrote (its val split is evaluated)")
+    own = run if run is not None else Config()
+    data_cfg = own.data if args.data is None else dataclasses.replace(own.data, path=args.data)
+
+    def pick(given, of_run, without_run):
+        return given if given is not None else of_run if run is not None else without_run
+    chosen = EvalSet(None, pick(args.batches, own.train.eval_batches, own.train.eval_batches),
+                     pick(args.batch_size, own.data.batch_size, FOLDER_BATCH_SIZE),
+                     pick(args.micro_batches, own.optim.grad_accum_steps, 1),
+                     pick(args.seed, loaded.data_seed, own.run.seed))
+    chosen.check()  # before the data is read
+    return dataclasses.replace(chosen, data=data_lib.load(data_cfg, loaded.model_cfg.seq_len))
+
+
+def check_tokens(loaded: model_source.Loaded, data: data_lib.TokenData) -> None:
+    """Refuses data whose ids are not the model's tokens: ids past its embedding rows, or another tokenizer's than
+    the one the model is known to read (model_tokenizer). Where which one it reads cannot be told, says so."""
+    if data.vocab_size > loaded.model_cfg.vocab_size:
+        raise UserError(f"the data {data.path} ({data.tokenizer}) has a vocabulary of {data.vocab_size}, more than "
+                        f"the {loaded.model_cfg.vocab_size} embedding rows of the model of {loaded.where}: it was "
+                        f"tokenized for another model; evaluate on data prepared with the model's tokenizer")
+    own, why = model_tokenizer(loaded, data)
+    if own is None:
+        print(f"note: which tokenizer the model of {loaded.where} reads cannot be told here ({why}); the ids of "
+              f"{data.path} ({data.tokenizer}) are read as its tokens", file=sys.stderr)
+    elif own != data.tokenizer:
+        raise UserError(f"the data {data.path} was tokenized with {data.tokenizer}, and the model of {loaded.where} "
+                        f"reads {own} ({why}): its loss there would be of other text; evaluate on data prepared "
+                        f"with {own}")
+
+
+def model_tokenizer(loaded: model_source.Loaded, data: data_lib.TokenData) -> tuple[str | None, str]:
+    """(the tokenizer the model reads, or None where this machine cannot tell; why): a run's, its data's
+    (run_tokenizer.trained_tokenizer; any evaluated on the data it trained on is its own); a Hugging Face folder's,
+    GPT-2's BPE where its tokenizer files are GPT-2's, "its own" where they are another's."""
+    if loaded.cfg is not None:
+        if data.fingerprint == loaded.data_fingerprint:
+            return data.tokenizer, "the data the run trained on"
+        try:
+            return run_tokenizer.trained_tokenizer(loaded.cfg, loaded.data_fingerprint), "its run's data's"
+        except UserError as e:
+            return None, str(e)
+    if not run_tokenizer.holds_hf_files(loaded.where):
+        return None, f"it holds no tokenizer files: {', '.join(run_tokenizer.HF_FILES)}"
+    differs = gpt2_bpe.differs(loaded.where)
+    if differs is not None:  # another tokenizer's files: not a tokenizer jaxtrain prepares with, maybe the data's
+        why = f"its tokenizer files are not GPT-2's BPE: {differs}"
+        return ("its own tokenizer", why) if data.tokenizer in prepare_lib.TOKENIZERS else (None, why)
+    if loaded.model_cfg.vocab_size <= gpt2_bpe.EOT_ID:
+        return None, "its tokenizer files are GPT-2's BPE, with more tokens than its model has embedding rows"
+    return "gpt2", "its tokenizer files are GPT-2's BPE"
+
+
+def evaluate(loaded: model_source.Loaded, chosen: EvalSet) -> dict:
+    """The eval line of `loaded`'s model on `chosen`: eval_loss, eval_accuracy (token-weighted), their tokens. The
+    model computes as its run's eval step did where its kernels run here, else through XLA's ops (a note says so)."""
+    model_cfg, changed = model_source.computed_here(loaded.model_cfg, loaded.precision)
+    if changed:
+        print(f"note: the kernels of another backend than this {jax.default_backend()} ({', '.join(changed)}) are "
+              f"computed through XLA's ops here, the same function (the last digits may differ from the run's)",
+              file=sys.stderr)
+    cfg = Config() if loaded.cfg is None else loaded.cfg
+    cfg = dataclasses.replace(cfg, model=model_cfg, train=dataclasses.replace(cfg.train, precision=loaded.precision))
+    eval_step, seq_len = step_lib.jit_eval_step(cfg), model_cfg.seq_len
+    sums = []
+    for index in tqdm(range(chosen.batches), unit="batch", desc="evaluate", dynamic_ncols=True, disable=None,
+                      file=sys.stderr):  # disable=None: a bar on a terminal only
+        inputs, targets = data_lib.eval_batch(chosen.data, seed=chosen.seed, index=index,
+                                              batch_size=chosen.batch_size, accum_steps=chosen.micro_batches,
+                                              seq_len=seq_len)
+        sums.append(jax.device_get(eval_step(loaded.params, inputs, targets)))  # each batch done: the bar is true
+    loss, accuracy = step_lib.eval_means(sums)
+    perplexity = math.exp(loss) if loss < math.log(sys.float_info.max) else math.inf  # (NaN stays NaN)
+    return {"step": loaded.step, "eval_loss": loss, "eval_accuracy": accuracy, "perplexity": perplexity,
+            "tokens": int(sum(int(s[2]) for s in sums))}
+
+
+def _parser() -> OneLineParser:
+    ap = OneLineParser(prog="python -m jaxtrain.evaluate",
+                       description="The eval loss and accuracy of a checkpoint of a trained run, or of a model's "
+                                   "weights, on the val split of a data folder.",
+                       epilog="examples:\n"
+                              "  python -m jaxtrain.evaluate --run out/tiny\n"
+                              "  python -m jaxtrain.evaluate --from my-gpt2-hf --data data/owt --batches 100",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_source.add_arguments(ap)
+    ap.add_argument("--data", metavar="FOLDER",
+                    help="a data folder (prepare's); its val split is evaluated. Default: the run's data")
+    ap.add_argument("--batches", type=int, help="batches to evaluate; default: the run's train.eval_batches "
+                                                f"({Config().train.eval_batches} without a run)")
+    ap.add_argument("--batch_size", type=int, help="sequences a batch; default: the run's data.batch_size "
+                                                   f"({FOLDER_BATCH_SIZE} without a run)")
+    ap.add_argument("--micro_batches", type=int, help="parts each batch is evaluated in, to fit in memory; default: "
+                                                      "the run's optim.grad_accum_steps (1 without a run)")
+    ap.add_argument("--seed", type=int, help="which sequences are drawn; default: the run's data seed "
+                                             f"({Config().run.seed} without a run)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    with exit_on_user_error():
+        args = _parser().parse_args(argv)
+        loaded = model_source.load(args, "evaluate")
+        chosen = eval_set(loaded, args)
+        check_tokens(loaded, chosen.data)
+        print(f"{loaded.source}, {loaded.precision}: {chosen.batches} batches of {chosen.batch_size} x "
+              f"{loaded.model_cfg.seq_len} tokens, {chosen.batch_size // chosen.micro_batches} sequences at a time, "
+              f"from the val split of {chosen.data.path}, seed {chosen.seed}", file=sys.stderr)
+        line = evaluate(loaded, chosen)
+        print(f"eval loss {line['eval_loss']:.4f} (perplexity {line['perplexity']:.2f}), accuracy "
+              f"{line['eval_accuracy']:.2%} over {line['tokens']:,} tokens", file=sys.stderr)
+        print(metrics_lib.json_line({"source": loaded.source, "data": chosen.data.path, **line}), end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""`python -m jaxtrain.evaluate`: a run's checkpoint scores the eval loss and accuracy its run logged at that step
+(bit for bit: same device, same sequences, same eval step), from the run, its step folder and to-torch's folder, a
+run with a continued data seed among them; a Hugging Face model the loss and accuracy transformers' logits give; what
+it cannot evaluate refused in one line."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxtrain import config, convert, evaluate, gpt2_bpe, model_source, prepare, run
+from jaxtrain.errors import UserError
+from test_run import small_args
+from test_sample_from import gpt2_tokenizer_folder, hf_model
+
+SEQ_LEN = 32  # small_args' model.seq_len, and test_sample_from's DIMS n_positions
+
+
+def evaluated(capsys, *argv: str) -> tuple[dict, str]:
+    """(the JSON line on stdout, stderr) of `python -m jaxtrain.evaluate`."""
+    capsys.readouterr()
+    evaluate.main(list(argv))
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 1, captured.out
+    return json.loads(lines[0]), captured.err
+
+
+def refused(capsys, argv: list[str], named: str) -> None:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert exit_info.value.code == 2 and not out
+    assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], err
+
+
+def logged_evals(run_dir) -> dict:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: (line["eval_loss"], line["eval_accuracy"]) for line in lines if "eval_loss" in line}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    """A run of the small model on the embedded corpus (bytes) to step 8, evaluated at 4 and 8, each batch in two
+    micro-batches; and one that starts from its step 4's full state under another run.seed, so that it draws its
+    batches and eval set with the checkpoint's data seed (data.continued_seed), not its own run.seed."""
+    first, second, torch_dir = (tmp_path_factory.mktemp(name) for name in ("first", "second", "torch"))
+    run.train(config.load(small_args(first, cache_dir, "--optim.grad_accum_steps=2")))
+    shutil.rmtree(torch_dir)
+    convert.main(["to-torch", str(first / "checkpoints" / "4"), str(torch_dir)])
+    run.train(config.load(small_args(second, cache_dir, "--optim.grad_accum_steps=2", f"--init.from={torch_dir}",
+                                     "--run.seed=5")))
+    return first, second, torch_dir
+
+
+def test_a_checkpoint_scores_what_its_run_logged(trained, capsys):
+    """metrics.jsonl's eval_loss and eval_accuracy at each step, exactly: from --run (its newest and --step), its
+    step folder, to-torch's folder of it (the same fp32 weights), and the run that continued another's data seed."""
+    first, second, torch_dir = trained
+    logged = logged_evals(first)
+    assert sorted(logged) == [4, 8]
+    for argv, step in [(["--run", str(first)], 8), (["--run", str(first), "--step=4"], 4),
+                       (["--from", str(first / "checkpoints" / "8")], 8), (["--from", str(torch_dir)], 4)]:
+        line, err = evaluated(capsys, *argv)
+        assert (line["eval_loss"], line["eval_accuracy"]) == logged[step], argv
+        assert line["step"] == step and line["tokens"] == 2 * 8 * SEQ_LEN  # train.eval_batches x batch_size x T
+        assert line["perplexity"] == pytest.approx(np.exp(line["eval_loss"]), rel=1e-15), line  # float64 exp
+        assert "2 batches of 8 x 32 tokens, 4 sequences at a time" in err and "seed 0" in err, err
+        assert f"eval loss {line['eval_loss']:.4f}" in err, err
+    line, err = evaluated(capsys, "--run", str(second))
+    assert (line["eval_loss"], line["eval_accuracy"]) == logged_evals(second)[8] and "seed 0" in err, err
+    other, _ = evaluated(capsys, "--run", str(second), "--seed=5")  # the run's own run.seed: other sequences
+    assert other["eval_loss"] != line["eval_loss"]
+
+
+def test_parts_and_batches_change_the_sequences_or_their_sum_only_as_they_should(trained, capsys):
+    """--micro_batches cuts the same sequences otherwise: the same loss to fp32 rounding (a sum over 512 tokens in
+    another order: |error| <= 512 x 2^-24 relative, 3.1e-5; a count, the accuracy, exactly). --batches 4 draws the
+    first 2 again and 2 more."""
+    first = trained[0]
+    two, _ = evaluated(capsys, "--run", str(first))
+    one, err = evaluated(capsys, "--run", str(first), "--micro_batches=1")
+    assert "8 sequences at a time" in err and one["eval_accuracy"] == two["eval_accuracy"]
+    assert one["eval_loss"] == pytest.approx(two["eval_loss"], rel=3.1e-5)
+    four, _ = evaluated(capsys, "--run", str(first), "--batches=4")
+    assert four["tokens"] == 2 * two["tokens"] and four["eval_loss"] != two["eval_loss"]
+
+
+def _token_folder(folder, val: np.ndarray, vocab_size: int, tokenizer: str) -> str:
+    train = np.arange(4 * SEQ_LEN) % vocab_size
+    prepare.write_token_dir(str(folder), train, val, vocab_size, tokenizer)
+    return str(folder)
+
+
+def test_a_hugging_face_model_scores_what_transformers_logits_give(tmp_path, capsys):
+    """A byte-level model (256 rows, no tokenizer files) on a val split one window long (33 tokens: every sequence
+    drawn is that window, whatever the seed): the mean cross-entropy and top-1 accuracy of transformers' logits.
+    Both fp32: the two implementations' logits differ by ~1e-7 of their scale (test_hf's 1e-5 bound), a loss of ~5.5
+    by ~1e-6; 1e-5. The top-1: the random model's top-2 gaps (~1e-3) far above that, so exactly."""
+    hf = hf_model(tmp_path / "hf", 256)
+    window = np.frombuffer(b"def evaluate(loaded, chosen):\n    cfg", np.uint8)[:SEQ_LEN + 1].astype(np.int64)
+    data = _token_folder(tmp_path / "data", window, 256, "bytes")
+    with torch.no_grad():
+        logits = hf(torch.tensor(window[None, :-1])).logits[0].double()
+    targets = torch.tensor(window[1:])
+    want_loss = torch.nn.functional.cross_entropy(logits, targets).item()
+    want_accuracy = (logits.argmax(-1) == targets).double().mean().item()
+    line, err = evaluated(capsys, "--from", str(tmp_path / "hf"), f"--data={data}")
+    assert line["step"] is None and line["tokens"] == 8 * 8 * SEQ_LEN  # 8 batches of 8: the defaults without a run
+    assert line["eval_loss"] == pytest.approx(want_loss, abs=1e-5) and line["eval_accuracy"] == want_accuracy
+    assert f"note: which tokenizer the model of {tmp_path / 'hf'} reads cannot be told here (it holds no " in err
+    assert f"\n{tmp_path / 'hf'}, fp32: 8 batches of 8 x 32 tokens, 8 sequences at a time" in err, err
+
+
+def test_a_gpt2_model_takes_gpt2_tokens_only(tmp_path, capsys):
+    """A model with GPT-2's tokenizer files: GPT-2 tokens evaluated without a note, bytes refused; a byte model
+    refuses GPT-2 tokens (ids past its rows)."""
+    folder = tmp_path / "hf"
+    hf_model(folder, gpt2_bpe.EOT_ID + 1)
+    gpt2_tokenizer_folder(folder, "vocab.json and merges.txt")
+    val = np.arange(SEQ_LEN + 1) * 997 % (gpt2_bpe.EOT_ID + 1)
+    gpt2_data = _token_folder(tmp_path / "gpt2", val, gpt2_bpe.EOT_ID + 1, "gpt2")
+    bytes_data = _token_folder(tmp_path / "bytes", val % 256, 256, "bytes")
+    _, err = evaluated(capsys, "--from", str(folder), f"--data={gpt2_data}", "--batches=1", "--batch_size=1")
+    assert "note:" not in err, err
+    refused(capsys, ["--from", str(folder), f"--data={bytes_data}"],
+            f"error: the data {bytes_data} was tokenized with bytes, and the model of {folder} reads gpt2 (its "
+            f"tokenizer files are GPT-2's BPE)")
+    hf_model(tmp_path / "bytes-model", 256)
+    refused(capsys, ["--from", str(tmp_path / "bytes-model"), f"--data={gpt2_data}"],
+            f"error: the data {gpt2_data} (gpt2) has a vocabulary of 50257, more than the 256 embedding rows of the "
+            f"model of {tmp_path / 'bytes-model'}")
+
+
+def test_what_it_cannot_evaluate_is_refused_in_one_line(trained, tmp_path, capsys):
+    first, _, torch_dir = trained
+    hf_model(tmp_path / "hf", 256)
+    refused(capsys, ["--from", str(tmp_path / "hf")], f"error: --from {tmp_path / 'hf'} is a model's weights "
+                                                      f"without a run's data to evaluate on: pass --data FOLDER")
+    refused(capsys, ["--from", str(first)], f"error: --from {first} is a jaxtrain run folder; evaluate it with "
+                                            f"--run {first}")
+    refused(capsys, ["--from", str(torch_dir), "--step=4"], "error: --step picks a checkpoint of --run")
+    refused(capsys, ["--run", str(first), "--step=5"], f"error: {first} has no checkpoint of step 5")
+    refused(capsys, ["--run", str(first), "--batch_size=6", "--micro_batches=4"],
+            "error: --batch_size 6 is not divisible by --micro_batches 4")
+    gpt2_data = _token_folder(tmp_path / "gpt2", np.arange(SEQ_LEN + 1), gpt2_bpe.EOT_ID + 1, "gpt2")
+    refused(capsys, ["--run", str(first), f"--data={gpt2_data}"], "has a vocabulary of 50257, more than the 256")
+    other = _token_folder(tmp_path / "other", np.arange(SEQ_LEN + 1), 256, "gpt2")  # a gpt2 folder of small ids
+    refused(capsys, ["--run", str(first), f"--data={other}"],
+            f"error: the data {other} was tokenized with gpt2, and the model of {first} reads bytes (its run's "
+            f"data's)")
+    refused(capsys, ["--run", str(first), f"--data={tmp_path / 'nowhere'}"], f"{tmp_path / 'nowhere'}' not found")
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches=st.integers(-3, 3), batch_size=st.integers(-3, 9), micro_batches=st.integers(-3, 5),
+       seed=st.sampled_from([-1, 0, 5, 2**32 - 1, 2**32]))
+def test_an_eval_set_is_refused_exactly_when_a_number_is_out_of_range(batches, batch_size, micro_batches, seed):
+    """The rule written out: positive counts, the batch in whole parts, a seed of PCG64's 32 bits."""
+    valid = (batches > 0 and batch_size > 0 and micro_batches > 0 and batch_size % micro_batches == 0
+             and 0 <= seed < 2**32)
+    chosen = evaluate.EvalSet(None, batches, batch_size, micro_batches, seed)
+    if valid:
+        chosen.check()
+    else:
+        with pytest.raises(UserError, match=r"^--(batches|batch_size|seed) "):
+            chosen.check()
+
+
+def test_a_checkpoint_naming_another_backends_kernels_scores_through_xlas_ops(trained, tmp_path, capsys):
+    """to-torch's folder of step 4 with its config edited to name a GPU's kernels (cuDNN's attention refuses a CPU;
+    Pallas's interpreter would be slow): the run's logged numbers, bit for bit (on a CPU auto's attention is the
+    written-out one the run trained with), and a note naming the two. A CPU's own kernels (oneDNN's dots) are kept."""
+    folder = shutil.copytree(trained[2], tmp_path / "torch")
+    state = json.loads((folder / "trainer_state.json").read_text())
+    state["config"]["model"].update(attention="cudnn", gelu_fwd="pallas")
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    line, err = evaluated(capsys, "--from", str(folder))
+    assert (line["eval_loss"], line["eval_accuracy"]) == logged_evals(trained[0])[4]
+    assert ("note: the kernels of another backend than this cpu (model.attention=cudnn, model.gelu_fwd=pallas) are "
+            "computed through XLA's ops here") in err, err
+    kept, changed = model_source.computed_here(config.ModelConfig(cpu_dots="onednn", norm="pallas"), "fp32")
+    assert (kept.cpu_dots, kept.norm, changed) == ("onednn", "auto", ["model.norm=pallas"])
