@@ -19,7 +19,6 @@ import os
 import shutil
 import sys
 
-import jax
 import orbax.checkpoint as ocp
 
 from jaxtrain import checkpoint as checkpoint_lib
@@ -226,10 +225,9 @@ def from_torch(src: str, out_dir: str) -> None:
 def _check_finite(state, src: str) -> None:
     """A torch-format state holding inf or NaN is refused before anything is written: a run resumed from it would
     train on nothing (jaxtrain's saves refuse such a state too)."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        if not step_lib.all_finite(leaf):
-            raise UserError(f"{src} holds inf or NaN ({jax.tree_util.keystr(path, simple=True, separator='/')}), "
-                            f"which no run can resume from; convert a checkpoint saved before its values overflowed")
+    if (name := step_lib.non_finite_leaf(state)) is not None:
+        raise UserError(f"{src} holds inf or NaN ({name}), which no run can resume from; convert a checkpoint saved "
+                        f"before its values overflowed")
 
 
 @contextlib.contextmanager

@@ -139,8 +139,7 @@ def check_fits(compiled, abstract_state, device) -> str | None:
     it judged by, in words; None where the device reports none."""
     if device.platform == "cpu":
         return check_fits_host(compiled, abstract_state, len(jax.local_devices(backend="cpu")))
-    stats = device.memory_stats()
-    limit = stats.get("bytes_limit") if stats else None
+    limit = device_memory(device)
     if not limit:
         return None
     _, total = memory_table(abstract_state, compiled)
@@ -148,6 +147,15 @@ def check_fits(compiled, abstract_state, device) -> str | None:
         raise UserError(f"the train step needs {total / GIB:.2f} GiB per device and {device.device_kind} has "
                         f"{limit / GIB:.2f} GiB for it; levers: {LEVERS}")
     return f"{limit / GIB:.2f} GiB of {device.device_kind}'s memory"
+
+
+def device_memory(device) -> int | None:
+    """The bytes a computation may use on `device`: a GPU's or TPU's, as it reports them (bytes_limit); a CPU's, the
+    host's (host_memory_bytes); None where the device reports none."""
+    if device.platform == "cpu":
+        return host_memory_bytes()
+    stats = device.memory_stats()
+    return stats.get("bytes_limit") if stats else None
 
 
 def check_fits_host(compiled, abstract_state, n_devices: int) -> str:

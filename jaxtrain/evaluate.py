@@ -15,10 +15,11 @@ in bf16 on 2 CPU devices logged 3.60636, scored here 3.60641). A model without a
 from-hf's) takes --data and nanoGPT's eval_gpt2 batch size, 8.
 
 The loss is the token-weighted mean cross-entropy over the set's tokens (nats; the run's eval step,
-step.make_eval_step, in the precision the run trained in, fp32 for a Hugging Face model), the accuracy the share of
-them whose target is the top-1 prediction. Prints one JSON line on stdout (metrics.jsonl's eval_loss and
-eval_accuracy with the perplexity, the tokens and what was evaluated) and a sentence of them on stderr. Computes on
-one device, as jaxtrain.sample.
+step.make_eval_step, in the precision the run trained in, fp32 for a Hugging Face model, with the kernels the
+defaults pick where the run named one), the accuracy the share of them whose target is the top-1 prediction. Prints
+one JSON line on stdout (metrics.jsonl's eval_loss and eval_accuracy with the perplexity, the tokens and what was
+evaluated) and a sentence of them on stderr. Computes on one device, as jaxtrain.sample. Refused in one line: data of
+another tokenizer (check_tokens), weights holding inf or NaN, a batch too big for the device's memory.
 """
 
 import argparse
@@ -27,9 +28,11 @@ import math
 import sys
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from jaxtrain import data as data_lib
+from jaxtrain import dryrun
 from jaxtrain import gpt2_bpe
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import model_source
@@ -53,6 +56,7 @@ class EvalSet:
     seed: int
 
     def check(self) -> None:
+        """Each number as given, or its default (a run's: see the module's docstring)."""
         if self.batches <= 0:
             raise UserError(f"--batches must be > 0, got {self.batches}")
         if self.batch_size <= 0 or self.micro_batches <= 0:
@@ -60,9 +64,10 @@ class EvalSet:
                             f"{self.micro_batches}")
         if self.batch_size % self.micro_batches:
             raise UserError(f"--batch_size {self.batch_size} is not divisible by --micro_batches "
-                            f"{self.micro_batches}: each part is batch_size / micro_batches sequences")
+                            f"{self.micro_batches} (a run's default: its optim.grad_accum_steps): each micro-batch "
+                            f"is batch_size / micro_batches sequences; give both")
         if not 0 <= self.seed < 2**32:
-            raise UserError(f"--seed must be in [0, 2**32), got {self.seed}")
+            raise UserError(f"--seed must be in [0, 2**32) (a run's default: its data seed), got {self.seed}")
 
 
 def eval_set(loaded: model_source.Loaded, args) -> EvalSet:
@@ -77,64 +82,70 @@ def eval_set(loaded: model_source.Loaded, args) -> EvalSet:
 
     def pick(given, of_run, without_run):
         return given if given is not None else of_run if run is not None else without_run
-    chosen = EvalSet(None, pick(args.batches, own.train.eval_batches, own.train.eval_batches),
+    chosen = EvalSet(None, pick(args.batches, own.train.eval_batches, Config().train.eval_batches),
                      pick(args.batch_size, own.data.batch_size, FOLDER_BATCH_SIZE),
                      pick(args.micro_batches, own.optim.grad_accum_steps, 1),
-                     pick(args.seed, loaded.data_seed, own.run.seed))
+                     pick(args.seed, loaded.data_seed, Config().run.seed))
     chosen.check()  # before the data is read
-    return dataclasses.replace(chosen, data=data_lib.load(data_cfg, loaded.model_cfg.seq_len))
+    try:
+        data = data_lib.load(data_cfg, loaded.model_cfg.seq_len)
+    except UserError as e:
+        if args.data is not None:
+            raise
+        raise UserError(f"{e} (the run's data; evaluate on another data folder with --data FOLDER)") from None
+    return dataclasses.replace(chosen, data=data)
 
 
 def check_tokens(loaded: model_source.Loaded, data: data_lib.TokenData) -> None:
     """Refuses data whose ids are not the model's tokens: ids past its embedding rows, or another tokenizer's than
-    the one the model is known to read (model_tokenizer). Where which one it reads cannot be told, says so."""
+    the one model_tokenizer tells the model reads. Where it cannot tell, or the tokenizer is one whose name says
+    nothing of its ids (not one of prepare's: two character-level folders may name theirs alike), a note says so."""
     if data.vocab_size > loaded.model_cfg.vocab_size:
         raise UserError(f"the data {data.path} ({data.tokenizer}) has a vocabulary of {data.vocab_size}, more than "
                         f"the {loaded.model_cfg.vocab_size} embedding rows of the model of {loaded.where}: it was "
                         f"tokenized for another model; evaluate on data prepared with the model's tokenizer")
+    if loaded.cfg is not None and data.fingerprint == loaded.data_fingerprint:
+        return  # the data the run trained on
     own, why = model_tokenizer(loaded, data)
-    if own is None:
-        print(f"note: which tokenizer the model of {loaded.where} reads cannot be told here ({why}); the ids of "
-              f"{data.path} ({data.tokenizer}) are read as its tokens", file=sys.stderr)
-    elif own != data.tokenizer:
+    if own is not None and own != data.tokenizer:
         raise UserError(f"the data {data.path} was tokenized with {data.tokenizer}, and the model of {loaded.where} "
                         f"reads {own} ({why}): its loss there would be of other text; evaluate on data prepared "
-                        f"with {own}")
+                        f"with the model's tokenizer")
+    if own is None or own not in prepare_lib.TOKENIZERS:
+        why = why if own is None else f"{why}, {own!r}, is no tokenizer of jaxtrain's, whose name says its ids"
+        print(f"note: which tokenizer the model of {loaded.where} reads cannot be told here ({why}); the ids of "
+              f"{data.path} ({data.tokenizer}) are read as its tokens", file=sys.stderr)
 
 
 def model_tokenizer(loaded: model_source.Loaded, data: data_lib.TokenData) -> tuple[str | None, str]:
-    """(the tokenizer the model reads, or None where this machine cannot tell; why): a run's, its data's
-    (run_tokenizer.trained_tokenizer; any evaluated on the data it trained on is its own); a Hugging Face folder's,
-    GPT-2's BPE where its tokenizer files are GPT-2's, "its own" where they are another's."""
+    """(the tokenizer whose ids the model reads, or None where this machine cannot tell; why). A run's: its data's
+    (run_tokenizer.trained_tokenizer). A Hugging Face folder's: GPT-2's where its tokenizer files give GPT-2's ids
+    (gpt2_bpe.same_ids); "its own tokenizer" where they give others and `data`'s is one of prepare's (GPT-2's and
+    bytes, whose ids are known), else None: the data may be of that tokenizer."""
     if loaded.cfg is not None:
-        if data.fingerprint == loaded.data_fingerprint:
-            return data.tokenizer, "the data the run trained on"
         try:
             return run_tokenizer.trained_tokenizer(loaded.cfg, loaded.data_fingerprint), "its run's data's"
         except UserError as e:
             return None, str(e)
     if not run_tokenizer.holds_hf_files(loaded.where):
         return None, f"it holds no tokenizer files: {', '.join(run_tokenizer.HF_FILES)}"
-    differs = gpt2_bpe.differs(loaded.where)
-    if differs is not None:  # another tokenizer's files: not a tokenizer jaxtrain prepares with, maybe the data's
-        why = f"its tokenizer files are not GPT-2's BPE: {differs}"
+    try:
+        gpt2_ids = gpt2_bpe.same_ids(loaded.where)
+    except UserError as e:  # GPT-2's own files are not on this machine to compare with
+        return None, str(e)
+    if gpt2_ids is None:
+        return None, "its tokenizer files cannot be read for their vocabulary"
+    if not gpt2_ids:
+        why = "its tokenizer files' vocabulary is not GPT-2's"
         return ("its own tokenizer", why) if data.tokenizer in prepare_lib.TOKENIZERS else (None, why)
     if loaded.model_cfg.vocab_size <= gpt2_bpe.EOT_ID:
-        return None, "its tokenizer files are GPT-2's BPE, with more tokens than its model has embedding rows"
-    return "gpt2", "its tokenizer files are GPT-2's BPE"
+        return None, "its tokenizer files are GPT-2's, with more tokens than its model has embedding rows"
+    return "gpt2", "its tokenizer files' vocabulary is GPT-2's"
 
 
-def evaluate(loaded: model_source.Loaded, chosen: EvalSet) -> dict:
-    """The eval line of `loaded`'s model on `chosen`: eval_loss, eval_accuracy (token-weighted), their tokens. The
-    model computes as its run's eval step did where its kernels run here, else through XLA's ops (a note says so)."""
-    model_cfg, changed = model_source.computed_here(loaded.model_cfg, loaded.precision)
-    if changed:
-        print(f"note: the kernels of another backend than this {jax.default_backend()} ({', '.join(changed)}) are "
-              f"computed through XLA's ops here, the same function (the last digits may differ from the run's)",
-              file=sys.stderr)
-    cfg = Config() if loaded.cfg is None else loaded.cfg
-    cfg = dataclasses.replace(cfg, model=model_cfg, train=dataclasses.replace(cfg.train, precision=loaded.precision))
-    eval_step, seq_len = step_lib.jit_eval_step(cfg), model_cfg.seq_len
+def evaluate(loaded: model_source.Loaded, chosen: EvalSet, eval_step, seq_len: int) -> dict:
+    """The eval line of `loaded`'s model on `chosen` through `eval_step` (compiled_eval_step's): eval_loss,
+    eval_accuracy (token-weighted), perplexity, tokens."""
     sums = []
     for index in tqdm(range(chosen.batches), unit="batch", desc="evaluate", dynamic_ncols=True, disable=None,
                       file=sys.stderr):  # disable=None: a bar on a terminal only
@@ -143,9 +154,42 @@ def evaluate(loaded: model_source.Loaded, chosen: EvalSet) -> dict:
                                               seq_len=seq_len)
         sums.append(jax.device_get(eval_step(loaded.params, inputs, targets)))  # each batch done: the bar is true
     loss, accuracy = step_lib.eval_means(sums)
-    perplexity = math.exp(loss) if loss < math.log(sys.float_info.max) else math.inf  # (NaN stays NaN)
+    try:
+        perplexity = math.exp(loss)
+    except OverflowError:  # past e^709: a model that predicts nothing
+        perplexity = math.inf
     return {"step": loaded.step, "eval_loss": loss, "eval_accuracy": accuracy, "perplexity": perplexity,
-            "tokens": int(sum(int(s[2]) for s in sums))}
+            "tokens": sum(int(s[2]) for s in sums)}
+
+
+def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
+    """(the run's eval step compiled for `chosen`'s micro-batches, seq_len): the model computes as its run's eval
+    step did, but with the kernels the defaults pick where the run named one (a note says which: model_source.
+    computed_here); refused in one line where it needs more memory than the device has."""
+    model_cfg, changed = model_source.computed_here(loaded.model_cfg, loaded.precision)
+    if changed:
+        print(f"note: {', '.join(changed)}: computed with the kernels the defaults pick here (the same function; "
+              f"the last digits may differ from the run's)", file=sys.stderr)
+    cfg = Config() if loaded.cfg is None else loaded.cfg
+    cfg = dataclasses.replace(cfg, model=model_cfg, train=dataclasses.replace(cfg.train, precision=loaded.precision))
+    at_a_time = chosen.batch_size // chosen.micro_batches
+    tokens = jax.ShapeDtypeStruct((chosen.micro_batches, at_a_time, model_cfg.seq_len), np.int32)
+    device, need = jax.devices()[0], None
+    try:
+        compiled = step_lib.jit_eval_step(cfg).lower(loaded.params, tokens, tokens).compile()
+        stats = compiled.memory_analysis()
+        need = (stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+                - stats.alias_size_in_bytes)
+    except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses at compile time what does not fit
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+    limit = dryrun.device_memory(device)
+    if need is None or (limit and need > limit):
+        needs = (f"needs {need / dryrun.GIB:.2f} GiB and this {device.device_kind} has {limit / dryrun.GIB:.2f} GiB"
+                 if need else f"needs more memory than this {device.device_kind} has")
+        raise UserError(f"evaluating {at_a_time} sequences at a time {needs}; raise --micro_batches or lower "
+                        f"--batch_size")
+    return compiled, model_cfg.seq_len
 
 
 def _parser() -> OneLineParser:
@@ -174,12 +218,16 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error():
         args = _parser().parse_args(argv)
         loaded = model_source.load(args, "evaluate")
+        if (name := step_lib.non_finite_leaf(loaded.params)) is not None:
+            raise UserError(f"{loaded.where} holds inf or NaN ({name}): its loss is no number; evaluate a checkpoint "
+                            f"saved before its values overflowed")
         chosen = eval_set(loaded, args)
         check_tokens(loaded, chosen.data)
+        eval_step, seq_len = compiled_eval_step(loaded, chosen)
         print(f"{loaded.source}, {loaded.precision}: {chosen.batches} batches of {chosen.batch_size} x "
               f"{loaded.model_cfg.seq_len} tokens, {chosen.batch_size // chosen.micro_batches} sequences at a time, "
               f"from the val split of {chosen.data.path}, seed {chosen.seed}", file=sys.stderr)
-        line = evaluate(loaded, chosen)
+        line = evaluate(loaded, chosen, eval_step, seq_len)
         print(f"eval loss {line['eval_loss']:.4f} (perplexity {line['perplexity']:.2f}), accuracy "
               f"{line['eval_accuracy']:.2%} over {line['tokens']:,} tokens", file=sys.stderr)
         print(metrics_lib.json_line({"source": loaded.source, "data": chosen.data.path, **line}), end="")

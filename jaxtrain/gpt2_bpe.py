@@ -89,6 +89,18 @@ def differs(folder: str) -> str | None:
     return "it has add_prefix_space (a text is encoded as if it followed a space)" if prefix else None
 
 
+def same_ids(folder: str) -> bool | None:
+    """Whether the Hugging Face tokenizer files in `folder` give each token GPT-2's id (their vocabulary is GPT-2's:
+    how they split text is no matter to ids split already); None where they cannot be read to say."""
+    try:
+        fast = os.path.join(folder, HF_FAST)
+        held = (_read_json(fast).get("model") or {}).get("vocab") if os.path.isfile(fast) else _read_json(
+            os.path.join(folder, HF_VOCAB))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if held is None else held == _read_json(files()["encoder.json"])
+
+
 def _vocab_and_merges(folder: str) -> tuple[dict, list[str]] | str:
     """The vocabulary and merges of the tokenizer in `folder`, from the file transformers reads them from
     (tokenizer.json where it is, else vocab.json and merges.txt), or why it is no byte-level BPE as GPT-2's."""

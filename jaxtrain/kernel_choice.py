@@ -2,7 +2,7 @@
 model.cpu_dots against the backend the step is traced for (autocast.backend). Where a choice cannot run there, one
 error that says why and what to pick instead. The model builds its blocks from these; the train step's compile
 options ask the same questions (step.compiler_options), so that both agree on the program. A checkpoint whose config
-names another backend's kernels computes here through XLA's ops (of_this_backend)."""
+names a kernel computes elsewhere with the choice that runs anywhere (runs_anywhere)."""
 
 import dataclasses
 import functools
@@ -17,19 +17,19 @@ from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import triton_available
 
 
-# The kernels a config may name that run on one backend only, and what computes the same function on the others: a
-# GPU's (cuDNN's refuses a CPU; Pallas's interpreters would take hours there) and oneDNN's (a CPU's).
-BACKEND_KERNELS = {
-    "gpu": {"attention": ("cudnn", "auto"), "norm": ("pallas", "auto"), "gelu_fwd": ("pallas", "xla"),
-            "gelu_grad": ("pallas", "xla"), "head_lse": ("pallas", "xla"), "qkv_grad": ("pallas", "xla")},
-    "cpu": {"cpu_dots": ("onednn", "auto")}}
+# The settings that name one kernel, which may not run outside the run that chose it (cuDNN's attention off a GPU or
+# in fp32, the Hopper kernels off a Hopper GPU or at other shapes, oneDNN's dots off a CPU), and the choice that runs
+# anywhere, the same function: auto, which picks the first two and the last where they run; XLA's ops for the others.
+NAMED_KERNELS = {"attention": ("cudnn", "auto"), "norm": ("pallas", "auto"), "gelu_fwd": ("pallas", "xla"),
+                 "gelu_grad": ("pallas", "xla"), "head_lse": ("pallas", "xla"), "qkv_grad": ("pallas", "xla"),
+                 "cpu_dots": ("onednn", "auto")}
 
 
-def of_this_backend(cfg: ModelConfig) -> tuple[ModelConfig, list[str]]:
-    """(`cfg` with the kernels it names of another backend than this one put back to XLA's ops or auto's choice, the
-    settings so changed): how a checkpoint trained on another backend computes here (sample, evaluate)."""
-    changes = {key: to for where, kernels in BACKEND_KERNELS.items() if where != jax.default_backend()
-               for key, (kernel, to) in kernels.items() if getattr(cfg, key) == kernel}
+def runs_anywhere(cfg: ModelConfig) -> tuple[ModelConfig, list[str]]:
+    """(`cfg` with each kernel it names (NAMED_KERNELS) put back to the choice that runs anywhere, the settings so
+    changed): how a checkpoint's model computes outside its run (sample, evaluate), on another backend, in another
+    precision or at other shapes than the run's."""
+    changes = {key: anywhere for key, (kernel, anywhere) in NAMED_KERNELS.items() if getattr(cfg, key) == kernel}
     return dataclasses.replace(cfg, **changes), [f"model.{key}={getattr(cfg, key)}" for key in changes]
 
 

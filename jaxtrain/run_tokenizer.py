@@ -16,6 +16,8 @@ from jaxtrain import prepare as prepare_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 
+HF_FILES = (gpt2_bpe.HF_FAST, gpt2_bpe.HF_VOCAB, gpt2_bpe.HF_MERGES)  # a GPT-2 folder's tokenizer, either form
+
 
 def trained_tokenizer(cfg: Config, data_fingerprint: str | None) -> str:
     """The tokenizer in the run's data folder's meta.json while the folder still holds the data the run trained on:
@@ -54,9 +56,6 @@ def chosen(cfg: Config, data_fingerprint: str | None, given: str | None, run: st
         raise UserError(f"--tokenizer {given} is not the tokenizer of {run}: its {data} was tokenized with {own}; "
                         f"leave --tokenizer out to use the run's own")
     return own
-
-
-HF_FILES = (gpt2_bpe.HF_FAST, gpt2_bpe.HF_VOCAB, gpt2_bpe.HF_MERGES)  # a GPT-2 folder's tokenizer, either form
 
 
 def holds_hf_files(src: str) -> bool:

@@ -103,6 +103,14 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.array(leaves))
 
 
+def non_finite_leaf(tree) -> str | None:
+    """The name (its path, "/"-separated) of the first leaf of `tree` that holds inf or NaN; None where none does."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not all_finite(leaf):
+            return jax.tree_util.keystr(path, simple=True, separator="/")
+    return None
+
+
 def compute_dtype_params(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
     """params with every Linear's kernel and bias in its compute dtype (under fp32, as they are): the copies that
     autocast's matmuls cast at each use, made once. The gradient with respect to a copy is the fp32 param's, which

@@ -4,10 +4,13 @@ run with a continued data seed among them; a Hugging Face model the loss and acc
 it cannot evaluate refused in one line."""
 
 import json
+import re
 import shutil
 
+import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -80,14 +83,15 @@ def test_a_checkpoint_scores_what_its_run_logged(trained, capsys):
 
 
 def test_parts_and_batches_change_the_sequences_or_their_sum_only_as_they_should(trained, capsys):
-    """--micro_batches cuts the same sequences otherwise: the same loss to fp32 rounding (a sum over 512 tokens in
-    another order: |error| <= 512 x 2^-24 relative, 3.1e-5; a count, the accuracy, exactly). --batches 4 draws the
-    first 2 again and 2 more."""
+    """--micro_batches 1 evaluates the same sequences 8 at a time, not 4: the same loss but for fp32 rounding
+    (matmuls of other shapes, sums in another order: measured 2.4e-7 on a loss of 5.24, margin x20), the same
+    predictions (measured equal: the small model's top-2 gaps far above that rounding). --batches 4: twice the
+    tokens, other ones."""
     first = trained[0]
     two, _ = evaluated(capsys, "--run", str(first))
     one, err = evaluated(capsys, "--run", str(first), "--micro_batches=1")
     assert "8 sequences at a time" in err and one["eval_accuracy"] == two["eval_accuracy"]
-    assert one["eval_loss"] == pytest.approx(two["eval_loss"], rel=3.1e-5)
+    assert one["eval_loss"] == pytest.approx(two["eval_loss"], abs=5e-6)
     four, _ = evaluated(capsys, "--run", str(first), "--batches=4")
     assert four["tokens"] == 2 * two["tokens"] and four["eval_loss"] != two["eval_loss"]
 
@@ -131,11 +135,43 @@ def test_a_gpt2_model_takes_gpt2_tokens_only(tmp_path, capsys):
     assert "note:" not in err, err
     refused(capsys, ["--from", str(folder), f"--data={bytes_data}"],
             f"error: the data {bytes_data} was tokenized with bytes, and the model of {folder} reads gpt2 (its "
-            f"tokenizer files are GPT-2's BPE)")
+            f"tokenizer files' vocabulary is GPT-2's)")
     hf_model(tmp_path / "bytes-model", 256)
     refused(capsys, ["--from", str(tmp_path / "bytes-model"), f"--data={gpt2_data}"],
             f"error: the data {gpt2_data} (gpt2) has a vocabulary of 50257, more than the 256 embedding rows of the "
             f"model of {tmp_path / 'bytes-model'}")
+
+
+def test_a_torchref_checkpoint_scores_what_torchref_logged(tmp_path, cache_dir, capsys):
+    """torchref's run of the same config, its checkpoint of step 8 scored by jaxtrain's eval step: torchref's logged
+    numbers, to the two frameworks' fp32 forward passes (the parity suite's model bound: logits within 1e-6 of their
+    scale; here measured 3.6e-7 on a loss of 5.24, margin x28) and the same predictions (measured equal)."""
+    from torchref import run as torchref_run
+    torchref_run.train(config.load(small_args(tmp_path, cache_dir, "--optim.grad_accum_steps=2")))
+    line, err = evaluated(capsys, "--from", str(tmp_path / "checkpoints" / "8"))
+    want = logged_evals(tmp_path)[8]
+    assert line["step"] == 8 and "seed 0" in err and line["eval_accuracy"] == want[1]
+    assert line["eval_loss"] == pytest.approx(want[0], abs=1e-5), (line["eval_loss"], want[0])
+
+
+def test_a_tokenizer_name_says_the_ids_only_when_it_is_one_of_prepares(trained, tmp_path, capsys):
+    """A run on bytes takes no folder of another name's ids, even one of 256 ("char": ids of another meaning); a
+    Hugging Face model without tokenizer files takes such a folder with a note; GPT-2's vocabulary with a setting
+    that splits text otherwise (add_prefix_space) still gives GPT-2's ids, and takes GPT-2 tokens without one."""
+    val = np.arange(SEQ_LEN + 1) % 256
+    char = _token_folder(tmp_path / "char", val, 256, "char")
+    refused(capsys, ["--run", str(trained[0]), f"--data={char}"], f"error: the data {char} was tokenized with char, "
+                                                                  f"and the model of {trained[0]} reads bytes")
+    hf_model(tmp_path / "hf", 256)
+    _, err = evaluated(capsys, "--from", str(tmp_path / "hf"), f"--data={char}", "--batches=1")
+    assert "it holds no tokenizer files" in err and f"the ids of {char} (char) are read as its tokens" in err, err
+    gpt2 = tmp_path / "gpt2"
+    hf_model(gpt2, gpt2_bpe.EOT_ID + 1)
+    gpt2_tokenizer_folder(gpt2, "vocab.json and merges.txt")
+    (gpt2 / "tokenizer_config.json").write_text(json.dumps({"add_prefix_space": True}))
+    data = _token_folder(tmp_path / "gpt2-data", val * 97, gpt2_bpe.EOT_ID + 1, "gpt2")
+    _, err = evaluated(capsys, "--from", str(gpt2), f"--data={data}", "--batches=1", "--batch_size=1")
+    assert "note:" not in err, err
 
 
 def test_what_it_cannot_evaluate_is_refused_in_one_line(trained, tmp_path, capsys):
@@ -173,17 +209,44 @@ def test_an_eval_set_is_refused_exactly_when_a_number_is_out_of_range(batches, b
             chosen.check()
 
 
-def test_a_checkpoint_naming_another_backends_kernels_scores_through_xlas_ops(trained, tmp_path, capsys):
-    """to-torch's folder of step 4 with its config edited to name a GPU's kernels (cuDNN's attention refuses a CPU;
-    Pallas's interpreter would be slow): the run's logged numbers, bit for bit (on a CPU auto's attention is the
-    written-out one the run trained with), and a note naming the two. A CPU's own kernels (oneDNN's dots) are kept."""
+def test_a_checkpoint_naming_kernels_scores_with_the_kernels_the_defaults_pick(trained, tmp_path, capsys):
+    """to-torch's folder of step 4 with its config edited to name kernels that may not run outside their run (cuDNN's
+    attention, the Hopper MLP kernel, oneDNN's dots): the run's logged numbers, bit for bit (the run trained with the
+    defaults, which are what they go back to), and a note naming the three; a bf16 residual stream evaluated in fp32
+    is fp32's."""
     folder = shutil.copytree(trained[2], tmp_path / "torch")
     state = json.loads((folder / "trainer_state.json").read_text())
-    state["config"]["model"].update(attention="cudnn", gelu_fwd="pallas")
+    state["config"]["model"].update(attention="cudnn", gelu_fwd="pallas", cpu_dots="onednn")
     (folder / "trainer_state.json").write_text(json.dumps(state))
     line, err = evaluated(capsys, "--from", str(folder))
     assert (line["eval_loss"], line["eval_accuracy"]) == logged_evals(trained[0])[4]
-    assert ("note: the kernels of another backend than this cpu (model.attention=cudnn, model.gelu_fwd=pallas) are "
-            "computed through XLA's ops here") in err, err
-    kept, changed = model_source.computed_here(config.ModelConfig(cpu_dots="onednn", norm="pallas"), "fp32")
-    assert (kept.cpu_dots, kept.norm, changed) == ("onednn", "auto", ["model.norm=pallas"])
+    assert ("note: model.attention=cudnn, model.gelu_fwd=pallas, model.cpu_dots=onednn: computed with the kernels "
+            "the defaults pick here") in err, err
+    computed, changed = model_source.computed_here(config.ModelConfig(norm="pallas", attention="xla",
+                                                                      residual_dtype="bf16"), "fp32")
+    assert (computed.norm, computed.attention, computed.residual_dtype, changed) == (
+        "auto", "xla", "fp32", ["model.norm=pallas"])
+
+
+def test_weights_holding_nan_and_an_eval_set_past_the_memory_are_refused(trained, tmp_path, capsys):
+    """NaN in a weight: its loss is no number (not a null in the JSON and exit 0). 2^20 sequences at a time of the
+    small model: its fp32 logits alone 2^20 x 32 x 256 x 4 bytes = 32 GiB, past this host (asked before anything
+    is drawn); and a run whose data folder is gone is told of --data."""
+    folder = shutil.copytree(trained[2], tmp_path / "torch")
+    weights = {name: a.copy() for name, a in safetensors.numpy.load_file(folder / "model.safetensors").items()}
+    weights["transformer.h.0.mlp.c_fc.weight"][3, 5] = np.nan
+    safetensors.numpy.save_file(weights, folder / "model.safetensors")
+    refused(capsys, ["--from", str(folder)], f"error: {folder} holds inf or NaN (h/0/mlp/c_fc/kernel/value)")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        evaluate.main(["--run", str(trained[0]), f"--batch_size={2**20}", "--micro_batches=1"])
+    err = capsys.readouterr().err
+    said = re.fullmatch(rf"error: evaluating 1048576 sequences at a time needs (\d+\.\d+) GiB and this "
+                        rf"{jax.devices()[0].device_kind} has [\d.]+ GiB; raise --micro_batches or lower "
+                        rf"--batch_size\n", err)
+    assert said and float(said[1]) >= 32, err  # the logits alone
+    state = json.loads((trained[2] / "trainer_state.json").read_text())
+    state["config"]["data"]["path"] = str(tmp_path / "gone")
+    moved = shutil.copytree(trained[2], tmp_path / "moved")
+    (moved / "trainer_state.json").write_text(json.dumps(state))
+    refused(capsys, ["--from", str(moved)], "(the run's data; evaluate on another data folder with --data FOLDER)")
