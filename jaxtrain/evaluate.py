@@ -23,6 +23,7 @@ another tokenizer (check_tokens), weights holding inf or NaN, a batch too big fo
 """
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import sys
@@ -54,6 +55,11 @@ class EvalSet:
     batch_size: int
     micro_batches: int
     seed: int
+
+    @property
+    def at_a_time(self) -> int:
+        """Sequences a forward pass takes."""
+        return self.batch_size // self.micro_batches
 
     def check(self) -> None:
         """Each number as given, or its default (a run's: see the module's docstring)."""
@@ -89,10 +95,9 @@ def eval_set(loaded: model_source.Loaded, args) -> EvalSet:
     chosen.check()  # before the data is read
     try:
         data = data_lib.load(data_cfg, loaded.model_cfg.seq_len)
-    except UserError as e:
-        if args.data is not None:
-            raise
-        raise UserError(f"{e} (the run's data; evaluate on another data folder with --data FOLDER)") from None
+    except UserError as e:  # its fix may name a run's keys: evaluate reads the val split of another folder instead
+        whose = "the run's data" if args.data is None else "--data"
+        raise UserError(f"{e} ({whose}; evaluate on another data folder with --data FOLDER)") from None
     return dataclasses.replace(chosen, data=data)
 
 
@@ -143,7 +148,7 @@ def model_tokenizer(loaded: model_source.Loaded, data: data_lib.TokenData) -> tu
     return "gpt2", "its tokenizer files' vocabulary is GPT-2's"
 
 
-def evaluate(loaded: model_source.Loaded, chosen: EvalSet, eval_step, seq_len: int) -> dict:
+def evaluate(loaded: model_source.Loaded, chosen: EvalSet, eval_step) -> dict:
     """The eval line of `loaded`'s model on `chosen` through `eval_step` (compiled_eval_step's): eval_loss,
     eval_accuracy (token-weighted), perplexity, tokens."""
     sums = []
@@ -151,8 +156,9 @@ def evaluate(loaded: model_source.Loaded, chosen: EvalSet, eval_step, seq_len: i
                       file=sys.stderr):  # disable=None: a bar on a terminal only
         inputs, targets = data_lib.eval_batch(chosen.data, seed=chosen.seed, index=index,
                                               batch_size=chosen.batch_size, accum_steps=chosen.micro_batches,
-                                              seq_len=seq_len)
-        sums.append(jax.device_get(eval_step(loaded.params, inputs, targets)))  # each batch done: the bar is true
+                                              seq_len=loaded.model_cfg.seq_len)
+        with _out_of_memory(chosen):  # a device's allocator may refuse what the compile judged to fit
+            sums.append(jax.device_get(eval_step(loaded.params, inputs, targets)))  # each batch done: the bar is true
     loss, accuracy = step_lib.eval_means(sums)
     try:
         perplexity = math.exp(loss)
@@ -163,8 +169,8 @@ def evaluate(loaded: model_source.Loaded, chosen: EvalSet, eval_step, seq_len: i
 
 
 def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
-    """(the run's eval step compiled for `chosen`'s micro-batches, seq_len): the model computes as its run's eval
-    step did, but with the kernels the defaults pick where the run named one (a note says which: model_source.
+    """The run's eval step compiled for `chosen`'s micro-batches: the model computes as its run's eval step did, but
+    with the forward kernels the defaults pick where the run named one (a note says which: model_source.
     computed_here); refused in one line where it needs more memory than the device has."""
     model_cfg, changed = model_source.computed_here(loaded.model_cfg, loaded.precision)
     if changed:
@@ -172,24 +178,36 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
               f"the last digits may differ from the run's)", file=sys.stderr)
     cfg = Config() if loaded.cfg is None else loaded.cfg
     cfg = dataclasses.replace(cfg, model=model_cfg, train=dataclasses.replace(cfg.train, precision=loaded.precision))
-    at_a_time = chosen.batch_size // chosen.micro_batches
-    tokens = jax.ShapeDtypeStruct((chosen.micro_batches, at_a_time, model_cfg.seq_len), np.int32)
-    device, need = jax.devices()[0], None
-    try:
+    tokens = jax.ShapeDtypeStruct((chosen.micro_batches, chosen.at_a_time, model_cfg.seq_len), np.int32)
+    device = jax.devices()[0]
+    with _out_of_memory(chosen):  # XLA:TPU refuses at compile time what does not fit
         compiled = step_lib.jit_eval_step(cfg).lower(loaded.params, tokens, tokens).compile()
-        stats = compiled.memory_analysis()
-        need = (stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
-                - stats.alias_size_in_bytes)
-    except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses at compile time what does not fit
+    stats = compiled.memory_analysis()
+    need = (stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes)
+    limit = dryrun.device_memory(device)
+    if limit and need > limit:
+        raise _too_big(chosen, f"needs {need / dryrun.GIB:.2f} GiB and this {device.device_kind} has "
+                               f"{limit / dryrun.GIB:.2f} GiB")
+    return compiled
+
+
+@contextlib.contextmanager
+def _out_of_memory(chosen: EvalSet):
+    """XLA's RESOURCE_EXHAUSTED, at a compile or a call, as _too_big's one line."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-    limit = dryrun.device_memory(device)
-    if need is None or (limit and need > limit):
-        needs = (f"needs {need / dryrun.GIB:.2f} GiB and this {device.device_kind} has {limit / dryrun.GIB:.2f} GiB"
-                 if need else f"needs more memory than this {device.device_kind} has")
-        raise UserError(f"evaluating {at_a_time} sequences at a time {needs}; raise --micro_batches or lower "
-                        f"--batch_size")
-    return compiled, model_cfg.seq_len
+        raise _too_big(chosen, "needs more memory than this device has") from None
+
+
+def _too_big(chosen: EvalSet, needs: str) -> UserError:
+    fix = ("raise --micro_batches or lower --batch_size" if chosen.at_a_time > 1 else
+           "one is the least: evaluate on a device with more memory")
+    return UserError(f"evaluating {chosen.at_a_time} sequence{'s' if chosen.at_a_time > 1 else ''} at a time "
+                     f"{needs}; {fix}")
 
 
 def _parser() -> OneLineParser:
@@ -223,11 +241,11 @@ def main(argv: list[str] | None = None) -> None:
                             f"saved before its values overflowed")
         chosen = eval_set(loaded, args)
         check_tokens(loaded, chosen.data)
-        eval_step, seq_len = compiled_eval_step(loaded, chosen)
+        eval_step = compiled_eval_step(loaded, chosen)
         print(f"{loaded.source}, {loaded.precision}: {chosen.batches} batches of {chosen.batch_size} x "
-              f"{loaded.model_cfg.seq_len} tokens, {chosen.batch_size // chosen.micro_batches} sequences at a time, "
+              f"{loaded.model_cfg.seq_len} tokens, {chosen.at_a_time} sequences at a time, "
               f"from the val split of {chosen.data.path}, seed {chosen.seed}", file=sys.stderr)
-        line = evaluate(loaded, chosen, eval_step, seq_len)
+        line = evaluate(loaded, chosen, eval_step)
         print(f"eval loss {line['eval_loss']:.4f} (perplexity {line['perplexity']:.2f}), accuracy "
               f"{line['eval_accuracy']:.2%} over {line['tokens']:,} tokens", file=sys.stderr)
         print(metrics_lib.json_line({"source": loaded.source, "data": chosen.data.path, **line}), end="")

@@ -17,20 +17,23 @@ from jaxtrain.errors import UserError
 from jaxtrain.fused_norm import triton_available
 
 
-# The settings that name one kernel, which may not run outside the run that chose it (cuDNN's attention off a GPU or
-# in fp32, the Hopper kernels off a Hopper GPU or at other shapes, oneDNN's dots off a CPU), and the choice that runs
-# anywhere, the same function: auto, which picks the first two and the last where they run; XLA's ops for the others.
+# The settings that name one kernel of the forward pass, which may not run outside the run that chose it (cuDNN's
+# attention off a GPU or in fp32, the norm and Hopper MLP kernels off a GPU, oneDNN's dots off a CPU or in fp16), and
+# the choice that runs anywhere, the same function: auto, which picks the kernel where it runs, or XLA's ops. The
+# backward's kernels (gelu_grad, qkv_grad, head_lse) are no matter to a forward pass alone.
 NAMED_KERNELS = {"attention": ("cudnn", "auto"), "norm": ("pallas", "auto"), "gelu_fwd": ("pallas", "xla"),
-                 "gelu_grad": ("pallas", "xla"), "head_lse": ("pallas", "xla"), "qkv_grad": ("pallas", "xla"),
                  "cpu_dots": ("onednn", "auto")}
 
 
-def runs_anywhere(cfg: ModelConfig) -> tuple[ModelConfig, list[str]]:
-    """(`cfg` with each kernel it names (NAMED_KERNELS) put back to the choice that runs anywhere, the settings so
-    changed): how a checkpoint's model computes outside its run (sample, evaluate), on another backend, in another
-    precision or at other shapes than the run's."""
+def runs_anywhere(cfg: ModelConfig, precision: str) -> tuple[ModelConfig, list[str]]:
+    """(`cfg` with each forward kernel it names (NAMED_KERNELS) put back to the choice that runs anywhere, the
+    settings whose kernel that changes here in `precision`): how a checkpoint's model computes outside its run
+    (sample, evaluate), on another backend, in another precision or at other shapes than the run's."""
     changes = {key: anywhere for key, (kernel, anywhere) in NAMED_KERNELS.items() if getattr(cfg, key) == kernel}
-    return dataclasses.replace(cfg, **changes), [f"model.{key}={getattr(cfg, key)}" for key in changes]
+    anywhere = dataclasses.replace(cfg, **changes)
+    picked_again = {"attention": lambda: fused_attention(anywhere, precision), "norm": lambda: norm_kernels(anywhere),
+                    "cpu_dots": lambda: onednn_dots(anywhere, precision), "gelu_fwd": lambda: False}
+    return anywhere, [f"model.{key}={getattr(cfg, key)}" for key in changes if not picked_again[key]()]
 
 
 def fused_attention(cfg: ModelConfig, precision: str) -> bool:

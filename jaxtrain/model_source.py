@@ -123,10 +123,10 @@ def _of_run(params, cfg: Config, step: int, meta: dict, precision: str | None, w
 
 
 def computed_here(model_cfg: ModelConfig, precision: str) -> tuple[ModelConfig, list[str]]:
-    """(the config a checkpoint's model computes with in `precision` outside its run, the kernel settings changed for
-    it): the kernels the defaults pick, not one the run named (kernel_choice.runs_anywhere: the same function); its
-    residual stream bf16 only under bf16, as config_checks holds a run to."""
-    model_cfg, changed = kernel_choice.runs_anywhere(model_cfg)
+    """(the config a checkpoint's model computes with in `precision` outside its run, the kernel settings whose kernel
+    that changes): the forward kernels the defaults pick, not one the run named (kernel_choice.runs_anywhere: the same
+    function); its residual stream bf16 only under bf16, as config_checks holds a run to."""
+    model_cfg, changed = kernel_choice.runs_anywhere(model_cfg, precision)
     stream = model_cfg.residual_dtype if precision == "bf16" else "fp32"
     return dataclasses.replace(model_cfg, residual_dtype=stream), changed
 

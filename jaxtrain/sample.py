@@ -207,8 +207,8 @@ def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer,
     GELU (model.gelu_fwd xla: the same function): gelu_gemm's kernel takes tokens in tiles of 64 rows, and decoding
     brings one at a time."""
     ids = prompt_ids(tok, prompt, sampling, model_cfg.vocab_size)
-    # computed_here: another backend's kernels through XLA's ops; a bf16 residual stream (model.residual_dtype=bf16,
-    # bf16 arithmetic) sampled in another --precision is that precision's, fp32, as config_checks has it in training
+    # computed_here: the forward kernels the defaults pick, not one the run named; a bf16 residual stream (bf16
+    # arithmetic) sampled in another --precision is that precision's, fp32, as config_checks has it in training
     model_cfg = dataclasses.replace(model_source.computed_here(model_cfg, precision)[0], attention="xla",
                                     gelu_fwd="xla")
     graphdef = model_lib.graphdef(model_cfg, vocab_size=model_cfg.vocab_size, precision=precision)

@@ -104,10 +104,13 @@ def all_finite(tree) -> jax.Array:
 
 
 def non_finite_leaf(tree) -> str | None:
-    """The name (its path, "/"-separated) of the first leaf of `tree` that holds inf or NaN; None where none does."""
+    """The name (its path, "/"-separated, without nnx's "value") of the first leaf of `tree` that holds inf or NaN;
+    None where none does: one reduction over the tree, then one a leaf only where it found some."""
+    if all_finite(tree):
+        return None
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if not all_finite(leaf):
-            return jax.tree_util.keystr(path, simple=True, separator="/")
+            return jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
     return None
 
 

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxtrain import config, convert, evaluate, gpt2_bpe, model_source, prepare, run
+from jaxtrain import config, convert, dryrun, evaluate, gpt2_bpe, kernel_choice, model_source, prepare, run
 from jaxtrain.errors import UserError
 from test_run import small_args
 from test_sample_from import gpt2_tokenizer_folder, hf_model
@@ -210,43 +210,56 @@ def test_an_eval_set_is_refused_exactly_when_a_number_is_out_of_range(batches, b
 
 
 def test_a_checkpoint_naming_kernels_scores_with_the_kernels_the_defaults_pick(trained, tmp_path, capsys):
-    """to-torch's folder of step 4 with its config edited to name kernels that may not run outside their run (cuDNN's
-    attention, the Hopper MLP kernel, oneDNN's dots): the run's logged numbers, bit for bit (the run trained with the
-    defaults, which are what they go back to), and a note naming the three; a bf16 residual stream evaluated in fp32
-    is fp32's."""
+    """to-torch's folder of step 4 with its config edited to name forward kernels that may not run outside their run
+    (cuDNN's attention, the Hopper MLP kernel, oneDNN's dots) and a backward one (c_attn's gradient kernel, kept: no
+    matter to a forward pass): the run's logged numbers, bit for bit (the run trained with the defaults, which are
+    what they go back to), and a note naming those whose kernel changes here (oneDNN's dots where auto would not pick
+    them: this jaxlib or CPU). A bf16 residual stream evaluated in fp32 is fp32's."""
     folder = shutil.copytree(trained[2], tmp_path / "torch")
     state = json.loads((folder / "trainer_state.json").read_text())
-    state["config"]["model"].update(attention="cudnn", gelu_fwd="pallas", cpu_dots="onednn")
+    state["config"]["model"].update(attention="cudnn", gelu_fwd="pallas", cpu_dots="onednn", qkv_grad="pallas")
     (folder / "trainer_state.json").write_text(json.dumps(state))
     line, err = evaluated(capsys, "--from", str(folder))
     assert (line["eval_loss"], line["eval_accuracy"]) == logged_evals(trained[0])[4]
-    assert ("note: model.attention=cudnn, model.gelu_fwd=pallas, model.cpu_dots=onednn: computed with the kernels "
-            "the defaults pick here") in err, err
-    computed, changed = model_source.computed_here(config.ModelConfig(norm="pallas", attention="xla",
-                                                                      residual_dtype="bf16"), "fp32")
-    assert (computed.norm, computed.attention, computed.residual_dtype, changed) == (
-        "auto", "xla", "fp32", ["model.norm=pallas"])
+    onednn_anyway = kernel_choice.onednn_dots(config.ModelConfig(), "fp32")  # auto's choice on this machine
+    named = "model.attention=cudnn, model.gelu_fwd=pallas" + ("" if onednn_anyway else ", model.cpu_dots=onednn")
+    assert f"note: {named}: computed with the kernels the defaults pick here" in err, err
+    named_kernels = config.ModelConfig(norm="pallas", attention="xla", residual_dtype="bf16", head_lse="pallas")
+    computed, changed = model_source.computed_here(named_kernels, "fp32")
+    assert (computed.norm, computed.attention, computed.residual_dtype, computed.head_lse, changed) == (
+        "auto", "xla", "fp32", "pallas", ["model.norm=pallas"])
 
 
-def test_weights_holding_nan_and_an_eval_set_past_the_memory_are_refused(trained, tmp_path, capsys):
-    """NaN in a weight: its loss is no number (not a null in the JSON and exit 0). 2^20 sequences at a time of the
-    small model: its fp32 logits alone 2^20 x 32 x 256 x 4 bytes = 32 GiB, past this host (asked before anything
-    is drawn); and a run whose data folder is gone is told of --data."""
+def test_weights_holding_nan_and_an_eval_set_past_the_memory_are_refused(trained, tmp_path, capsys, monkeypatch):
+    """NaN in a weight: its loss is no number (not a null in the JSON and exit 0). On a device of 64 MiB, the small
+    model's 4 sequences at a time fit, 4096 do not: their fp32 logits alone are 128 MiB (asked before anything is
+    drawn); and a run whose data folder is gone is told of --data."""
     folder = shutil.copytree(trained[2], tmp_path / "torch")
     weights = {name: a.copy() for name, a in safetensors.numpy.load_file(folder / "model.safetensors").items()}
     weights["transformer.h.0.mlp.c_fc.weight"][3, 5] = np.nan
     safetensors.numpy.save_file(weights, folder / "model.safetensors")
-    refused(capsys, ["--from", str(folder)], f"error: {folder} holds inf or NaN (h/0/mlp/c_fc/kernel/value)")
+    refused(capsys, ["--from", str(folder)], f"error: {folder} holds inf or NaN (h/0/mlp/c_fc/kernel)")
+    monkeypatch.setattr(dryrun, "device_memory", lambda device: 2**26)  # a device of 64 MiB, whatever this host has
+    evaluated(capsys, "--run", str(trained[0]))  # 4 sequences at a time: a few MiB
     capsys.readouterr()
     with pytest.raises(SystemExit):
-        evaluate.main(["--run", str(trained[0]), f"--batch_size={2**20}", "--micro_batches=1"])
+        evaluate.main(["--run", str(trained[0]), f"--batch_size={2**12}", "--micro_batches=1"])
     err = capsys.readouterr().err
-    said = re.fullmatch(rf"error: evaluating 1048576 sequences at a time needs (\d+\.\d+) GiB and this "
-                        rf"{jax.devices()[0].device_kind} has [\d.]+ GiB; raise --micro_batches or lower "
+    said = re.fullmatch(rf"error: evaluating 4096 sequences at a time needs (\d+\.\d+) GiB and this "
+                        rf"{jax.devices()[0].device_kind} has 0.06 GiB; raise --micro_batches or lower "
                         rf"--batch_size\n", err)
-    assert said and float(said[1]) >= 32, err  # the logits alone
+    assert said and float(said[1]) >= 0.125, err  # the logits alone: 2^12 x 32 x 256 x 4 bytes
     state = json.loads((trained[2] / "trainer_state.json").read_text())
     state["config"]["data"]["path"] = str(tmp_path / "gone")
     moved = shutil.copytree(trained[2], tmp_path / "moved")
     (moved / "trainer_state.json").write_text(json.dumps(state))
     refused(capsys, ["--from", str(moved)], "(the run's data; evaluate on another data folder with --data FOLDER)")
+
+
+def test_a_named_kernel_that_auto_picks_again_is_not_said_to_change(monkeypatch):
+    """Where auto would pick the named kernel here (oneDNN's dots on a CPU with bf16 units and a jaxlib that hands
+    them over: made so), the setting goes back to auto and is not named; the Hopper MLP kernel, which auto never
+    picks, is."""
+    monkeypatch.setattr(kernel_choice, "onednn_dots", lambda cfg, precision: True)
+    computed, changed = kernel_choice.runs_anywhere(config.ModelConfig(cpu_dots="onednn", gelu_fwd="pallas"), "bf16")
+    assert (computed.cpu_dots, computed.gelu_fwd, changed) == ("auto", "xla", ["model.gelu_fwd=pallas"])
