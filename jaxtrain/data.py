@@ -34,7 +34,7 @@ from jaxtrain import prepare as prepare_lib
 from jaxtrain import runfolder
 from jaxtrain.cmdline import positive_int
 from jaxtrain.config import Config, DataConfig
-from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_interrupt, exit_on_user_error
 
 TRAIN, VAL = 0, 1  # split ids, part of every batch's RNG key
 _PREPARE_HINT = f"create it with {prepare_lib.COMMAND}"
@@ -342,12 +342,9 @@ def _recreate(fix: str) -> str:
 
 
 def _prepare(args: argparse.Namespace) -> None:
-    try:
+    with exit_on_interrupt(f"{args.out} is unchanged"):  # prepare leaves --out as it was when interrupted
         prepare_lib.prepare(args.input, args.out, args.tokenizer, args.val_fraction, args.workers,
                             overwrite=args.overwrite)
-    except KeyboardInterrupt:  # prepare leaves --out as it was when interrupted
-        print(f"\ninterrupted; {args.out} is unchanged", file=sys.stderr)
-        sys.exit(130)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,6 +39,18 @@ def exit_on_user_error():
 
 
 @contextlib.contextmanager
+def exit_on_interrupt(unchanged: str):
+    """A Ctrl-C during the block as one line, `interrupted; <unchanged>` (what the command leaves as it was), and the
+    shell's exit code for SIGINT, 130, not Python's KeyboardInterrupt traceback: for the commands that write nothing
+    or undo what they wrote (a run saves its step instead: preemption.py)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; {unchanged}", file=sys.stderr)  # below a progress bar's line
+        sys.exit(130)
+
+
+@contextlib.contextmanager
 def quiet_logger(name: str, level: int):
     """The library logger `name` held to `level` and above meanwhile, where a library logs what jaxtrain turns into
     its one line (orbax's warnings through absl; gcsfs's tracebacks of the requests it gave up on)."""

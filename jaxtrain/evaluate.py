@@ -41,7 +41,7 @@ from jaxtrain import prepare as prepare_lib
 from jaxtrain import run_tokenizer
 from jaxtrain import step as step_lib
 from jaxtrain.config import Config
-from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_interrupt, exit_on_user_error
 
 FOLDER_BATCH_SIZE = 8  # sequences a batch for a model without a run: nanoGPT's config/eval_gpt2*.py
 
@@ -117,7 +117,8 @@ def check_tokens(loaded: model_source.Loaded, data: data_lib.TokenData) -> None:
                         f"reads {own} ({why}): its loss there would be of other text; evaluate on data prepared "
                         f"with the model's tokenizer")
     if own is None or own not in prepare_lib.TOKENIZERS:
-        why = why if own is None else f"{why}, {own!r}, is no tokenizer of jaxtrain's, whose name says its ids"
+        why = why if own is None else (f"both name the tokenizer {own!r}, which is not one of jaxtrain's: the name "
+                                       f"alone does not say the ids are the same")
         print(f"note: which tokenizer the model of {loaded.where} reads cannot be told here ({why}); the ids of "
               f"{data.path} ({data.tokenizer}) are read as its tokens", file=sys.stderr)
 
@@ -233,7 +234,7 @@ def _parser() -> OneLineParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    with exit_on_user_error():
+    with exit_on_user_error(), exit_on_interrupt("nothing was written"):
         args = _parser().parse_args(argv)
         loaded = model_source.load(args, "evaluate")
         if (name := step_lib.non_finite_leaf(loaded.params)) is not None:

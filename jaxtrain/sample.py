@@ -39,7 +39,7 @@ from jaxtrain import model_source
 from jaxtrain.autocast import backend, rounding_options
 from jaxtrain.config import Config, ModelConfig
 from jaxtrain.config_checks import INT32_MAX
-from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
+from jaxtrain.errors import OneLineParser, UserError, exit_on_interrupt, exit_on_user_error
 from jaxtrain.model_source import Tokenizer
 
 EMPTY_PROMPT = "the prompt is empty; give one with --prompt (e.g. --prompt $'\\n' for a new line)"
@@ -267,7 +267,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    with exit_on_user_error():
+    with exit_on_user_error(), exit_on_interrupt("nothing was written"):
         args = _parser().parse_args(argv)
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                             args.num_samples, args.stop_at_eot)

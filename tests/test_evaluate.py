@@ -1,7 +1,7 @@
 """`python -m jaxtrain.evaluate`: a run's checkpoint scores the eval loss and accuracy its run logged at that step
 (bit for bit: same device, same sequences, same eval step), from the run, its step folder and to-torch's folder, a
 run with a continued data seed among them; a Hugging Face model the loss and accuracy transformers' logits give; what
-it cannot evaluate refused in one line."""
+it cannot evaluate refused in one line; Ctrl-C one line too, in sample as well."""
 
 import json
 import re
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxtrain import config, convert, dryrun, evaluate, gpt2_bpe, kernel_choice, model_source, prepare, run
+from jaxtrain import config, convert, dryrun, evaluate, gpt2_bpe, kernel_choice, model_source, prepare, run, sample
 from jaxtrain.errors import UserError
 from test_run import small_args
 from test_sample_from import gpt2_tokenizer_folder, hf_model
@@ -154,14 +154,20 @@ def test_a_torchref_checkpoint_scores_what_torchref_logged(tmp_path, cache_dir, 
     assert line["eval_loss"] == pytest.approx(want[0], abs=1e-5), (line["eval_loss"], want[0])
 
 
-def test_a_tokenizer_name_says_the_ids_only_when_it_is_one_of_prepares(trained, tmp_path, capsys):
-    """A run on bytes takes no folder of another name's ids, even one of 256 ("char": ids of another meaning); a
-    Hugging Face model without tokenizer files takes such a folder with a note; GPT-2's vocabulary with a setting
-    that splits text otherwise (add_prefix_space) still gives GPT-2's ids, and takes GPT-2 tokens without one."""
+def test_a_tokenizer_name_says_the_ids_only_when_it_is_one_of_prepares(trained, tmp_path, cache_dir, capsys):
+    """A run on bytes takes no folder of another name's ids, even one of 256 ("char": ids of another meaning); a run
+    on one "char" folder takes another with a note (the name is no tokenizer of jaxtrain's: it does not say the ids
+    are the same); a Hugging Face model without tokenizer files takes such a folder with a note; GPT-2's vocabulary
+    with a setting that splits text otherwise (add_prefix_space) still gives GPT-2's ids, and takes GPT-2 tokens
+    without one."""
     val = np.arange(SEQ_LEN + 1) % 256
     char = _token_folder(tmp_path / "char", val, 256, "char")
     refused(capsys, ["--run", str(trained[0]), f"--data={char}"], f"error: the data {char} was tokenized with char, "
                                                                   f"and the model of {trained[0]} reads bytes")
+    run.train(config.load(small_args(tmp_path / "char-run", cache_dir, f"--data.path={char}", "--train.steps=4")))
+    other = _token_folder(tmp_path / "char2", val * 7 % 256, 256, "char")
+    _, err = evaluated(capsys, "--run", str(tmp_path / "char-run"), f"--data={other}", "--batches=1")
+    assert "(both name the tokenizer 'char', which is not one of jaxtrain's: the name alone does not say" in err, err
     hf_model(tmp_path / "hf", 256)
     _, err = evaluated(capsys, "--from", str(tmp_path / "hf"), f"--data={char}", "--batches=1")
     assert "it holds no tokenizer files" in err and f"the ids of {char} (char) are read as its tokens" in err, err
@@ -263,3 +269,23 @@ def test_a_named_kernel_that_auto_picks_again_is_not_said_to_change(monkeypatch)
     monkeypatch.setattr(kernel_choice, "onednn_dots", lambda cfg, precision: True)
     computed, changed = kernel_choice.runs_anywhere(config.ModelConfig(cpu_dots="onednn", gelu_fwd="pallas"), "bf16")
     assert (computed.cpu_dots, computed.gelu_fwd, changed) == ("auto", "xla", ["model.gelu_fwd=pallas"])
+
+
+@pytest.mark.parametrize("command", ["evaluate", "sample"])
+def test_ctrl_c_ends_in_one_line_and_130(trained, capsys, monkeypatch, command):
+    """A KeyboardInterrupt while it computes (raised where the next batch, or the text, would come): one line and
+    the shell's 130 for SIGINT, not Python's traceback; nothing printed on stdout."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    if command == "evaluate":
+        monkeypatch.setattr(evaluate.data_lib, "eval_batch", interrupted)
+        main = evaluate.main
+    else:
+        monkeypatch.setattr(sample, "sample_texts", interrupted)
+        main = sample.main
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--run", str(trained[0])])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 130 and not out and err.endswith("\ninterrupted; nothing was written\n"), err
+    assert "Traceback" not in err
