@@ -31,6 +31,7 @@ from jaxtrain import data_stats
 from jaxtrain import embedded_corpus
 from jaxtrain import gpt2_bpe
 from jaxtrain import prepare as prepare_lib
+from jaxtrain import prepare_records
 from jaxtrain import runfolder
 from jaxtrain.cmdline import positive_int
 from jaxtrain.config import Config, DataConfig
@@ -344,7 +345,7 @@ def _recreate(fix: str) -> str:
 def _prepare(args: argparse.Namespace) -> None:
     with exit_on_interrupt(f"{args.out} is unchanged"):  # prepare leaves --out as it was when interrupted
         prepare_lib.prepare(args.input, args.out, args.tokenizer, args.val_fraction, args.workers,
-                            overwrite=args.overwrite)
+                            overwrite=args.overwrite, text_field=args.text_field)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -352,8 +353,12 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text files into train.bin, val.bin, meta.json")
     p.add_argument("--input", nargs="+", required=True,
-                   help="text files or folders (their files, recursively; hidden names and data folders skipped)")
+                   help="text files, JSON Lines or Parquet files of documents, or folders (their files, recursively; "
+                        "hidden names and data folders skipped)")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--text-field", default=prepare_records.DEFAULT_FIELD,
+                   help="the field of a JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file's records that "
+                        "holds their text, a document each (default: text)")
     p.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS, required=True)
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="tail of the token stream held out for val (default 0.1)")

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from jaxtrain import gpt2_bpe
 from jaxtrain import prepare_inputs
+from jaxtrain import prepare_records
 from jaxtrain import runfolder
 from jaxtrain import staging as staging_lib
 from jaxtrain.errors import UserError, exit_no_command_of_its_own
@@ -67,10 +68,14 @@ _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" el
 _SAFE_CUT = re.compile(r"(?<=\S)\n(?=\S)|(?<=\S\r)(?=\n\S)")
 
 
-def _pieces(files: list[pathlib.Path], tokenizer: str):
+def _pieces(files: list[pathlib.Path], tokenizer: str, text_field: str):
     """(text or bytes, whether it ends its document, input bytes read for it) in order: every file in pieces of
-    about PIECE_BYTES. A GPT-2 text without line breaks stays one piece (memory then grows with the line)."""
+    about PIECE_BYTES (a records file's: _record_pieces). A GPT-2 text without line breaks stays one piece (memory
+    then grows with the line)."""
     for path in files:
+        if prepare_records.is_records(path):
+            yield from _record_pieces(path, tokenizer, text_field)
+            continue
         decoder = None if tokenizer == "bytes" else codecs.getincrementaldecoder("utf-8")(errors="replace")
         pending, read = "", 0
         with open(path, "rb") as f:
@@ -89,6 +94,23 @@ def _pieces(files: list[pathlib.Path], tokenizer: str):
         yield (b"" if decoder is None else pending + decoder.decode(b"", final=True)), True, read
 
 
+def _record_pieces(path: pathlib.Path, tokenizer: str, text_field: str):
+    """_pieces' for a records file (prepare_records): its documents in pieces of about PIECE_BYTES, as a list of
+    texts each ending its document for gpt2, their UTF-8 joined as they are for bytes."""
+    texts, chars, read = [], 0, 0
+    for batch, n_bytes in prepare_records.batches(path, text_field):
+        texts += batch
+        chars, read = chars + sum(map(len, batch)), read + n_bytes
+        if chars >= PIECE_BYTES:
+            yield _documents(texts, tokenizer), True, read
+            texts, chars, read = [], 0, 0
+    yield _documents(texts, tokenizer), True, read
+
+
+def _documents(texts: list[str], tokenizer: str) -> list[str] | bytes:
+    return texts if tokenizer == "gpt2" else "".join(texts).encode("utf-8")
+
+
 def _encoder(tokenizer: str):
     """(piece -> (token ids, input bytes), vocab size). gpt2 ends each document with <|endoftext|>, as nanoGPT's
     openwebtext; bytes joins documents as they are."""
@@ -97,18 +119,23 @@ def _encoder(tokenizer: str):
     enc = gpt2_bpe.encoding()
     eot = np.array([enc.eot_token], np.uint32)
 
+    def ids_of(text: str, ends_document: bool) -> np.ndarray:
+        ids = enc.encode_to_numpy(text, disallowed_special=())  # special tokens' text as ordinary text
+        return np.concatenate([ids, eot]) if ends_document else ids
+
     def encode(piece):  # tiktoken's Rust encoder releases the GIL: threads encode in parallel
         text, ends_document, n_bytes = piece
-        ids = enc.encode_to_numpy(text, disallowed_special=())  # special tokens' text as ordinary text
-        return (np.concatenate([ids, eot]) if ends_document else ids), n_bytes
+        if isinstance(text, list):  # a records file's documents (_record_pieces), each ending its own
+            return np.concatenate([ids_of(doc, True) for doc in text] or [eot[:0]]), n_bytes
+        return ids_of(text, ends_document), n_bytes
     return encode, enc.n_vocab
 
 
-def _stream_tokens(files: list[pathlib.Path], tokenizer: str, encode, workers: int):
+def _stream_tokens(files: list[pathlib.Path], text_field: str, tokenizer: str, encode, workers: int):
     """(token ids, input bytes) in order, encoded by `workers` threads with a bounded number of pieces in flight."""
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         in_flight = collections.deque()
-        for piece in _pieces(files, tokenizer):
+        for piece in _pieces(files, tokenizer, text_field):
             in_flight.append(pool.submit(encode, piece))
             if len(in_flight) > 2 * workers:
                 yield in_flight.popleft().result()
@@ -117,10 +144,11 @@ def _stream_tokens(files: list[pathlib.Path], tokenizer: str, encode, workers: i
 
 
 def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0.1, workers: int | None = None,
-            overwrite: bool = False) -> None:
+            overwrite: bool = False, text_field: str = prepare_records.DEFAULT_FIELD) -> None:
     """Tokenize text files into a data folder, streaming: tokens go to disk as they come, so memory stays flat. val
     is the last val_fraction of the token stream, as nanoGPT's shakespeare prepare: deterministic, and with several
-    files mostly whole held-out files.
+    files mostly whole held-out files. A JSON Lines or Parquet file gives the `text_field` of each of its records, a
+    document each (prepare_records).
 
     The files are written into a staging folder inside `out` and replace out's only once all are complete, so a
     prepare that fails or is interrupted (a KeyboardInterrupt out of it, or a SIGTERM) leaves `out` as it was. An
@@ -144,19 +172,22 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
                         f"resume; pass --overwrite to replace it, or choose another --out")
     with _sigterm_as_interrupt(out):
         files = prepare_inputs.input_files(inputs, out)
+        if records := sum(map(prepare_records.is_records, files)):
+            print(f"prepare: {records:,} of them JSON Lines or Parquet: a document a record, its {text_field!r} "
+                  f"field (--text-field)", file=sys.stderr)
         encode, vocab_size = _encoder(tokenizer)
         start = time.perf_counter()
-        meta = _write_into(out, files, tokenizer, (encode, vocab_size), val_fraction, workers, inputs)
+        meta = _write_into(out, (files, text_field), tokenizer, (encode, vocab_size), val_fraction, workers, inputs)
     n_tokens, seconds = meta["train_tokens"] + meta["val_tokens"], time.perf_counter() - start
     print(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({tokenizer}, vocab "
           f"{vocab_size}) to {out} in {seconds:.1f}s ({n_tokens / seconds:,.0f} tokens/s)")
 
 
-def _write_into(out: str, files: list[pathlib.Path], tokenizer: str, encoder: tuple, val_fraction: float,
+def _write_into(out: str, source: tuple, tokenizer: str, encoder: tuple, val_fraction: float,
                 workers: int | None, inputs: list[str]) -> dict:
-    """Writes the data (encoder: _encoder's pair) into a staging folder in `out` and moves it over out's files once
-    complete; returns the meta. The staging folder goes whatever happens, and so does `out` if this made it and it
-    is left empty."""
+    """Writes the data of `source` (the files, the records' text field) tokenized by `encoder` (_encoder's pair)
+    into a staging folder in `out` and moves it over out's files once complete; returns the meta. The staging
+    folder goes whatever happens, and so does `out` if this made it and it is left empty."""
     created = not os.path.isdir(out)
     try:
         os.makedirs(out, exist_ok=True)
@@ -166,7 +197,7 @@ def _write_into(out: str, files: list[pathlib.Path], tokenizer: str, encoder: tu
             os.rmdir(out)
         raise _unusable_out(out, e) from None
     try:
-        meta = _write_data(staging, files, tokenizer, *encoder, val_fraction, workers)
+        meta = _write_data(staging, source, tokenizer, *encoder, val_fraction, workers)
         _check_splits(meta, inputs, val_fraction)
     except OSError as e:
         raise UserError(f"prepare stopped ({e}); {out} is unchanged: fix the cause (disk space, permissions, "
@@ -261,16 +292,16 @@ def _cores() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def _write_data(folder: str, files: list[pathlib.Path], tokenizer: str, encode, vocab_size: int,
+def _write_data(folder: str, source: tuple, tokenizer: str, encode, vocab_size: int,
                 val_fraction: float, workers: int | None) -> dict:
     """Writes train.bin, val.bin and meta.json into `folder`; returns the meta."""
     dtype = _dtype_for(vocab_size)
     train_path, start, n_tokens = os.path.join(folder, "train.bin"), time.perf_counter(), 0
-    total, done, said = sum(p.stat().st_size for p in files), 0, start
+    total, done, said = sum(p.stat().st_size for p in source[0]), 0, start
     threads = encoding_threads(workers)  # its note before the bar
     with open(train_path, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare ({tokenizer})",
                                            disable=None) as bar:
-        for i, (ids, n_bytes) in enumerate(_stream_tokens(files, tokenizer, encode, threads)):
+        for i, (ids, n_bytes) in enumerate(_stream_tokens(*source, tokenizer, encode, threads)):
             ids.astype(dtype).tofile(f)
             n_tokens, done, now = n_tokens + len(ids), done + n_bytes, time.perf_counter()
             if i % 8 == 7:

@@ -1,0 +1,186 @@
+"""The documents of the files datasets ship in, for prepare: JSON Lines (the Pile, C4, OpenWebText2, `datasets`'
+to_json; plain, gzip or zstd) and Parquet (the Hugging Face Hub's dataset shards: FineWeb, OpenWebText), a document
+a record, its text in one field (prepare's --text-field; "text" by default, as Levanter's text_key and the field
+nanoGPT's openwebtext prepare reads).
+
+The standard library (pyarrow for Parquet, zstandard for .zst, imported only for such a file): torchref imports
+jaxtrain.data, which imports prepare, which imports this.
+"""
+
+import functools
+import importlib
+import json
+import os
+import pathlib
+import re
+import sys
+import zlib
+
+from tqdm import tqdm
+
+from jaxtrain.errors import UserError
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+PARQUET_SUFFIX = ".parquet"
+DEFAULT_FIELD = "text"
+BATCH_CHARS = 2**20  # a JSON Lines file's texts are handed on in batches of about this many characters
+CHUNK_BYTES = 2**20  # a JSON Lines file is read this many bytes at a time
+PARQUET_BATCH_ROWS = 1024  # rows read at a time: ~4 MB of FineWeb's ~3-4 kB documents
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what a JSON "\ud800" escape without its pair decodes to
+_EXTRA = "pip install 'jaxtrain[data]'"
+
+
+def is_records(path: pathlib.Path) -> bool:
+    """Whether prepare reads `path` as records (by its name: a .json file, which may be any JSON, stays text)."""
+    return path.name.lower().endswith(JSONL_SUFFIXES + (PARQUET_SUFFIX,))
+
+
+def batches(path: pathlib.Path, field: str):
+    """(texts, input bytes read for them) over `path`'s records in order, the bytes adding up to its size: each
+    record's `field`, a null one left out (a warning at the end counts them). Refused in one line, naming the file
+    and where in it: a record that is not a JSON object, a field missing or holding no text, a damaged file."""
+    read = _parquet if path.name.lower().endswith(PARQUET_SUFFIX) else _jsonl
+    nulls = 0
+    for texts, n_bytes in read(path, field):
+        kept = [text for text in texts if text is not None]
+        nulls += len(texts) - len(kept)
+        yield kept, n_bytes
+    if nulls:
+        tqdm.write(f"prepare: warning: {path}: {nulls:,} record(s) whose {field!r} is null, left out",
+                   file=sys.stderr)
+
+
+def _jsonl(path: pathlib.Path, field: str):
+    size, counted, number = os.path.getsize(path), 0, 0
+    texts, chars = [], 0
+    with open(path, "rb") as raw:
+        try:
+            for number, line in enumerate(_lines(_chunks(raw, path)), 1):
+                if line.strip():
+                    texts.append(_text_of(line, field, f"--input {path} line {number}"))
+                    chars += len(texts[-1] or "")
+                if chars >= BATCH_CHARS:
+                    yield texts, raw.tell() - counted
+                    texts, chars, counted = [], 0, raw.tell()
+        except _decompression_errors() as e:
+            after = f" after line {number}" if number else ""
+            raise UserError(f"--input {path} cannot be decompressed{after} ({e}): it is damaged or cut short; fetch "
+                            f"it again, or leave it out") from None
+    yield texts, size - counted
+
+
+def _chunks(raw, path: pathlib.Path):
+    """`raw`'s bytes as read, decompressed as its name says."""
+    chunks = iter(functools.partial(raw.read, CHUNK_BYTES), b"")
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return _frames(chunks, lambda: zlib.decompressobj(wbits=31))  # 31: a gzip member
+    if name.endswith(".zst"):
+        zstandard = _library("zstandard", ".jsonl.zst", path)
+        return _frames(chunks, lambda: zstandard.ZstdDecompressor().decompressobj())
+    return chunks
+
+
+def _frames(chunks, decompressor):
+    """The bytes of every compressed frame in `chunks` in turn (gzip members, zstd frames: `decompressor()` makes
+    one's); EOFError where the last is cut short. zstandard's stream_reader read a cut-short file as empty."""
+    frame = None
+    for chunk in chunks:
+        while chunk:
+            frame = frame or decompressor()
+            yield frame.decompress(chunk)
+            chunk, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
+    if frame is not None:
+        raise EOFError("it ends inside a compressed frame")
+
+
+def _lines(chunks):
+    """The lines of the bytes in `chunks`, without their newlines."""
+    pending = []
+    for chunk in chunks:
+        *lines, last = chunk.split(b"\n")
+        if lines:
+            lines[0] = b"".join(pending) + lines[0]
+            pending = []
+            yield from lines
+        pending.append(last)
+    if tail := b"".join(pending):
+        yield tail
+
+
+def _decompression_errors() -> tuple:
+    """What a damaged .gz or .zst raises as it is read (EOFError: one cut short, _frames)."""
+    zstandard = sys.modules.get("zstandard")  # None where it is not installed
+    return (EOFError, zlib.error) + ((zstandard.ZstdError,) if zstandard else ())
+
+
+def _text_of(line: bytes, field: str, where: str) -> str | None:
+    """The text of one JSON Lines record's `field`; None where it is null."""
+    try:
+        record = json.loads(line)
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError: JSON Lines are UTF-8
+        raise UserError(f"{where} is not JSON ({e}); a JSON Lines file holds one JSON object a line") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{where} is a JSON {_json_type(record)}, not an object; a JSON Lines file holds one JSON "
+                        f"object a line, its text in a field")
+    if field not in record:
+        keys = ", ".join(repr(key) for key in list(record)[:10]) or "none"
+        raise UserError(f"{where} has no field {field!r} (its fields: {keys}); name the one holding the text with "
+                        f"--text-field")
+    text = record[field]
+    if text is not None and not isinstance(text, str):
+        raise UserError(f"{where}: its {field!r} is a JSON {_json_type(text)}, not text; name the field holding the "
+                        f"text with --text-field")
+    if text and b"\\u" in line:  # a lone surrogate escape: as gpt2 reads an undecodable byte, U+FFFD
+        text = _LONE_SURROGATE.sub("\ufffd", text)
+    return text
+
+
+def _json_type(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}[type(value)]
+
+
+def _parquet(path: pathlib.Path, field: str):
+    _library("pyarrow", ".parquet", path)
+    import pyarrow
+    import pyarrow.parquet
+    try:
+        file = pyarrow.parquet.ParquetFile(path)
+    except (pyarrow.ArrowException, OSError) as e:
+        raise UserError(f"--input {path} cannot be read as Parquet ({e}): it is damaged or not Parquet; fetch it "
+                        f"again, or leave it out") from None
+    schema = file.schema_arrow
+    if field not in schema.names:
+        columns = ", ".join(repr(name) for name in schema.names[:10])
+        raise UserError(f"--input {path} has no column {field!r} (its columns: {columns}); name the one holding the "
+                        f"text with --text-field")
+    kind = schema.field(field).type
+    if not _is_text(pyarrow, kind):
+        raise UserError(f"--input {path}: its column {field!r} holds {kind}, not text; name the column holding the "
+                        f"text with --text-field")
+    size, rows, done, counted = os.path.getsize(path), file.metadata.num_rows, 0, 0
+    try:
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
+            done += batch.num_rows
+            yield batch.column(0).to_pylist(), size * done // rows - counted
+            counted = size * done // rows
+    except (pyarrow.ArrowException, OSError) as e:
+        raise UserError(f"--input {path} cannot be read after row {done} ({e}): it is damaged or cut short; fetch "
+                        f"it again, or leave it out") from None
+    yield [], size - counted
+
+
+def _is_text(pyarrow, kind) -> bool:
+    if pyarrow.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind) or pyarrow.types.is_string_view(kind)
+
+
+def _library(name: str, suffix: str, path: pathlib.Path):
+    """The module `name` (an extra's), or a UserError naming the install."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise UserError(f"--input {path}: reading {suffix} files needs {name}, which is not installed here: "
+                        f"{_EXTRA}") from None
