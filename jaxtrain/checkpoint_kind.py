@@ -23,6 +23,7 @@ import re
 from etils import epath
 from safetensors import SafetensorError, safe_open
 
+from jaxtrain import runfolder
 from jaxtrain.errors import UserError
 
 MODEL, OPTIMIZER, TRAINER_STATE = "model.safetensors", "optimizer.safetensors", "trainer_state.json"
@@ -191,11 +192,13 @@ def check_jaxtrain_step(path: str, command: str) -> None:
     name), given as `command`'s SRC (to-torch; to-hf, which takes a torch-format folder itself; sample's and
     evaluate's --from, which check the other kinds themselves): otherwise one line says what it is and what to pass
     instead."""
+    reads_from = command in ("sample", "evaluate")
+    given_as, verb = (f"{command} --from", command) if reads_from else (f"{command} SRC", "convert")
+    if runfolder.is_url(path):
+        return _check_step_in_bucket(path, given_as)
     found, name = kind(path), os.path.basename(os.path.normpath(path))
     if found == JAXTRAIN_STEP and name.isdigit():
         return
-    reads_from = command in ("sample", "evaluate")
-    given_as, verb = (f"{command} --from", command) if reads_from else (f"{command} SRC", "convert")
     step = newest_step(path)
     renamed = (f"is a jaxtrain step folder renamed {name!r}; Orbax finds a step by its folder's name: give it back "
                f"its step number (as in <run>/checkpoints/400)")
@@ -228,6 +231,19 @@ def check_jaxtrain_step(path: str, command: str) -> None:
         what[TORCHREF_RUN] = f"is a torchref run folder; pass one of its checkpoints, e.g. {step}"
         what[HF] = "is a Hugging Face GPT-2 folder already"
     raise UserError(f"{given_as} {path} {what[found]}")
+
+
+def _check_step_in_bucket(url: str, given_as: str) -> None:
+    """A URL given where a jaxtrain step folder goes: refused unless it is one (named by its step, holding the
+    `state` item), the only kind read from a bucket (Orbax reads it there as a run resuming from one does)."""
+    step = epath.Path(url)
+    try:
+        if step.name.isdigit() and (step / MARKERS[JAXTRAIN_STEP][0]).is_dir():
+            return
+    except Exception as e:  # the store's own errors: credentials, a bucket that does not exist, the network
+        raise UserError(f"{given_as} {url} cannot be read ({type(e).__name__}: {str(e)[:300]})") from None
+    raise UserError(f"{given_as} {url} is not a jaxtrain step folder (<run>/checkpoints/<step>, holding `state`): "
+                    f"from a bucket only those are read; copy other folders here first (gcloud storage cp -r)")
 
 
 def _listing(steps: list[str]) -> str:

@@ -151,9 +151,9 @@ def from_hf(src: str, out_dir: str) -> None:
 
 def _convert_another(step_dir: str) -> str:
     """What to do when the step folder <run>/checkpoints/<step> is corrupt: convert one of the run's other steps."""
-    checkpoints, name = os.path.split(os.path.normpath(step_dir))
-    in_a_run = os.path.basename(checkpoints) == "checkpoints"
-    steps = checkpoint_lib.saved_steps(os.path.dirname(checkpoints) or ".") if in_a_run else []
+    checkpoints, name = runfolder.parent_and_name(step_dir)
+    run_dir, folder = runfolder.parent_and_name(checkpoints)
+    steps = checkpoint_lib.saved_steps(run_dir or ".") if folder == "checkpoints" else []
     others = ", ".join(os.path.join(checkpoints, str(step)) for step in steps if str(step) != name)
     return "convert another step folder of the run" + (f" ({others})" if others else "")
 
@@ -163,7 +163,7 @@ def restore_step(step_dir: str, fix: str | None = None):
     and checked against its fingerprint, as a resume checks it: one that cannot be read or does not match is
     refused with `fix`, what the caller's user can do instead (by default, convert another of the run's steps,
     which are listed only then)."""
-    root, name = os.path.split(os.path.normpath(os.path.abspath(step_dir)))
+    root, name = runfolder.parent_and_name(os.fspath(runfolder.path(step_dir)))  # a bucket's too (gs://)
     step = int(name)
     orbax_quiet.filter_logs()  # a corrupt step: one line, not orbax's tracebacks and its loops' (as a resume)
     with orbax_quiet.DRAINING.meanwhile(), ocp.CheckpointManager(root, item_handlers={
@@ -264,7 +264,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     to = sub.add_parser("to-torch", help="jaxtrain step folder -> torch-format folder",
                         description="Export one jaxtrain checkpoint; its config is read from the checkpoint.")
-    to.add_argument("src", help="a jaxtrain step folder, e.g. out/tiny/checkpoints/400")
+    to.add_argument("src", help="a jaxtrain step folder, e.g. out/tiny/checkpoints/400 (or in a bucket, gs://...)")
     to.add_argument("dst", help="the torch-format folder to create (must not exist, or be empty)")
     back = sub.add_parser("from-torch", help="torch-format folder -> jaxtrain run folder",
                           description="Import a torch-format training state as a jaxtrain run that "
@@ -294,7 +294,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error():
         args = _parser().parse_args(argv)
-        runfolder.check_not_url(args.src, "SRC")
+        if args.command in ("from-torch", "from-hf"):  # to-torch and to-hf read a step folder in a bucket too
+            runfolder.check_not_url(args.src, "SRC")
         commands = {"to-torch": to_torch, "from-torch": from_torch, "from-hf": from_hf,
                     "to-hf": lambda src, dst: to_hf(src, dst, args.tokenizer, args.dtype)}
         commands[args.command](args.src, args.dst)

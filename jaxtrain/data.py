@@ -267,11 +267,12 @@ def window(data: TokenData, *, seed: int, step: int, batch_size: int, accum_step
 
 
 def eval_batch(data: TokenData, *, seed: int, index: int, batch_size: int, accum_steps: int, seq_len: int,
-               process_index: int = 0, process_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
+               process_index: int = 0, process_count: int = 1, split: str = "val") -> tuple[np.ndarray, np.ndarray]:
     """Fixed validation batch number `index`, shaped and cut as `window` (a step's worth of sequences, in
     micro-batches that fit where training's do), drawn from the val split with the key (seed, VAL, index): the
-    same sequences at every evaluation, whatever the accumulation."""
-    return _batch(data.val, data.vocab_size, (seed, VAL, index), batch_size, accum_steps, seq_len,
+    same sequences at every evaluation, whatever the accumulation. split="train" draws from the train split with
+    the same keys (evaluate's --split train: sequences at random, not the first steps' windows, TRAIN's keys)."""
+    return _batch(getattr(data, split), data.vocab_size, (seed, VAL, index), batch_size, accum_steps, seq_len,
                   process_index, process_count)
 
 

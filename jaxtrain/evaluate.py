@@ -7,7 +7,9 @@ training: nanoGPT's eval_only (its eval_gpt2 configs give GPT-2's loss on OpenWe
     python -m jaxtrain.evaluate --from gpt2-hf --data data/owt --batches 500 --batch_size 8
 
 The eval set is drawn as a run draws its own (data.eval_batch): --batches batches of --batch_size sequences of the
-model's seq_len tokens, from the val split, with --seed's keys, each batch in --micro_batches parts. A run's
+model's seq_len tokens, from the val split (--split train: from the train split, where the same keys draw
+sequences at random, as nanoGPT's estimate_loss, not the windows the first steps trained on), with --seed's keys,
+each batch in --micro_batches parts. A run's
 checkpoint takes its run's: train.eval_batches, data.batch_size, optim.grad_accum_steps and the data seed it trained
 with, on its data: for a run that evaluated on one device, of this kind, the numbers metrics.jsonl holds for that
 step, bit for bit (a run on several shards each batch, and its matmuls of other shapes may round otherwise: tiny.yaml
@@ -48,13 +50,14 @@ FOLDER_BATCH_SIZE = 8  # sequences a batch for a model without a run: nanoGPT's 
 
 @dataclasses.dataclass(frozen=True)
 class EvalSet:
-    """The sequences evaluated: `batches` batches of `batch_size` windows of the val split, drawn with `seed`'s
-    keys, each batch in `micro_batches` parts (data.eval_batch)."""
+    """The sequences evaluated: `batches` batches of `batch_size` windows of `split` (val, or train), drawn with
+    `seed`'s keys, each batch in `micro_batches` parts (data.eval_batch)."""
     data: data_lib.TokenData
     batches: int
     batch_size: int
     micro_batches: int
     seed: int
+    split: str = "val"
 
     @property
     def at_a_time(self) -> int:
@@ -82,7 +85,8 @@ def eval_set(loaded: model_source.Loaded, args) -> EvalSet:
     run = loaded.cfg
     if run is None and args.data is None:
         raise UserError(f"--from {loaded.where} is a model's weights without a run's data to evaluate on: pass "
-                        f"--data FOLDER, a folder {prepare_lib.COMMAND} wrote (its val split is evaluated)")
+                        f"--data FOLDER, a folder {prepare_lib.COMMAND} wrote (its val split is evaluated, or "
+                        f"--split's)")
     own = run if run is not None else Config()
     data_cfg = own.data if args.data is None else dataclasses.replace(own.data, path=args.data)
 
@@ -91,7 +95,7 @@ def eval_set(loaded: model_source.Loaded, args) -> EvalSet:
     chosen = EvalSet(None, pick(args.batches, own.train.eval_batches, Config().train.eval_batches),
                      pick(args.batch_size, own.data.batch_size, FOLDER_BATCH_SIZE),
                      pick(args.micro_batches, own.optim.grad_accum_steps, 1),
-                     pick(args.seed, loaded.data_seed, Config().run.seed))
+                     pick(args.seed, loaded.data_seed, Config().run.seed), args.split)
     chosen.check()  # before the data is read
     try:
         data = data_lib.load(data_cfg, loaded.model_cfg.seq_len)
@@ -157,7 +161,7 @@ def evaluate(loaded: model_source.Loaded, chosen: EvalSet, eval_step) -> dict:
                       file=sys.stderr):  # disable=None: a bar on a terminal only
         inputs, targets = data_lib.eval_batch(chosen.data, seed=chosen.seed, index=index,
                                               batch_size=chosen.batch_size, accum_steps=chosen.micro_batches,
-                                              seq_len=loaded.model_cfg.seq_len)
+                                              seq_len=loaded.model_cfg.seq_len, split=chosen.split)
         with _out_of_memory(chosen):  # a device's allocator may refuse what the compile judged to fit
             sums.append(jax.device_get(eval_step(loaded.params, inputs, targets)))  # each batch done: the bar is true
     loss, accuracy = step_lib.eval_means(sums)
@@ -214,20 +218,24 @@ def _too_big(chosen: EvalSet, needs: str) -> UserError:
 def _parser() -> OneLineParser:
     ap = OneLineParser(prog="python -m jaxtrain.evaluate",
                        description="The eval loss and accuracy of a checkpoint of a trained run, or of a model's "
-                                   "weights, on the val split of a data folder.",
+                                   "weights, on the val split of a data folder (or its train split).",
                        epilog="examples:\n"
                               "  python -m jaxtrain.evaluate --run out/tiny\n"
                               "  python -m jaxtrain.evaluate --from my-gpt2-hf --data data/owt --batches 100",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     model_source.add_arguments(ap)
     ap.add_argument("--data", metavar="FOLDER",
-                    help="a data folder (prepare's); its val split is evaluated. Default: the run's data")
+                    help="a data folder (prepare's); its val split is evaluated (or --split's). Default: the run's "
+                         "data")
     ap.add_argument("--batches", type=int, help="batches to evaluate; default: the run's train.eval_batches "
                                                 f"({Config().train.eval_batches} without a run)")
     ap.add_argument("--batch_size", type=int, help="sequences a batch; default: the run's data.batch_size "
                                                    f"({FOLDER_BATCH_SIZE} without a run)")
     ap.add_argument("--micro_batches", type=int, help="parts each batch is evaluated in, to fit in memory; default: "
                                                       "the run's optim.grad_accum_steps (1 without a run)")
+    ap.add_argument("--split", choices=("val", "train"), default="val",
+                    help="the split the sequences are drawn from (default val; train: with the same keys, so at "
+                         "random, as nanoGPT's estimate_loss, not the windows the first steps trained on)")
     ap.add_argument("--seed", type=int, help="which sequences are drawn; default: the run's data seed "
                                              f"({Config().run.seed} without a run)")
     return ap
@@ -245,11 +253,12 @@ def main(argv: list[str] | None = None) -> None:
         eval_step = compiled_eval_step(loaded, chosen)
         print(f"{loaded.source}, {loaded.precision}: {chosen.batches} batches of {chosen.batch_size} x "
               f"{loaded.model_cfg.seq_len} tokens, {chosen.at_a_time} sequences at a time, "
-              f"from the val split of {chosen.data.path}, seed {chosen.seed}", file=sys.stderr)
+              f"from the {chosen.split} split of {chosen.data.path}, seed {chosen.seed}", file=sys.stderr)
         line = evaluate(loaded, chosen, eval_step)
         print(f"eval loss {line['eval_loss']:.4f} (perplexity {line['perplexity']:.2f}), accuracy "
               f"{line['eval_accuracy']:.2%} over {line['tokens']:,} tokens", file=sys.stderr)
-        print(metrics_lib.json_line({"source": loaded.source, "data": chosen.data.path, **line}), end="")
+        where = {"source": loaded.source, "data": chosen.data.path, "split": chosen.split}
+        print(metrics_lib.json_line({**where, **line}), end="")
 
 
 if __name__ == "__main__":

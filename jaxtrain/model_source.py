@@ -9,6 +9,9 @@ run's checkpoint or GPT-2's weights from Hugging Face; and the tokenizer its tex
                    kept beside them) or to-torch writes, and torchref's checkpoints (trainer_state.json's config)
     jaxtrain step  a step folder of a run, <run>/checkpoints/<step>, read as --run <run> --step <step> reads it
 
+A run folder, or a step folder of one, may be in a bucket (a pod's run.out_dir=gs://...): read there as a resume
+reads it. Other folders are read from a local disk.
+
 Weights are computed in fp32 where no run's train.precision says otherwise (a Hugging Face model's own dtype is the
 dtype it was stored in, not one it trained with).
 """
@@ -82,10 +85,11 @@ class Loaded(NamedTuple):
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The command-line arguments that say which model sample or evaluate reads (load), and in what precision."""
     source = ap.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run", help="the run folder (its run.out_dir), e.g. out/tiny")
+    source.add_argument("--run", help="the run folder (its run.out_dir), e.g. out/tiny or gs://bucket/run")
     source.add_argument("--from", dest="from_", metavar="FOLDER",
                         help="a Hugging Face GPT-2 folder (save_pretrained's), a torch-format checkpoint (what "
-                             "convert from-hf or to-torch writes, torchref's) or a jaxtrain step folder")
+                             "convert from-hf or to-torch writes, torchref's) or a jaxtrain step folder (in a bucket "
+                             "too)")
     ap.add_argument("--step", type=int, help="the run's checkpoint's step; default: the newest complete one")
     ap.add_argument("--precision", choices=tuple(COMPUTE_DTYPES),
                     help="default: the run's train.precision (fp32 for a Hugging Face model)")
@@ -107,12 +111,20 @@ def from_run(run_dir: str, step: int | None, precision: str | None, command: str
     to compute in (None: the run's train.precision). `command` ("sample", "evaluate") is what the refusals say to do
     with another checkpoint."""
     runfolder.check_given(run_dir, "--run", "the run folder, e.g. --run out/tiny")
-    runfolder.check_not_url(run_dir, "--run")
-    if not os.path.isdir(run_dir):  # else said to hold no complete checkpoint, as a run that saved none is
+    if not _is_folder(run_dir):  # else said to hold no complete checkpoint, as a run that saved none is
         raise UserError(f"--run {run_dir} does not exist; pass the run.out_dir of a jaxtrain run")
     checkpoint_kind.check_jaxtrain_run(run_dir, "--run")
     step, (state, cfg, meta) = _restore(run_dir, step, command)
     return _of_run(state.params, cfg, step, meta, precision, run_dir)
+
+
+def _is_folder(run_dir: str) -> bool:
+    """Whether `run_dir`, a local path or a URL (a pod's run.out_dir=gs://...), is a folder; a store's failure to
+    say (credentials, the network) is one line."""
+    try:
+        return runfolder.path(run_dir).is_dir()
+    except Exception as e:
+        raise UserError(f"--run {run_dir} cannot be read ({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def _of_run(params, cfg: Config, step: int, meta: dict, precision: str | None, where: str) -> Loaded:
@@ -191,8 +203,11 @@ def from_folder(src: str, precision: str | None, command: str) -> Loaded:
     the precision to compute in (None: the run's train.precision where a run's config is there, else fp32).
     `command` ("sample", "evaluate") is what the refusals say to do with another folder."""
     runfolder.check_given(src, "--from", "a folder of weights, e.g. --from my-gpt2-hf")
-    runfolder.check_not_url(src, "--from")
-    found = checkpoint_kind.check_model_source(src, command)
+    if runfolder.is_url(src):  # a step folder of a run in a bucket, the only kind read there
+        checkpoint_kind.check_jaxtrain_step(src, command)
+        found = checkpoint_kind.JAXTRAIN_STEP
+    else:
+        found = checkpoint_kind.check_model_source(src, command)
     if found == checkpoint_kind.JAXTRAIN_STEP:
         state, cfg, meta = convert.restore_step(src, f"{command} another step folder of its run")
         return _of_run(state.params, cfg, int(state.step), meta, precision, src)

@@ -24,8 +24,9 @@ def filter_logs() -> None:
 
 
 # Orbax's warnings about a step folder it then fails to read, which jaxtrain's own line names ("checkpoint ... cannot
-# be read (...)") with orbax's error: said twice otherwise (an empty _CHECKPOINT_METADATA, found by test_fuzz)
-_SAID_BY_THE_READ = ("Failed to json parse Metadata file",)
+# be read (...)") with orbax's error: said twice otherwise (an empty _CHECKPOINT_METADATA, and one of bytes that are
+# not UTF-8, found by test_fuzz)
+_SAID_BY_THE_READ = ("Failed to json parse Metadata file", "Failed to read Metadata file")
 
 
 def one_line_records(record: logging.LogRecord) -> bool:

@@ -19,6 +19,7 @@ import re
 import signal
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -68,13 +69,20 @@ _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform == "linux" el
 _SAFE_CUT = re.compile(r"(?<=\S)\n(?=\S)|(?<=\S\r)(?=\n\S)")
 
 
-def _pieces(files: list[pathlib.Path], tokenizer: str, text_field: str):
+class Source(NamedTuple):
+    """What a prepare reads: its files, in order, and the field of their records that holds the text (of the JSON
+    Lines and Parquet files among them: prepare_records)."""
+    files: list[pathlib.Path]
+    text_field: str
+
+
+def _pieces(source: Source, tokenizer: str):
     """(text or bytes, whether it ends its document, input bytes read for it) in order: every file in pieces of
     about PIECE_BYTES (a records file's: _record_pieces). A GPT-2 text without line breaks stays one piece (memory
     then grows with the line)."""
-    for path in files:
+    for path in source.files:
         if prepare_records.is_records(path):
-            yield from _record_pieces(path, tokenizer, text_field)
+            yield from _record_pieces(path, tokenizer, source.text_field)
             continue
         decoder = None if tokenizer == "bytes" else codecs.getincrementaldecoder("utf-8")(errors="replace")
         pending, read = "", 0
@@ -131,11 +139,11 @@ def _encoder(tokenizer: str):
     return encode, enc.n_vocab
 
 
-def _stream_tokens(files: list[pathlib.Path], text_field: str, tokenizer: str, encode, workers: int):
+def _stream_tokens(source: Source, tokenizer: str, encode, workers: int):
     """(token ids, input bytes) in order, encoded by `workers` threads with a bounded number of pieces in flight."""
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         in_flight = collections.deque()
-        for piece in _pieces(files, tokenizer, text_field):
+        for piece in _pieces(source, tokenizer):
             in_flight.append(pool.submit(encode, piece))
             if len(in_flight) > 2 * workers:
                 yield in_flight.popleft().result()
@@ -171,19 +179,17 @@ def prepare(inputs: list[str], out: str, tokenizer: str, val_fraction: float = 0
         raise UserError(f"--out {out} already holds data ({', '.join(existing)}), which runs trained on it need to "
                         f"resume; pass --overwrite to replace it, or choose another --out")
     with _sigterm_as_interrupt(out):
-        files = prepare_inputs.input_files(inputs, out)
-        if records := sum(map(prepare_records.is_records, files)):
-            print(f"prepare: {records:,} of them JSON Lines or Parquet: a document a record, its {text_field!r} "
-                  f"field (--text-field)", file=sys.stderr)
+        source = Source(prepare_inputs.input_files(inputs, out), text_field)
+        _say_records(source)
         encode, vocab_size = _encoder(tokenizer)
         start = time.perf_counter()
-        meta = _write_into(out, (files, text_field), tokenizer, (encode, vocab_size), val_fraction, workers, inputs)
+        meta = _write_into(out, source, tokenizer, (encode, vocab_size), val_fraction, workers, inputs)
     n_tokens, seconds = meta["train_tokens"] + meta["val_tokens"], time.perf_counter() - start
     print(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({tokenizer}, vocab "
           f"{vocab_size}) to {out} in {seconds:.1f}s ({n_tokens / seconds:,.0f} tokens/s)")
 
 
-def _write_into(out: str, source: tuple, tokenizer: str, encoder: tuple, val_fraction: float,
+def _write_into(out: str, source: Source, tokenizer: str, encoder: tuple, val_fraction: float,
                 workers: int | None, inputs: list[str]) -> dict:
     """Writes the data of `source` (the files, the records' text field) tokenized by `encoder` (_encoder's pair)
     into a staging folder in `out` and moves it over out's files once complete; returns the meta. The staging
@@ -210,6 +216,18 @@ def _write_into(out: str, source: tuple, tokenizer: str, encoder: tuple, val_fra
         if created and not os.listdir(out):
             os.rmdir(out)
     return meta
+
+
+def _say_records(source: Source) -> None:
+    """How many of the files are read as records, and which .json files, read as text, look like JSON Lines."""
+    if records := sum(map(prepare_records.is_records, source.files)):
+        print(f"prepare: {records:,} of them JSON Lines or Parquet: a document a record, its {source.text_field!r} "
+              f"field (--text-field)", file=sys.stderr)
+    for path in source.files:
+        if prepare_records.looks_like_records(path, source.text_field):
+            print(f"prepare: warning: {path} is read as text, JSON and all, though its first line is a JSON object "
+                  f"with a {source.text_field!r} field: to read it as JSON Lines, a document a record, name it "
+                  f".jsonl", file=sys.stderr)
 
 
 def _unusable_out(out: str, error: OSError) -> UserError:
@@ -292,16 +310,16 @@ def _cores() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def _write_data(folder: str, source: tuple, tokenizer: str, encode, vocab_size: int,
+def _write_data(folder: str, source: Source, tokenizer: str, encode, vocab_size: int,
                 val_fraction: float, workers: int | None) -> dict:
     """Writes train.bin, val.bin and meta.json into `folder`; returns the meta."""
     dtype = _dtype_for(vocab_size)
     train_path, start, n_tokens = os.path.join(folder, "train.bin"), time.perf_counter(), 0
-    total, done, said = sum(p.stat().st_size for p in source[0]), 0, start
+    total, done, said = sum(p.stat().st_size for p in source.files), 0, start
     threads = encoding_threads(workers)  # its note before the bar
     with open(train_path, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare ({tokenizer})",
                                            disable=None) as bar:
-        for i, (ids, n_bytes) in enumerate(_stream_tokens(*source, tokenizer, encode, threads)):
+        for i, (ids, n_bytes) in enumerate(_stream_tokens(source, tokenizer, encode, threads)):
             ids.astype(dtype).tofile(f)
             n_tokens, done, now = n_tokens + len(ids), done + n_bytes, time.perf_counter()
             if i % 8 == 7:

@@ -1,10 +1,10 @@
-"""The documents of the files datasets ship in, for prepare: JSON Lines (the Pile, C4, OpenWebText2, `datasets`'
-to_json; plain, gzip or zstd) and Parquet (the Hugging Face Hub's dataset shards: FineWeb, OpenWebText), a document
-a record, its text in one field (prepare's --text-field; "text" by default, as Levanter's text_key and the field
-nanoGPT's openwebtext prepare reads).
+"""The documents of the files datasets ship in, for prepare: JSON Lines (the Pile's .jsonl.zst, C4's .json.gz,
+OpenWebText2, `datasets`' to_json; plain, gzip or zstd) and Parquet (the Hugging Face Hub's dataset shards: FineWeb,
+OpenWebText), a document a record, its text in one field (prepare's --text-field; "text" by default, as Levanter's
+text_key and the field nanoGPT's openwebtext prepare reads).
 
-The standard library (pyarrow for Parquet, zstandard for .zst, imported only for such a file): torchref imports
-jaxtrain.data, which imports prepare, which imports this.
+The standard library and tqdm (pyarrow for Parquet, zstandard for .zst, imported only for such a file): torchref
+imports jaxtrain.data, which imports prepare, which imports this.
 """
 
 import functools
@@ -20,19 +20,38 @@ from tqdm import tqdm
 
 from jaxtrain.errors import UserError
 
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+# A .json file may hold any JSON (a code corpus's configs): it stays text, with a warning where it looks like JSON
+# Lines (looks_like_records). Compressed, it was refused as not text: .json.gz is C4's name for JSON Lines.
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".ndjson.gz", ".ndjson.zst", ".json.gz",
+                  ".json.zst")
 PARQUET_SUFFIX = ".parquet"
 DEFAULT_FIELD = "text"
 BATCH_CHARS = 2**20  # a JSON Lines file's texts are handed on in batches of about this many characters
 CHUNK_BYTES = 2**20  # a JSON Lines file is read this many bytes at a time
 PARQUET_BATCH_ROWS = 1024  # rows read at a time: ~4 MB of FineWeb's ~3-4 kB documents
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what a JSON "\ud800" escape without its pair decodes to
+# What a JSON "\ud800" escape without its pair decodes to, or the bytes ED A0 80 (json.loads reads with surrogatepass)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+ZSTD_MAX_WINDOW = 2**31  # zstd --long=31's: zstandard refuses frames past 128 MiB windows by default
 _EXTRA = "pip install 'jaxtrain[data]'"
 
 
 def is_records(path: pathlib.Path) -> bool:
     """Whether prepare reads `path` as records (by its name: a .json file, which may be any JSON, stays text)."""
     return path.name.lower().endswith(JSONL_SUFFIXES + (PARQUET_SUFFIX,))
+
+
+def looks_like_records(path: pathlib.Path, field: str) -> bool:
+    """Whether a .json file, read as text, starts with a line that is a JSON object holding `field`: JSON Lines
+    under the name `datasets`' to_json examples give them."""
+    if not path.name.lower().endswith(".json"):
+        return False
+    with open(path, "rb") as f:
+        first = f.readline(BATCH_CHARS)
+    try:
+        record = json.loads(first, parse_int=float)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(record, dict) and field in record
 
 
 def batches(path: pathlib.Path, field: str):
@@ -77,16 +96,19 @@ def _chunks(raw, path: pathlib.Path):
         return _frames(chunks, lambda: zlib.decompressobj(wbits=31))  # 31: a gzip member
     if name.endswith(".zst"):
         zstandard = _library("zstandard", ".jsonl.zst", path)
-        return _frames(chunks, lambda: zstandard.ZstdDecompressor().decompressobj())
+        return _frames(chunks, lambda: zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).decompressobj())
     return chunks
 
 
 def _frames(chunks, decompressor):
     """The bytes of every compressed frame in `chunks` in turn (gzip members, zstd frames: `decompressor()` makes
-    one's); EOFError where the last is cut short. zstandard's stream_reader read a cut-short file as empty."""
+    one's); EOFError where the last is cut short (zstandard's stream_reader ended such a file without a word). NULs
+    between frames are padding, as Python's gzip and `gzip -d` take them (no frame of either starts with one)."""
     frame = None
     for chunk in chunks:
         while chunk:
+            if frame is None and not (chunk := chunk.lstrip(b"\0")):
+                break
             frame = frame or decompressor()
             yield frame.decompress(chunk)
             chunk, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
@@ -116,10 +138,11 @@ def _decompression_errors() -> tuple:
 
 def _text_of(line: bytes, field: str, where: str) -> str | None:
     """The text of one JSON Lines record's `field`; None where it is null."""
-    try:
-        record = json.loads(line)
-    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError: JSON Lines are UTF-8
-        raise UserError(f"{where} is not JSON ({e}); a JSON Lines file holds one JSON object a line") from None
+    try:  # parse_int=float: an integer of over 4,300 digits, in any field, is no error (Python's int limit)
+        record = json.loads(line, parse_int=float)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError (JSON Lines are UTF-8), nesting
+        raise UserError(f"{where} is not JSON ({str(e) or type(e).__name__}); a JSON Lines file holds one JSON "
+                        f"object a line") from None
     if not isinstance(record, dict):
         raise UserError(f"{where} is a JSON {_json_type(record)}, not an object; a JSON Lines file holds one JSON "
                         f"object a line, its text in a field")
@@ -131,7 +154,7 @@ def _text_of(line: bytes, field: str, where: str) -> str | None:
     if text is not None and not isinstance(text, str):
         raise UserError(f"{where}: its {field!r} is a JSON {_json_type(text)}, not text; name the field holding the "
                         f"text with --text-field")
-    if text and b"\\u" in line:  # a lone surrogate escape: as gpt2 reads an undecodable byte, U+FFFD
+    if text and _LONE_SURROGATE.search(text):  # no UTF-8 holds it: U+FFFD, as gpt2 reads an undecodable byte
         text = _LONE_SURROGATE.sub("\ufffd", text)
     return text
 
@@ -142,15 +165,37 @@ def _json_type(value) -> str:
 
 
 def _parquet(path: pathlib.Path, field: str):
-    _library("pyarrow", ".parquet", path)
-    import pyarrow
-    import pyarrow.parquet
+    parquet = _library("pyarrow.parquet", ".parquet", path)
+    import pyarrow  # there, with its parquet module
     try:
-        file = pyarrow.parquet.ParquetFile(path)
+        file = parquet.ParquetFile(path)
     except (pyarrow.ArrowException, OSError) as e:
         raise UserError(f"--input {path} cannot be read as Parquet ({e}): it is damaged or not Parquet; fetch it "
                         f"again, or leave it out") from None
-    schema = file.schema_arrow
+    with file:
+        _check_column(pyarrow, file.schema_arrow, field, path)
+        size, rows, done, counted = os.path.getsize(path), file.metadata.num_rows, 0, 0
+        try:
+            for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
+                texts = batch.column(0).to_pylist()
+                done += batch.num_rows
+                yield texts, size * done // rows - counted
+                counted = size * done // rows
+        except UnicodeDecodeError as e:
+            rows_read = f"rows {done + 1:,} to {done + batch.num_rows:,}"
+            raise UserError(f"--input {path}: a row of its {field!r} among {rows_read} is not UTF-8 ({e.reason}), "
+                            f"which Parquet's strings are; fix the file or leave it out") from None
+        except MemoryError as e:  # pyarrow's ArrowMemoryError among them: a row group larger than this machine holds
+            raise UserError(f"--input {path}: reading it needs more memory than this machine has ({e}): its row "
+                            f"groups are read whole; prepare it on a larger one") from None
+        except (pyarrow.ArrowException, OSError) as e:
+            raise UserError(f"--input {path} cannot be read after row {done:,} ({e}): it is damaged or cut short; "
+                            f"fetch it again, or leave it out") from None
+    yield [], size - counted
+
+
+def _check_column(pyarrow, schema, field: str, path: pathlib.Path) -> None:
+    """Refuses a Parquet file whose `field` column is missing or holds no text."""
     if field not in schema.names:
         columns = ", ".join(repr(name) for name in schema.names[:10])
         raise UserError(f"--input {path} has no column {field!r} (its columns: {columns}); name the one holding the "
@@ -159,16 +204,6 @@ def _parquet(path: pathlib.Path, field: str):
     if not _is_text(pyarrow, kind):
         raise UserError(f"--input {path}: its column {field!r} holds {kind}, not text; name the column holding the "
                         f"text with --text-field")
-    size, rows, done, counted = os.path.getsize(path), file.metadata.num_rows, 0, 0
-    try:
-        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
-            done += batch.num_rows
-            yield batch.column(0).to_pylist(), size * done // rows - counted
-            counted = size * done // rows
-    except (pyarrow.ArrowException, OSError) as e:
-        raise UserError(f"--input {path} cannot be read after row {done} ({e}): it is damaged or cut short; fetch "
-                        f"it again, or leave it out") from None
-    yield [], size - counted
 
 
 def _is_text(pyarrow, kind) -> bool:
@@ -182,5 +217,6 @@ def _library(name: str, suffix: str, path: pathlib.Path):
     try:
         return importlib.import_module(name)
     except ImportError:
-        raise UserError(f"--input {path}: reading {suffix} files needs {name}, which is not installed here: "
+        raise UserError(f"--input {path}: reading {suffix} files needs {name.partition('.')[0]}, which is not "
+                        f"installed here: "
                         f"{_EXTRA}") from None

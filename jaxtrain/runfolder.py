@@ -33,6 +33,15 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+def parent_and_name(folder: str) -> tuple[str, str]:
+    """(the folder holding `folder`, its name): a URL's split at its last slash (os.path.normpath would make gs://b
+    gs:/b), a local path's as os.path.split splits it, normalised."""
+    if is_url(folder):
+        parent, _, name = folder.rstrip("/").rpartition("/")
+        return parent, name
+    return os.path.split(os.path.normpath(folder))
+
+
 def path(out_dir: str, *names: str) -> epath.Path:
     """`out_dir`/names: a URL as it is, a local path made absolute (orbax takes absolute paths only)."""
     base = epath.Path(out_dir if is_url(out_dir) else os.path.abspath(out_dir))
@@ -177,9 +186,9 @@ def check_given(path: str, flag: str, wanted: str) -> None:
 
 
 def check_not_url(folder: str, flag: str) -> None:
-    """The converter, the sampler and prepare read and write local folders only (safetensors and JSON files, Orbax's
-    step folders by local path, numpy's memory maps): a URL is refused with the way round it, not taken for a missing
-    folder, nor written to a local folder named after it."""
+    """prepare and the converter read and write local folders (safetensors and JSON files, numpy's memory maps;
+    only a jaxtrain step folder, which Orbax reads, is read from a bucket): a URL is refused with the way round it,
+    not taken for a missing folder, nor written to a local folder named after it."""
     if is_url(folder):
         copy = "a local folder" if flag in ("DST", "--out") else "a local copy"
         raise UserError(f"{flag} {folder} is a URL, and this command takes local folders only; give it {copy} and "

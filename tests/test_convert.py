@@ -441,15 +441,16 @@ def test_a_run_trained_with_cudnn_attention_converts_without_a_gpu(tmp_path):
 
 @pytest.mark.parametrize("command", ["to-torch", "to-hf", "from-torch", "from-hf"])
 def test_a_url_or_the_current_folder_is_refused_before_anything_is_read(command, tmp_path, capsys, monkeypatch):
-    """Conversions read and write local folders: a gs:// DST was written to ./gs:/..., reported as written; a URL
-    SRC was "does not exist"; DST `.` (renamed into place: impossible) failed after the work with a raw OSError."""
+    """Conversions write local folders: a gs:// DST was written to ./gs:/..., reported as written; a URL SRC was
+    "does not exist" (to-torch's and to-hf's, a step folder, is read from its bucket: s3fs is not installed here,
+    test_gcs reads one); DST `.` (renamed into place: impossible) failed after the work with a raw OSError."""
     monkeypatch.chdir(tmp_path)
     local = str(tmp_path / "src")  # never read: each refusal comes first
+    url_src = ("cannot be read (ImportError: Install s3fs to access S3)" if command.startswith("to-") else
+               "is a URL, and this command takes local folders only; give it a local copy")
     cases = [([command, local, "gs://bucket/out"], "DST gs://bucket/out is a URL, and this command takes local "
                                                    "folders only; give it a local folder and copy"),
-             ([command, "s3://bucket/run/checkpoints/3", "dst"], "SRC s3://bucket/run/checkpoints/3 is a URL, and "
-                                                                  "this command takes local folders only; give it "
-                                                                  "a local copy"),
+             ([command, "s3://bucket/run/checkpoints/3", "dst"], f"SRC s3://bucket/run/checkpoints/3 {url_src}"),
              ([command, local, "."], "DST '.' is the folder this command runs in; the conversion is made as a new "
                                      "folder: name one, e.g. ./converted"),
              ([command, local, str(tmp_path)], f"DST {str(tmp_path)!r} is the folder this command runs in"),

@@ -936,7 +936,7 @@ def test_crlf_text_is_cut_into_pieces_that_tokenize_as_the_whole_text(tmp_path, 
         pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
         assert [t for piece in pieces for t in enc.encode_ordinary(piece)] == enc.encode_ordinary(text)
     monkeypatch.setattr(prepare, "PIECE_BYTES", 997)
-    pieces = list(prepare._pieces([tmp_path / "in" / "f3.txt"], "gpt2", "text"))
+    pieces = list(prepare._pieces(prepare.Source([tmp_path / "in" / "f3.txt"], "text"), "gpt2"))
     assert len(pieces) > len(contents[3]) // 2000 and max(len(text) for text, _, _ in pieces) < 2 * 997
 
 

@@ -108,18 +108,42 @@ def test_a_hugging_face_model_scores_what_transformers_logits_give(tmp_path, cap
     Both fp32: the two implementations' logits differ by ~1e-7 of their scale (test_hf's 1e-5 bound), a loss of ~5.5
     by ~1e-6; 1e-5. The top-1: the random model's top-2 gaps (~1e-3) far above that, so exactly."""
     hf = hf_model(tmp_path / "hf", 256)
-    window = np.frombuffer(b"def evaluate(loaded, chosen):\n    cfg", np.uint8)[:SEQ_LEN + 1].astype(np.int64)
+    window = _window(b"def evaluate(loaded, chosen):\n    cfg")
     data = _token_folder(tmp_path / "data", window, 256, "bytes")
-    with torch.no_grad():
-        logits = hf(torch.tensor(window[None, :-1])).logits[0].double()
-    targets = torch.tensor(window[1:])
-    want_loss = torch.nn.functional.cross_entropy(logits, targets).item()
-    want_accuracy = (logits.argmax(-1) == targets).double().mean().item()
+    want_loss, want_accuracy = _transformers_loss_and_accuracy(hf, window)
     line, err = evaluated(capsys, "--from", str(tmp_path / "hf"), f"--data={data}")
     assert line["step"] is None and line["tokens"] == 8 * 8 * SEQ_LEN  # 8 batches of 8: the defaults without a run
     assert line["eval_loss"] == pytest.approx(want_loss, abs=1e-5) and line["eval_accuracy"] == want_accuracy
+    assert line["split"] == "val"
     assert f"note: which tokenizer the model of {tmp_path / 'hf'} reads cannot be told here (it holds no " in err
     assert f"\n{tmp_path / 'hf'}, fp32: 8 batches of 8 x 32 tokens, 8 sequences at a time" in err, err
+
+
+def _window(text: bytes) -> np.ndarray:
+    return np.frombuffer(text, np.uint8)[:SEQ_LEN + 1].astype(np.int64)
+
+
+def _transformers_loss_and_accuracy(hf, window: np.ndarray) -> tuple[float, float]:
+    with torch.no_grad():
+        logits = hf(torch.tensor(window[None, :-1])).logits[0].double()
+    targets = torch.tensor(window[1:])
+    return (torch.nn.functional.cross_entropy(logits, targets).item(),
+            (logits.argmax(-1) == targets).double().mean().item())
+
+
+def test_split_train_scores_the_train_split(tmp_path, capsys):
+    """Each split one window long, another text each: --split train scores the train split's (transformers'
+    logits, the bound above), the default the val split's."""
+    hf = hf_model(tmp_path / "hf", 256)
+    train = _window(b"import numpy as np\nfrom jaxtrain import data")
+    val = _window(b"def evaluate(loaded, chosen):\n    cfg")
+    data = str(tmp_path / "data")
+    prepare.write_token_dir(data, train, val, 256, "bytes")
+    for split, window in [("train", train), ("val", val)]:
+        want_loss, want_accuracy = _transformers_loss_and_accuracy(hf, window)
+        line, err = evaluated(capsys, "--from", str(tmp_path / "hf"), f"--data={data}", f"--split={split}")
+        assert line["eval_loss"] == pytest.approx(want_loss, abs=1e-5) and line["eval_accuracy"] == want_accuracy
+        assert line["split"] == split and f"from the {split} split of {data}" in err, err
 
 
 def test_a_gpt2_model_takes_gpt2_tokens_only(tmp_path, capsys):

@@ -629,10 +629,11 @@ def test_run_folders_holding_something_else_are_refused(kind, tokens, jax_run, t
     check()
 
 
-def test_a_step_folder_with_an_empty_checkpoint_metadata_is_refused_in_one_line(tokens, jax_run, torch_run):
-    """Found by the case above: orbax's absl warning "Failed to json parse Metadata file" came before jaxtrain's own
-    line, which names the folder and the failed read."""
-    check_run_folder_case("garbage step", "1", {"_CHECKPOINT_METADATA": b""}, tokens, jax_run, torch_run)
+@pytest.mark.parametrize("metadata", [b"", b"\x80"], ids=["empty", "not utf-8"])
+def test_a_step_folder_with_garbage_checkpoint_metadata_is_refused_in_one_line(tokens, jax_run, torch_run, metadata):
+    """Found by the case above: orbax's absl warning "Failed to json parse Metadata file" (empty), or "Failed to read
+    Metadata file" (not UTF-8), came before jaxtrain's own line, which names the folder and the failed read."""
+    check_run_folder_case("garbage step", "1", {"_CHECKPOINT_METADATA": metadata}, tokens, jax_run, torch_run)
 
 
 def check_run_folder_case(kind, step, arg, tokens, jax_run, torch_run) -> None:

@@ -11,10 +11,11 @@ import time
 import numpy as np
 import pytest
 from etils import epath
+from safetensors import safe_open
 
 from test_output_paths import check_a_killed_set_aside_is_finished_under_its_stamp
 from test_run import final_params, read_metrics, small_args, without_timing
-from jaxtrain import config, run, runfolder
+from jaxtrain import config, convert, evaluate, run, runfolder, sample
 
 # 200 steps with a save every 10: the run is killed once its step-20 checkpoint is committed, far from the end.
 ARGS = ("--train.steps=200", "--checkpoint.every=10", "--checkpoint.max_to_keep=2", "--train.eval_every=50",
@@ -112,3 +113,42 @@ def test_a_bucket_that_does_not_exist_is_one_line(gcs, cache_dir):
     assert missing.returncode == 2, missing.stderr
     assert missing.stderr == ("error: run.out_dir's bucket gs://no-such-bucket does not exist; create it (gcloud "
                               "storage buckets create gs://no-such-bucket) or fix run.out_dir\n")
+
+
+def test_evaluate_sample_and_convert_read_a_run_in_a_bucket(gcs, tmp_path, cache_dir, capsys):
+    """A pod's run folder in a bucket (run.out_dir=gs://...) is read where it is, as a resume reads it: evaluate
+    --run scores what the run logged, bit for bit; to-torch and to-hf of its step folder write what they write of a
+    local one (the same tensors); sample --run continues a prompt as sample --from to-torch's folder does. What a
+    bucket cannot hold for these commands is refused in one line."""
+    remote = f"{gcs()}/runs/tiny"
+    run.train(config.load(small_args(remote, cache_dir)))
+    logged = [json.loads(line) for line in epath.Path(f"{remote}/metrics.jsonl").read_text().splitlines()]
+    eval_8 = next(line for line in logged if line["step"] == 8 and "eval_loss" in line)
+    for where in (["--run", remote], ["--from", f"{remote}/checkpoints/8"]):
+        capsys.readouterr()
+        evaluate.main(where)
+        line = json.loads(capsys.readouterr().out)
+        assert (line["eval_loss"], line["eval_accuracy"], line["step"]) == (eval_8["eval_loss"],
+                                                                            eval_8["eval_accuracy"], 8), where
+    convert.main(["to-torch", f"{remote}/checkpoints/8", str(tmp_path / "torch")])
+    convert.main(["to-hf", f"{remote}/checkpoints/8", str(tmp_path / "hf")])
+    with safe_open(str(tmp_path / "torch" / "model.safetensors"), "np") as torch_file, \
+            safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as hf_file:
+        wte = "transformer.wte.weight"  # the same in both layouts (Conv1D's transpose is of the blocks' weights)
+        assert np.array_equal(torch_file.get_tensor(wte), hf_file.get_tensor(wte))
+    texts = []
+    for where in (["--run", remote], ["--from", str(tmp_path / "torch")]):
+        capsys.readouterr()
+        sample.main([*where, "--prompt", "def ", "--temperature", "0", "--max_new_tokens", "12"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("def "), texts
+    for command, argv, says in [
+            (evaluate.main, ["--run", f"{remote}-none"], f"--run {remote}-none does not exist"),
+            (evaluate.main, ["--from", remote], f"evaluate --from {remote} is not a jaxtrain step folder"),
+            (convert.main, ["to-torch", f"{remote}/checkpoints", str(tmp_path / "t2")], "is not a jaxtrain step"),
+            (convert.main, ["from-hf", remote, str(tmp_path / "t3")], f"SRC {remote} is a URL")]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            command(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err

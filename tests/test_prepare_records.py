@@ -27,21 +27,22 @@ def _jsonl_lines(docs: list, field: str = "text") -> bytes:
     return b"".join(json.dumps({"id": i, field: doc}).encode() + b"\n" for i, doc in enumerate(docs))
 
 
-def _write(path: pathlib.Path, docs: list, field: str = "text") -> pathlib.Path:
+def _write(path: pathlib.Path, docs: list, field: str = "text", kind=pa.large_string()) -> pathlib.Path:
     """`docs` as records of `path`'s format: a gzip file of two members, a zstd file of two frames, a Parquet file
-    of two row groups (large_string), as the tools that write them in pieces do."""
+    of two row groups (its column of type `kind`), as the tools that write them in pieces do."""
     half = len(docs) // 2
     first, second = _jsonl_lines(docs[:half], field), _jsonl_lines(docs[half:], field)
-    if path.name.endswith(".jsonl"):
-        path.write_bytes(first + second)
-    elif path.name.endswith(".gz"):
+    name = path.name.lower()
+    if name.endswith(".gz"):
         path.write_bytes(gzip.compress(first) + gzip.compress(second))
-    elif path.name.endswith(".zst"):
+    elif name.endswith(".zst"):
         compressor = zstandard.ZstdCompressor()
         path.write_bytes(compressor.compress(first) + compressor.compress(second))
+    elif name.endswith(".parquet"):
+        column = pa.array(docs, pa.string()).cast(kind) if docs else pa.array([], kind)
+        pq.write_table(pa.table({"id": list(range(len(docs))), field: column}), path, row_group_size=max(half, 1))
     else:
-        table = pa.table({"id": list(range(len(docs))), field: pa.array(docs, pa.large_string())})
-        pq.write_table(table, path, row_group_size=max(half, 1))
+        path.write_bytes(first + second)
     return path
 
 
@@ -87,7 +88,8 @@ def test_every_format_gives_a_document_a_record_in_the_folders_order(tmp_path, m
     assert np.fromfile(tmp_path / "out" / "val.bin", np.uint16).tolist() == expected[-n_val:].tolist()
 
 
-@pytest.mark.parametrize("name", ["a.jsonl", "a.jsonl.gz", "a.jsonl.zst", "a.parquet"])
+@pytest.mark.parametrize("name", ["a.jsonl", "a.jsonl.gz", "a.jsonl.zst", "a.parquet", "A.JSONL", "c4.json.gz",
+                                  "b.ndjson.zst", "b.ndjson"])
 def test_the_bytes_read_add_up_to_each_files_size(tmp_path, monkeypatch, name):
     """The progress bar's bytes: every batch's, compressed where the file is, adding up to the file's size (the bar's
     total)."""
@@ -157,6 +159,11 @@ BAD_FILES = {  # name: (writes it, what the one line says)
                        "a.parquet has no column 'text' (its columns: 'body', 'url')"),
     "parquet-int": ("a.parquet", lambda p: pq.write_table(pa.table({"text": [1, 2]}), p),
                     "a.parquet: its column 'text' holds int64, not text"),
+    "parquet-not-utf8": ("a.parquet", lambda p: pq.write_table(pa.table({"text": pa.array(
+        [b"ok", b"caf\xe9"], pa.binary()).view(pa.string())}), p),
+        "a.parquet: a row of its 'text' among rows 1 to 2 is not UTF-8 (unexpected end of data)"),
+    "deep": ("a.jsonl", lambda p: p.write_bytes(b'{"text": "a", "n": ' + b"[" * 10**5 + b"]" * 10**5 + b"}\n"),
+             "a.jsonl line 1 is not JSON (maximum recursion depth exceeded"),
 }
 
 
@@ -177,28 +184,95 @@ def test_a_bad_records_file_is_refused_in_one_line_naming_where_and_the_old_data
 @pytest.mark.parametrize("library, name", [("pyarrow", "a.parquet"), ("zstandard", "a.jsonl.zst")])
 def test_a_missing_library_names_the_extra_that_installs_it(tmp_path, capsys, monkeypatch, library, name):
     path = _write(tmp_path / name, DOCS)
-    monkeypatch.setitem(sys.modules, library, None)  # import raises ImportError
+    for module in [library, f"{library}.parquet"]:  # each import then raises ImportError
+        monkeypatch.setitem(sys.modules, module, None)
     code, err = _prepare_cli(capsys, "--input", str(path), "--out", str(tmp_path / "out"))
     assert code == 2 and f"reading {name[1:]} files needs {library}" in err
     assert "pip install 'jaxtrain[data]'" in err and not (tmp_path / "out").exists()
 
 
-@settings(deadline=None, derandomize=True, database=None, max_examples=60)
-@given(docs=st.lists(st.text(max_size=40) | st.none(), max_size=12), ascii_only=st.booleans(),
-       chunk=st.integers(1, 64), batch=st.integers(1, 64))
-def test_any_documents_come_back_as_written_whatever_the_chunks(docs, ascii_only, chunk, batch):
-    """JSON Lines of any texts (newlines, quotes, control characters, astral characters; escaped or as UTF-8),
-    read in chunks and batches of any size: the texts, nulls left out, in order."""
-    lines = b"".join(json.dumps({"text": doc}, ensure_ascii=ascii_only).encode() + b"\n" for doc in docs)
-    compressed = gzip.compress(lines)
+@pytest.mark.parametrize("kind", [pa.string(), pa.large_string(), pa.string_view(),
+                                  pa.dictionary(pa.int32(), pa.string())], ids=str)
+def test_every_kind_of_parquet_text_column_is_read(tmp_path, kind):
+    path = _write(tmp_path / "a.parquet", DOCS, kind=kind)
+    assert pq.ParquetFile(path).schema_arrow.field("text").type == kind
+    assert [text for texts, _ in prepare_records.batches(path, "text") for text in texts] == DOCS
+
+
+def test_zstd_long_windows_and_gzip_padding_are_read_as_their_tools_read_them(tmp_path):
+    """`zstd --long=30` writes frames whose window zstandard refuses by default; `gzip -d` skips NULs after a
+    member (tape-block padding)."""
+    lines = _jsonl_lines(DOCS)
+    params = zstandard.ZstdCompressionParameters(window_log=30, enable_ldm=True)
+    # Streamed, as the zstd tool writes: no content size in the header to shrink the window to
+    with open(tmp_path / "a.jsonl.zst", "wb") as f:
+        with zstandard.ZstdCompressor(compression_params=params).stream_writer(f) as writer:
+            writer.write(lines)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(lines) + b"\0" * 700 + gzip.compress(lines) + b"\0" * 9)
+    assert gzip.decompress((tmp_path / "b.jsonl.gz").read_bytes()) == lines + lines  # Python's own reader agrees
+    for name, want in [("a.jsonl.zst", DOCS), ("b.jsonl.gz", DOCS + DOCS)]:
+        assert [t for texts, _ in prepare_records.batches(tmp_path / name, "text") for t in texts] == want, name
+
+
+def test_raw_surrogates_and_huge_numbers_in_other_fields_read_without_a_traceback(tmp_path, capsys):
+    """A lone surrogate as raw bytes (ED A0 80, which json.loads reads with surrogatepass) is U+FFFD, as its escape
+    is; an integer of 5,000 digits in another field is past Python's int parsing limit, and valid JSON."""
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b'{"text": "a\xed\xa0\x80b", "n": ' + b"7" * 5000 + b'}\n{"text": "c"}\n')
+    code, err = _prepare_cli(capsys, "--input", str(path), "--out", str(tmp_path / "out"), "--val-fraction", "0.5")
+    assert code == 0, err
+    assert bytes(_tokens(tmp_path / "out").astype(np.uint8)).decode() == "a\ufffdbc"
+
+
+def test_a_json_file_stays_text_with_a_warning_where_it_looks_like_json_lines(tmp_path, capsys):
+    (tmp_path / "lines.json").write_bytes(_jsonl_lines(DOCS[:2]))
+    (tmp_path / "config.json").write_text('{\n  "text": "a config, not a record"\n}\n')
+    code, err = _prepare_cli(capsys, "--input", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    expected = (tmp_path / "config.json").read_bytes() + (tmp_path / "lines.json").read_bytes()  # sorted: c, l
+    assert bytes(_tokens(tmp_path / "out").astype(np.uint8)) == expected
+    assert f"prepare: warning: {tmp_path / 'lines.json'} is read as text, JSON and all, though its first line is a " \
+           f"JSON object with a 'text' field: to read it as JSON Lines, a document a record, name it .jsonl" in err
+    assert "config.json" not in err and "JSON Lines or Parquet" not in err
+
+
+def _unpaired(text: str) -> str:
+    """`text` with each surrogate, which no UTF-8 holds, as U+FFFD."""
+    return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+
+
+_TEXTS = st.lists(st.text(st.characters(codec=None), max_size=40) | st.none(), max_size=12)
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=40)
+@given(docs=_TEXTS, ascii_only=st.booleans(), chunk=st.integers(1, 64), batch=st.integers(1, 64),
+       name=st.sampled_from(["a.jsonl", "a.jsonl.gz", "a.jsonl.zst", "a.parquet"]))
+def test_any_documents_come_back_as_written_whatever_the_format_and_chunks(docs, ascii_only, chunk, batch, name):
+    """Records of any texts (newlines, quotes, control characters, astral characters, surrogates; in JSON escaped
+    or as UTF-8, surrogates then as their raw bytes), read in chunks, batches and Parquet row batches of any size:
+    the texts in order, nulls left out, a surrogate that is no character's half U+FFFD; the bytes read adding up to
+    the file's size."""
+    if name.endswith(".parquet"):  # pyarrow's strings are UTF-8: no surrogates
+        docs = [None if doc is None else _unpaired(doc) for doc in docs]
+    lines = b"".join(json.dumps({"text": doc}, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass") + b"\n"
+                     for doc in docs)
     with tempfile.TemporaryDirectory() as folder:
-        path = pathlib.Path(folder) / "a.jsonl.gz"
-        path.write_bytes(compressed)
-        saved = prepare_records.CHUNK_BYTES, prepare_records.BATCH_CHARS
-        prepare_records.CHUNK_BYTES, prepare_records.BATCH_CHARS = chunk, batch
+        path = pathlib.Path(folder) / name
+        if name.endswith(".parquet"):
+            _write(path, docs)
+        else:
+            path.write_bytes({"l": lines, "z": gzip.compress(lines),
+                              "t": zstandard.ZstdCompressor().compress(lines)}[name[-1]])
+        sizes = {"CHUNK_BYTES": chunk, "BATCH_CHARS": batch, "PARQUET_BATCH_ROWS": chunk}
+        saved = {key: getattr(prepare_records, key) for key in sizes}
+        vars(prepare_records).update(sizes)
         try:
             batches = list(prepare_records.batches(path, "text"))
         finally:
-            prepare_records.CHUNK_BYTES, prepare_records.BATCH_CHARS = saved
-    assert [text for texts, _ in batches for text in texts] == [doc for doc in docs if doc is not None]
-    assert sum(n for _, n in batches) == len(compressed)
+            vars(prepare_records).update(saved)
+        size = path.stat().st_size
+    # Escaped, a high half followed by a low one is the character they make (json's reading); as raw bytes, each
+    # is a byte sequence UTF-8 refuses, U+FFFD each
+    want = [json.loads(json.dumps(doc)) if ascii_only else doc for doc in docs if doc is not None]
+    assert [text for texts, _ in batches for text in texts] == [_unpaired(text) for text in want]
+    assert sum(n for _, n in batches) == size
