@@ -39,16 +39,26 @@ _RUN_OF = {JAXTRAIN_STEP: JAXTRAIN_RUN, TORCH: TORCHREF_RUN}
 
 
 def kind(path: str) -> str | None:
-    """The kind of the local folder `path`; None when it is none of them, or not a folder."""
-    if not os.path.isdir(path):
+    """The kind of the folder `path` (local, or in a bucket whose store answers: runfolder.check_readable); None when
+    it is none of them, or not a folder."""
+    if not is_folder(path):
         return None
-    if os.path.exists(os.path.join(path, HF_CONFIG)) and _hf_weights(path):
+    if _exists(os.path.join(path, HF_CONFIG)) and _hf_weights(path):
         return HF
     for step_kind, names in MARKERS.items():
-        if any(os.path.exists(os.path.join(path, name)) for name in names):
+        if any(_exists(os.path.join(path, name)) for name in names):
             return step_kind
     step = newest_step(path)
     return _RUN_OF.get(kind(step)) if step else None
+
+
+def is_folder(path: str) -> bool:
+    """os.path.isdir, for a folder in a bucket too (epath: gs://, s3://)."""
+    return epath.Path(path).is_dir() if runfolder.is_url(path) else os.path.isdir(path)
+
+
+def _exists(path: str) -> bool:
+    return epath.Path(path).exists() if runfolder.is_url(path) else os.path.exists(path)
 
 
 def holds_training_state(path: str) -> bool:
@@ -122,7 +132,7 @@ def _hf_weights(path: str) -> bool:
     """Whether the folder's model.safetensors is in HF's layout (_conv1d_layout), or, with none, a sharded save's
     index maps its tensors (transformers reads model.safetensors where both are, and so does from-hf)."""
     model, index = os.path.join(path, MODEL), os.path.join(path, HF_SHARD_INDEX)
-    return bool(_conv1d_layout(model)) if os.path.exists(model) else os.path.exists(index)
+    return bool(_conv1d_layout(model)) if _exists(model) else _exists(index)
 
 
 def _conv1d_layout(file: str) -> bool | None:
@@ -147,15 +157,17 @@ def _step_names(root: str) -> list[str]:
     """The names of the step folders under a run's checkpoints folder `root`, in step order; none where it is no
     folder or cannot be listed."""
     try:
-        return sorted((n for n in os.listdir(root) if n.isdigit()), key=int)
+        names = [p.name for p in epath.Path(root).iterdir()] if runfolder.is_url(root) else os.listdir(root)
     except OSError:  # none, not a folder, or not this user's to list
         return []
+    return sorted((n for n in names if n.isdigit()), key=int)
 
 
 def _run_of(step_dir: str) -> str:
     """The run folder of a step folder <run>/checkpoints/<step>."""
-    parent = os.path.dirname(os.path.abspath(step_dir))
-    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else "<its run folder>"
+    parent, _ = runfolder.parent_and_name(step_dir if runfolder.is_url(step_dir) else os.path.abspath(step_dir))
+    run, name = runfolder.parent_and_name(parent)
+    return run if name == "checkpoints" else "<its run folder>"
 
 
 def _convert_first(step_dir: str) -> str:
@@ -195,8 +207,8 @@ def check_jaxtrain_step(path: str, command: str) -> None:
     reads_from = command in ("sample", "evaluate")
     given_as, verb = (f"{command} --from", command) if reads_from else (f"{command} SRC", "convert")
     if runfolder.is_url(path):
-        return _check_step_in_bucket(path, given_as)
-    found, name = kind(path), os.path.basename(os.path.normpath(path))
+        runfolder.check_readable(path, given_as)
+    found, name = kind(path), runfolder.parent_and_name(path)[1]
     if found == JAXTRAIN_STEP and name.isdigit():
         return
     step = newest_step(path)
@@ -214,36 +226,34 @@ def check_jaxtrain_step(path: str, command: str) -> None:
         TORCHREF_RUN: f"is a torchref run folder, whose checkpoints are torch-format already, e.g. {step}",
         HF: f"is a Hugging Face GPT-2 folder; python -m jaxtrain.convert from-hf {path} DST makes a torch-format "
             f"checkpoint of it",
-        None: f"{'is not a jaxtrain checkpoint step folder' if os.path.exists(path) else 'does not exist'}; pass "
+        None: f"{'is not a jaxtrain checkpoint step folder' if _exists(path) else 'does not exist'}; pass "
               f"one like out/tiny/checkpoints/400 (a folder named by its step, holding `state` and `meta`)",
     }
     # A step its run no longer holds, or the run's checkpoints/ itself: the steps it holds, by name
     listed = name == "checkpoints"
-    root = os.path.normpath(path) if listed else os.path.join(_run_of(path), "checkpoints")
+    root = os.path.join(*runfolder.parent_and_name(path)) if listed else os.path.join(_run_of(path), "checkpoints")
     held = _step_names(root)
     if found is None and held and listed:
         what[None] = (f"is a run's checkpoints folder, holding steps {_listing(held)}; pass one of those, e.g. "
                       f"{os.path.join(root, held[-1])}")
-    elif found is None and held and not os.path.exists(path):
+    elif found is None and held and not _exists(path):
         what[None] = (f"does not exist: its run holds steps {_listing(held)} (a step is kept once saved, until "
                       f"checkpoint.max_to_keep rotates it out); pass one of those")
     if command == "to-hf":
         what[TORCHREF_RUN] = f"is a torchref run folder; pass one of its checkpoints, e.g. {step}"
         what[HF] = "is a Hugging Face GPT-2 folder already"
-    raise UserError(f"{given_as} {path} {what[found]}")
+    raise UserError(f"{given_as} {path} {_local_only(path, found) or what[found]}")
 
 
-def _check_step_in_bucket(url: str, given_as: str) -> None:
-    """A URL given where a jaxtrain step folder goes: refused unless it is one (named by its step, holding the
-    `state` item), the only kind read from a bucket (Orbax reads it there as a run resuming from one does)."""
-    step = epath.Path(url)
-    try:
-        if step.name.isdigit() and (step / MARKERS[JAXTRAIN_STEP][0]).is_dir():
-            return
-    except Exception as e:  # the store's own errors: credentials, a bucket that does not exist, the network
-        raise UserError(f"{given_as} {url} cannot be read ({type(e).__name__}: {str(e)[:300]})") from None
-    raise UserError(f"{given_as} {url} is not a jaxtrain step folder (<run>/checkpoints/<step>, holding `state`): "
-                    f"from a bucket only those are read; copy other folders here first (gcloud storage cp -r)")
+_LOCAL_KINDS = {TORCH: "a torch-format checkpoint", HF: "a Hugging Face GPT-2 folder", TORCHREF_RUN: "a torchref run"}
+
+
+def _local_only(path: str, found: str | None) -> str | None:
+    """What a folder in a bucket of a kind read from a local disk only is, and the copy to make; None otherwise."""
+    if not runfolder.is_url(path) or found not in _LOCAL_KINDS:
+        return None
+    return (f"is {_LOCAL_KINDS[found]}, which is read from a local disk only (from a bucket, a jaxtrain run and its "
+            f"step folders are): copy it here first (gcloud storage cp -r)")
 
 
 def _listing(steps: list[str]) -> str:
@@ -325,7 +335,11 @@ def check_jaxtrain_run(path: str, flag: str) -> None:
     """A torchref run, a torch-format or Hugging Face folder or a jaxtrain step folder, given as `flag` where a
     jaxtrain run folder goes (jaxtrain.sample's --run), is named, with the command that takes it; others are the
     caller's."""
+    if runfolder.is_url(path):
+        runfolder.check_readable(path, flag)
     found = kind(path)
+    if local_only := _local_only(path, found):
+        raise UserError(f"{flag} {path} {local_only}")
     what = {
         TORCHREF_RUN: f"is a torchref run folder (torch-format checkpoints); convert its checkpoint into a jaxtrain "
                       f"run first: python -m jaxtrain.convert from-torch {newest_step(path)} DST, then {flag} DST",
@@ -337,7 +351,7 @@ def check_jaxtrain_run(path: str, flag: str) -> None:
             f"and start a run from it (python -m jaxtrain.run --config CONFIG --init.from=DST), then {flag} that "
             f"run's folder",
         JAXTRAIN_STEP: f"is a checkpoint step folder, not a run folder; pass {flag} {_run_of(path)} --step "
-                       f"{os.path.basename(os.path.normpath(path))}",
+                       f"{runfolder.parent_and_name(path)[1]}",
     }
     if found in what:
         raise UserError(f"{flag} {path} {what[found]}")

@@ -53,8 +53,8 @@ def to_hf(src: str, out_dir: str, tokenizer: str | None = None, dtype: str | Non
     the weights', by default float32 (a run's are) or, for from-hf's folder, what its config.json says they were."""
     torch_format.check_new_folder(out_dir)
     cfg, data_fingerprint = None, None  # a run's config, which names its data and so its tokenizer
-    if checkpoint_kind.kind(src) != checkpoint_kind.TORCH:  # a Hugging Face folder too: its weights are laid out
-        checkpoint_kind.check_jaxtrain_step(src, "to-hf")     # as Conv1D's, and to-hf would transpose them again
+    if runfolder.is_url(src) or checkpoint_kind.kind(src) != checkpoint_kind.TORCH:  # a Hugging Face folder too:
+        checkpoint_kind.check_jaxtrain_step(src, "to-hf")  # its weights are laid out as Conv1D's, transposed again
         state, cfg, meta = restore_step(src)
         tensors, data_fingerprint = torch_format.model_tensors(state.params), meta.get("data_fingerprint")
     else:
@@ -237,7 +237,7 @@ def _unreadable(step_dir: str, fix: str | None):
     try:
         yield
     except Exception as e:
-        raise UserError(f"checkpoint {step_dir} cannot be read ({type(e).__name__}: {str(e)[:300]}); "
+        raise UserError(f"checkpoint {step_dir} cannot be read ({runfolder.error_text(e)}); "
                         f"{fix or _convert_another(step_dir)}") from None
 
 
@@ -274,7 +274,7 @@ def _parser() -> argparse.ArgumentParser:
     back.add_argument("dst", help="the jaxtrain run folder to create (must not exist, or be empty)")
     for name, direction, src in (
             ("to-hf", "jaxtrain step folder or torch-format folder -> Hugging Face GPT-2 folder",
-             "a jaxtrain step folder (out/tiny/checkpoints/400) or a torch-format folder"),
+             "a jaxtrain step folder (out/tiny/checkpoints/400, or in a bucket, gs://...) or a torch-format folder"),
             ("from-hf", "Hugging Face GPT-2 folder -> torch-format weights for --init.from",
              "a folder GPT2LMHeadModel.save_pretrained wrote (config.json, model.safetensors)")):
         hf = sub.add_parser(name, help=direction, description=direction)

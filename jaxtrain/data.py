@@ -271,9 +271,10 @@ def eval_batch(data: TokenData, *, seed: int, index: int, batch_size: int, accum
     """Fixed validation batch number `index`, shaped and cut as `window` (a step's worth of sequences, in
     micro-batches that fit where training's do), drawn from the val split with the key (seed, VAL, index): the
     same sequences at every evaluation, whatever the accumulation. split="train" draws from the train split with
-    the same keys (evaluate's --split train: sequences at random, not the first steps' windows, TRAIN's keys)."""
-    return _batch(getattr(data, split), data.vocab_size, (seed, VAL, index), batch_size, accum_steps, seq_len,
-                  process_index, process_count)
+    these keys (evaluate's --split train): sequences at random, not the windows of the first steps (TRAIN's keys)."""
+    tokens = {"val": data.val, "train": data.train}[split]
+    return _batch(tokens, data.vocab_size, (seed, VAL, index), batch_size, accum_steps, seq_len, process_index,
+                  process_count)
 
 
 def _batch(tokens: np.ndarray, vocab_size: int, key: tuple[int, int, int], batch_size: int, accum_steps: int,

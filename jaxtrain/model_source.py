@@ -111,20 +111,11 @@ def from_run(run_dir: str, step: int | None, precision: str | None, command: str
     to compute in (None: the run's train.precision). `command` ("sample", "evaluate") is what the refusals say to do
     with another checkpoint."""
     runfolder.check_given(run_dir, "--run", "the run folder, e.g. --run out/tiny")
-    if not _is_folder(run_dir):  # else said to hold no complete checkpoint, as a run that saved none is
+    checkpoint_kind.check_jaxtrain_run(run_dir, "--run")  # in a bucket, first that its store answers
+    if not checkpoint_kind.is_folder(run_dir):  # else said to hold no complete checkpoint, as a run that saved none
         raise UserError(f"--run {run_dir} does not exist; pass the run.out_dir of a jaxtrain run")
-    checkpoint_kind.check_jaxtrain_run(run_dir, "--run")
     step, (state, cfg, meta) = _restore(run_dir, step, command)
     return _of_run(state.params, cfg, step, meta, precision, run_dir)
-
-
-def _is_folder(run_dir: str) -> bool:
-    """Whether `run_dir`, a local path or a URL (a pod's run.out_dir=gs://...), is a folder; a store's failure to
-    say (credentials, the network) is one line."""
-    try:
-        return runfolder.path(run_dir).is_dir()
-    except Exception as e:
-        raise UserError(f"--run {run_dir} cannot be read ({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def _of_run(params, cfg: Config, step: int, meta: dict, precision: str | None, where: str) -> Loaded:

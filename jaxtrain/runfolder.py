@@ -222,17 +222,43 @@ RUN_URL_SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}
 def check_url(out_dir: str, writes: bool) -> None:
     """A URL run.out_dir names a bucket in a store the run can write, with that store's package installed where
     the run `writes` (a dry run writes nothing)."""
-    scheme, _, rest = out_dir.partition("://")
-    if scheme not in RUN_URL_SCHEMES or not rest.strip("/"):
-        raise UserError(f"run.out_dir={out_dir!r} is not a folder this run can write: give a local path, or "
-                        f"{' or '.join(f'{s}://bucket/path' for s in RUN_URL_SCHEMES)}")
-    if not writes:
-        return
+    _store_class(out_dir, f"run.out_dir={out_dir!r}", "this run can write", needed=writes)
+
+
+def check_readable(url: str, flag: str) -> None:
+    """A URL given as `flag` where a run or a step folder of one is read (sample, evaluate, to-torch, to-hf):
+    refused in one line where its store is not one jaxtrain reads, its package is not installed, or the store does
+    not answer (credentials, the network: gcsfs raises a 403 as an OSError); a path that is not there is the
+    caller's to name."""
+    store = _store_class(url, f"{flag} {url}", "jaxtrain reads", needed=True)
     try:
-        fsspec.get_filesystem_class(scheme)
+        store().info(url)
+    except FileNotFoundError:
+        return
+    except Exception as e:
+        raise UserError(f"{flag} {url} cannot be read ({error_text(e)}); check the credentials (for gs://: gcloud "
+                        f"auth application-default login) and this machine's network to the store") from None
+
+
+def _store_class(url: str, named: str, can: str, needed: bool):
+    """fsspec's file system class for `url` (None where not `needed`); refused where its scheme is not one of
+    RUN_URL_SCHEMES, or names no bucket, or its package is missing."""
+    scheme, _, rest = url.partition("://")
+    if scheme not in RUN_URL_SCHEMES or not rest.strip("/"):
+        raise UserError(f"{named} is not a folder {can}: give a local path, or "
+                        f"{' or '.join(f'{s}://bucket/path' for s in RUN_URL_SCHEMES)}")
+    if not needed:
+        return None
+    try:
+        return fsspec.get_filesystem_class(scheme)
     except ImportError:
-        raise UserError(f"run.out_dir={out_dir!r} needs the {RUN_URL_SCHEMES[scheme]} package: "
-                        f"pip install '{RUN_URL_SCHEMES[scheme]}' (for gs://: pip install 'jaxtrain[gcs]')") from None
+        raise UserError(f"{named} needs the {RUN_URL_SCHEMES[scheme]} package: pip install "
+                        f"'{RUN_URL_SCHEMES[scheme]}' (for gs://: pip install 'jaxtrain[gcs]')") from None
+
+
+def error_text(error: Exception) -> str:
+    """An exception from a store or a library as a message's parenthesis: its type and its first 300 characters."""
+    return f"{type(error).__name__}: {str(error)[:300]}"
 
 
 def as_open_makes_it(file: str) -> None:

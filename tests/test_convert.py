@@ -23,7 +23,7 @@ import yaml
 from safetensors.numpy import load_file, save_file
 
 from jaxtrain import checkpoint, checkpoint_kind, config, convert, data, mesh, model, optim, prepare, same_run, step
-from jaxtrain import torch_format
+from jaxtrain import runfolder, torch_format
 from jaxtrain.errors import UserError
 
 V, STEPS = 64, 3
@@ -442,15 +442,16 @@ def test_a_run_trained_with_cudnn_attention_converts_without_a_gpu(tmp_path):
 @pytest.mark.parametrize("command", ["to-torch", "to-hf", "from-torch", "from-hf"])
 def test_a_url_or_the_current_folder_is_refused_before_anything_is_read(command, tmp_path, capsys, monkeypatch):
     """Conversions write local folders: a gs:// DST was written to ./gs:/..., reported as written; a URL SRC was
-    "does not exist" (to-torch's and to-hf's, a step folder, is read from its bucket: s3fs is not installed here,
+    "does not exist" (to-torch's and to-hf's, a step folder, is read from its bucket, in a store jaxtrain reads:
     test_gcs reads one); DST `.` (renamed into place: impossible) failed after the work with a raw OSError."""
     monkeypatch.chdir(tmp_path)
     local = str(tmp_path / "src")  # never read: each refusal comes first
-    url_src = ("cannot be read (ImportError: Install s3fs to access S3)" if command.startswith("to-") else
+    url_src = ("is not a folder jaxtrain reads: give a local path, or gs://bucket/path or s3://bucket/path"
+               if command.startswith("to-") else
                "is a URL, and this command takes local folders only; give it a local copy")
     cases = [([command, local, "gs://bucket/out"], "DST gs://bucket/out is a URL, and this command takes local "
                                                    "folders only; give it a local folder and copy"),
-             ([command, "s3://bucket/run/checkpoints/3", "dst"], f"SRC s3://bucket/run/checkpoints/3 {url_src}"),
+             ([command, "ftp://bucket/run/checkpoints/3", "dst"], f"SRC ftp://bucket/run/checkpoints/3 {url_src}"),
              ([command, local, "."], "DST '.' is the folder this command runs in; the conversion is made as a new "
                                      "folder: name one, e.g. ./converted"),
              ([command, local, str(tmp_path)], f"DST {str(tmp_path)!r} is the folder this command runs in"),
@@ -461,6 +462,17 @@ def test_a_url_or_the_current_folder_is_refused_before_anything_is_read(command,
         err = capsys.readouterr().err
         assert e.value.code == 2 and says in err and "Traceback" not in err, (argv, err)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_step_in_a_bucket_whose_store_package_is_missing_names_its_install(tmp_path, capsys, monkeypatch):
+    def no_package(scheme):
+        raise ImportError(f"Install {scheme}fs")
+    monkeypatch.setattr(runfolder.fsspec, "get_filesystem_class", no_package)
+    with pytest.raises(SystemExit) as e:
+        convert.main(["to-torch", "s3://bucket/run/checkpoints/3", str(tmp_path / "dst")])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: to-torch SRC s3://bucket/run/checkpoints/3 needs the s3fs package: pip install 's3fs' (for "
+        "gs://: pip install 'jaxtrain[gcs]')\n")
 
 
 def _saved_run(tmp_path, data_seed: int = 0, data_fingerprint: str | None = None, tokens: int | None = None,

@@ -142,13 +142,30 @@ def test_evaluate_sample_and_convert_read_a_run_in_a_bucket(gcs, tmp_path, cache
         sample.main([*where, "--prompt", "def ", "--temperature", "0", "--max_new_tokens", "12"])
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].startswith("def "), texts
-    for command, argv, says in [
+    step_4, step_8 = f"{remote}/checkpoints/4", f"{remote}/checkpoints/8"
+    for command, argv, says in [  # named as on a disk, with the steps the run holds
             (evaluate.main, ["--run", f"{remote}-none"], f"--run {remote}-none does not exist"),
-            (evaluate.main, ["--from", remote], f"evaluate --from {remote} is not a jaxtrain step folder"),
-            (convert.main, ["to-torch", f"{remote}/checkpoints", str(tmp_path / "t2")], "is not a jaxtrain step"),
+            (evaluate.main, ["--run", step_8], f"--run {step_8} is a checkpoint step folder, not a run folder; pass "
+                                               f"--run {remote} --step 8"),
+            (evaluate.main, ["--from", remote], f"evaluate --from {remote} is a jaxtrain run folder; pass one of its "
+                                                f"step folders, e.g. {step_8}"),
+            (convert.main, ["to-torch", f"{remote}/checkpoints", str(tmp_path / "t2")],
+             f"to-torch SRC {remote}/checkpoints is a run's checkpoints folder, holding steps 4, 8; pass one of "
+             f"those, e.g. {step_8}"),
+            (convert.main, ["to-hf", f"{remote}/checkpoints/6", str(tmp_path / "t2")],
+             f"to-hf SRC {remote}/checkpoints/6 does not exist: its run holds steps 4, 8"),
+            (sample.main, ["--run", "https://storage.googleapis.com/b/run"], "--run https://storage.googleapis.com/b/"
+                                                                            "run is not a folder jaxtrain reads"),
             (convert.main, ["from-hf", remote, str(tmp_path / "t3")], f"SRC {remote} is a URL")]:
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_info:
             command(argv)
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    state = epath.Path(step_8) / "state"  # its largest array file zeroed: the fingerprint check refuses it
+    data = max((p for p in state.glob("ocdbt.process_0/d/*")), key=lambda p: len(p.read_bytes()))
+    data.write_bytes(b"\0" * len(data.read_bytes()))
+    with pytest.raises(SystemExit):
+        convert.main(["to-torch", step_8, str(tmp_path / "t4")])
+    err = capsys.readouterr().err
+    assert f"checkpoint {step_8}" in err and f"convert another step folder of the run ({step_4})" in err, err
