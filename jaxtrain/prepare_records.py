@@ -168,7 +168,9 @@ def _parquet(path: pathlib.Path, field: str):
     parquet = _library("pyarrow.parquet", ".parquet", path)
     import pyarrow  # there, with its parquet module
     try:
-        file = parquet.ParquetFile(path)
+        # pre_buffer=False: with it, iter_batches' peak grew with the file (766 MB of RSS for a 277 MB file, 412 MB
+        # for 18 MB), without it 516 MB and 409 MB, as fast
+        file = parquet.ParquetFile(path, pre_buffer=False)
     except (pyarrow.ArrowException, OSError) as e:
         raise UserError(f"--input {path} cannot be read as Parquet ({e}): it is damaged or not Parquet; fetch it "
                         f"again, or leave it out") from None
