@@ -124,13 +124,20 @@ def memory_table(abstract_state, compiled) -> tuple[list[tuple[str, int]], int]:
     moments = per_device_bytes((adam.mu, adam.nu))
     accumulator = per_device_bytes(opt_state.acc_grads)
     state = per_device_bytes(abstract_state)
-    stats = compiled.memory_analysis()
+    temporaries = compiled.memory_analysis().temp_size_in_bytes
     rows = [("params (fp32)", params), ("AdamW moments (fp32)", moments),
             ("gradient accumulator (fp32)", accumulator), ("other optimizer state", state - params - moments - accumulator),
-            (TEMPORARIES, stats.temp_size_in_bytes),
-            ("batch, metrics, and any state output not donated in place", stats.argument_size_in_bytes
-             + stats.output_size_in_bytes - stats.alias_size_in_bytes - state)]
+            (TEMPORARIES, temporaries),
+            ("batch, metrics, and any state output not donated in place", peak_bytes(compiled) - temporaries - state)]
     return rows, sum(b for _, b in rows)
+
+
+def peak_bytes(compiled) -> int:
+    """The bytes a compiled computation needs on one device, as XLA's memory analysis counts them: its arguments,
+    temporaries and outputs, less the outputs donated in place of an argument (memory_table's total)."""
+    stats = compiled.memory_analysis()
+    return (stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes)
 
 
 def check_fits(compiled, abstract_state, device) -> str | None:

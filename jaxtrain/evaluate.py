@@ -187,9 +187,7 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
     device = jax.devices()[0]
     with _out_of_memory(chosen):  # XLA:TPU refuses at compile time what does not fit
         compiled = step_lib.jit_eval_step(cfg).lower(loaded.params, tokens, tokens).compile()
-    stats = compiled.memory_analysis()
-    need = (stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
-            - stats.alias_size_in_bytes)
+    need = dryrun.peak_bytes(compiled)
     limit = dryrun.device_memory(device)
     if limit and need > limit:
         raise _too_big(chosen, f"needs {need / dryrun.GIB:.2f} GiB and this {device.device_kind} has "
