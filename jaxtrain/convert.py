@@ -158,11 +158,11 @@ def _convert_another(step_dir: str) -> str:
     return "convert another step folder of the run" + (f" ({others})" if others else "")
 
 
-def restore_step(step_dir: str, fix: str | None = None):
+def restore_step(step_dir: str, fix: str | None = None, devices: list | None = None):
     """(state, config, meta) of a jaxtrain step folder (checkpoint_kind.check_jaxtrain_step), restored on one device
-    and checked against its fingerprint, as a resume checks it: one that cannot be read or does not match is
-    refused with `fix`, what the caller's user can do instead (by default, convert another of the run's steps,
-    which are listed only then)."""
+    (or split over `devices` as mesh.model_mesh lays a model out for its run's mesh.fsdp) and checked against its
+    fingerprint, as a resume checks it: one that cannot be read or does not match is refused with `fix`, what the
+    caller's user can do instead (by default, convert another of the run's steps, which are listed only then)."""
     root, name = runfolder.parent_and_name(os.fspath(runfolder.path(step_dir)))  # a bucket's too (gs://)
     step = int(name)
     orbax_quiet.filter_logs()  # a corrupt step: one line, not orbax's tracebacks and its loops' (as a resume)
@@ -175,7 +175,8 @@ def restore_step(step_dir: str, fix: str | None = None):
         except checkpoint_lib.CorruptCheckpoint as e:
             raise UserError(f"{e}; {fix or _convert_another(step_dir)}") from None
         cfg = config_lib.from_dict(meta["config"])  # jaxtrain.run writes the resolved model.vocab_size into it
-        target = checkpoint_lib.abstract_state(_for_shapes(cfg), cfg.model.vocab_size, mesh_lib.one_device_mesh())
+        mesh = mesh_lib.one_device_mesh() if devices is None else mesh_lib.model_mesh(cfg.mesh.fsdp, devices)
+        target = checkpoint_lib.abstract_state(_for_shapes(cfg), cfg.model.vocab_size, mesh)
         with _unreadable(step_dir, fix):
             state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
     if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against

@@ -9,19 +9,21 @@ training: nanoGPT's eval_only (its eval_gpt2 configs give GPT-2's loss on OpenWe
 The eval set is drawn as a run draws its own (data.eval_batch): --batches batches of --batch_size sequences of the
 model's seq_len tokens, from the val split (--split train: from the train split, where the same keys draw
 sequences at random, as nanoGPT's estimate_loss, not the windows the first steps trained on), with --seed's keys,
-each batch in --micro_batches parts. A run's
-checkpoint takes its run's: train.eval_batches, data.batch_size, optim.grad_accum_steps and the data seed it trained
-with, on its data: for a run that evaluated on one device, of this kind, the numbers metrics.jsonl holds for that
-step, bit for bit (a run on several shards each batch, and its matmuls of other shapes may round otherwise: tiny.yaml
-in bf16 on 2 CPU devices logged 3.60636, scored here 3.60641). A model without a run (a Hugging Face folder,
-from-hf's) takes --data and nanoGPT's eval_gpt2 batch size, 8.
+each batch in --micro_batches parts. A run's checkpoint takes its run's: train.eval_batches, data.batch_size,
+optim.grad_accum_steps and the data seed it trained with, on its data. It computes on every device of this machine
+(--devices N: its first N), each batch split over them as a run splits its own and each weight over the run's
+mesh.fsdp of them (mesh.model_mesh), restored straight into that layout: for a run that evaluated on as many devices
+of this kind with that mesh, the numbers metrics.jsonl holds for that step, bit for bit (on other counts its matmuls
+of other shapes may round otherwise: a run of the small test model in fp32 on 2 CPU devices, each weight over both,
+logged 5.2440739, scored on one 5.2440743). A model without a run (a Hugging Face folder, from-hf's) takes --data and
+nanoGPT's eval_gpt2 batch size, 8, its weights whole on each device.
 
 The loss is the token-weighted mean cross-entropy over the set's tokens (nats; the run's eval step,
 step.make_eval_step, in the precision the run trained in, fp32 for a Hugging Face model, with the kernels the
 defaults pick where the run named one), the accuracy the share of them whose target is the top-1 prediction. Prints
 one JSON line on stdout (metrics.jsonl's eval_loss and eval_accuracy with the perplexity, the tokens and what was
-evaluated) and a sentence of them on stderr. Computes on one device, as jaxtrain.sample. Refused in one line: data of
-another tokenizer (check_tokens), weights holding inf or NaN, a batch too big for the device's memory.
+evaluated) and a sentence of them on stderr. Refused in one line: data of another tokenizer (check_tokens),
+weights holding inf or NaN, a batch too big for a device's memory or that does not split over the devices.
 """
 
 import argparse
@@ -37,6 +39,7 @@ from tqdm import tqdm
 from jaxtrain import data as data_lib
 from jaxtrain import dryrun
 from jaxtrain import gpt2_bpe
+from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import model_source
 from jaxtrain import prepare as prepare_lib
@@ -64,8 +67,9 @@ class EvalSet:
         """Sequences a forward pass takes."""
         return self.batch_size // self.micro_batches
 
-    def check(self) -> None:
-        """Each number as given, or its default (a run's: see the module's docstring)."""
+    def check(self, devices: int = 1) -> None:
+        """Each number as given, or its default (a run's: see the module's docstring); the sequences a forward
+        pass takes split evenly over `devices`."""
         if self.batches <= 0:
             raise UserError(f"--batches must be > 0, got {self.batches}")
         if self.batch_size <= 0 or self.micro_batches <= 0:
@@ -77,11 +81,17 @@ class EvalSet:
                             f"is batch_size / micro_batches sequences; give both")
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed must be in [0, 2**32) (a run's default: its data seed), got {self.seed}")
+        if self.at_a_time % devices:
+            fewer = max(d for d in range(1, devices) if self.at_a_time % d == 0)
+            multiple = devices * self.micro_batches
+            raise UserError(f"--batch_size {self.batch_size} in --micro_batches {self.micro_batches} is "
+                            f"{self.at_a_time} sequences at a time, which do not split over {devices} devices; "
+                            f"pass --devices {fewer}, or a --batch_size of a multiple of {multiple}")
 
 
-def eval_set(loaded: model_source.Loaded, args) -> EvalSet:
+def eval_set(loaded: model_source.Loaded, args, devices: int = 1) -> EvalSet:
     """The set `args` asks for, each part not given taken from the run of `loaded`'s checkpoint (see the module's
-    docstring); a model without a run needs --data."""
+    docstring), split over `devices`; a model without a run needs --data."""
     run = loaded.cfg
     if run is None and args.data is None:
         raise UserError(f"--from {loaded.where} is a model's weights without a run's data to evaluate on: pass "
@@ -96,7 +106,7 @@ def eval_set(loaded: model_source.Loaded, args) -> EvalSet:
                      pick(args.batch_size, own.data.batch_size, FOLDER_BATCH_SIZE),
                      pick(args.micro_batches, own.optim.grad_accum_steps, 1),
                      pick(args.seed, loaded.data_seed, Config().run.seed), args.split)
-    chosen.check()  # before the data is read
+    chosen.check(devices)  # before the data is read
     try:
         data = data_lib.load(data_cfg, loaded.model_cfg.seq_len)
     except UserError as e:  # its fix may name a run's keys: evaluate reads the val split of another folder instead
@@ -155,15 +165,17 @@ def model_tokenizer(loaded: model_source.Loaded, data: data_lib.TokenData) -> tu
 
 def evaluate(loaded: model_source.Loaded, chosen: EvalSet, eval_step) -> dict:
     """The eval line of `loaded`'s model on `chosen` through `eval_step` (compiled_eval_step's): eval_loss,
-    eval_accuracy (token-weighted), perplexity, tokens."""
-    sums = []
+    eval_accuracy (token-weighted), perplexity, tokens. Each batch is split over the devices of the params' mesh,
+    as a run splits its eval batches."""
+    sharding, sums = mesh_lib.window_sharding(_mesh(loaded)), []
     for index in tqdm(range(chosen.batches), unit="batch", desc="evaluate", dynamic_ncols=True, disable=None,
                       file=sys.stderr):  # disable=None: a bar on a terminal only
         inputs, targets = data_lib.eval_batch(chosen.data, seed=chosen.seed, index=index,
                                               batch_size=chosen.batch_size, accum_steps=chosen.micro_batches,
                                               seq_len=loaded.model_cfg.seq_len, split=chosen.split)
-        with _out_of_memory(chosen):  # a device's allocator may refuse what the compile judged to fit
-            sums.append(jax.device_get(eval_step(loaded.params, inputs, targets)))  # each batch done: the bar is true
+        batch = (mesh_lib.global_array(x, sharding) for x in (inputs, targets))
+        with _out_of_memory(chosen, sharding.mesh.size):  # an allocator may refuse what the compile judged to fit
+            sums.append(jax.device_get(eval_step(loaded.params, *batch)))  # each batch done: the bar is true
     loss, accuracy = step_lib.eval_means(sums)
     try:
         perplexity = math.exp(loss)
@@ -183,32 +195,60 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
               f"the last digits may differ from the run's)", file=sys.stderr)
     cfg = Config() if loaded.cfg is None else loaded.cfg
     cfg = dataclasses.replace(cfg, model=model_cfg, train=dataclasses.replace(cfg.train, precision=loaded.precision))
-    tokens = jax.ShapeDtypeStruct((chosen.micro_batches, chosen.at_a_time, model_cfg.seq_len), np.int32)
-    device = jax.devices()[0]
-    with _out_of_memory(chosen):  # XLA:TPU refuses at compile time what does not fit
+    mesh = _mesh(loaded)
+    tokens = jax.ShapeDtypeStruct((chosen.micro_batches, chosen.at_a_time, model_cfg.seq_len), np.int32,
+                                  sharding=mesh_lib.window_sharding(mesh))
+    device = mesh.devices.flat[0]
+    with _out_of_memory(chosen, mesh.size), jax.set_mesh(mesh):  # XLA:TPU refuses at compile time what does not fit
         compiled = step_lib.jit_eval_step(cfg).lower(loaded.params, tokens, tokens).compile()
     need = dryrun.peak_bytes(compiled)
     limit = dryrun.device_memory(device)
     if limit and need > limit:
-        raise _too_big(chosen, f"needs {need / dryrun.GIB:.2f} GiB and this {device.device_kind} has "
-                               f"{limit / dryrun.GIB:.2f} GiB")
+        raise _too_big(chosen, mesh.size, f"needs {need / dryrun.GIB:.2f} GiB a device and this "
+                                          f"{device.device_kind} has {limit / dryrun.GIB:.2f} GiB")
     return compiled
 
 
+def _mesh(loaded: model_source.Loaded) -> jax.sharding.Mesh:
+    """The mesh the params were loaded onto (main's devices)."""
+    return jax.tree.leaves(loaded.params)[0].sharding.mesh
+
+
+def _on(loaded: model_source.Loaded) -> str:
+    """What the header says of the devices computing: nothing of one."""
+    mesh = _mesh(loaded)
+    if mesh.size == 1:
+        return ""
+    return (f", on {mesh.size} {mesh.devices.flat[0].device_kind} devices (data {mesh.shape['data']} x fsdp "
+            f"{mesh.shape['fsdp']})")
+
+
+def _devices(count: int | None) -> list:
+    """The first `count` of this machine's devices (--devices), or all of them."""
+    available = jax.devices()
+    if count is not None and not 1 <= count <= len(available):
+        raise UserError(f"--devices {count}: this machine has {len(available)} {available[0].device_kind} device"
+                        f"{'s' if len(available) > 1 else ''}; pass a count from 1 to {len(available)}")
+    return available if count is None else available[:count]
+
+
 @contextlib.contextmanager
-def _out_of_memory(chosen: EvalSet):
+def _out_of_memory(chosen: EvalSet, devices: int):
     """XLA's RESOURCE_EXHAUSTED, at a compile or a call, as _too_big's one line."""
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        raise _too_big(chosen, "needs more memory than this device has") from None
+        raise _too_big(chosen, devices, "needs more memory than a device has") from None
 
 
-def _too_big(chosen: EvalSet, needs: str) -> UserError:
-    fix = ("raise --micro_batches or lower --batch_size" if chosen.at_a_time > 1 else
-           "one is the least: evaluate on a device with more memory")
+def _too_big(chosen: EvalSet, devices: int, needs: str) -> UserError:
+    """The refusal of `chosen` split over `devices` of this machine's, which `needs` more memory than one has."""
+    fix = ("raise --micro_batches or lower --batch_size" if chosen.at_a_time > devices else
+           "one sequence a device is the least: evaluate on devices with more memory")
+    if devices < len(jax.devices()):
+        fix += f", or split the batch over more of this machine's {len(jax.devices())} devices (--devices)"
     return UserError(f"evaluating {chosen.at_a_time} sequence{'s' if chosen.at_a_time > 1 else ''} at a time "
                      f"{needs}; {fix}")
 
@@ -236,22 +276,27 @@ def _parser() -> OneLineParser:
                          "random, as nanoGPT's estimate_loss, not the windows the first steps trained on)")
     ap.add_argument("--seed", type=int, help="which sequences are drawn; default: the run's data seed "
                                              f"({Config().run.seed} without a run)")
+    ap.add_argument("--devices", type=int, help="how many of this machine's devices compute (its first N): each "
+                                                "batch split over them, each weight over the run's mesh.fsdp of "
+                                                "them where that divides N; default: all")
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error(), exit_on_interrupt("nothing was written"):
         args = _parser().parse_args(argv)
-        loaded = model_source.load(args, "evaluate")
+        devices = _devices(args.devices)
+        loaded = model_source.load(args, "evaluate", devices)
         if (name := step_lib.non_finite_leaf(loaded.params)) is not None:
             raise UserError(f"{loaded.where} holds inf or NaN ({name}): its loss is no number; evaluate a checkpoint "
                             f"saved before its values overflowed")
-        chosen = eval_set(loaded, args)
+        chosen = eval_set(loaded, args, len(devices))
         check_tokens(loaded, chosen.data)
         eval_step = compiled_eval_step(loaded, chosen)
         print(f"{loaded.source}, {loaded.precision}: {chosen.batches} batches of {chosen.batch_size} x "
               f"{loaded.model_cfg.seq_len} tokens, {chosen.at_a_time} sequences at a time, "
-              f"from the {chosen.split} split of {chosen.data.path}, seed {chosen.seed}", file=sys.stderr)
+              f"from the {chosen.split} split of {chosen.data.path}, seed {chosen.seed}{_on(loaded)}",
+              file=sys.stderr)
         line = evaluate(loaded, chosen, eval_step)
         print(f"eval loss {line['eval_loss']:.4f} (perplexity {line['perplexity']:.2f}), accuracy "
               f"{line['eval_accuracy']:.2%} over {line['tokens']:,} tokens", file=sys.stderr)

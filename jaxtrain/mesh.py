@@ -218,6 +218,16 @@ def one_device_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"), axis_types=AUTO_AXES)
 
 
+def model_mesh(fsdp: int, devices: list) -> Mesh:
+    """The (data, fsdp) mesh a trained model computes on outside its run (evaluate's): each weight split over
+    gcd(fsdp, len(devices)) of `devices` (a run's mesh.fsdp where it divides their count: then the run's own mesh on
+    as many devices, so its sums in the same order), the batch over all. gcd: a divisor of the run's fsdp divides
+    d_model as the run's does."""
+    split = math.gcd(fsdp, len(devices))
+    grid = mesh_utils.create_device_mesh((len(devices) // split, split), devices, allow_split_physical_axes=True)
+    return Mesh(grid, ("data", "fsdp"), axis_types=AUTO_AXES)
+
+
 def make_mesh(cfg: Config, devices=None) -> Mesh:
     """The (data, fsdp) mesh over `devices`: jax.devices() unless given (a dry run's compile-only devices).
 

@@ -31,6 +31,7 @@ from jaxtrain import convert
 from jaxtrain import gpt2_bpe
 from jaxtrain import hf_format
 from jaxtrain import kernel_choice
+from jaxtrain import mesh as mesh_lib
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
 from jaxtrain import run_tokenizer, runfolder, torch_format
@@ -71,7 +72,7 @@ def tokenizer(name: str) -> Tokenizer:
 
 
 class Loaded(NamedTuple):
-    params: object  # nnx.State on one device
+    params: object  # nnx.State on one device, or split over the devices load was given (mesh.model_mesh)
     model_cfg: ModelConfig
     precision: str
     step: int | None  # the checkpoint's; None for a Hugging Face model
@@ -95,26 +96,28 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="default: the run's train.precision (fp32 for a Hugging Face model)")
 
 
-def load(args: argparse.Namespace, command: str) -> Loaded:
+def load(args: argparse.Namespace, command: str, devices: list | None = None) -> Loaded:
     """The model add_arguments' `args` name, for `command` ("sample", "evaluate": what the refusals say to do with
-    another checkpoint or folder)."""
+    another checkpoint or folder), on the default device or, given `devices`, split over them as mesh.model_mesh
+    lays out a model of its run's mesh.fsdp (1 for a Hugging Face model's)."""
     if args.from_ is not None and args.step is not None:
         raise UserError(f"--step picks a checkpoint of --run; --from {args.from_} names one folder of weights "
                         f"already: leave --step out")
     if args.from_ is None:
-        return from_run(args.run, args.step, args.precision, command)
-    return from_folder(args.from_, args.precision, command)
+        return from_run(args.run, args.step, args.precision, command, devices)
+    return from_folder(args.from_, args.precision, command, devices)
 
 
-def from_run(run_dir: str, step: int | None, precision: str | None, command: str) -> Loaded:
-    """The run's params at `step` (None: the newest complete checkpoint) on one device, its config and the precision
-    to compute in (None: the run's train.precision). `command` ("sample", "evaluate") is what the refusals say to do
-    with another checkpoint."""
+def from_run(run_dir: str, step: int | None, precision: str | None, command: str,
+             devices: list | None = None) -> Loaded:
+    """The run's params at `step` (None: the newest complete checkpoint) on one device (or over `devices`: load), its
+    config and the precision to compute in (None: the run's train.precision). `command` ("sample", "evaluate") is
+    what the refusals say to do with another checkpoint."""
     runfolder.check_given(run_dir, "--run", "the run folder, e.g. --run out/tiny")
     checkpoint_kind.check_jaxtrain_run(run_dir, "--run")  # in a bucket, first that its store answers
     if not checkpoint_kind.is_folder(run_dir):  # else said to hold no complete checkpoint, as a run that saved none
         raise UserError(f"--run {run_dir} does not exist; pass the run.out_dir of a jaxtrain run")
-    step, (state, cfg, meta) = _restore(run_dir, step, command)
+    step, (state, cfg, meta) = _restore(run_dir, step, command, devices)
     return _of_run(state.params, cfg, step, meta, precision, run_dir)
 
 
@@ -145,7 +148,7 @@ def text_tokenizer(loaded: Loaded, given: str | None) -> Tokenizer:
     return _text_tokenizer(name, loaded.model_cfg.vocab_size, loaded.where)
 
 
-def _restore(run_dir: str, step: int | None, command: str):
+def _restore(run_dir: str, step: int | None, command: str, devices: list | None):
     """(step, convert.restore_step's (state, config, meta)) of checkpoint `step`, or with None of the newest one.
 
     A run still training deletes its older checkpoints once a newer one is saved (checkpoint.max_to_keep), so the
@@ -164,7 +167,7 @@ def _restore(run_dir: str, step: int | None, command: str):
         fix = (f"{command} another of its checkpoints with --step ({others})" if others else
                f"its run has no other checkpoint to {command}")
         try:
-            return chosen, convert.restore_step(os.path.join(run_dir, "checkpoints", str(chosen)), fix)
+            return chosen, convert.restore_step(os.path.join(run_dir, "checkpoints", str(chosen)), fix, devices)
         except UserError:
             if step is not None or checkpoint_lib.saved_steps(run_dir)[-1:] == [chosen]:
                 raise
@@ -189,10 +192,10 @@ def _text_tokenizer(name: str, vocab_size: int, where: str) -> Tokenizer:
     return text_tokenizer
 
 
-def from_folder(src: str, precision: str | None, command: str) -> Loaded:
-    """The model of the folder of weights `src` (--from: see the module's docstring) on one device, its config and
-    the precision to compute in (None: the run's train.precision where a run's config is there, else fp32).
-    `command` ("sample", "evaluate") is what the refusals say to do with another folder."""
+def from_folder(src: str, precision: str | None, command: str, devices: list | None = None) -> Loaded:
+    """The model of the folder of weights `src` (--from: see the module's docstring) on one device (or over `devices`:
+    load), its config and the precision to compute in (None: the run's train.precision where a run's config is there,
+    else fp32). `command` ("sample", "evaluate") is what the refusals say to do with another folder."""
     runfolder.check_given(src, "--from", "a folder of weights, e.g. --from my-gpt2-hf")
     if runfolder.is_url(src):  # a step folder of a run in a bucket, the only kind read there
         checkpoint_kind.check_jaxtrain_step(src, command)
@@ -200,7 +203,7 @@ def from_folder(src: str, precision: str | None, command: str) -> Loaded:
     else:
         found = checkpoint_kind.check_model_source(src, command)
     if found == checkpoint_kind.JAXTRAIN_STEP:
-        state, cfg, meta = convert.restore_step(src, f"{command} another step folder of its run")
+        state, cfg, meta = convert.restore_step(src, f"{command} another step folder of its run", devices)
         return _of_run(state.params, cfg, int(state.step), meta, precision, src)
     if found == checkpoint_kind.TORCH and os.path.exists(os.path.join(src, checkpoint_kind.TRAINER_STATE)):
         trainer_state = checkpoint_kind.read_trainer_state(src)  # to-torch's, torchref's
@@ -208,8 +211,17 @@ def from_folder(src: str, precision: str | None, command: str) -> Loaded:
         params = torch_format.load_params(src, _template(cfg.model), lambda shapes: checkpoint_model.model_keys_hint(
             shapes, cfg.model, checkpoint_kind.TRAINER_STATE))
         meta = {"data_fingerprint": trainer_state.get("data_fingerprint"), "data_seed": trainer_state["data"]["seed"]}
-        return _of_run(params, cfg, trainer_state["step"], meta, precision, src)
-    return _from_hf(src, found, precision)
+        return _of_run(_placed(params, cfg.mesh.fsdp, devices), cfg, trainer_state["step"], meta, precision, src)
+    loaded = _from_hf(src, found, precision)
+    return loaded._replace(params=_placed(loaded.params, 1, devices))
+
+
+def _placed(params, fsdp: int, devices: list | None):
+    """`params` as they are (None: on the default device), or split over `devices` as mesh.model_mesh lays out a
+    model whose run had mesh.fsdp=`fsdp`."""
+    if devices is None:
+        return params
+    return jax.device_put(params, mesh_lib.fsdp_sharding(mesh_lib.model_mesh(fsdp, devices), params))
 
 
 def _from_hf(src: str, found: str, precision: str | None) -> Loaded:

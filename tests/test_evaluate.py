@@ -4,8 +4,11 @@ run with a continued data seed among them; a Hugging Face model the loss and acc
 it cannot evaluate refused in one line; Ctrl-C one line too, in sample as well."""
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -224,19 +227,21 @@ def test_what_it_cannot_evaluate_is_refused_in_one_line(trained, tmp_path, capsy
     refused(capsys, ["--run", str(first), f"--data={tmp_path / 'nowhere'}"], f"{tmp_path / 'nowhere'}' not found")
 
 
-@settings(max_examples=200, deadline=None)
-@given(batches=st.integers(-3, 3), batch_size=st.integers(-3, 9), micro_batches=st.integers(-3, 5),
-       seed=st.sampled_from([-1, 0, 5, 2**32 - 1, 2**32]))
-def test_an_eval_set_is_refused_exactly_when_a_number_is_out_of_range(batches, batch_size, micro_batches, seed):
-    """The rule written out: positive counts, the batch in whole parts, a seed of PCG64's 32 bits."""
+@settings(max_examples=300, deadline=None)
+@given(batches=st.integers(-3, 3), batch_size=st.integers(-3, 12), micro_batches=st.integers(-3, 5),
+       seed=st.sampled_from([-1, 0, 5, 2**32 - 1, 2**32]), devices=st.integers(1, 4))
+def test_an_eval_set_is_refused_exactly_when_a_number_is_out_of_range(batches, batch_size, micro_batches, seed,
+                                                                       devices):
+    """The rule written out: positive counts, the batch in whole parts, a seed of PCG64's 32 bits, as many
+    sequences on each device."""
     valid = (batches > 0 and batch_size > 0 and micro_batches > 0 and batch_size % micro_batches == 0
-             and 0 <= seed < 2**32)
+             and 0 <= seed < 2**32 and batch_size % (micro_batches * devices) == 0)
     chosen = evaluate.EvalSet(None, batches, batch_size, micro_batches, seed)
     if valid:
-        chosen.check()
+        chosen.check(devices)
     else:
         with pytest.raises(UserError, match=r"^--(batches|batch_size|seed) "):
-            chosen.check()
+            chosen.check(devices)
 
 
 def test_a_checkpoint_naming_kernels_scores_with_the_kernels_the_defaults_pick(trained, tmp_path, capsys):
@@ -275,7 +280,7 @@ def test_weights_holding_nan_and_an_eval_set_past_the_memory_are_refused(trained
     with pytest.raises(SystemExit):
         evaluate.main(["--run", str(trained[0]), f"--batch_size={2**12}", "--micro_batches=1"])
     err = capsys.readouterr().err
-    said = re.fullmatch(rf"error: evaluating 4096 sequences at a time needs (\d+\.\d+) GiB and this "
+    said = re.fullmatch(rf"error: evaluating 4096 sequences at a time needs (\d+\.\d+) GiB a device and this "
                         rf"{jax.devices()[0].device_kind} has 0.06 GiB; raise --micro_batches or lower "
                         rf"--batch_size\n", err)
     assert said and float(said[1]) >= 0.125, err  # the logits alone: 2^12 x 32 x 256 x 4 bytes
@@ -313,3 +318,61 @@ def test_ctrl_c_ends_in_one_line_and_130(trained, capsys, monkeypatch, command):
     out, err = capsys.readouterr()
     assert exit_info.value.code == 130 and not out and err.endswith("\ninterrupted; nothing was written\n"), err
     assert "Traceback" not in err
+
+
+# Trains the small model on this process's devices, writes to-torch's folder of its step 4, then evaluates: the
+# params' layout as evaluate restores them, and a JSON line a command (exit code, stdout, stderr)
+DEVICES_SCRIPT = """
+import contextlib, io, json, sys
+import jax
+from jaxtrain import config, convert, dryrun, evaluate, model_source, run
+out_dir, torch_dir, *args = sys.argv[1:]
+run.train(config.load(args))
+convert.main(["to-torch", f"{out_dir}/checkpoints/4", torch_dir])
+kernel = model_source.from_run(out_dir, 8, None, "evaluate", jax.devices()).params["h"][0]["mlp"]["c_fc"]["kernel"]
+print(json.dumps({"spec": list(kernel.sharding.spec), "devices": kernel.sharding.mesh.size}))
+for argv in [["--run", out_dir], ["--run", out_dir, "--step=4"], ["--from", torch_dir], ["--run", out_dir,
+             "--devices=1"], ["--run", out_dir, "--devices=3"], ["--run", out_dir, "--batch_size=6"],
+             ["--run", out_dir, "--devices=1", "--batch_size=4096", "--micro_batches=1"]]:
+    out, err = io.StringIO(), io.StringIO()
+    if argv[-1] == "--micro_batches=1":  # a device of 64 MiB
+        dryrun.device_memory = lambda device: 2**26
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            evaluate.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue()}))
+"""
+
+
+def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path, cache_dir):
+    """A run on 2 (fake CPU) devices with mesh.fsdp=2, each weight split over both: evaluate, on the 2 devices this
+    process has, restores the params straight into that layout and scores what the run logged at steps 4 and 8,
+    from the run and from to-torch's folder, bit for bit (the same sums in the same order); on one (--devices 1)
+    within fp32 rounding of it (matmuls of other shapes: measured 4.8e-7 on a loss of 5.24, margin x10). A count
+    past the machine's, a batch that does not split, and one too big for a device, each refused in one line that
+    names its fix."""
+    out_dir, torch_dir = tmp_path / "run", tmp_path / "torch"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", DEVICES_SCRIPT, str(out_dir), str(torch_dir), *small_args(
+        out_dir, cache_dir, "--optim.grad_accum_steps=2", "--mesh.fsdp=2")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layout, *results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert layout == {"spec": [None, "fsdp"], "devices": 2}  # c_fc's kernel (32, 128): its columns over fsdp=2
+    logged = logged_evals(out_dir)
+    (run8, run4, torch4, one, three, six, too_big) = results
+    for result, step in [(run8, 8), (run4, 4), (torch4, 4)]:
+        line = json.loads(result["out"])
+        assert result["code"] == 0 and (line["eval_loss"], line["eval_accuracy"]) == logged[step], result
+        assert "4 sequences at a time, from the val split" in result["err"], result
+        assert "seed 0, on 2 cpu devices (data 1 x fsdp 2)\n" in result["err"], result
+    line = json.loads(one["out"])
+    assert line["eval_loss"] == pytest.approx(logged[8][0], abs=5e-6) and "cpu devices" not in one["err"], one
+    assert three["err"] == "error: --devices 3: this machine has 2 cpu devices; pass a count from 1 to 2\n"
+    assert six["err"] == ("error: --batch_size 6 in --micro_batches 2 is 3 sequences at a time, which do not split "
+                          "over 2 devices; pass --devices 1, or a --batch_size of a multiple of 4\n")
+    assert too_big["err"].endswith("has 0.06 GiB; raise --micro_batches or lower --batch_size, or split the batch "
+                                   "over more of this machine's 2 devices (--devices)\n"), too_big
+    assert [r["code"] for r in (three, six, too_big)] == [2, 2, 2] and not any(r["out"] for r in (three, six))

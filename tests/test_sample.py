@@ -619,13 +619,13 @@ def _trainer_replacing_the_newest(monkeypatch, checkpoints: str, times: int) -> 
     newest step N is read, the run saves N + 20 and deletes N, and orbax's read of N fails."""
     restore, replaced = convert.restore_step, []
 
-    def restore_as_replaced(step_dir, fix):
+    def restore_as_replaced(step_dir, fix, devices):
         if len(replaced) < times:
             step = int(os.path.basename(step_dir))
             copy_step(step_dir, step + 20)
             shutil.rmtree(step_dir)
             replaced.append(step)
-        return restore(step_dir, fix)
+        return restore(step_dir, fix, devices)
 
     monkeypatch.setattr(convert, "restore_step", restore_as_replaced)
 
