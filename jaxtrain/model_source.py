@@ -117,8 +117,8 @@ def from_run(run_dir: str, step: int | None, precision: str | None, command: str
     checkpoint_kind.check_jaxtrain_run(run_dir, "--run")  # in a bucket, first that its store answers
     if not checkpoint_kind.is_folder(run_dir):  # else said to hold no complete checkpoint, as a run that saved none
         raise UserError(f"--run {run_dir} does not exist; pass the run.out_dir of a jaxtrain run")
-    step, (state, cfg, meta) = _restore(run_dir, step, command, devices)
-    return _of_run(state.params, cfg, step, meta, precision, run_dir)
+    step, (weights, cfg, meta) = _restore(run_dir, step, command, devices)
+    return _of_run(weights.params, cfg, step, meta, precision, run_dir)
 
 
 def _of_run(params, cfg: Config, step: int, meta: dict, precision: str | None, where: str) -> Loaded:
@@ -149,7 +149,7 @@ def text_tokenizer(loaded: Loaded, given: str | None) -> Tokenizer:
 
 
 def _restore(run_dir: str, step: int | None, command: str, devices: list | None):
-    """(step, convert.restore_step's (state, config, meta)) of checkpoint `step`, or with None of the newest one.
+    """(step, convert.restore_step's (weights, config, meta)) of checkpoint `step`, or with None of the newest one.
 
     A run still training deletes its older checkpoints once a newer one is saved (checkpoint.max_to_keep), so the
     newest can vanish while it is read: when it is no longer the newest afterwards, the new newest is read, up to
@@ -167,7 +167,8 @@ def _restore(run_dir: str, step: int | None, command: str, devices: list | None)
         fix = (f"{command} another of its checkpoints with --step ({others})" if others else
                f"its run has no other checkpoint to {command}")
         try:
-            return chosen, convert.restore_step(os.path.join(run_dir, "checkpoints", str(chosen)), fix, devices)
+            return chosen, convert.restore_step(os.path.join(run_dir, "checkpoints", str(chosen)), fix, devices,
+                                                weights_only=True)
         except UserError:
             if step is not None or checkpoint_lib.saved_steps(run_dir)[-1:] == [chosen]:
                 raise
@@ -203,8 +204,9 @@ def from_folder(src: str, precision: str | None, command: str, devices: list | N
     else:
         found = checkpoint_kind.check_model_source(src, command)
     if found == checkpoint_kind.JAXTRAIN_STEP:
-        state, cfg, meta = convert.restore_step(src, f"{command} another step folder of its run", devices)
-        return _of_run(state.params, cfg, int(state.step), meta, precision, src)
+        weights, cfg, meta = convert.restore_step(src, f"{command} another step folder of its run", devices,
+                                                  weights_only=True)
+        return _of_run(weights.params, cfg, int(weights.step), meta, precision, src)
     if found == checkpoint_kind.TORCH and os.path.exists(os.path.join(src, checkpoint_kind.TRAINER_STATE)):
         trainer_state = checkpoint_kind.read_trainer_state(src)  # to-torch's, torchref's
         cfg = checkpoint_model.written_config(src, trainer_state)

@@ -491,25 +491,36 @@ def test_a_checkpoint_off_its_fingerprint_is_refused_by_the_converters_and_the_s
     """to-torch, to-hf and jaxtrain.sample restored a step without checking it against its fingerprint, as a resume
     does: a corrupt checkpoint converted with exit 0, and from-torch then gave the damage a valid fingerprint. Here
     the arrays read but one checksum in meta differs (what a flipped bit in them gives), so each refuses, naming
-    the array and what to do instead, and writes nothing."""
+    the array and what to do instead, and writes nothing. An AdamW moment's: to-torch, which writes them, refuses;
+    to-hf and sample read and check the weights alone (restore_step's weights_only), which are whole."""
     from jaxtrain import model_source
     step_dir = _saved_run(tmp_path)
-    path = _break_fingerprint(step_dir)
-    for command in ("to-torch", "to-hf"):
-        with pytest.raises(SystemExit) as e:
-            convert.main([command, step_dir, str(tmp_path / command)])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and f"checkpoint {step_dir} does not match its fingerprint: {path}" in err
-        assert "it is corrupt; convert another step folder of the run" in err and not (tmp_path / command).exists()
-    with pytest.raises(UserError, match=f"{path} .*it is corrupt; its run has no other checkpoint to sample"):
-        model_source.from_run(str(tmp_path / "run"), None, None, "sample")
+    for broken, refusing in [("params/", ("to-torch", "to-hf")), ("opt_state/inner_opt_state", ("to-torch",))]:
+        path = _break_fingerprint(step_dir, broken)
+        for command in ("to-torch", "to-hf"):
+            out = tmp_path / broken.replace("/", "") / command
+            if command not in refusing:
+                convert.main([command, step_dir, str(out)])
+                assert (out / "model.safetensors").exists()
+                continue
+            with pytest.raises(SystemExit) as e:
+                convert.main([command, step_dir, str(out)])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"checkpoint {step_dir} does not match its fingerprint: {path}" in err
+            assert "it is corrupt; convert another step folder of the run" in err and not out.exists()
+        if broken == "params/":
+            with pytest.raises(UserError, match=f"{path} .*it is corrupt; its run has no other checkpoint to sample"):
+                model_source.from_run(str(tmp_path / "run"), None, None, "sample")
+        else:
+            assert model_source.from_run(str(tmp_path / "run"), None, None, "sample").step == STEPS
+        _break_fingerprint(step_dir, path, by=-1)  # mended
 
 
 def test_a_checkpoint_off_its_fingerprint_names_the_runs_other_steps_to_convert(tmp_path, capsys):
     """README: convert refuses a corrupt step "naming another"; it said only "convert another step folder"."""
     good = _saved_run(tmp_path)
     bad = copy_step(good, STEPS + 1)
-    _break_fingerprint(bad)
+    _break_fingerprint(bad, "params/")  # an array both read
     for command in ("to-torch", "to-hf"):
         with pytest.raises(SystemExit):
             convert.main([command, bad, str(tmp_path / command)])
@@ -596,12 +607,13 @@ def copy_step(step_dir: str, step: int) -> str:
     return copy
 
 
-def _break_fingerprint(step_dir: str) -> str:
-    """One checksum in the step's meta off by one (what a flipped bit in its array gives): that array's path."""
+def _break_fingerprint(step_dir: str, prefix: str = "", by: int = 1) -> str:
+    """One checksum in the step's meta off by one (what a flipped bit in its array gives), the first of an array
+    whose path starts with `prefix`: that array's path."""
     meta_file = os.path.join(step_dir, "meta", "metadata")
     meta = json.load(open(meta_file))
-    path = sorted(meta["fingerprint"])[0]
-    meta["fingerprint"][path] = (meta["fingerprint"][path] + 1) % 2**32
+    path = next(path for path in sorted(meta["fingerprint"]) if path.startswith(prefix))
+    meta["fingerprint"][path] = (meta["fingerprint"][path] + by) % 2**32
     json.dump(meta, open(meta_file, "w"))
     return path
 
