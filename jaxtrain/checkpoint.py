@@ -347,11 +347,12 @@ def _by_path(sums) -> dict[str, int]:
             for path, s in jax.tree_util.tree_leaves_with_path(sums)}
 
 
-def check_fingerprint(state, saved: dict[str, int], where: str, partial: bool = False) -> None:
-    """Raise CorruptCheckpoint naming the first array whose checksum differs from `saved`, or that one of them lacks;
-    partial: `state` holds some of the arrays saved (a partial restore), whose checksums alone are compared."""
+def check_fingerprint(state, saved: dict[str, int], where: str, only: tuple[str, ...] = ("",)) -> None:
+    """Raise CorruptCheckpoint naming the first array whose checksum differs from `saved`, or that one of them lacks.
+    only: the paths (prefixes: "params/") `state` holds, a partial restore's; the saved arrays of other paths are not
+    compared."""
     read = fingerprint(state)
-    for path in [*read, *(() if partial else saved.keys() - read.keys())]:
+    for path in [*read, *(p for p in saved.keys() - read.keys() if p.startswith(only))]:
         if saved.get(path) != read.get(path):
             raise CorruptCheckpoint(f"checkpoint {where} does not match its fingerprint: {path} was saved with "
                                     f"checksum {saved.get(path)} and reads {read.get(path)}")

@@ -9,7 +9,8 @@ format, and to and from Hugging Face's GPT-2 folder (hf_format.py).
 
 Both directions keep params and AdamW's state bit for bit (jaxtrain/torch_format.py). A jaxtrain step folder is
 self-describing: its `meta` item holds the config that built the state, so no --config is needed. Conversion runs
-on one device whatever mesh trained the run, so the whole state must fit in one device's memory.
+on one device whatever mesh trained the run, so the whole state must fit in one device's memory (to-hf reads the
+weights alone).
 """
 
 import argparse
@@ -196,12 +197,24 @@ def restore_step(step_dir: str, fix: str | None = None, devices: list | None = N
                                   partial_restore=weights_only)
     with orbax_quiet.DRAINING.meanwhile(), _unreadable(step_dir, fix):
         state = ocp.PyTreeCheckpointHandler().restore(runfolder.path(step_dir) / "state", args=args)
+    _check_read(state, step_dir, fix)
     if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
         try:
-            checkpoint_lib.check_fingerprint(state, meta["fingerprint"], step_dir, partial=weights_only)
+            checkpoint_lib.check_fingerprint(state, meta["fingerprint"], step_dir,
+                                             ("params/", "opt_state/gradient_step") if weights_only else ("",))
         except checkpoint_lib.CorruptCheckpoint as e:
             raise UserError(f"{e}: it is corrupt; {fix or _convert_another(step_dir)}") from None
     return (Weights(state["params"], state["opt_state"]["gradient_step"]) if weights_only else state), cfg, meta
+
+
+def _check_read(state, step_dir: str, fix: str | None) -> None:
+    """Refuse a state in which orbax's partial restore left an array of the target unread: one the checkpoint lacks
+    comes back as the target's ShapeDtypeStruct, without an error (orbax 0.12's placeholders)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise UserError(f"checkpoint {step_dir} cannot be read (it holds no "
+                            f"{jax.tree_util.keystr(path, simple=True, separator='/')}); "
+                            f"{fix or _convert_another(step_dir)}")
 
 
 def from_torch(src: str, out_dir: str) -> None:

@@ -7,16 +7,16 @@ training: nanoGPT's eval_only (its eval_gpt2 configs give GPT-2's loss on OpenWe
     python -m jaxtrain.evaluate --from gpt2-hf --data data/owt --batches 500 --batch_size 8
 
 The eval set is drawn as a run draws its own (data.eval_batch): --batches batches of --batch_size sequences of the
-model's seq_len tokens, from the val split (--split train: from the train split, where the same keys draw
-sequences at random, as nanoGPT's estimate_loss, not the windows the first steps trained on), with --seed's keys,
-each batch in --micro_batches parts. A run's checkpoint takes its run's: train.eval_batches, data.batch_size,
-optim.grad_accum_steps and the data seed it trained with, on its data. It computes on every device of this machine
-(--devices N: its first N), each batch split over them as a run splits its own and each weight over the run's
-mesh.fsdp of them (mesh.model_mesh), restored straight into that layout: for a run that evaluated on as many devices
-of this kind with that mesh, the numbers metrics.jsonl holds for that step, bit for bit (on other counts its matmuls
-of other shapes may round otherwise: a run of the small test model in fp32 on 2 CPU devices, each weight over both,
-logged 5.2440739, scored on one 5.2440743). A model without a run (a Hugging Face folder, from-hf's) takes --data and
-nanoGPT's eval_gpt2 batch size, 8, its weights whole on each device.
+model's seq_len tokens, from the val split (--split train: from the train split, where the same keys draw sequences at
+random, as nanoGPT's estimate_loss, not the windows the first steps trained on), with --seed's keys, each batch in
+--micro_batches parts. A run's checkpoint takes its run's: train.eval_batches, data.batch_size, optim.grad_accum_steps
+and the data seed it trained with, on its data. It computes on the devices of this machine, the most of them each part
+splits over evenly (--devices N: its first N), each part split over them as a run splits its own and each weight over
+the run's mesh.fsdp of them (mesh.model_mesh), restored straight into that layout: for a run that evaluated on as many
+devices of this kind with that mesh, the numbers metrics.jsonl holds for that step, bit for bit (on other counts its
+matmuls of other shapes may round otherwise: a run of the small test model in fp32 on 2 CPU devices, each weight over
+both, logged 5.2440739, scored on one 5.2440743). A model without a run (a Hugging Face folder, from-hf's) takes
+--data and nanoGPT's eval_gpt2 batch size, 8, its weights whole on each device.
 
 The loss is the token-weighted mean cross-entropy over the set's tokens (nats; the run's eval step,
 step.make_eval_step, in the precision the run trained in, fp32 for a Hugging Face model, with the kernels the
@@ -201,10 +201,11 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
     device = mesh.devices.flat[0]
     with _out_of_memory(chosen, mesh.size), jax.set_mesh(mesh):  # XLA:TPU refuses at compile time what does not fit
         compiled = step_lib.jit_eval_step(cfg).lower(loaded.params, tokens, tokens).compile()
-    need = dryrun.peak_bytes(compiled)
-    limit = dryrun.device_memory(device)
-    if limit and need > limit:
-        raise _too_big(chosen, mesh.size, f"needs {need / dryrun.GIB:.2f} GiB a device and this "
+    need, limit = dryrun.peak_bytes(compiled), dryrun.device_memory(device)
+    sharing = mesh.size if device.platform == "cpu" else 1  # CPU devices all take the host's memory
+    if limit and need * sharing > limit:
+        together = f", {need * sharing / dryrun.GIB:.2f} GiB for {sharing} CPU devices," if sharing > 1 else ""
+        raise _too_big(chosen, mesh.size, f"needs {need / dryrun.GIB:.2f} GiB a device{together} and this "
                                           f"{device.device_kind} has {limit / dryrun.GIB:.2f} GiB")
     return compiled
 
@@ -221,6 +222,17 @@ def _on(loaded: model_source.Loaded) -> str:
         return ""
     return (f", on {mesh.size} {mesh.devices.flat[0].device_kind} devices (data {mesh.shape['data']} x fsdp "
             f"{mesh.shape['fsdp']})")
+
+
+def _on_devices_it_splits_over(loaded: model_source.Loaded, chosen: EvalSet, devices: list) -> model_source.Loaded:
+    """`loaded` on the most of `devices` that each part of a batch splits over evenly (a note says so where that is
+    not all of them: a run's micro-batches split over the devices it trained on, a Hugging Face model's 8 may not)."""
+    count = max(d for d in range(1, len(devices) + 1) if chosen.at_a_time % d == 0)
+    if count == len(devices):
+        return loaded
+    print(f"note: {chosen.at_a_time} sequences at a time split evenly over {count} of this machine's {len(devices)} "
+          f"devices, not all: computed on {count} (--devices picks another count)", file=sys.stderr)
+    return model_source.placed(loaded, devices[:count])
 
 
 def _devices(count: int | None) -> list:
@@ -244,11 +256,15 @@ def _out_of_memory(chosen: EvalSet, devices: int):
 
 
 def _too_big(chosen: EvalSet, devices: int, needs: str) -> UserError:
-    """The refusal of `chosen` split over `devices` of this machine's, which `needs` more memory than one has."""
-    fix = ("raise --micro_batches or lower --batch_size" if chosen.at_a_time > devices else
-           "one sequence a device is the least: evaluate on devices with more memory")
-    if devices < len(jax.devices()):
-        fix += f", or split the batch over more of this machine's {len(jax.devices())} devices (--devices)"
+    """The refusal of `chosen` split over `devices` of this machine's, which `needs` more memory than one has, with
+    the levers that lower it: fewer sequences a part, a count of more devices they split over (not on a CPU, whose
+    devices share the host's memory and each hold the weights)."""
+    levers = ["raise --micro_batches or lower --batch_size"] if chosen.at_a_time > devices else []
+    machine = jax.devices()
+    more = [d for d in range(devices + 1, len(machine) + 1) if chosen.at_a_time % d == 0]
+    if more and machine[0].platform != "cpu":
+        levers.append(f"split each part over more of this machine's {len(machine)} devices (--devices {more[-1]})")
+    fix = ", or ".join(levers) or "one sequence a device is the least: evaluate on devices with more memory"
     return UserError(f"evaluating {chosen.at_a_time} sequence{'s' if chosen.at_a_time > 1 else ''} at a time "
                      f"{needs}; {fix}")
 
@@ -277,8 +293,9 @@ def _parser() -> OneLineParser:
     ap.add_argument("--seed", type=int, help="which sequences are drawn; default: the run's data seed "
                                              f"({Config().run.seed} without a run)")
     ap.add_argument("--devices", type=int, help="how many of this machine's devices compute (its first N): each "
-                                                "batch split over them, each weight over the run's mesh.fsdp of "
-                                                "them where that divides N; default: all")
+                                                "part of a batch split over them, each weight over gcd(the run's "
+                                                "mesh.fsdp, N) of them; default: the most of them each part splits "
+                                                "over evenly")
     return ap
 
 
@@ -290,7 +307,9 @@ def main(argv: list[str] | None = None) -> None:
         if (name := step_lib.non_finite_leaf(loaded.params)) is not None:
             raise UserError(f"{loaded.where} holds inf or NaN ({name}): its loss is no number; evaluate a checkpoint "
                             f"saved before its values overflowed")
-        chosen = eval_set(loaded, args, len(devices))
+        chosen = eval_set(loaded, args, len(devices) if args.devices else 1)  # a count given must split the parts
+        if args.devices is None:
+            loaded = _on_devices_it_splits_over(loaded, chosen, devices)
         check_tokens(loaded, chosen.data)
         eval_step = compiled_eval_step(loaded, chosen)
         print(f"{loaded.source}, {loaded.precision}: {chosen.batches} batches of {chosen.batch_size} x "

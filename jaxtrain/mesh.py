@@ -222,9 +222,13 @@ def model_mesh(fsdp: int, devices: list) -> Mesh:
     """The (data, fsdp) mesh a trained model computes on outside its run (evaluate's): each weight split over
     gcd(fsdp, len(devices)) of `devices` (a run's mesh.fsdp where it divides their count: then the run's own mesh on
     as many devices, so its sums in the same order), the batch over all. gcd: a divisor of the run's fsdp divides
-    d_model as the run's does."""
-    split = math.gcd(fsdp, len(devices))
-    grid = mesh_utils.create_device_mesh((len(devices) // split, split), devices, allow_split_physical_axes=True)
+    d_model as the run's does. Devices that are no whole block of a TPU's torus (3 of a host's 4 chips), which
+    create_device_mesh asserts against, are laid out in the order given."""
+    shape = (len(devices) // math.gcd(fsdp, len(devices)), math.gcd(fsdp, len(devices)))
+    try:
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (AssertionError, ValueError, NotImplementedError):
+        grid = np.array(devices).reshape(shape)
     return Mesh(grid, ("data", "fsdp"), axis_types=AUTO_AXES)
 
 

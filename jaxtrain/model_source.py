@@ -213,17 +213,17 @@ def from_folder(src: str, precision: str | None, command: str, devices: list | N
         params = torch_format.load_params(src, _template(cfg.model), lambda shapes: checkpoint_model.model_keys_hint(
             shapes, cfg.model, checkpoint_kind.TRAINER_STATE))
         meta = {"data_fingerprint": trainer_state.get("data_fingerprint"), "data_seed": trainer_state["data"]["seed"]}
-        return _of_run(_placed(params, cfg.mesh.fsdp, devices), cfg, trainer_state["step"], meta, precision, src)
-    loaded = _from_hf(src, found, precision)
-    return loaded._replace(params=_placed(loaded.params, 1, devices))
+        return placed(_of_run(params, cfg, trainer_state["step"], meta, precision, src), devices)
+    return placed(_from_hf(src, found, precision), devices)
 
 
-def _placed(params, fsdp: int, devices: list | None):
-    """`params` as they are (None: on the default device), or split over `devices` as mesh.model_mesh lays out a
-    model whose run had mesh.fsdp=`fsdp`."""
+def placed(loaded: Loaded, devices: list | None) -> Loaded:
+    """`loaded` as it is (None: on the default device), or with its params split over `devices` as mesh.model_mesh
+    lays out a model of its run's mesh.fsdp (1 without a run: a Hugging Face model whole on each)."""
     if devices is None:
-        return params
-    return jax.device_put(params, mesh_lib.fsdp_sharding(mesh_lib.model_mesh(fsdp, devices), params))
+        return loaded
+    mesh = mesh_lib.model_mesh(loaded.cfg.mesh.fsdp if loaded.cfg is not None else 1, devices)
+    return loaded._replace(params=jax.device_put(loaded.params, mesh_lib.fsdp_sharding(mesh, loaded.params)))
 
 
 def _from_hf(src: str, found: str, precision: str | None) -> Loaded:

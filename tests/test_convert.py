@@ -516,6 +516,24 @@ def test_a_checkpoint_off_its_fingerprint_is_refused_by_the_converters_and_the_s
         _break_fingerprint(step_dir, path, by=-1)  # mended
 
 
+@pytest.mark.parametrize("n_layer", [3, 1])
+def test_a_step_whose_config_names_more_or_fewer_blocks_than_it_holds_is_refused_by_the_weights_readers(
+        tmp_path, n_layer):
+    """The step's config edited to 3 blocks where it holds 2: orbax's partial restore handed back the third's
+    arrays unread (its ShapeDtypeStructs), and the fingerprint then failed with a traceback; to 1: it read the first
+    block alone. Both refused in one line: the array it lacks, the saved array not read."""
+    from jaxtrain import model_source
+    step_dir = _saved_run(tmp_path)
+    meta_file = os.path.join(step_dir, "meta", "metadata")
+    meta = json.load(open(meta_file))
+    meta["config"]["model"]["n_layer"] = n_layer
+    json.dump(meta, open(meta_file, "w"))
+    said = (f"checkpoint {step_dir} cannot be read (it holds no params/h/2/" if n_layer == 3 else
+            f"checkpoint {step_dir} does not match its fingerprint: params/h/1/")
+    with pytest.raises(UserError, match=re.escape(said)):
+        model_source.from_run(str(tmp_path / "run"), None, None, "sample")
+
+
 def test_a_checkpoint_off_its_fingerprint_names_the_runs_other_steps_to_convert(tmp_path, capsys):
     """README: convert refuses a corrupt step "naming another"; it said only "convert another step folder"."""
     good = _saved_run(tmp_path)

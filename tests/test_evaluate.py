@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -331,9 +332,10 @@ run.train(config.load(args))
 convert.main(["to-torch", f"{out_dir}/checkpoints/4", torch_dir])
 kernel = model_source.from_run(out_dir, 8, None, "evaluate", jax.devices()).params["h"][0]["mlp"]["c_fc"]["kernel"]
 print(json.dumps({"spec": list(kernel.sharding.spec), "devices": kernel.sharding.mesh.size}))
-for argv in [["--run", out_dir], ["--run", out_dir, "--step=4"], ["--from", torch_dir], ["--run", out_dir,
-             "--devices=1"], ["--run", out_dir, "--devices=3"], ["--run", out_dir, "--batch_size=6"],
-             ["--run", out_dir, "--devices=1", "--batch_size=4096", "--micro_batches=1"]]:
+for argv in [["--run", out_dir], ["--run", out_dir, "--step=4"], ["--from", torch_dir],
+             ["--from", f"{out_dir}/checkpoints/8"], ["--run", out_dir, "--devices=1"], ["--run", out_dir,
+             "--devices=3"], ["--run", out_dir, "--batch_size=6"], ["--run", out_dir, "--devices=2",
+             "--batch_size=6"], ["--run", out_dir, "--batch_size=4096", "--micro_batches=1"]]:
     out, err = io.StringIO(), io.StringIO()
     if argv[-1] == "--micro_batches=1":  # a device of 64 MiB
         dryrun.device_memory = lambda device: 2**26
@@ -350,10 +352,11 @@ for argv in [["--run", out_dir], ["--run", out_dir, "--step=4"], ["--from", torc
 def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path, cache_dir):
     """A run on 2 (fake CPU) devices with mesh.fsdp=2, each weight split over both: evaluate, on the 2 devices this
     process has, restores the params straight into that layout and scores what the run logged at steps 4 and 8,
-    from the run and from to-torch's folder, bit for bit (the same sums in the same order); on one (--devices 1)
-    within fp32 rounding of it (matmuls of other shapes: measured 4.8e-7 on a loss of 5.24, margin x10). A count
-    past the machine's, a batch that does not split, and one too big for a device, each refused in one line that
-    names its fix."""
+    from the run, its step folder and to-torch's folder, bit for bit (the same sums in the same order); on one
+    (--devices 1) within fp32 rounding of it (matmuls of other shapes: measured 4.8e-7 on a loss of 5.24, margin
+    x10). 3 sequences at a time split over 1 of the 2 devices: computed there, with a note, or refused where
+    --devices 2 asks for both. A count past the machine's, and parts too big for the host that both devices share,
+    each refused in one line that names its fix."""
     out_dir, torch_dir = tmp_path / "run", tmp_path / "torch"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", DEVICES_SCRIPT, str(out_dir), str(torch_dir), *small_args(
@@ -362,8 +365,8 @@ def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path,
     layout, *results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert layout == {"spec": [None, "fsdp"], "devices": 2}  # c_fc's kernel (32, 128): its columns over fsdp=2
     logged = logged_evals(out_dir)
-    (run8, run4, torch4, one, three, six, too_big) = results
-    for result, step in [(run8, 8), (run4, 4), (torch4, 4)]:
+    run8, run4, torch4, folder8, one, three, six, six_on_two, too_big = results
+    for result, step in [(run8, 8), (run4, 4), (torch4, 4), (folder8, 8)]:
         line = json.loads(result["out"])
         assert result["code"] == 0 and (line["eval_loss"], line["eval_accuracy"]) == logged[step], result
         assert "4 sequences at a time, from the val split" in result["err"], result
@@ -371,8 +374,31 @@ def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path,
     line = json.loads(one["out"])
     assert line["eval_loss"] == pytest.approx(logged[8][0], abs=5e-6) and "cpu devices" not in one["err"], one
     assert three["err"] == "error: --devices 3: this machine has 2 cpu devices; pass a count from 1 to 2\n"
-    assert six["err"] == ("error: --batch_size 6 in --micro_batches 2 is 3 sequences at a time, which do not split "
-                          "over 2 devices; pass --devices 1, or a --batch_size of a multiple of 4\n")
-    assert too_big["err"].endswith("has 0.06 GiB; raise --micro_batches or lower --batch_size, or split the batch "
-                                   "over more of this machine's 2 devices (--devices)\n"), too_big
-    assert [r["code"] for r in (three, six, too_big)] == [2, 2, 2] and not any(r["out"] for r in (three, six))
+    assert six["code"] == 0 and json.loads(six["out"])["tokens"] == 2 * 6 * SEQ_LEN, six
+    assert six["err"].startswith("note: 3 sequences at a time split evenly over 1 of this machine's 2 devices, not "
+                                 "all: computed on 1 (--devices picks another count)\n"), six
+    assert six_on_two["err"] == ("error: --batch_size 6 in --micro_batches 2 is 3 sequences at a time, which do not "
+                                 "split over 2 devices; pass --devices 1, or a --batch_size of a multiple of 4\n")
+    said = re.fullmatch(r"error: evaluating 4096 sequences at a time needs (\d+\.\d+) GiB a device, (\d+\.\d+) GiB "
+                        r"for 2 CPU devices, and this cpu has 0.06 GiB; raise --micro_batches or lower "
+                        r"--batch_size\n", too_big["err"])
+    assert said and float(said[2]) == pytest.approx(2 * float(said[1]), abs=0.01), too_big  # each holds its own
+    assert [r["code"] for r in (three, six_on_two, too_big)] == [2, 2, 2]
+    assert not any(r["out"] for r in (three, six_on_two, too_big))
+
+
+@pytest.mark.parametrize("at_a_time,devices,said", [
+    (12, 2, "raise --micro_batches or lower --batch_size, or split each part over more of this machine's 8 devices "
+            "(--devices 6)"),
+    (4, 4, "one sequence a device is the least: evaluate on devices with more memory"),  # 8 devices: 4 do not split
+    (8, 4, "raise --micro_batches or lower --batch_size, or split each part over more of this machine's 8 devices "
+           "(--devices 8)"),
+    (3, 1, "raise --micro_batches or lower --batch_size, or split each part over more of this machine's 8 devices "
+           "(--devices 3)")])
+def test_a_part_too_big_for_a_gpu_names_a_count_of_devices_it_splits_over(monkeypatch, at_a_time, devices, said):
+    """On a machine of 8 GPUs: more devices where a larger count divides the part (the largest such), fewer
+    sequences a part where a device holds more than one, and neither where it holds one already."""
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(evaluate.jax, "devices", lambda: [gpu] * 8)
+    refusal = evaluate._too_big(evaluate.EvalSet(None, 1, at_a_time, 1, 0), devices, "needs 90 GiB")
+    assert str(refusal) == f"evaluating {at_a_time} sequences at a time needs 90 GiB; {said}"

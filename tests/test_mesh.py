@@ -471,3 +471,14 @@ def test_a_dry_run_on_too_few_devices_names_run_dry_run_devices(overrides, devic
     with pytest.raises(UserError) as refused:  # a real run has no such way out
         mesh.validate_devices(config.load([*SMALL, *overrides]), devices)
     assert str(refused.value).endswith(f"an fsdp that divides {devices}")
+
+
+def test_devices_that_are_no_block_of_a_tpu_torus_are_meshed_in_the_order_given(monkeypatch):
+    """evaluate --devices 3 on a TPU host of 4 chips: create_device_mesh asserts the devices form a whole block of
+    the torus; model_mesh lays them out in their order instead (data 3 x fsdp gcd(run's 2, 3) = 1)."""
+    def no_block(*args, **kwargs):
+        raise AssertionError("the devices are not a cuboid")  # what mesh_utils._get_physical_tpu_mesh asserts
+    monkeypatch.setattr(mesh.mesh_utils, "create_device_mesh", no_block)
+    devices = [jax.devices()[0]] * 3  # its order only: devices may repeat in a Mesh built for its shape
+    laid_out = mesh.model_mesh(2, devices)
+    assert dict(laid_out.shape) == {"data": 3, "fsdp": 1} and list(laid_out.devices.flat) == devices
