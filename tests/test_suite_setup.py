@@ -19,9 +19,11 @@ import processes
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _auto_workers(cpus: set[int], **env) -> str:
-    script = (f"import os; os.sched_setaffinity(0, {cpus!r}); import conftest; "
-              "print(conftest.pytest_xdist_auto_num_workers(None))")
+def _auto_workers(cpus: set[int], markexpr: str = "not slow", **env) -> str:
+    """What conftest's hook answers with `cpus` usable, for the suite `-m markexpr` selects."""
+    script = (f"import os, types; os.sched_setaffinity(0, {cpus!r}); import conftest; "
+              f"config = types.SimpleNamespace(getoption=lambda name: {markexpr!r} if name == 'markexpr' else None); "
+              "print(conftest.pytest_xdist_auto_num_workers(config))")
     environ = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_AUTO_NUM_WORKERS"}
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**environ, **env}, capture_output=True,
                           text=True, timeout=60)
@@ -29,10 +31,11 @@ def _auto_workers(cpus: set[int], **env) -> str:
     return proc.stdout.strip()
 
 
-def test_auto_starts_one_worker_a_usable_core():
-    """One core usable (its affinity, as a CPU-limited container or `taskset` gives): one worker, whatever
-    os.cpu_count() says; xdist's own hook (psutil or os.cpu_count) would count the machine's cores."""
-    assert _auto_workers({0}) == "1"
+def test_auto_starts_one_worker_a_usable_core_and_one_more_for_the_default_suite():
+    """One core usable (its affinity, as a CPU-limited container or `taskset` gives): one worker for the slow suite,
+    two for the default suite, whatever os.cpu_count() says; xdist's own hook (psutil or os.cpu_count) would count
+    the machine's cores. (This machine's memory holds both: one per 4 GiB.)"""
+    assert _auto_workers({0}, "slow") == "1" and _auto_workers({0}) == "2" and _auto_workers({0}, "") == "2"
     assert _auto_workers({0}, PYTEST_XDIST_AUTO_NUM_WORKERS="3") == "None"  # xdist's hook reads it
 
 
