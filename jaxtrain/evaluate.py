@@ -205,8 +205,9 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
     sharing = mesh.size if device.platform == "cpu" else 1  # CPU devices all take the host's memory
     if limit and need * sharing > limit:
         together = f", {need * sharing / dryrun.GIB:.2f} GiB for {sharing} CPU devices," if sharing > 1 else ""
-        raise _too_big(chosen, mesh.size, f"needs {need / dryrun.GIB:.2f} GiB a device{together} and this "
-                                          f"{device.device_kind} has {limit / dryrun.GIB:.2f} GiB")
+        has = "this host has" if device.platform == "cpu" else f"this {device.device_kind} has"
+        raise _too_big(chosen, mesh.size, f"needs {need / dryrun.GIB:.2f} GiB a device{together} and {has} "
+                                          f"{limit / dryrun.GIB:.2f} GiB")
     return compiled
 
 
@@ -225,13 +226,18 @@ def _on(loaded: model_source.Loaded) -> str:
 
 
 def _on_devices_it_splits_over(loaded: model_source.Loaded, chosen: EvalSet, devices: list) -> model_source.Loaded:
-    """`loaded` on the most of `devices` that each part of a batch splits over evenly (a note says so where that is
-    not all of them: a run's micro-batches split over the devices it trained on, a Hugging Face model's 8 may not)."""
-    count = max(d for d in range(1, len(devices) + 1) if chosen.at_a_time % d == 0)
+    """`loaded` on as many of `devices` as each part of a batch splits over evenly, of those counts the ones that
+    split each weight over the most of them (gcd with the run's mesh.fsdp: fsdp 2 and 6 sequences on 4 GPUs, 2 not
+    3); a note says so where that is not all of them (a run's micro-batches split over the devices it trained on, a
+    Hugging Face model's 8 may not)."""
+    fsdp = loaded.cfg.mesh.fsdp if loaded.cfg is not None else 1
+    count = max((d for d in range(1, len(devices) + 1) if chosen.at_a_time % d == 0),
+                key=lambda d: (math.gcd(fsdp, d), d))
     if count == len(devices):
         return loaded
-    print(f"note: {chosen.at_a_time} sequences at a time split evenly over {count} of this machine's {len(devices)} "
-          f"devices, not all: computed on {count} (--devices picks another count)", file=sys.stderr)
+    print(f"note: {chosen.at_a_time} sequences at a time, computed on {count} of this machine's {len(devices)} "
+          f"devices (a --batch_size of a multiple of {len(devices) * chosen.micro_batches} splits over all of them)",
+          file=sys.stderr)
     return model_source.placed(loaded, devices[:count])
 
 
@@ -257,13 +263,16 @@ def _out_of_memory(chosen: EvalSet, devices: int):
 
 def _too_big(chosen: EvalSet, devices: int, needs: str) -> UserError:
     """The refusal of `chosen` split over `devices` of this machine's, which `needs` more memory than one has, with
-    the levers that lower it: fewer sequences a part, a count of more devices they split over (not on a CPU, whose
-    devices share the host's memory and each hold the weights)."""
+    the levers that lower it: fewer sequences a part; on GPUs and TPUs a count of more devices that the part splits
+    over and that splits each weight over as many (a multiple of `devices`); on a CPU, whose devices share the
+    host's memory and each hold their copy of the weights, one device."""
     levers = ["raise --micro_batches or lower --batch_size"] if chosen.at_a_time > devices else []
     machine = jax.devices()
-    more = [d for d in range(devices + 1, len(machine) + 1) if chosen.at_a_time % d == 0]
+    more = [d for d in range(devices + 1, len(machine) + 1) if chosen.at_a_time % d == 0 and d % devices == 0]
     if more and machine[0].platform != "cpu":
         levers.append(f"split each part over more of this machine's {len(machine)} devices (--devices {more[-1]})")
+    if devices > 1 and machine[0].platform == "cpu":
+        levers.append("compute on one device (--devices 1: the host then holds the weights once)")
     fix = ", or ".join(levers) or "one sequence a device is the least: evaluate on devices with more memory"
     return UserError(f"evaluating {chosen.at_a_time} sequence{'s' if chosen.at_a_time > 1 else ''} at a time "
                      f"{needs}; {fix}")
@@ -307,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         if (name := step_lib.non_finite_leaf(loaded.params)) is not None:
             raise UserError(f"{loaded.where} holds inf or NaN ({name}): its loss is no number; evaluate a checkpoint "
                             f"saved before its values overflowed")
-        chosen = eval_set(loaded, args, len(devices) if args.devices else 1)  # a count given must split the parts
+        chosen = eval_set(loaded, args, 1 if args.devices is None else len(devices))  # a count given must split
         if args.devices is None:
             loaded = _on_devices_it_splits_over(loaded, chosen, devices)
         check_tokens(loaded, chosen.data)

@@ -473,12 +473,22 @@ def test_a_dry_run_on_too_few_devices_names_run_dry_run_devices(overrides, devic
     assert str(refused.value).endswith(f"an fsdp that divides {devices}")
 
 
-def test_devices_that_are_no_block_of_a_tpu_torus_are_meshed_in_the_order_given(monkeypatch):
+def test_devices_that_are_no_block_of_a_tpu_torus_are_meshed_in_the_order_given():
     """evaluate --devices 3 on a TPU host of 4 chips: create_device_mesh asserts the devices form a whole block of
-    the torus; model_mesh lays them out in their order instead (data 3 x fsdp gcd(run's 2, 3) = 1)."""
-    def no_block(*args, **kwargs):
-        raise AssertionError("the devices are not a cuboid")  # what mesh_utils._get_physical_tpu_mesh asserts
-    monkeypatch.setattr(mesh.mesh_utils, "create_device_mesh", no_block)
-    devices = [jax.devices()[0]] * 3  # its order only: devices may repeat in a Mesh built for its shape
-    laid_out = mesh.model_mesh(2, devices)
-    assert dict(laid_out.shape) == {"data": 3, "fsdp": 1} and list(laid_out.devices.flat) == devices
+    the torus; model_mesh lays them out in their order instead (data 3 x fsdp gcd(run's 2, 3) = 1), a mesh arrays
+    are placed on. 3 fake CPU devices, given in reverse, with create_device_mesh made to assert as it does there."""
+    script = """
+import jax, numpy as np
+from jaxtrain import mesh
+def no_block(*args, **kwargs):
+    raise AssertionError("the devices are not a cuboid")  # what mesh_utils._get_physical_tpu_mesh asserts
+mesh.mesh_utils.create_device_mesh = no_block
+devices = jax.devices()[::-1]
+laid_out = mesh.model_mesh(2, devices)
+placed = jax.device_put(np.arange(6.0), jax.sharding.NamedSharding(laid_out, jax.sharding.PartitionSpec("data")))
+print(dict(laid_out.shape), [d.id for d in laid_out.devices.flat], [s.device.id for s in placed.addressable_shards])
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "{'data': 3, 'fsdp': 1} [2, 1, 0] [2, 1, 0]\n"
