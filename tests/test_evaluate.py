@@ -323,6 +323,7 @@ def test_ctrl_c_ends_in_one_line_and_130(trained, capsys, monkeypatch, command):
 # params' layout as evaluate restores them, and a JSON line a command (exit code, stdout, stderr)
 DEVICES_SCRIPT = """
 import contextlib, io, json, sys
+import jax
 from jaxtrain import config, convert, dryrun, evaluate, model_source, run
 out_dir, torch_dir, *args = sys.argv[1:]
 run.train(config.load(args))
