@@ -46,12 +46,13 @@ def pytest_unconfigure(config):
 @pytest.hookimpl(optionalhook=True)  # a pytest without pytest-xdist (the GPU image) has no such hook
 def pytest_xdist_auto_num_workers(config):
     """One worker a core and one more for the default suite, whose workers also wait (for the runs they start to
-    import jax, for checkpoints to be written, for a signal to land): on this 2-core EPYC 3 workers took 903 s for its
-    1471 tests, 1.93 cores busy on average (`/usr/bin/time -v`), where 2 took 1,053-1,160 s in CI's runs of
-    2026-12-02 (one measurement). One a core for any other selection (`-m slow`, CI's: its cases each keep a core busy
-for minutes). As many as
-    the memory holds: a worker with the runs it starts reaches ~2.5 GB (the largest process of either, `/usr/bin/time
-    -v`), so one per 4 GiB. PYTEST_XDIST_AUTO_NUM_WORKERS, when set, is left to xdist's own hook."""
+    import jax, for checkpoints to be written, for a signal to land): on this 2-core EPYC, 3 workers kept 1.93 cores
+    busy on average (`/usr/bin/time -v`: 1,752 s of CPU in 907 s). A modest gain, within this machine's run-to-run
+    spread: the suite took 900-1,122 s in four runs on 3 workers (mean 979 s), 787-1,161 s in five on 2 (mean 1,018
+    s), all on 2026-12-02. One a core for any other selection (`-m slow`, CI's: its cases each keep a core busy for
+    minutes). As many as the memory holds: a worker with the runs it starts reaches ~2.5 GB (the largest process of
+    either, `/usr/bin/time -v`), so one per 4 GiB. PYTEST_XDIST_AUTO_NUM_WORKERS, when set, is left to xdist's own
+    hook (=2: one a core again, here)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
