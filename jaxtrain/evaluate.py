@@ -230,7 +230,7 @@ def _on_devices_it_splits_over(loaded: model_source.Loaded, chosen: EvalSet, dev
     split each weight over the most of them (gcd with the run's mesh.fsdp: fsdp 2 and 6 sequences on 4 GPUs, 2 not
     3); a note says so where that is not all of them (a run's micro-batches split over the devices it trained on, a
     Hugging Face model's 8 may not)."""
-    fsdp = loaded.cfg.mesh.fsdp if loaded.cfg is not None else 1
+    fsdp = model_source.run_fsdp(loaded)
     count = max((d for d in range(1, len(devices) + 1) if chosen.at_a_time % d == 0),
                 key=lambda d: (math.gcd(fsdp, d), d))
     if count == len(devices):

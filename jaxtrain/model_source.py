@@ -222,8 +222,13 @@ def placed(loaded: Loaded, devices: list | None) -> Loaded:
     lays out a model of its run's mesh.fsdp (1 without a run: a Hugging Face model whole on each)."""
     if devices is None:
         return loaded
-    mesh = mesh_lib.model_mesh(loaded.cfg.mesh.fsdp if loaded.cfg is not None else 1, devices)
+    mesh = mesh_lib.model_mesh(run_fsdp(loaded), devices)
     return loaded._replace(params=jax.device_put(loaded.params, mesh_lib.fsdp_sharding(mesh, loaded.params)))
+
+
+def run_fsdp(loaded: Loaded) -> int:
+    """The mesh.fsdp of the run `loaded`'s weights are a checkpoint of; 1 without a run (a Hugging Face model)."""
+    return loaded.cfg.mesh.fsdp if loaded.cfg is not None else 1
 
 
 def _from_hf(src: str, found: str, precision: str | None) -> Loaded:
