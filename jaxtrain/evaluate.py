@@ -167,7 +167,7 @@ def evaluate(loaded: model_source.Loaded, chosen: EvalSet, eval_step) -> dict:
     """The eval line of `loaded`'s model on `chosen` through `eval_step` (compiled_eval_step's): eval_loss,
     eval_accuracy (token-weighted), perplexity, tokens. Each batch is split over the devices of the params' mesh,
     as a run splits its eval batches."""
-    sharding, sums = mesh_lib.window_sharding(_mesh(loaded)), []
+    sharding, sums = mesh_lib.window_sharding(model_source.mesh_of(loaded)), []
     for index in tqdm(range(chosen.batches), unit="batch", desc="evaluate", dynamic_ncols=True, disable=None,
                       file=sys.stderr):  # disable=None: a bar on a terminal only
         inputs, targets = data_lib.eval_batch(chosen.data, seed=chosen.seed, index=index,
@@ -195,7 +195,7 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
               f"the last digits may differ from the run's)", file=sys.stderr)
     cfg = Config() if loaded.cfg is None else loaded.cfg
     cfg = dataclasses.replace(cfg, model=model_cfg, train=dataclasses.replace(cfg.train, precision=loaded.precision))
-    mesh = _mesh(loaded)
+    mesh = model_source.mesh_of(loaded)
     tokens = jax.ShapeDtypeStruct((chosen.micro_batches, chosen.at_a_time, model_cfg.seq_len), np.int32,
                                   sharding=mesh_lib.window_sharding(mesh))
     device = mesh.devices.flat[0]
@@ -209,20 +209,6 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
         raise _too_big(chosen, mesh.size, f"needs {need / dryrun.GIB:.2f} GiB a device{together} and {has} "
                                           f"{limit / dryrun.GIB:.2f} GiB")
     return compiled
-
-
-def _mesh(loaded: model_source.Loaded) -> jax.sharding.Mesh:
-    """The mesh the params were loaded onto (main's devices)."""
-    return jax.tree.leaves(loaded.params)[0].sharding.mesh
-
-
-def _on(loaded: model_source.Loaded) -> str:
-    """What the header says of the devices computing: nothing of one."""
-    mesh = _mesh(loaded)
-    if mesh.size == 1:
-        return ""
-    return (f", on {mesh.size} {mesh.devices.flat[0].device_kind} devices (data {mesh.shape['data']} x fsdp "
-            f"{mesh.shape['fsdp']})")
 
 
 def _on_devices_it_splits_over(loaded: model_source.Loaded, chosen: EvalSet, devices: list) -> model_source.Loaded:
@@ -239,15 +225,6 @@ def _on_devices_it_splits_over(loaded: model_source.Loaded, chosen: EvalSet, dev
           f"devices (a --batch_size of a multiple of {len(devices) * chosen.micro_batches} splits over all of them)",
           file=sys.stderr)
     return model_source.placed(loaded, devices[:count])
-
-
-def _devices(count: int | None) -> list:
-    """The first `count` of this machine's devices (--devices), or all of them."""
-    available = jax.devices()
-    if count is not None and not 1 <= count <= len(available):
-        raise UserError(f"--devices {count}: this machine has {len(available)} {available[0].device_kind} device"
-                        f"{'s' if len(available) > 1 else ''}; pass a count from 1 to {len(available)}")
-    return available if count is None else available[:count]
 
 
 @contextlib.contextmanager
@@ -311,7 +288,7 @@ def _parser() -> OneLineParser:
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error(), exit_on_interrupt("nothing was written"):
         args = _parser().parse_args(argv)
-        devices = _devices(args.devices)
+        devices = model_source.machine_devices(args.devices)
         loaded = model_source.load(args, "evaluate", devices)
         if (name := step_lib.non_finite_leaf(loaded.params)) is not None:
             raise UserError(f"{loaded.where} holds inf or NaN ({name}): its loss is no number; evaluate a checkpoint "
@@ -322,8 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         check_tokens(loaded, chosen.data)
         eval_step = compiled_eval_step(loaded, chosen)
         print(f"{loaded.source}, {loaded.precision}: {chosen.batches} batches of {chosen.batch_size} x "
-              f"{loaded.model_cfg.seq_len} tokens, {chosen.at_a_time} sequences at a time, "
-              f"from the {chosen.split} split of {chosen.data.path}, seed {chosen.seed}{_on(loaded)}",
+              f"{loaded.model_cfg.seq_len} tokens, {chosen.at_a_time} sequences at a time, from the {chosen.split} "
+              f"split of {chosen.data.path}, seed {chosen.seed}{model_source.on_devices(loaded)}",
               file=sys.stderr)
         line = evaluate(loaded, chosen, eval_step)
         print(f"eval loss {line['eval_loss']:.4f} (perplexity {line['perplexity']:.2f}), accuracy "

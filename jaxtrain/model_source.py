@@ -226,6 +226,29 @@ def placed(loaded: Loaded, devices: list | None) -> Loaded:
     return loaded._replace(params=jax.device_put(loaded.params, mesh_lib.fsdp_sharding(mesh, loaded.params)))
 
 
+def machine_devices(count: int | None) -> list:
+    """The first `count` of this machine's devices (--devices), or all of them."""
+    available = jax.devices()
+    if count is not None and not 1 <= count <= len(available):
+        raise UserError(f"--devices {count}: this machine has {len(available)} {available[0].device_kind} device"
+                        f"{'s' if len(available) > 1 else ''}; pass a count from 1 to {len(available)}")
+    return available if count is None else available[:count]
+
+
+def mesh_of(loaded: Loaded) -> jax.sharding.Mesh:
+    """The mesh `loaded`'s params were placed on (load's devices)."""
+    return jax.tree.leaves(loaded.params)[0].sharding.mesh
+
+
+def on_devices(loaded: Loaded) -> str:
+    """What a header says of the devices computing: nothing of one."""
+    mesh = mesh_of(loaded)
+    if mesh.size == 1:
+        return ""
+    return (f", on {mesh.size} {mesh.devices.flat[0].device_kind} devices (data {mesh.shape['data']} x fsdp "
+            f"{mesh.shape['fsdp']})")
+
+
 def run_fsdp(loaded: Loaded) -> int:
     """The mesh.fsdp of the run `loaded`'s weights are a checkpoint of; 1 without a run (a Hugging Face model)."""
     return loaded.cfg.mesh.fsdp if loaded.cfg is not None else 1

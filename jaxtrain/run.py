@@ -19,7 +19,6 @@ import time
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxtrain import agreed_stop
 from jaxtrain import checkpoint as checkpoint_lib
@@ -239,12 +238,11 @@ def train(cfg: Config) -> dict:
             return summary
         several = jax.process_count() > 1
         stop.nothing_left_to_save(f"the run is trained and saved at step {summary['step']}", several)
-        # Gathered whole on every process (a collective, which a signal to one of several no longer cuts short).
-        params = multihost_utils.process_allgather(state.params, tiled=True) if cfg.log.sample_tokens else None
+        mesh_lib.barrier("trained")  # the summary line then says every process is past its last save
         if trainer.is_main:
             print(metrics_lib.summary_line(summary), file=sys.stderr)
-            if cfg.log.sample_tokens:
-                sample_lib.print_end_of_run_sample(trainer.cfg, params, trainer.sample_tokenizer)
+        if cfg.log.sample_tokens:  # every process computes it (a collective, which a signal no longer cuts short)
+            sample_lib.print_end_of_run_sample(trainer.cfg, state.params, trainer.sample_tokenizer, trainer.is_main)
         if several:  # here, not at exit: a signal now lets this process reach the barrier the others wait at
             jax.distributed.shutdown()
         return summary

@@ -22,6 +22,13 @@ are kept), with sample r's token i drawn with the key jax.random.fold_in(fold_in
 for a seed, and sample r's keys the same whatever --num_samples (its text too where the logits do not depend on the
 batch size, as on a CPU). --stop_at_eot ends each text before its first
 <|endoftext|> (GPT-2's eos_token_id), as Hugging Face's generate does; generation ends once every sample has one.
+
+It computes on this machine's devices (--devices N: its first N), each weight split over gcd(the run's mesh.fsdp, N)
+of them as the run split it (restored straight into that layout: a model larger than one device is sampled; a model
+without a run is whole on each), the prompts whole on each, XLA splitting each step's work as the weights are split.
+A run's end-of-run sample draws so from the params where the run holds them, every process computing. Sums split
+over devices may round otherwise than on one, so a draw may differ where two logits tie to within that rounding
+(tests/test_sample_devices.py: the same text on 4, 2 and 1 CPU devices).
 """
 
 import argparse
@@ -32,7 +39,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
+from jaxtrain import mesh as mesh_lib
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
 from jaxtrain import model_source
@@ -115,10 +124,12 @@ def _nucleus_floor(logits_BxV: jax.Array, top_p: float) -> jax.Array:
     return jnp.take_along_axis(sorted_BxV, kept_Bx1 - 1, axis=-1)
 
 
-def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampling, stop_id: int | None = None):
+def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampling, stop_id: int | None = None,
+              out_sharding: NamedSharding | None = None):
     """A jitted (params, prompts (B, P) int32) -> tokens (B, P + max_new_tokens): the prompts and their
-    continuations. With `stop_id`, generation ends once every row has drawn it; the positions after the row's
-    first are then tokens drawn after it, or -1 where none was."""
+    continuations, laid out as `out_sharding` says (None: as XLA chooses). With `stop_id`, generation ends once
+    every row has drawn it; the positions after the row's first are then tokens drawn after it, or -1 where none
+    was."""
     L, N = model_cfg.seq_len, sampling.max_new_tokens
     base_key = jax.random.key(sampling.seed)
     stop = -2 if stop_id is None else stop_id  # -2: no token id, so no row stops
@@ -174,7 +185,8 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
     # rounding as the train step's forward pass does (autocast.rounding_options): on a GPU every rounding, and a bf16
     # stream's on any backend
     stream = model_cfg.residual_dtype == "bf16"
-    return jax.jit(generate, compiler_options=rounding_options(backend(), precision, stream))
+    return jax.jit(generate, out_shardings=out_sharding,
+                   compiler_options=rounding_options(backend(), precision, stream))
 
 
 def prompt_ids(tok: Tokenizer, prompt: str, sampling: Sampling, vocab_size: int) -> list[int]:
@@ -213,17 +225,33 @@ def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer,
                                     gelu_fwd="xla")
     graphdef = model_lib.graphdef(model_cfg, vocab_size=model_cfg.vocab_size, precision=precision)
     stop_id = tok.eot if sampling.stop_at_eot else None
-    prompts = np.asarray([ids] * sampling.num_samples, np.int32)
-    tokens = jax.device_get(generator(graphdef, model_cfg, precision, sampling, stop_id)(params, prompts))
+    prompts, whole = _whole_on_each_device(params, np.asarray([ids] * sampling.num_samples, np.int32))
+    tokens = generator(graphdef, model_cfg, precision, sampling, stop_id, whole)(params, prompts)
+    tokens = np.asarray(tokens.addressable_shards[0].data)  # whole on each device, of every process
     return [tok.decode(_before_stop(row, len(ids), stop_id)) for row in tokens]
 
 
-def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer) -> None:
+def _whole_on_each_device(params, prompts_BxP: np.ndarray) -> tuple[jax.Array | np.ndarray, NamedSharding | None]:
+    """(the prompts, the sharding the tokens come back in): on a mesh where `params` are split over one (a run's,
+    model_source.placed's: of one process or many), whole on each of its devices, as the tokens then are (every
+    process calls the generator and reads them; XLA splits each step's work as the weights are split); otherwise as
+    they are and None (the default device)."""
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)  # (numpy arrays: none)
+    if not isinstance(sharding, NamedSharding):
+        return prompts_BxP, None
+    whole = mesh_lib.replicated(sharding.mesh)
+    return mesh_lib.global_array(prompts_BxP, whole), whole
+
+
+def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer, is_main: bool) -> None:
     """jaxtrain.run's end-of-run sample: log.sample_tokens tokens after log.sample_prompt, drawn by this module's
-    defaults with run.seed from the whole params (gathered from every process), printed on stdout, on one device,
-    as `python -m jaxtrain.sample` does."""
+    defaults with run.seed from the run's params where they are (each weight split over the run's mesh as it
+    trained: every process computes, a collective; never gathered whole onto one device), printed on stdout by the
+    main process, as `python -m jaxtrain.sample` prints it."""
     sampling = Sampling(max_new_tokens=cfg.log.sample_tokens, seed=cfg.run.seed)
     [text] = sample_texts(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling)
+    if not is_main:
+        return
     print(f"sample ({cfg.log.sample_tokens} tokens, temperature {sampling.temperature}, top_k {sampling.top_k}):",
           file=sys.stderr)
     print(text, flush=True)
@@ -259,6 +287,9 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"texts to draw, as one batch (default {defaults.num_samples})")
     ap.add_argument("--stop_at_eot", action="store_true",
                     help="end each text before its first <|endoftext|> (GPT-2's tokenizer)")
+    ap.add_argument("--devices", type=int, help="how many of this machine's devices compute (its first N), each "
+                                                "weight split over gcd(the run's mesh.fsdp, N) of them, whole on "
+                                                "each for a model without a run; default: all")
     ap.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
                     help="default, and the only one accepted where the run's data folder is here and still holds "
                          "the data the run trained on: that data's (a Hugging Face folder's: GPT-2's BPE where its "
@@ -274,11 +305,11 @@ def main(argv: list[str] | None = None) -> None:
         sampling.check()  # before the checkpoint is read
         if not args.prompt:  # as is an empty prompt (any text encodes to at least one token)
             raise UserError(EMPTY_PROMPT)
-        run = model_source.load(args, "sample")
+        run = model_source.load(args, "sample", model_source.machine_devices(args.devices))
         tokenizer = model_source.text_tokenizer(run, args.tokenizer)
         prompt_ids(tokenizer, args.prompt, sampling, run.model_cfg.vocab_size)  # a refusal: one line, no header
         print(f"{run.source}, {run.precision}, temperature {sampling.temperature}, top_k {sampling.top_k}, top_p "
-              f"{sampling.top_p}, seed {sampling.seed}", file=sys.stderr)
+              f"{sampling.top_p}, seed {sampling.seed}{model_source.on_devices(run)}", file=sys.stderr)
         texts = sample_texts(run.params, run.model_cfg, run.precision, tokenizer, args.prompt, sampling)
         print(f"\n{SAMPLE_RULE}\n".join(texts))
 

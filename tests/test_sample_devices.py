@@ -1,0 +1,82 @@
+"""Sampling on several devices: the end-of-run sample drawn from the params where the run holds them (each weight
+split over its mesh), `jaxtrain.sample` on the machine's devices (--devices), each weight split as the run split it,
+and the text the same as on one device."""
+
+import json
+import os
+import subprocess
+import sys
+
+from test_run import small_args
+
+PROMPT = "def "
+
+# Trains the small model on this process's 4 devices (the run's mesh), recording the mesh of the params each sample is
+# drawn from; then `jaxtrain.sample` on all of them, on 2 and on 1; then the bytes of weights a device holds in the
+# compiled generator, there and on one device. One JSON line each.
+SCRIPT = """
+import contextlib, io, json, sys
+import jax, numpy as np
+from jaxtrain import config, model, model_source, run, sample
+out_dir, *args = sys.argv[1:]
+meshes, drawn = [], sample.sample_texts
+
+
+def recording(params, *rest):
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)  # None: host arrays (gathered)
+    meshes.append(dict(sharding.mesh.shape) if isinstance(sharding, jax.sharding.NamedSharding) else None)
+    return drawn(params, *rest)
+
+
+sample.sample_texts = recording
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    run.train(config.load(args))
+print(json.dumps({"mesh": meshes[-1], "out": out.getvalue()}))
+for argv in [[], ["--devices=2"], ["--devices=1"]]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        sample.main(["--run", out_dir, "--prompt", "def ", "--max_new_tokens=40", *argv])
+    print(json.dumps({"mesh": meshes[-1], "out": out.getvalue(), "err": err.getvalue()}))
+for devices in (jax.devices(), jax.devices()[:1]):
+    loaded = model_source.from_run(out_dir, None, None, "sample", devices)
+    graphdef = model.graphdef(loaded.model_cfg, vocab_size=loaded.model_cfg.vocab_size, precision="fp32")
+    prompts, whole = sample._whole_on_each_device(loaded.params, np.zeros((1, 4), np.int32))
+    generate = sample.generator(graphdef, loaded.model_cfg, "fp32", sample.Sampling(max_new_tokens=8), None, whole)
+    print(json.dumps({"bytes": generate.lower(loaded.params, prompts).compile().memory_analysis()
+                     .argument_size_in_bytes}))
+"""
+
+
+def test_on_four_devices_the_sample_is_drawn_where_the_weights_are_and_reads_as_on_one(tmp_path, cache_dir):
+    """A run on 4 (fake CPU) devices, data 2 x fsdp 2: its end-of-run sample is drawn from the params on the run's
+    mesh (never gathered onto one device), and `jaxtrain.sample` of its checkpoint prints the same text on all 4
+    devices (the run's layout), on 2 (fsdp 2) and on 1: the same logits to fp32 rounding, the same keys. A device
+    of the compiled generator holds half the weights' bytes (each weight split over fsdp 2; the small model's
+    dimensions all even), one device all of them, counted here from the checkpoint's shapes."""
+    out_dir = tmp_path / "run"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out_dir), *small_args(
+        out_dir, cache_dir, "--mesh.fsdp=2", "--log.sample_tokens=40", f"--log.sample_prompt={PROMPT}")],
+        env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    end_of_run, on_four, on_two, on_one, *held = [json.loads(line) for line in proc.stdout.splitlines()
+                                                   if line.startswith("{")]
+    assert end_of_run["mesh"] == on_four["mesh"] == {"data": 2, "fsdp": 2}, end_of_run
+    assert (on_two["mesh"], on_one["mesh"]) == ({"data": 1, "fsdp": 2}, {"data": 1, "fsdp": 1})
+    text = end_of_run["out"].split("step 8: eval loss ")[1].split("\n", 1)[1]  # after the last step's eval line
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT) + 1, end_of_run
+    assert on_four["out"] == on_two["out"] == on_one["out"] == text, (on_four, on_two, on_one, text)
+    assert on_four["err"].endswith(", seed 0, on 4 cpu devices (data 2 x fsdp 2)\n"), on_four
+    assert on_two["err"].endswith(", seed 0, on 2 cpu devices (data 1 x fsdp 2)\n"), on_two
+    assert on_one["err"].endswith(", seed 0\n"), on_one
+    weights = 4 * gpt_params(n_layer=2, d=32, vocab=256, seq_len=32)  # fp32
+    assert [h["bytes"] for h in held] == [weights // 2 + 16, weights + 16], held  # + the (1, 4) int32 prompts
+
+
+def gpt_params(n_layer: int, d: int, vocab: int, seq_len: int) -> int:
+    """nanoGPT's GPT with biases, written out: token and position embeddings (the head tied to the first), per
+    block two LayerNorms (weight, bias), c_attn (d x 3d), attn.c_proj (d x d), c_fc (d x 4d), mlp.c_proj (4d x d)
+    with their biases, and ln_f."""
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    return vocab * d + seq_len * d + n_layer * block + 2 * d
