@@ -12,11 +12,13 @@ fake CPU devices, an estimate (other fusions, no cuDNN attention, no memory-awar
 or TPU's severalfold. It does not run a step.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import sys
+from typing import Callable
 
 import jax
 import numpy as np
@@ -163,6 +165,34 @@ def device_memory(device) -> int | None:
         return host_memory_bytes()
     stats = device.memory_stats()
     return stats.get("bytes_limit") if stats else None
+
+
+def shortfall(compiled, mesh) -> str | None:
+    """Where `compiled`, run on each device of `mesh` (evaluate's, sample's), needs more memory than a device has,
+    what it needs against what there is, in words ("needs 1.20 GiB a device and this NVIDIA H100 has 0.50 GiB"; a
+    CPU's devices all take the host's memory, so it counts for all of them); None where it fits, or where the device
+    reports no limit."""
+    device = mesh.devices.flat[0]
+    need, limit = peak_bytes(compiled), device_memory(device)
+    sharing = mesh.size if device.platform == "cpu" else 1
+    if not limit or need * sharing <= limit:
+        return None
+    together = f", {need * sharing / GIB:.2f} GiB for {sharing} CPU devices," if sharing > 1 else ""
+    has = "this host has" if device.platform == "cpu" else f"this {device.device_kind} has"
+    return f"needs {need / GIB:.2f} GiB a device{together} and {has} {limit / GIB:.2f} GiB"
+
+
+@contextlib.contextmanager
+def out_of_memory(refusal: Callable[[str], UserError]):
+    """XLA's RESOURCE_EXHAUSTED, at a compile (XLA:TPU refuses there what does not fit) or a call (an allocator may
+    refuse what the compile judged to fit), as the one line `refusal` makes of "needs more memory than a device
+    has"."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise refusal("needs more memory than a device has") from None
 
 
 def check_fits_host(compiled, abstract_state, n_devices: int) -> str:

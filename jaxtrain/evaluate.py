@@ -27,7 +27,6 @@ weights holding inf or NaN, a batch too big for a device's memory or that does n
 """
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import sys
@@ -174,7 +173,7 @@ def evaluate(loaded: model_source.Loaded, chosen: EvalSet, eval_step) -> dict:
                                               batch_size=chosen.batch_size, accum_steps=chosen.micro_batches,
                                               seq_len=loaded.model_cfg.seq_len, split=chosen.split)
         batch = (mesh_lib.global_array(x, sharding) for x in (inputs, targets))
-        with _out_of_memory(chosen, sharding.mesh.size):  # an allocator may refuse what the compile judged to fit
+        with dryrun.out_of_memory(lambda needs: _too_big(chosen, sharding.mesh.size, needs)):
             sums.append(jax.device_get(eval_step(loaded.params, *batch)))  # each batch done: the bar is true
     loss, accuracy = step_lib.eval_means(sums)
     try:
@@ -198,16 +197,10 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
     mesh = model_source.mesh_of(loaded)
     tokens = jax.ShapeDtypeStruct((chosen.micro_batches, chosen.at_a_time, model_cfg.seq_len), np.int32,
                                   sharding=mesh_lib.window_sharding(mesh))
-    device = mesh.devices.flat[0]
-    with _out_of_memory(chosen, mesh.size), jax.set_mesh(mesh):  # XLA:TPU refuses at compile time what does not fit
+    with dryrun.out_of_memory(lambda needs: _too_big(chosen, mesh.size, needs)), jax.set_mesh(mesh):
         compiled = step_lib.jit_eval_step(cfg).lower(loaded.params, tokens, tokens).compile()
-    need, limit = dryrun.peak_bytes(compiled), dryrun.device_memory(device)
-    sharing = mesh.size if device.platform == "cpu" else 1  # CPU devices all take the host's memory
-    if limit and need * sharing > limit:
-        together = f", {need * sharing / dryrun.GIB:.2f} GiB for {sharing} CPU devices," if sharing > 1 else ""
-        has = "this host has" if device.platform == "cpu" else f"this {device.device_kind} has"
-        raise _too_big(chosen, mesh.size, f"needs {need / dryrun.GIB:.2f} GiB a device{together} and {has} "
-                                          f"{limit / dryrun.GIB:.2f} GiB")
+    if (needs := dryrun.shortfall(compiled, mesh)) is not None:
+        raise _too_big(chosen, mesh.size, needs)
     return compiled
 
 
@@ -225,17 +218,6 @@ def _on_devices_it_splits_over(loaded: model_source.Loaded, chosen: EvalSet, dev
           f"devices (a --batch_size of a multiple of {len(devices) * chosen.micro_batches} splits over all of them)",
           file=sys.stderr)
     return model_source.placed(loaded, devices[:count])
-
-
-@contextlib.contextmanager
-def _out_of_memory(chosen: EvalSet, devices: int):
-    """XLA's RESOURCE_EXHAUSTED, at a compile or a call, as _too_big's one line."""
-    try:
-        yield
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        raise _too_big(chosen, devices, "needs more memory than a device has") from None
 
 
 def _too_big(chosen: EvalSet, devices: int, needs: str) -> UserError:

@@ -24,8 +24,9 @@ batch size, as on a CPU). --stop_at_eot ends each text before its first
 <|endoftext|> (GPT-2's eos_token_id), as Hugging Face's generate does; generation ends once every sample has one.
 
 It computes on this machine's devices (--devices N: its first N), each weight split over gcd(the run's mesh.fsdp, N)
-of them as the run split it (restored straight into that layout: a model larger than one device is sampled; a model
-without a run is whole on each), the prompts whole on each, XLA splitting each step's work as the weights are split.
+of them as the run split it (a run's, restored straight into that layout: a model larger than one device is sampled;
+a model without a run is whole on each), the prompts whole on each, XLA splitting each step's work as the weights
+are split; by default on as many as that splits each weight over (more would draw the same texts again).
 A run's end-of-run sample draws so from the params where the run holds them, every process computing. Sums split
 over devices may round otherwise than on one, so a draw may differ where two logits tie to within that rounding
 (tests/test_sample_devices.py: the same text on 4, 2 and 1 CPU devices).
@@ -33,14 +34,17 @@ over devices may round otherwise than on one, so a draw may differ where two log
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxtrain import dryrun
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import model as model_lib
 from jaxtrain import prepare as prepare_lib
@@ -126,10 +130,9 @@ def _nucleus_floor(logits_BxV: jax.Array, top_p: float) -> jax.Array:
 
 def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampling, stop_id: int | None = None,
               out_sharding: NamedSharding | None = None):
-    """A jitted (params, prompts (B, P) int32) -> tokens (B, P + max_new_tokens): the prompts and their
-    continuations, laid out as `out_sharding` says (None: as XLA chooses). With `stop_id`, generation ends once
-    every row has drawn it; the positions after the row's first are then tokens drawn after it, or -1 where none
-    was."""
+    """A jitted (params, prompts (B, P) int32) -> tokens (B, P + max_new_tokens), laid out as `out_sharding` says:
+    the prompts and their continuations. With `stop_id`, generation ends once every row has drawn it; the positions
+    after the row's first are then tokens drawn after it, or -1 where none was."""
     L, N = model_cfg.seq_len, sampling.max_new_tokens
     base_key = jax.random.key(sampling.seed)
     stop = -2 if stop_id is None else stop_id  # -2: no token id, so no row stops
@@ -184,9 +187,8 @@ def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampli
 
     # rounding as the train step's forward pass does (autocast.rounding_options): on a GPU every rounding, and a bf16
     # stream's on any backend
-    stream = model_cfg.residual_dtype == "bf16"
-    return jax.jit(generate, out_shardings=out_sharding,
-                   compiler_options=rounding_options(backend(), precision, stream))
+    options = rounding_options(backend(), precision, model_cfg.residual_dtype == "bf16")
+    return jax.jit(generate, out_shardings=out_sharding, compiler_options=options)
 
 
 def prompt_ids(tok: Tokenizer, prompt: str, sampling: Sampling, vocab_size: int) -> list[int]:
@@ -210,9 +212,18 @@ def prompt_ids(tok: Tokenizer, prompt: str, sampling: Sampling, vocab_size: int)
 
 
 def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str,
-                 sampling: Sampling) -> list[str]:
+                 sampling: Sampling, check_memory: bool = True) -> list[str]:
     """The prompt and its continuation, as text, sampling.num_samples times, from the model `model_cfg` with `params`
-    computing in `precision`.
+    computing in `precision` (drawer's, drawn at once)."""
+    return drawer(params, model_cfg, precision, tok, prompt, sampling, check_memory)()
+
+
+def drawer(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str, sampling: Sampling,
+           check_memory: bool = True) -> Callable[[], list[str]]:
+    """sample_texts compiled: a function that draws the texts. Refused in one line before that where the prompt
+    does not fit (prompt_ids) or, with `check_memory`, where the texts need more memory at once than a device has
+    (this process's judgement alone: not for a run of several processes, which must all draw or none); on any, an
+    allocator's refusal at the compile or the draw is the same line.
 
     Attention is the written-out one (model.attention xla), which the cached steps take whatever the config says:
     one computation for the whole text, and cuDNN's kernel is no choice on a machine without a GPU. So is c_fc with
@@ -226,9 +237,31 @@ def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer,
     graphdef = model_lib.graphdef(model_cfg, vocab_size=model_cfg.vocab_size, precision=precision)
     stop_id = tok.eot if sampling.stop_at_eot else None
     prompts, whole = _whole_on_each_device(params, np.asarray([ids] * sampling.num_samples, np.int32))
-    tokens = generator(graphdef, model_cfg, precision, sampling, stop_id, whole)(params, prompts)
-    tokens = np.asarray(tokens.addressable_shards[0].data)  # whole on each device, of every process
-    return [tok.decode(_before_stop(row, len(ids), stop_id)) for row in tokens]
+    mesh = whole.mesh if whole is not None else mesh_lib.one_device_mesh()
+    out_of_memory = functools.partial(dryrun.out_of_memory, lambda needs: _too_big(sampling, mesh, needs))
+    with out_of_memory():  # XLA:TPU refuses at compile time what does not fit
+        compiled = generator(graphdef, model_cfg, precision, sampling, stop_id, whole).lower(params, prompts)
+        compiled = compiled.compile()
+    if check_memory and (needs := dryrun.shortfall(compiled, mesh)) is not None:
+        raise _too_big(sampling, mesh, needs)
+
+    def draw() -> list[str]:
+        with out_of_memory():
+            tokens = np.asarray(compiled(params, prompts).addressable_shards[0].data)  # whole on each device
+        return [tok.decode(_before_stop(row, len(ids), stop_id)) for row in tokens]
+    return draw
+
+
+def _too_big(sampling: Sampling, mesh, needs: str) -> UserError:
+    """The refusal of sampling.num_samples texts drawn at once on `mesh`'s devices, which `needs` more memory than
+    one has, with the levers that lower it: fewer texts (each holds a KV cache of seq_len positions a layer); on a
+    CPU, whose devices share the host's memory and each hold their copy of what is not split, one device."""
+    n = sampling.num_samples
+    levers = ["lower --num_samples (each text holds its own KV cache)"] if n > 1 else []
+    if mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
+        levers.append("compute on one device (--devices 1: the host then holds the weights once)")
+    fix = ", or ".join(levers) or "one text is the least: sample on devices with more memory"
+    return UserError(f"drawing {n} text{'s' if n > 1 else ''} at a time {needs}; {fix}")
 
 
 def _whole_on_each_device(params, prompts_BxP: np.ndarray) -> tuple[jax.Array | np.ndarray, NamedSharding | None]:
@@ -249,7 +282,13 @@ def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer, is_main: 
     trained: every process computes, a collective; never gathered whole onto one device), printed on stdout by the
     main process, as `python -m jaxtrain.sample` prints it."""
     sampling = Sampling(max_new_tokens=cfg.log.sample_tokens, seed=cfg.run.seed)
-    [text] = sample_texts(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling)
+    try:  # no check before: XLA's count leaves out the trained state, which stays; an allocator's refusal is caught
+        [text] = sample_texts(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling,
+                              check_memory=False)
+    except UserError as e:
+        raise UserError(f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) could not be drawn: "
+                        f"{e}. The run is trained and saved; draw it with `python -m jaxtrain.sample --run "
+                        f"{cfg.run.out_dir}`, or train without it: --log.sample_tokens=0") from None
     if not is_main:
         return
     print(f"sample ({cfg.log.sample_tokens} tokens, temperature {sampling.temperature}, top_k {sampling.top_k}):",
@@ -289,7 +328,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="end each text before its first <|endoftext|> (GPT-2's tokenizer)")
     ap.add_argument("--devices", type=int, help="how many of this machine's devices compute (its first N), each "
                                                 "weight split over gcd(the run's mesh.fsdp, N) of them, whole on "
-                                                "each for a model without a run; default: all")
+                                                "each for a model without a run (the rest draw the same texts); "
+                                                "default: as many as that splits each weight over")
     ap.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
                     help="default, and the only one accepted where the run's data folder is here and still holds "
                          "the data the run trained on: that data's (a Hugging Face folder's: GPT-2's BPE where its "
@@ -305,13 +345,15 @@ def main(argv: list[str] | None = None) -> None:
         sampling.check()  # before the checkpoint is read
         if not args.prompt:  # as is an empty prompt (any text encodes to at least one token)
             raise UserError(EMPTY_PROMPT)
-        run = model_source.load(args, "sample", model_source.machine_devices(args.devices))
+        devices = model_source.machine_devices(args.devices)
+        run = model_source.load(args, "sample", devices)
+        if args.devices is None and (split := model_source.mesh_of(run).shape["fsdp"]) < len(devices):
+            run = model_source.placed(run, devices[:split])  # the prompts are whole on each: more would repeat
         tokenizer = model_source.text_tokenizer(run, args.tokenizer)
-        prompt_ids(tokenizer, args.prompt, sampling, run.model_cfg.vocab_size)  # a refusal: one line, no header
+        draw = drawer(run.params, run.model_cfg, run.precision, tokenizer, args.prompt, sampling)  # no header yet
         print(f"{run.source}, {run.precision}, temperature {sampling.temperature}, top_k {sampling.top_k}, top_p "
               f"{sampling.top_p}, seed {sampling.seed}{model_source.on_devices(run)}", file=sys.stderr)
-        texts = sample_texts(run.params, run.model_cfg, run.precision, tokenizer, args.prompt, sampling)
-        print(f"\n{SAMPLE_RULE}\n".join(texts))
+        print(f"\n{SAMPLE_RULE}\n".join(draw()))
 
 
 if __name__ == "__main__":

@@ -309,7 +309,7 @@ def test_ctrl_c_ends_in_one_line_and_130(trained, capsys, monkeypatch, command):
         monkeypatch.setattr(evaluate.data_lib, "eval_batch", interrupted)
         main = evaluate.main
     else:
-        monkeypatch.setattr(sample, "sample_texts", interrupted)
+        monkeypatch.setattr(sample, "drawer", interrupted)
         main = sample.main
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:

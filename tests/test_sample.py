@@ -426,15 +426,16 @@ def test_command_line_prints_samples_between_rules_and_stops_only_with_an_end_of
             "--stop_at_eot: the run's tokenizer (bytes) has no end-of-text token; leave the flag out")
 
 
-def test_the_header_comes_before_the_compilation_and_the_generation(trained, capsys, monkeypatch):
-    """The "step N of RUN" line says what is being sampled while it is (the prompt's checks come first, so that a
-    refusal is one line; a first version of that printed the header after the whole generation)."""
-    seen, generate = [], sample.sample_texts
+def test_the_header_comes_before_the_generation(trained, capsys, monkeypatch):
+    """The "step N of RUN" line says what is being sampled while it is: printed once the prompt and the memory the
+    texts need are checked (so that a refusal is one line, as evaluate's), before any text is drawn (a first
+    version printed it after the whole generation)."""
+    seen, compiled_drawer = [], sample.drawer
 
     def spy(*args):
-        seen.append(capsys.readouterr().err)
-        return generate(*args)
-    monkeypatch.setattr(sample, "sample_texts", spy)
+        draw = compiled_drawer(*args)
+        return lambda: seen.append(capsys.readouterr().err) or draw()
+    monkeypatch.setattr(sample, "drawer", spy)
     sample.main(["--run", trained[0], "--prompt", PROMPT, "--max_new_tokens", "2"])
     assert len(seen) == 1 and seen[0].startswith(f"step {STEPS} of {trained[0]}, "), seen
 

@@ -1,39 +1,45 @@
 """Sampling on several devices: the end-of-run sample drawn from the params where the run holds them (each weight
 split over its mesh), `jaxtrain.sample` on the machine's devices (--devices), each weight split as the run split it,
-and the text the same as on one device."""
+and the text the same as on one device; texts that need more memory than a device has refused in one line."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+import jax
+import pytest
+
 from test_run import small_args
+from jaxtrain import config, dryrun, run, sample
+from jaxtrain.errors import UserError
 
 PROMPT = "def "
 
-# Trains the small model on this process's 4 devices (the run's mesh), recording the mesh of the params each sample is
-# drawn from; then `jaxtrain.sample` on all of them, on 2 and on 1; then the bytes of weights a device holds in the
-# compiled generator, there and on one device. One JSON line each.
+# Trains the small model on this process's 4 devices (the run's mesh), recording the mesh of the params each sample
+# is drawn from; then `jaxtrain.sample` on all of them, by default and on 1; then the bytes of weights a device holds
+# in the compiled generator, there and on one device. One JSON line each.
 SCRIPT = """
 import contextlib, io, json, sys
 import jax, numpy as np
 from jaxtrain import config, model, model_source, run, sample
 out_dir, *args = sys.argv[1:]
-meshes, drawn = [], sample.sample_texts
+meshes, drawn = [], sample.drawer
 
 
-def recording(params, *rest):
+def recording(params, *rest, **options):
     sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)  # None: host arrays (gathered)
     meshes.append(dict(sharding.mesh.shape) if isinstance(sharding, jax.sharding.NamedSharding) else None)
-    return drawn(params, *rest)
+    return drawn(params, *rest, **options)
 
 
-sample.sample_texts = recording
+sample.drawer = recording
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     run.train(config.load(args))
 print(json.dumps({"mesh": meshes[-1], "out": out.getvalue()}))
-for argv in [[], ["--devices=2"], ["--devices=1"]]:
+for argv in [["--devices=4"], [], ["--devices=1"]]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         sample.main(["--run", out_dir, "--prompt", "def ", "--max_new_tokens=40", *argv])
@@ -51,9 +57,10 @@ for devices in (jax.devices(), jax.devices()[:1]):
 def test_on_four_devices_the_sample_is_drawn_where_the_weights_are_and_reads_as_on_one(tmp_path, cache_dir):
     """A run on 4 (fake CPU) devices, data 2 x fsdp 2: its end-of-run sample is drawn from the params on the run's
     mesh (never gathered onto one device), and `jaxtrain.sample` of its checkpoint prints the same text on all 4
-    devices (the run's layout), on 2 (fsdp 2) and on 1: the same logits to fp32 rounding, the same keys. A device
-    of the compiled generator holds half the weights' bytes (each weight split over fsdp 2; the small model's
-    dimensions all even), one device all of them, counted here from the checkpoint's shapes."""
+    devices (--devices 4: the run's layout), by default on the 2 that split each weight (fsdp 2: the other 2 would
+    draw it again), and on 1: the same logits to fp32 rounding, the same keys. A device of the compiled generator
+    holds half the weights' bytes (each weight split over fsdp 2; the small model's dimensions all even), one
+    device all of them, counted here from the model's shapes written out."""
     out_dir = tmp_path / "run"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out_dir), *small_args(
@@ -80,3 +87,41 @@ def gpt_params(n_layer: int, d: int, vocab: int, seq_len: int) -> int:
     with their biases, and ln_f."""
     block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
     return vocab * d + seq_len * d + n_layer * block + 2 * d
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, cache_dir):
+    """The small model (2 layers, d_model 32, seq_len 32, bytes) trained 4 steps: its run folder."""
+    out_dir = str(tmp_path_factory.mktemp("small"))
+    run.train(config.load(small_args(out_dir, cache_dir, "--train.steps=4")))
+    return out_dir
+
+
+@pytest.mark.parametrize("texts,host,fix", [
+    (1024, 2**20, r"lower --num_samples \(each text holds its own KV cache\)"),
+    (1, 2**16, "one text is the least: sample on devices with more memory")])
+def test_texts_too_many_for_the_memory_are_refused_in_one_line(small_run, monkeypatch, capsys, texts, host, fix):
+    """On a host of 1 MiB, 1,024 texts at once are refused before any is drawn, naming --num_samples; what they
+    need is at least their KV caches (1,024 texts x 2 layers x keys and values x 32 positions x 32 wide x 4 bytes:
+    16 MiB). One text, on a host of 64 KiB (the weights alone are 140 KB), names no lever it does not have."""
+    monkeypatch.setattr(dryrun, "device_memory", lambda device: host)
+    with pytest.raises(SystemExit) as exited:
+        sample.main(["--run", small_run, "--num_samples", str(texts), "--max_new_tokens=8"])
+    out, err = capsys.readouterr()
+    said = re.fullmatch(rf"error: drawing {texts} texts? at a time needs (\d+\.\d+) GiB a device and this host "
+                        rf"has 0\.00 GiB; {fix}\n", err)
+    assert exited.value.code == 2 and said and not out, err
+    kv_caches = texts * 2 * 2 * 32 * 32 * 4
+    assert float(said[1]) >= round(kv_caches / 2**30, 2), err
+
+
+@pytest.mark.parametrize("error,refused", [("RESOURCE_EXHAUSTED: Out of memory while trying to allocate", True),
+                                           ("INTERNAL: an XLA bug", False)])
+def test_out_of_memory_at_a_call_is_the_refusal_and_nothing_else_is(error, refused):
+    def refusal(needs):
+        return UserError(f"drawing 2 texts at a time {needs}")
+    with pytest.raises(UserError if refused else jax.errors.JaxRuntimeError) as caught:
+        with dryrun.out_of_memory(refusal):
+            raise jax.errors.JaxRuntimeError(error)
+    said = "drawing 2 texts at a time needs more memory than a device has" if refused else error
+    assert str(caught.value) == said
