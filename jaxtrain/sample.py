@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import shlex
 import sys
 from typing import Callable
 
@@ -130,8 +131,8 @@ def _nucleus_floor(logits_BxV: jax.Array, top_p: float) -> jax.Array:
 
 def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampling, stop_id: int | None = None,
               out_sharding: NamedSharding | None = None):
-    """A jitted (params, prompts (B, P) int32) -> tokens (B, P + max_new_tokens), laid out as `out_sharding` says:
-    the prompts and their continuations. With `stop_id`, generation ends once every row has drawn it; the positions
+    """A jitted (params, prompts (B, P) int32) -> tokens (B, P + max_new_tokens), laid out as `out_sharding` says
+    (None: as XLA chooses): the prompts and their continuations. With `stop_id`, generation ends once every row has drawn it; the positions
     after the row's first are then tokens drawn after it, or -1 where none was."""
     L, N = model_cfg.seq_len, sampling.max_new_tokens
     base_key = jax.random.key(sampling.seed)
@@ -259,7 +260,8 @@ def _too_big(sampling: Sampling, mesh, needs: str) -> UserError:
     n = sampling.num_samples
     levers = ["lower --num_samples (each text holds its own KV cache)"] if n > 1 else []
     if mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
-        levers.append("compute on one device (--devices 1: the host then holds the weights once)")
+        levers.append("compute on one device (--devices 1: the host then holds the KV caches, and what is not "
+                      "split, once)")
     fix = ", or ".join(levers) or "one text is the least: sample on devices with more memory"
     return UserError(f"drawing {n} text{'s' if n > 1 else ''} at a time {needs}; {fix}")
 
@@ -285,10 +287,12 @@ def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer, is_main: 
     try:  # no check before: XLA's count leaves out the trained state, which stays; an allocator's refusal is caught
         [text] = sample_texts(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling,
                               check_memory=False)
-    except UserError as e:
-        raise UserError(f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) could not be drawn: "
-                        f"{e}. The run is trained and saved; draw it with `python -m jaxtrain.sample --run "
-                        f"{cfg.run.out_dir}`, or train without it: --log.sample_tokens=0") from None
+    except UserError:  # the prompt and the token count were checked at the start: the allocator's refusal
+        again = (f"python -m jaxtrain.sample --run {shlex.quote(cfg.run.out_dir)} --prompt "
+                 f"{shlex.quote(cfg.log.sample_prompt)} --max_new_tokens {cfg.log.sample_tokens} --seed {cfg.run.seed}")
+        raise UserError(f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) needs more memory than "
+                        f"a device has beside the trained state; the run is trained and saved: draw it with `{again}`"
+                        f", or train without it: --log.sample_tokens=0") from None
     if not is_main:
         return
     print(f"sample ({cfg.log.sample_tokens} tokens, temperature {sampling.temperature}, top_k {sampling.top_k}):",

@@ -7,8 +7,10 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import jax
+import numpy as np
 import pytest
 
 from test_run import small_args
@@ -125,3 +127,40 @@ def test_out_of_memory_at_a_call_is_the_refusal_and_nothing_else_is(error, refus
             raise jax.errors.JaxRuntimeError(error)
     said = "drawing 2 texts at a time needs more memory than a device has" if refused else error
     assert str(caught.value) == said
+
+
+@pytest.mark.parametrize("texts,devices,fix", [
+    (4, 2, "lower --num_samples (each text holds its own KV cache), or compute on one device (--devices 1: the host "
+           "then holds the KV caches, and what is not split, once)"),
+    (1, 2, "compute on one device (--devices 1: the host then holds the KV caches, and what is not split, once)"),
+    (4, 1, "lower --num_samples (each text holds its own KV cache)"),
+    (1, 1, "one text is the least: sample on devices with more memory")])
+def test_the_refusal_names_the_levers_there_are(texts, devices, fix):
+    """Fewer texts where there are several; on several CPU devices (which share the host's memory), one."""
+    cpu_mesh = types.SimpleNamespace(size=devices, devices=np.array(jax.devices("cpu")[:1] * devices))
+    refusal = sample._too_big(sample.Sampling(num_samples=texts), cpu_mesh, "needs 2.00 GiB a device and ...")
+    said = f"drawing {texts} text{'s' if texts > 1 else ''} at a time needs 2.00 GiB a device and ...; {fix}"
+    assert str(refusal) == said
+
+
+def test_an_end_of_run_sample_the_allocator_refuses_names_the_command_that_draws_it(tmp_path, cache_dir,
+                                                                                   monkeypatch):
+    """XLA's RESOURCE_EXHAUSTED when the end-of-run sample compiles: one line that says the run is saved and gives
+    the `jaxtrain.sample` command drawing that same sample (its prompt quoted for the shell), and the run's last
+    checkpoint is there."""
+    class Refused:
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes")
+    monkeypatch.setattr(sample, "generator", lambda *args: Refused())
+    out_dir = str(tmp_path / "run")
+    with pytest.raises(UserError) as refused:
+        run.train(config.load(small_args(out_dir, cache_dir, "--log.sample_tokens=7", "--log.sample_prompt=it's",
+                                         "--run.seed=3")))
+    assert str(refused.value) == (
+        f"the end-of-run sample (log.sample_tokens=7) needs more memory than a device has beside the trained state; "
+        f"the run is trained and saved: draw it with `python -m jaxtrain.sample --run {out_dir} --prompt 'it'\"'\"'s' "
+        f"--max_new_tokens 7 --seed 3`, or train without it: --log.sample_tokens=0")
+    assert "8" in os.listdir(os.path.join(out_dir, "checkpoints"))  # train.steps=8
