@@ -131,9 +131,9 @@ def _nucleus_floor(logits_BxV: jax.Array, top_p: float) -> jax.Array:
 
 def generator(graphdef, model_cfg: ModelConfig, precision: str, sampling: Sampling, stop_id: int | None = None,
               out_sharding: NamedSharding | None = None):
-    """A jitted (params, prompts (B, P) int32) -> tokens (B, P + max_new_tokens), laid out as `out_sharding` says
-    (None: as XLA chooses): the prompts and their continuations. With `stop_id`, generation ends once every row has drawn it; the positions
-    after the row's first are then tokens drawn after it, or -1 where none was."""
+    """A jitted (params, prompts (B, P) int32) -> tokens (B, P + max_new_tokens) laid out as `out_sharding` says
+    (None: as XLA chooses): the prompts and their continuations. With `stop_id`, generation ends once every row has
+    drawn it; the positions after the row's first are then tokens drawn after it, or -1 where none was."""
     L, N = model_cfg.seq_len, sampling.max_new_tokens
     base_key = jax.random.key(sampling.seed)
     stop = -2 if stop_id is None else stop_id  # -2: no token id, so no row stops
@@ -289,7 +289,8 @@ def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer, is_main: 
                               check_memory=False)
     except UserError:  # the prompt and the token count were checked at the start: the allocator's refusal
         again = (f"python -m jaxtrain.sample --run {shlex.quote(cfg.run.out_dir)} --prompt "
-                 f"{shlex.quote(cfg.log.sample_prompt)} --max_new_tokens {cfg.log.sample_tokens} --seed {cfg.run.seed}")
+                 f"{shlex.quote(cfg.log.sample_prompt)} --max_new_tokens {cfg.log.sample_tokens} "
+                 f"--seed {cfg.run.seed}")
         raise UserError(f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) needs more memory than "
                         f"a device has beside the trained state; the run is trained and saved: draw it with `{again}`"
                         f", or train without it: --log.sample_tokens=0") from None

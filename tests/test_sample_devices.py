@@ -161,6 +161,6 @@ def test_an_end_of_run_sample_the_allocator_refuses_names_the_command_that_draws
                                          "--run.seed=3")))
     assert str(refused.value) == (
         f"the end-of-run sample (log.sample_tokens=7) needs more memory than a device has beside the trained state; "
-        f"the run is trained and saved: draw it with `python -m jaxtrain.sample --run {out_dir} --prompt 'it'\"'\"'s' "
-        f"--max_new_tokens 7 --seed 3`, or train without it: --log.sample_tokens=0")
+        f"the run is trained and saved: draw it with `python -m jaxtrain.sample --run {out_dir} --prompt "
+        f"""'it'"'"'s' --max_new_tokens 7 --seed 3`, or train without it: --log.sample_tokens=0""")
     assert "8" in os.listdir(os.path.join(out_dir, "checkpoints"))  # train.steps=8
