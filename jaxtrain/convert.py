@@ -171,6 +171,9 @@ class Weights(NamedTuple):
     step: jax.Array
 
 
+MORE_MEMORY = "devices with more memory, or the host's (JAX_PLATFORMS=cpu)"  # where a model too big for these fits
+
+
 def restore_step(step_dir: str, fix: str | None = None, devices: list | None = None, weights_only: bool = False):
     """(state, config, meta) of a jaxtrain step folder (checkpoint_kind.check_jaxtrain_step), restored on one device
     (or split over `devices` as mesh.model_mesh lays a model out for its run's mesh.fsdp) and checked against its
@@ -264,10 +267,14 @@ def _check_finite(state, src: str) -> None:
 @contextlib.contextmanager
 def _unreadable(step_dir: str, fix: str | None):
     """Orbax's failures (ValueError, FileNotFoundError, tensorstore errors, ...) as one UserError (restore_step's
-    `fix`)."""
+    `fix`); a device's memory too small for the arrays (XLA's RESOURCE_EXHAUSTED) as another, whose fix is not
+    another checkpoint."""
     try:
         yield
     except Exception as e:
+        if "RESOURCE_EXHAUSTED" in str(e):
+            raise UserError(f"checkpoint {step_dir} needs more memory than a device has to be read "
+                            f"({runfolder.error_text(e)}); read it onto {MORE_MEMORY}") from None
         raise UserError(f"checkpoint {step_dir} cannot be read ({runfolder.error_text(e)}); "
                         f"{fix or _convert_another(step_dir)}") from None
 

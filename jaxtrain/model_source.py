@@ -28,6 +28,7 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import checkpoint_kind
 from jaxtrain import checkpoint_model
 from jaxtrain import convert
+from jaxtrain import dryrun
 from jaxtrain import gpt2_bpe
 from jaxtrain import hf_format
 from jaxtrain import kernel_choice
@@ -223,7 +224,11 @@ def placed(loaded: Loaded, devices: list | None) -> Loaded:
     if devices is None:
         return loaded
     mesh = mesh_lib.model_mesh(run_fsdp(loaded), devices)
-    return loaded._replace(params=jax.device_put(loaded.params, mesh_lib.fsdp_sharding(mesh, loaded.params)))
+    with dryrun.out_of_memory(lambda needs: UserError(
+            f"placing the weights of {loaded.where} (each split over {mesh.shape['fsdp']} of {mesh.size} devices) "
+            f"{needs}; load them onto {convert.MORE_MEMORY}")):
+        params = jax.device_put(loaded.params, mesh_lib.fsdp_sharding(mesh, loaded.params))
+        return loaded._replace(params=jax.block_until_ready(params))  # (an allocator refuses as it is done)
 
 
 def machine_devices(count: int | None) -> list:

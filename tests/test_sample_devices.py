@@ -11,10 +11,11 @@ import types
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from test_run import small_args
-from jaxtrain import config, dryrun, run, sample
+from jaxtrain import config, dryrun, model_source, run, sample
 from jaxtrain.errors import UserError
 
 PROMPT = "def "
@@ -164,3 +165,32 @@ def test_an_end_of_run_sample_the_allocator_refuses_names_the_command_that_draws
         f"the run is trained and saved: draw it with `python -m jaxtrain.sample --run {out_dir} --prompt "
         f"""'it'"'"'s' --max_new_tokens 7 --seed 3`, or train without it: --log.sample_tokens=0""")
     assert "8" in os.listdir(os.path.join(out_dir, "checkpoints"))  # train.steps=8
+
+
+OUT_OF_MEMORY = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4096 bytes."
+
+
+def test_weights_too_big_to_read_are_refused_as_such_not_as_a_corrupt_checkpoint(small_run, monkeypatch, capsys):
+    """XLA's RESOURCE_EXHAUSTED while orbax reads the weights onto the devices: one line that says the device's
+    memory is short and where there is more, not that the checkpoint cannot be read with another step to try."""
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(OUT_OF_MEMORY)
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "restore", out_of_memory)
+    with pytest.raises(SystemExit) as exited:
+        sample.main(["--run", small_run])
+    assert exited.value.code == 2 and capsys.readouterr().err == (
+        f"error: checkpoint {small_run}/checkpoints/4 needs more memory than a device has to be read "
+        f"(JaxRuntimeError: {OUT_OF_MEMORY}); read it onto devices with more memory, or the host's "
+        f"(JAX_PLATFORMS=cpu)\n")
+
+
+def test_weights_too_big_to_place_are_refused_in_one_line(small_run, monkeypatch):
+    """The same when weights read on the default device (a folder's) are split over the devices."""
+    loaded = model_source.from_run(small_run, None, None, "sample")
+    monkeypatch.setattr(model_source.jax, "device_put", lambda *args: (_ for _ in ()).throw(
+        jax.errors.JaxRuntimeError(OUT_OF_MEMORY)))
+    with pytest.raises(UserError) as refused:
+        model_source.placed(loaded, jax.devices()[:1])
+    assert str(refused.value) == (f"placing the weights of {small_run} (each split over 1 of 1 devices) needs more "
+                                  f"memory than a device has; load them onto devices with more memory, or the "
+                                  f"host's (JAX_PLATFORMS=cpu)")
