@@ -267,12 +267,12 @@ def _check_finite(state, src: str) -> None:
 @contextlib.contextmanager
 def _unreadable(step_dir: str, fix: str | None):
     """Orbax's failures (ValueError, FileNotFoundError, tensorstore errors, ...) as one UserError (restore_step's
-    `fix`); a device's memory too small for the arrays (XLA's RESOURCE_EXHAUSTED) as another, whose fix is not
-    another checkpoint."""
+    `fix`); a device's memory too small for the arrays (XLA's RESOURCE_EXHAUSTED, not a store's: a bucket's rate
+    limit or a full disk say it too) as another, whose fix is not another checkpoint."""
     try:
         yield
     except Exception as e:
-        if "RESOURCE_EXHAUSTED" in str(e):
+        if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):  # (a store's is no XLA's)
             raise UserError(f"checkpoint {step_dir} needs more memory than a device has to be read "
                             f"({runfolder.error_text(e)}); read it onto {MORE_MEMORY}") from None
         raise UserError(f"checkpoint {step_dir} cannot be read ({runfolder.error_text(e)}); "

@@ -184,6 +184,18 @@ def test_weights_too_big_to_read_are_refused_as_such_not_as_a_corrupt_checkpoint
         f"(JAX_PLATFORMS=cpu)\n")
 
 
+def test_a_stores_resource_exhausted_is_no_device_memory(small_run, monkeypatch, capsys):
+    """A bucket's rate limit (HTTP 429) or a full disk reach orbax as tensorstore's RESOURCE_EXHAUSTED, a ValueError:
+    the checkpoint cannot be read now, with the steps to try, not a device's memory."""
+    def rate_limited(*args, **kwargs):
+        raise ValueError("RESOURCE_EXHAUSTED: Error reading \"params\": HTTP response code: 429")
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "restore", rate_limited)
+    with pytest.raises(SystemExit):
+        sample.main(["--run", small_run])
+    assert capsys.readouterr().err.startswith(f"error: checkpoint {small_run}/checkpoints/4 cannot be read "
+                                              f"(ValueError: RESOURCE_EXHAUSTED: Error reading")
+
+
 def test_weights_too_big_to_place_are_refused_in_one_line(small_run, monkeypatch):
     """The same when weights read on the default device (a folder's) are split over the devices."""
     loaded = model_source.from_run(small_run, None, None, "sample")
