@@ -29,6 +29,7 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import checkpoint_kind
 from jaxtrain import checkpoint_model
 from jaxtrain import config as config_lib
+from jaxtrain import dryrun
 from jaxtrain import gpt2_bpe
 from jaxtrain import hf_format
 from jaxtrain import mesh as mesh_lib
@@ -171,9 +172,6 @@ class Weights(NamedTuple):
     step: jax.Array
 
 
-MORE_MEMORY = "devices with more memory, or the host's (JAX_PLATFORMS=cpu)"  # where a model too big for these fits
-
-
 def restore_step(step_dir: str, fix: str | None = None, devices: list | None = None, weights_only: bool = False):
     """(state, config, meta) of a jaxtrain step folder (checkpoint_kind.check_jaxtrain_step), restored on one device
     (or split over `devices` as mesh.model_mesh lays a model out for its run's mesh.fsdp) and checked against its
@@ -185,7 +183,7 @@ def restore_step(step_dir: str, fix: str | None = None, devices: list | None = N
     orbax_quiet.filter_logs()  # a corrupt step: one line, not orbax's tracebacks and its loops' (as a resume)
     with orbax_quiet.DRAINING.meanwhile(), ocp.CheckpointManager(root, item_handlers={
             "meta": ocp.JsonCheckpointHandler()}) as manager:
-        with _unreadable(step_dir, fix):
+        with _unreadable(step_dir, fix, devices):
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     try:
         checkpoint_lib.check_named_step(meta, step, step_dir)
@@ -198,7 +196,7 @@ def restore_step(step_dir: str, fix: str | None = None, devices: list | None = N
         target = {"params": target.params, "opt_state": {"gradient_step": target.opt_state.gradient_step}}
     args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=weights_only)
-    with orbax_quiet.DRAINING.meanwhile(), _unreadable(step_dir, fix):
+    with orbax_quiet.DRAINING.meanwhile(), _unreadable(step_dir, fix, devices):
         state = ocp.PyTreeCheckpointHandler().restore(runfolder.path(step_dir) / "state", args=args)
     _check_read(state, step_dir, fix)
     if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
@@ -265,16 +263,17 @@ def _check_finite(state, src: str) -> None:
 
 
 @contextlib.contextmanager
-def _unreadable(step_dir: str, fix: str | None):
+def _unreadable(step_dir: str, fix: str | None, devices: list | None):
     """Orbax's failures (ValueError, FileNotFoundError, tensorstore errors, ...) as one UserError (restore_step's
-    `fix`); a device's memory too small for the arrays (XLA's RESOURCE_EXHAUSTED, not a store's: a bucket's rate
-    limit or a full disk say it too) as another, whose fix is not another checkpoint."""
+    `fix`); the memory of `devices` (None: the default one) too small for the arrays (XLA's RESOURCE_EXHAUSTED, not
+    a store's: a bucket's rate limit or a full disk say it too) as dryrun.TooBig, whose fix is no other checkpoint."""
     try:
         yield
     except Exception as e:
         if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):  # (a store's is no XLA's)
-            raise UserError(f"checkpoint {step_dir} needs more memory than a device has to be read "
-                            f"({runfolder.error_text(e)}); read it onto {MORE_MEMORY}") from None
+            raise dryrun.TooBig(f"checkpoint {step_dir} needs more memory than a device has to be read "
+                                f"({runfolder.error_text(e)}); read it onto "
+                                f"{dryrun.more_memory((devices or jax.devices())[0])}") from None
         raise UserError(f"checkpoint {step_dir} cannot be read ({runfolder.error_text(e)}); "
                         f"{fix or _convert_another(step_dir)}") from None
 

@@ -182,6 +182,19 @@ def shortfall(compiled, mesh) -> str | None:
     return f"needs {need / GIB:.2f} GiB a device{together} and {has} {limit / GIB:.2f} GiB"
 
 
+class TooBig(UserError):
+    """Weights that need more memory than the devices they are read or placed onto have: no other checkpoint of the
+    run is a fix, nor reading it again."""
+
+
+def more_memory(device) -> str:
+    """Where a model too big for `device`'s memory fits: an accelerator's is smaller than its host's, which a CPU's
+    devices already share."""
+    if device.platform == "cpu":
+        return "a machine with more memory"
+    return "devices with more memory, or the host's (JAX_PLATFORMS=cpu)"
+
+
 @contextlib.contextmanager
 def out_of_memory(refusal: Callable[[str], UserError]):
     """XLA's RESOURCE_EXHAUSTED, at a compile (XLA:TPU refuses there what does not fit) or a call (an allocator may

@@ -170,6 +170,8 @@ def _restore(run_dir: str, step: int | None, command: str, devices: list | None)
         try:
             return chosen, convert.restore_step(os.path.join(run_dir, "checkpoints", str(chosen)), fix, devices,
                                                 weights_only=True)
+        except dryrun.TooBig:
+            raise  # the next newest is no smaller
         except UserError:
             if step is not None or checkpoint_lib.saved_steps(run_dir)[-1:] == [chosen]:
                 raise
@@ -224,11 +226,20 @@ def placed(loaded: Loaded, devices: list | None) -> Loaded:
     if devices is None:
         return loaded
     mesh = mesh_lib.model_mesh(run_fsdp(loaded), devices)
-    with dryrun.out_of_memory(lambda needs: UserError(
-            f"placing the weights of {loaded.where} (each split over {mesh.shape['fsdp']} of {mesh.size} devices) "
-            f"{needs}; load them onto {convert.MORE_MEMORY}")):
+    with dryrun.out_of_memory(lambda needs: dryrun.TooBig(
+            f"placing the weights of {loaded.where} ({_layout(mesh)}) {needs}; load them onto "
+            f"{dryrun.more_memory(devices[0])}")):
         params = jax.device_put(loaded.params, mesh_lib.fsdp_sharding(mesh, loaded.params))
         return loaded._replace(params=jax.block_until_ready(params))  # (an allocator refuses as it is done)
+
+
+def _layout(mesh: jax.sharding.Mesh) -> str:
+    """How a model's weights lie on `mesh`, as a refusal says it."""
+    if mesh.size == 1:
+        return "on one device"
+    if mesh.shape["fsdp"] == 1:
+        return f"whole on each of {mesh.size} devices"
+    return f"each split over {mesh.shape['fsdp']} of {mesh.size} devices"
 
 
 def machine_devices(count: int | None) -> list:

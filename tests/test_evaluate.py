@@ -404,7 +404,8 @@ def test_by_default_it_computes_on_the_most_devices_the_parts_and_the_weights_sp
 @pytest.mark.parametrize("at_a_time,devices,said", [
     (12, 2, "raise --micro_batches or lower --batch_size, or split each part over more of this machine's 8 devices "
             "(--devices 6)"),
-    (4, 4, "one sequence a device is the least: evaluate on devices with more memory"),  # 8 devices: 4 do not split
+    (4, 4, "one sequence a device is the least: evaluate on devices with more memory, or the host's "
+           "(JAX_PLATFORMS=cpu)"),  # 8 devices: 4 do not split
     (8, 4, "raise --micro_batches or lower --batch_size, or split each part over more of this machine's 8 devices "
            "(--devices 8)"),
     (12, 4, "raise --micro_batches or lower --batch_size"),  # 8 does not split 12; 6 would split the weights less

@@ -652,6 +652,29 @@ def test_a_run_that_keeps_replacing_its_newest_checkpoint_is_named_still_trainin
     assert sorted(os.listdir(checkpoints), key=int) == ["20", "100"]  # 40 -> 60 -> 80 -> 100
 
 
+def test_weights_too_big_for_the_devices_are_refused_at_once_though_the_run_replaced_them(trained, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """XLA's RESOURCE_EXHAUSTED as step 40 is read, while the run saves 60 and deletes 40: the next newest is no
+    smaller, so the refusal is the memory's at once, not 60 and 80 read in turn and the run "still training"."""
+    run_dir, checkpoints = _copy_of(trained, tmp_path)
+    restore = convert.restore_step
+
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4096 bytes.")
+
+    def replaced_meanwhile(step_dir, fix, devices, weights_only):
+        try:
+            return restore(step_dir, fix, devices, weights_only)
+        finally:
+            copy_step(step_dir, int(os.path.basename(step_dir)) + 20)
+            shutil.rmtree(step_dir)
+    monkeypatch.setattr(convert.ocp.PyTreeCheckpointHandler, "restore", out_of_memory)
+    monkeypatch.setattr(convert, "restore_step", replaced_meanwhile)
+    refused(capsys, ["--run", run_dir], f"checkpoint {run_dir}/checkpoints/40 needs more memory than a device has "
+                                        f"to be read")
+    assert sorted(os.listdir(checkpoints), key=int) == ["20", "60"]
+
+
 def test_a_corrupt_newest_checkpoint_still_listed_is_named_corrupt_not_still_training(trained, tmp_path, capsys):
     """One checksum off in step 40's meta (a flipped bit in its weights): 40 is still the newest after the read."""
     run_dir, checkpoints = _copy_of(trained, tmp_path)

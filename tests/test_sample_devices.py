@@ -102,7 +102,7 @@ def small_run(tmp_path_factory, cache_dir):
 
 @pytest.mark.parametrize("texts,host,fix", [
     (1024, 2**20, r"lower --num_samples \(each text holds its own KV cache\)"),
-    (1, 2**16, "one text is the least: sample on devices with more memory")])
+    (1, 2**16, "one text is the least: sample on a machine with more memory")])
 def test_texts_too_many_for_the_memory_are_refused_in_one_line(small_run, monkeypatch, capsys, texts, host, fix):
     """On a host of 1 MiB, 1,024 texts at once are refused before any is drawn, naming --num_samples; what they
     need is at least their KV caches (1,024 texts x 2 layers x keys and values x 32 positions x 32 wide x 4 bytes:
@@ -135,7 +135,7 @@ def test_out_of_memory_at_a_call_is_the_refusal_and_nothing_else_is(error, refus
            "then holds the KV caches, and what is not split, once)"),
     (1, 2, "compute on one device (--devices 1: the host then holds the KV caches, and what is not split, once)"),
     (4, 1, "lower --num_samples (each text holds its own KV cache)"),
-    (1, 1, "one text is the least: sample on devices with more memory")])
+    (1, 1, "one text is the least: sample on a machine with more memory")])
 def test_the_refusal_names_the_levers_there_are(texts, devices, fix):
     """Fewer texts where there are several; on several CPU devices (which share the host's memory), one."""
     cpu_mesh = types.SimpleNamespace(size=devices, devices=np.array(jax.devices("cpu")[:1] * devices))
@@ -180,8 +180,7 @@ def test_weights_too_big_to_read_are_refused_as_such_not_as_a_corrupt_checkpoint
         sample.main(["--run", small_run])
     assert exited.value.code == 2 and capsys.readouterr().err == (
         f"error: checkpoint {small_run}/checkpoints/4 needs more memory than a device has to be read "
-        f"(JaxRuntimeError: {OUT_OF_MEMORY}); read it onto devices with more memory, or the host's "
-        f"(JAX_PLATFORMS=cpu)\n")
+        f"(JaxRuntimeError: {OUT_OF_MEMORY}); read it onto a machine with more memory\n")  # (CPU devices share it)
 
 
 def test_a_stores_resource_exhausted_is_no_device_memory(small_run, monkeypatch, capsys):
@@ -203,6 +202,21 @@ def test_weights_too_big_to_place_are_refused_in_one_line(small_run, monkeypatch
         jax.errors.JaxRuntimeError(OUT_OF_MEMORY)))
     with pytest.raises(UserError) as refused:
         model_source.placed(loaded, jax.devices()[:1])
-    assert str(refused.value) == (f"placing the weights of {small_run} (each split over 1 of 1 devices) needs more "
-                                  f"memory than a device has; load them onto devices with more memory, or the "
-                                  f"host's (JAX_PLATFORMS=cpu)")
+    assert str(refused.value) == (f"placing the weights of {small_run} (on one device) needs more memory than a "
+                                  f"device has; load them onto a machine with more memory")
+
+
+@pytest.mark.parametrize("fsdp,devices,layout", [(1, 1, "on one device"), (1, 4, "whole on each of 4 devices"),
+                                                  (4, 4, "each split over 4 of 4 devices"),
+                                                  (2, 8, "each split over 2 of 8 devices")])
+def test_the_refusal_says_how_the_weights_lie(fsdp, devices, layout):
+    assert model_source._layout(types.SimpleNamespace(size=devices, shape={"data": devices // fsdp, "fsdp": fsdp})
+                                ) == layout
+
+
+@pytest.mark.parametrize("platform,where", [("cpu", "a machine with more memory"),
+                                            ("gpu", "devices with more memory, or the host's (JAX_PLATFORMS=cpu)"),
+                                            ("tpu", "devices with more memory, or the host's (JAX_PLATFORMS=cpu)")])
+def test_where_a_model_too_big_fits(platform, where):
+    """An accelerator's host has more memory than the accelerator; a CPU's devices already share their host's."""
+    assert dryrun.more_memory(types.SimpleNamespace(platform=platform)) == where
