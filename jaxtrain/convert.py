@@ -183,7 +183,7 @@ def restore_step(step_dir: str, fix: str | None = None, devices: list | None = N
     orbax_quiet.filter_logs()  # a corrupt step: one line, not orbax's tracebacks and its loops' (as a resume)
     with orbax_quiet.DRAINING.meanwhile(), ocp.CheckpointManager(root, item_handlers={
             "meta": ocp.JsonCheckpointHandler()}) as manager:
-        with _unreadable(step_dir, fix, devices):
+        with _unreadable(step_dir, fix):
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     try:
         checkpoint_lib.check_named_step(meta, step, step_dir)
@@ -196,7 +196,7 @@ def restore_step(step_dir: str, fix: str | None = None, devices: list | None = N
         target = {"params": target.params, "opt_state": {"gradient_step": target.opt_state.gradient_step}}
     args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=weights_only)
-    with orbax_quiet.DRAINING.meanwhile(), _unreadable(step_dir, fix, devices):
+    with orbax_quiet.DRAINING.meanwhile(), _unreadable(step_dir, fix, mesh):
         state = ocp.PyTreeCheckpointHandler().restore(runfolder.path(step_dir) / "state", args=args)
     _check_read(state, step_dir, fix)
     if "fingerprint" in meta:  # checkpoints of jaxtrain before fingerprints have none to check against
@@ -263,17 +263,18 @@ def _check_finite(state, src: str) -> None:
 
 
 @contextlib.contextmanager
-def _unreadable(step_dir: str, fix: str | None, devices: list | None):
+def _unreadable(step_dir: str, fix: str | None, mesh: jax.sharding.Mesh | None = None):
     """Orbax's failures (ValueError, FileNotFoundError, tensorstore errors, ...) as one UserError (restore_step's
-    `fix`); the memory of `devices` (None: the default one) too small for the arrays (XLA's RESOURCE_EXHAUSTED, not
-    a store's: a bucket's rate limit or a full disk say it too) as dryrun.TooBig, whose fix is no other checkpoint."""
+    `fix`); the memory of `mesh`'s devices too small for the arrays read onto them (XLA's RESOURCE_EXHAUSTED, not a
+    store's: a bucket's rate limit or a full disk say it too) as dryrun.TooBig, whose fix is no other checkpoint."""
     try:
         yield
     except Exception as e:
-        if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):  # (a store's is no XLA's)
+        out_of_memory = isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)  # no store's
+        if out_of_memory and mesh is not None:
+            where = dryrun.more_memory(mesh.devices.flat[0], copies=mesh.shape["data"])
             raise dryrun.TooBig(f"checkpoint {step_dir} needs more memory than a device has to be read "
-                                f"({runfolder.error_text(e)}); read it onto "
-                                f"{dryrun.more_memory((devices or jax.devices())[0])}") from None
+                                f"({runfolder.error_text(e)}); read it onto {where}") from None
         raise UserError(f"checkpoint {step_dir} cannot be read ({runfolder.error_text(e)}); "
                         f"{fix or _convert_another(step_dir)}") from None
 

@@ -187,12 +187,15 @@ class TooBig(UserError):
     run is a fix, nor reading it again."""
 
 
-def more_memory(device) -> str:
-    """Where a model too big for `device`'s memory fits: an accelerator's is smaller than its host's, which a CPU's
-    devices already share."""
-    if device.platform == "cpu":
-        return "a machine with more memory"
-    return "devices with more memory, or the host's (JAX_PLATFORMS=cpu)"
+def more_memory(device, copies: int = 1) -> str:
+    """Where what is too big for `device`'s memory fits: an accelerator's is smaller than its host's; a CPU's
+    devices share the host's, so on one device where each held its copy of the weights (`copies` of them), or on a
+    machine with more."""
+    if device.platform != "cpu":
+        return "devices with more memory, or the host's (JAX_PLATFORMS=cpu)"
+    if copies > 1:
+        return "one device (--devices 1: the host then holds the weights once), or a machine with more memory"
+    return "a machine with more memory"
 
 
 @contextlib.contextmanager

@@ -228,7 +228,7 @@ def placed(loaded: Loaded, devices: list | None) -> Loaded:
     mesh = mesh_lib.model_mesh(run_fsdp(loaded), devices)
     with dryrun.out_of_memory(lambda needs: dryrun.TooBig(
             f"placing the weights of {loaded.where} ({_layout(mesh)}) {needs}; load them onto "
-            f"{dryrun.more_memory(devices[0])}")):
+            f"{dryrun.more_memory(devices[0], copies=mesh.shape['data'])}")):
         params = jax.device_put(loaded.params, mesh_lib.fsdp_sharding(mesh, loaded.params))
         return loaded._replace(params=jax.block_until_ready(params))  # (an allocator refuses as it is done)
 

@@ -22,11 +22,13 @@ PROMPT = "def "
 
 # Trains the small model on this process's 4 devices (the run's mesh), recording the mesh of the params each sample
 # is drawn from; then `jaxtrain.sample` on all of them, by default and on 1; then the bytes of weights a device holds
-# in the compiled generator, there and on one device. One JSON line each.
+# in the compiled generator, there and on one device; then the refusals of weights too big to place or read on all 4
+# (XLA's RESOURCE_EXHAUSTED). One JSON line each.
 SCRIPT = """
 import contextlib, io, json, sys
-import jax, numpy as np
+import jax, numpy as np, orbax.checkpoint as ocp
 from jaxtrain import config, model, model_source, run, sample
+from jaxtrain.errors import UserError
 out_dir, *args = sys.argv[1:]
 meshes, drawn = [], sample.drawer
 
@@ -54,6 +56,21 @@ for devices in (jax.devices(), jax.devices()[:1]):
     generate = sample.generator(graphdef, loaded.model_cfg, "fp32", sample.Sampling(max_new_tokens=8), None, whole)
     print(json.dumps({"bytes": generate.lower(loaded.params, prompts).compile().memory_analysis()
                      .argument_size_in_bytes}))
+
+
+def out_of_memory(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+
+
+jax.device_put = ocp.PyTreeCheckpointHandler.restore = out_of_memory
+refusals = []
+for refused in (lambda: model_source.placed(loaded, jax.devices()),
+                lambda: model_source.from_run(out_dir, None, None, "sample", jax.devices())):
+    try:
+        refused()
+    except UserError as e:
+        refusals.append(str(e))
+print(json.dumps({"refusals": refusals}))
 """
 
 
@@ -70,8 +87,8 @@ def test_on_four_devices_the_sample_is_drawn_where_the_weights_are_and_reads_as_
         out_dir, cache_dir, "--mesh.fsdp=2", "--log.sample_tokens=40", f"--log.sample_prompt={PROMPT}")],
         env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    end_of_run, on_four, on_two, on_one, *held = [json.loads(line) for line in proc.stdout.splitlines()
-                                                   if line.startswith("{")]
+    end_of_run, on_four, on_two, on_one, *held, refused = [json.loads(line) for line in proc.stdout.splitlines()
+                                                            if line.startswith("{")]
     assert end_of_run["mesh"] == on_four["mesh"] == {"data": 2, "fsdp": 2}, end_of_run
     assert (on_two["mesh"], on_one["mesh"]) == ({"data": 1, "fsdp": 2}, {"data": 1, "fsdp": 1})
     text = end_of_run["out"].split("step 8: eval loss ")[1].split("\n", 1)[1]  # after the last step's eval line
@@ -82,6 +99,12 @@ def test_on_four_devices_the_sample_is_drawn_where_the_weights_are_and_reads_as_
     assert on_one["err"].endswith(", seed 0\n"), on_one
     weights = 4 * gpt_params(n_layer=2, d=32, vocab=256, seq_len=32)  # fp32
     assert [h["bytes"] for h in held] == [weights // 2 + 16, weights + 16], held  # + the (1, 4) int32 prompts
+    once = "one device (--devices 1: the host then holds the weights once), or a machine with more memory"
+    assert refused["refusals"] == [  # data 2: each CPU device holds a copy of its half
+        f"placing the weights of {out_dir} (each split over 2 of 4 devices) needs more memory than a device has; "
+        f"load them onto {once}",
+        f"checkpoint {out_dir}/checkpoints/8 needs more memory than a device has to be read (JaxRuntimeError: "
+        f"RESOURCE_EXHAUSTED: Out of memory); read it onto {once}"], refused
 
 
 def gpt_params(n_layer: int, d: int, vocab: int, seq_len: int) -> int:
@@ -214,9 +237,12 @@ def test_the_refusal_says_how_the_weights_lie(fsdp, devices, layout):
                                 ) == layout
 
 
-@pytest.mark.parametrize("platform,where", [("cpu", "a machine with more memory"),
-                                            ("gpu", "devices with more memory, or the host's (JAX_PLATFORMS=cpu)"),
-                                            ("tpu", "devices with more memory, or the host's (JAX_PLATFORMS=cpu)")])
-def test_where_a_model_too_big_fits(platform, where):
-    """An accelerator's host has more memory than the accelerator; a CPU's devices already share their host's."""
-    assert dryrun.more_memory(types.SimpleNamespace(platform=platform)) == where
+@pytest.mark.parametrize("platform,copies,where", [
+    ("cpu", 1, "a machine with more memory"),
+    ("cpu", 2, "one device (--devices 1: the host then holds the weights once), or a machine with more memory"),
+    ("gpu", 1, "devices with more memory, or the host's (JAX_PLATFORMS=cpu)"),
+    ("tpu", 4, "devices with more memory, or the host's (JAX_PLATFORMS=cpu)")])
+def test_where_a_model_too_big_fits(platform, copies, where):
+    """An accelerator's host has more memory than the accelerator; a CPU's devices already share their host's, and
+    one device holds once what several hold a copy each of."""
+    assert dryrun.more_memory(types.SimpleNamespace(platform=platform), copies) == where
