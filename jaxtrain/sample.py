@@ -58,6 +58,7 @@ from jaxtrain.model_source import Tokenizer
 
 EMPTY_PROMPT = "the prompt is empty; give one with --prompt (e.g. --prompt $'\\n' for a new line)"
 MAX_SAMPLES = 1024  # texts drawn as one batch: 1024 of GPT-2 124M's KV caches (1024 positions, bf16) are 38 GB
+DEFAULT_PROMPT = "\n"  # (log.sample_prompt's default too)
 SAMPLE_RULE = "-" * 15  # the line between two samples, nanoGPT's
 
 
@@ -278,6 +279,21 @@ def _whole_on_each_device(params, prompts_BxP: np.ndarray) -> tuple[jax.Array | 
     return mesh_lib.global_array(prompts_BxP, whole), whole
 
 
+def _prompt_flag(prompt: str) -> str:
+    """` --prompt=<prompt>` as a shell reads it back on one line (bash's $'...' where it holds a new line or another
+    character that does not print), nothing for the default prompt; `=`: a prompt may begin with a dash."""
+    if prompt == DEFAULT_PROMPT:
+        return ""
+    if prompt.isprintable():
+        return f" --prompt={shlex.quote(prompt)}"
+
+    def escaped(c: str) -> str:
+        if c in "\\'":
+            return "\\" + c
+        return c if c.isprintable() else {"\n": "\\n", "\t": "\\t"}.get(c, f"\\U{ord(c):08x}")
+    return f" --prompt=$'{''.join(map(escaped, prompt))}'"
+
+
 def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer, is_main: bool) -> None:
     """jaxtrain.run's end-of-run sample: log.sample_tokens tokens after log.sample_prompt, drawn by this module's
     defaults with run.seed from the run's params where they are (each weight split over the run's mesh as it
@@ -288,8 +304,8 @@ def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer, is_main: 
         [text] = sample_texts(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling,
                               check_memory=False)
     except UserError:  # the prompt and the token count were checked at the start: the allocator's refusal
-        again = (f"python -m jaxtrain.sample --run {shlex.quote(cfg.run.out_dir)} --prompt "
-                 f"{shlex.quote(cfg.log.sample_prompt)} --max_new_tokens {cfg.log.sample_tokens} "
+        again = (f"python -m jaxtrain.sample --run {shlex.quote(cfg.run.out_dir)}"
+                 f"{_prompt_flag(cfg.log.sample_prompt)} --max_new_tokens {cfg.log.sample_tokens} "
                  f"--seed {cfg.run.seed}")
         raise UserError(f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) needs more memory than "
                         f"a device has beside the trained state; the run is trained and saved: draw it with `{again}`"
@@ -316,7 +332,7 @@ def _parser() -> argparse.ArgumentParser:
                               '  python -m jaxtrain.sample --from my-gpt2-hf --prompt "Once upon a time"',
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     model_source.add_arguments(ap)
-    ap.add_argument("--prompt", default="\n", help="the text to continue (default: a new line)")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text to continue (default: a new line)")
     ap.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens,
                     help=f"tokens to draw after the prompt (default {defaults.max_new_tokens})")
     ap.add_argument("--temperature", type=float, default=defaults.temperature,

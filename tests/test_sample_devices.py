@@ -185,9 +185,22 @@ def test_an_end_of_run_sample_the_allocator_refuses_names_the_command_that_draws
                                          "--run.seed=3")))
     assert str(refused.value) == (
         f"the end-of-run sample (log.sample_tokens=7) needs more memory than a device has beside the trained state; "
-        f"the run is trained and saved: draw it with `python -m jaxtrain.sample --run {out_dir} --prompt "
+        f"the run is trained and saved: draw it with `python -m jaxtrain.sample --run {out_dir} --prompt="
         f"""'it'"'"'s' --max_new_tokens 7 --seed 3`, or train without it: --log.sample_tokens=0""")
     assert "8" in os.listdir(os.path.join(out_dir, "checkpoints"))  # train.steps=8
+
+
+@pytest.mark.parametrize("prompt", ["it's", "-x", "a\nb", "tab\there 'q' \\ $HOME", "é\x1b[0m\u2028", " "])
+def test_the_prompt_of_that_command_reads_back_in_a_shell(prompt):
+    """The end-of-run refusal's command holds the prompt on one line, and bash hands `jaxtrain.sample` the same
+    text (a prompt of a new line, log.sample_prompt's default, printed a new line inside the one-line error)."""
+    flag = sample._prompt_flag(prompt)
+    assert "\n" not in flag and flag.startswith(" --prompt=")
+    quoted = flag.removeprefix(" --prompt=")
+    assert subprocess.run(["bash", "-c", f"printf %s {quoted}"], capture_output=True, text=True,
+                          check=True).stdout == prompt
+    assert sample._prompt_flag("\n") == ""  # sample's default prompt: the flag left out
+    assert sample._prompt_flag("\n") == ""  # sample's default: the flag left out
 
 
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4096 bytes."
