@@ -19,7 +19,7 @@ import dataclasses
 import os
 import shutil
 import sys
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
@@ -172,11 +172,13 @@ class Weights(NamedTuple):
     step: jax.Array
 
 
-def restore_step(step_dir: str, fix: str | None = None, devices: list | None = None, weights_only: bool = False):
+def restore_step(step_dir: str, fix: str | None = None, devices: list | Callable[[Config], list] | None = None,
+                 weights_only: bool = False):
     """(state, config, meta) of a jaxtrain step folder (checkpoint_kind.check_jaxtrain_step), restored on one device
-    (or split over `devices` as mesh.model_mesh lays a model out for its run's mesh.fsdp) and checked against its
-    fingerprint, as a resume checks it: one that cannot be read or does not match is refused with `fix`, what the
-    caller's user can do instead (by default, convert another of the run's steps, which are listed only then).
+    (or split over `devices`, or over those it picks from the run's config, as mesh.model_mesh lays a model out for
+    its run's mesh.fsdp) and checked against its fingerprint, as a resume checks it: one that cannot be read or does
+    not match is refused with `fix`, what the caller's user can do instead (by default, convert another of the run's
+    steps, which are listed only then).
     weights_only: the state is Weights, the arrays read and checked those alone (orbax's partial restore)."""
     root, name = runfolder.parent_and_name(os.fspath(runfolder.path(step_dir)))  # a bucket's too (gs://)
     step = int(name)
@@ -190,6 +192,8 @@ def restore_step(step_dir: str, fix: str | None = None, devices: list | None = N
     except checkpoint_lib.CorruptCheckpoint as e:
         raise UserError(f"{e}; {fix or _convert_another(step_dir)}") from None
     cfg = config_lib.from_dict(meta["config"])  # jaxtrain.run writes the resolved model.vocab_size into it
+    if callable(devices):  # picked before the weights are read, so they are read once, where they are computed
+        devices = devices(cfg)
     mesh = mesh_lib.one_device_mesh() if devices is None else mesh_lib.model_mesh(cfg.mesh.fsdp, devices)
     target = checkpoint_lib.abstract_state(_for_shapes(cfg), cfg.model.vocab_size, mesh)
     if weights_only:  # the fingerprint's paths of these: "params/...", "opt_state/gradient_step"

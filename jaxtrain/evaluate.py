@@ -11,12 +11,13 @@ model's seq_len tokens, from the val split (--split train: from the train split,
 random, as nanoGPT's estimate_loss, not the windows the first steps trained on), with --seed's keys, each batch in
 --micro_batches parts. A run's checkpoint takes its run's: train.eval_batches, data.batch_size, optim.grad_accum_steps
 and the data seed it trained with, on its data. It computes on the devices of this machine, the most of them each part
-splits over evenly (--devices N: its first N), each part split over them as a run splits its own and each weight over
-the run's mesh.fsdp of them (mesh.model_mesh), restored straight into that layout: for a run that evaluated on as many
-devices of this kind with that mesh, the numbers metrics.jsonl holds for that step, bit for bit (on other counts its
-matmuls of other shapes may round otherwise: a run of the small test model in fp32 on 2 CPU devices, each weight over
-both, logged 5.2440739, scored on one 5.2440743). A model without a run (a Hugging Face folder, from-hf's) takes
---data and nanoGPT's eval_gpt2 batch size, 8, its weights whole on each device.
+splits over evenly that split each weight into the most pieces (--devices N: its first N), each part split over them
+as a run splits its own and each weight over the run's mesh.fsdp of them (mesh.model_mesh), restored straight into
+that layout: for a run that evaluated on as many devices of this kind with that mesh, the numbers metrics.jsonl
+holds for that step, bit for bit (on other counts its matmuls of other shapes may round otherwise: a run of the small
+test model in fp32 on 2 CPU devices, each weight over both, logged 5.2440739, scored on one 5.2440743). A model
+without a run (a Hugging Face folder, from-hf's) takes --data and nanoGPT's eval_gpt2 batch size, 8, its weights
+whole on each device.
 
 The loss is the token-weighted mean cross-entropy over the set's tokens (nats; the run's eval step,
 step.make_eval_step, in the precision the run trained in, fp32 for a Hugging Face model, with the kernels the
@@ -30,6 +31,7 @@ import argparse
 import dataclasses
 import math
 import sys
+from typing import Callable
 
 import jax
 import numpy as np
@@ -98,13 +100,9 @@ def eval_set(loaded: model_source.Loaded, args, devices: int = 1) -> EvalSet:
                         f"--split's)")
     own = run if run is not None else Config()
     data_cfg = own.data if args.data is None else dataclasses.replace(own.data, path=args.data)
-
-    def pick(given, of_run, without_run):
-        return given if given is not None else of_run if run is not None else without_run
-    chosen = EvalSet(None, pick(args.batches, own.train.eval_batches, Config().train.eval_batches),
-                     pick(args.batch_size, own.data.batch_size, FOLDER_BATCH_SIZE),
-                     pick(args.micro_batches, own.optim.grad_accum_steps, 1),
-                     pick(args.seed, loaded.data_seed, Config().run.seed), args.split)
+    seed = _given_or_run(args.seed, loaded.data_seed, Config().run.seed, run)
+    chosen = EvalSet(None, _given_or_run(args.batches, own.train.eval_batches, Config().train.eval_batches, run),
+                     *_parts(args, run), seed, args.split)
     chosen.check(devices)  # before the data is read
     try:
         data = data_lib.load(data_cfg, loaded.model_cfg.seq_len)
@@ -112,6 +110,19 @@ def eval_set(loaded: model_source.Loaded, args, devices: int = 1) -> EvalSet:
         whose = "the run's data" if args.data is None else "--data"
         raise UserError(f"{e} ({whose}; evaluate on another data folder with --data FOLDER)") from None
     return dataclasses.replace(chosen, data=data)
+
+
+def _given_or_run(given, of_run, without_run, run: Config | None):
+    """A number of the eval set: as `given`, else the `run`'s (`of_run`), else `without_run` (without a run)."""
+    return given if given is not None else of_run if run is not None else without_run
+
+
+def _parts(args, run: Config | None) -> tuple[int, int]:
+    """(batch size, micro-batches) of the eval set `args` ask for, each not given the `run`'s (data.batch_size,
+    optim.grad_accum_steps), or without a run FOLDER_BATCH_SIZE in 1."""
+    own = run if run is not None else Config()
+    return (_given_or_run(args.batch_size, own.data.batch_size, FOLDER_BATCH_SIZE, run),
+            _given_or_run(args.micro_batches, own.optim.grad_accum_steps, 1, run))
 
 
 def check_tokens(loaded: model_source.Loaded, data: data_lib.TokenData) -> None:
@@ -204,20 +215,26 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
     return compiled
 
 
-def _on_devices_it_splits_over(loaded: model_source.Loaded, chosen: EvalSet, devices: list) -> model_source.Loaded:
-    """`loaded` on as many of `devices` as each part of a batch splits over evenly, of those counts the ones that
-    split each weight over the most of them (gcd with the run's mesh.fsdp: fsdp 2 and 6 sequences on 4 GPUs, 2 not
-    3); a note says so where that is not all of them (a run's micro-batches split over the devices it trained on, a
-    Hugging Face model's 8 may not)."""
-    fsdp = model_source.run_fsdp(loaded)
-    count = max((d for d in range(1, len(devices) + 1) if chosen.at_a_time % d == 0),
-                key=lambda d: (math.gcd(fsdp, d), d))
-    if count == len(devices):
-        return loaded
-    print(f"note: {chosen.at_a_time} sequences at a time, computed on {count} of this machine's {len(devices)} "
-          f"devices (a --batch_size of a multiple of {len(devices) * chosen.micro_batches} splits over all of them)",
-          file=sys.stderr)
-    return model_source.placed(loaded, devices[:count])
+def _devices_it_splits_over(args, devices: list) -> Callable[[Config | None], list]:
+    """The rule (model_source.Devices) by which evaluate computes on as many of `devices` as each part of a batch
+    splits over evenly, of those counts the ones that split each weight of the run into the most pieces
+    (mesh.most_splitting: fsdp 2 and 6 sequences on 4 GPUs, 2 not 3), the largest. Its numbers are checked there,
+    before the weights are read."""
+    def most(run: Config | None) -> list:
+        parts = EvalSet(None, 1, *_parts(args, run), seed=0)
+        parts.check()
+        counts = [d for d in range(1, len(devices) + 1) if parts.at_a_time % d == 0]
+        return devices[:max(mesh_lib.most_splitting(model_source.fsdp_of(run), counts))]
+    return most
+
+
+def _note_fewer(chosen: EvalSet, count: int, devices: int) -> None:
+    """Say where `chosen` is computed on `count` of this machine's `devices` (a run's micro-batches split over the
+    devices it trained on, a Hugging Face model's 8 may not)."""
+    if count < devices:
+        print(f"note: {chosen.at_a_time} sequences at a time, computed on {count} of this machine's {devices} "
+              f"devices (a --batch_size of a multiple of {devices * chosen.micro_batches} splits over all of them)",
+              file=sys.stderr)
 
 
 def _too_big(chosen: EvalSet, devices: int, needs: str) -> UserError:
@@ -271,13 +288,13 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error(), exit_on_interrupt("nothing was written"):
         args = _parser().parse_args(argv)
         devices = model_source.machine_devices(args.devices)
-        loaded = model_source.load(args, "evaluate", devices)
+        loaded = model_source.load(args, "evaluate", devices if args.devices is not None else
+                                   _devices_it_splits_over(args, devices))
         if (name := step_lib.non_finite_leaf(loaded.params)) is not None:
             raise UserError(f"{loaded.where} holds inf or NaN ({name}): its loss is no number; evaluate a checkpoint "
                             f"saved before its values overflowed")
-        chosen = eval_set(loaded, args, 1 if args.devices is None else len(devices))  # a count given must split
-        if args.devices is None:
-            loaded = _on_devices_it_splits_over(loaded, chosen, devices)
+        chosen = eval_set(loaded, args, model_source.mesh_of(loaded).size)  # a count given must split it
+        _note_fewer(chosen, model_source.mesh_of(loaded).size, len(devices))
         check_tokens(loaded, chosen.data)
         eval_step = compiled_eval_step(loaded, chosen)
         print(f"{loaded.source}, {loaded.precision}: {chosen.batches} batches of {chosen.batch_size} x "

@@ -232,6 +232,13 @@ def model_mesh(fsdp: int, devices: list) -> Mesh:
     return Mesh(grid, ("data", "fsdp"), axis_types=AUTO_AXES)
 
 
+def most_splitting(fsdp: int, counts) -> list[int]:
+    """Of the device `counts`, those over which model_mesh splits each weight of a run of mesh.fsdp `fsdp` into the
+    most pieces (gcd(fsdp, count) the largest: fsdp 4 on up to 3 devices, 2)."""
+    most = max(math.gcd(fsdp, count) for count in counts)
+    return [count for count in counts if math.gcd(fsdp, count) == most]
+
+
 def make_mesh(cfg: Config, devices=None) -> Mesh:
     """The (data, fsdp) mesh over `devices`: jax.devices() unless given (a dry run's compile-only devices).
 

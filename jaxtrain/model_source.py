@@ -43,6 +43,10 @@ from jaxtrain.errors import UserError
 REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
 RESTORE_TRIES = 3  # reads of the newest checkpoint of a run still training, each replaced as it was read: give up
 
+# Where load puts the weights: None, on the default device; a list of devices, split over them; a rule, over those it
+# picks from the config of the run they are a checkpoint of (None for a model without a run), before they are read.
+Devices = list | Callable[[Config | None], list] | None
+
 
 class Tokenizer(NamedTuple):
     encode: Callable[[str], list[int]]
@@ -97,10 +101,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="default: the run's train.precision (fp32 for a Hugging Face model)")
 
 
-def load(args: argparse.Namespace, command: str, devices: list | None = None) -> Loaded:
+def load(args: argparse.Namespace, command: str, devices: Devices = None) -> Loaded:
     """The model add_arguments' `args` name, for `command` ("sample", "evaluate": what the refusals say to do with
-    another checkpoint or folder), on the default device or, given `devices`, split over them as mesh.model_mesh
-    lays out a model of its run's mesh.fsdp (1 for a Hugging Face model's)."""
+    another checkpoint or folder), on the default device or, given `devices` (a list, or a rule: Devices), split over
+    them as mesh.model_mesh lays out a model of its run's mesh.fsdp (1 for a Hugging Face model's)."""
     if args.from_ is not None and args.step is not None:
         raise UserError(f"--step picks a checkpoint of --run; --from {args.from_} names one folder of weights "
                         f"already: leave --step out")
@@ -110,7 +114,7 @@ def load(args: argparse.Namespace, command: str, devices: list | None = None) ->
 
 
 def from_run(run_dir: str, step: int | None, precision: str | None, command: str,
-             devices: list | None = None) -> Loaded:
+             devices: Devices = None) -> Loaded:
     """The run's params at `step` (None: the newest complete checkpoint) on one device (or over `devices`: load), its
     config and the precision to compute in (None: the run's train.precision). `command` ("sample", "evaluate") is
     what the refusals say to do with another checkpoint."""
@@ -149,7 +153,7 @@ def text_tokenizer(loaded: Loaded, given: str | None) -> Tokenizer:
     return _text_tokenizer(name, loaded.model_cfg.vocab_size, loaded.where)
 
 
-def _restore(run_dir: str, step: int | None, command: str, devices: list | None):
+def _restore(run_dir: str, step: int | None, command: str, devices: Devices):
     """(step, convert.restore_step's (weights, config, meta)) of checkpoint `step`, or with None of the newest one.
 
     A run still training deletes its older checkpoints once a newer one is saved (checkpoint.max_to_keep), so the
@@ -196,7 +200,7 @@ def _text_tokenizer(name: str, vocab_size: int, where: str) -> Tokenizer:
     return text_tokenizer
 
 
-def from_folder(src: str, precision: str | None, command: str, devices: list | None = None) -> Loaded:
+def from_folder(src: str, precision: str | None, command: str, devices: Devices = None) -> Loaded:
     """The model of the folder of weights `src` (--from: see the module's docstring) on one device (or over `devices`:
     load), its config and the precision to compute in (None: the run's train.precision where a run's config is there,
     else fp32). `command` ("sample", "evaluate") is what the refusals say to do with another folder."""
@@ -220,12 +224,15 @@ def from_folder(src: str, precision: str | None, command: str, devices: list | N
     return placed(_from_hf(src, found, precision), devices)
 
 
-def placed(loaded: Loaded, devices: list | None) -> Loaded:
-    """`loaded` as it is (None: on the default device), or with its params split over `devices` as mesh.model_mesh
-    lays out a model of its run's mesh.fsdp (1 without a run: a Hugging Face model whole on each)."""
+def placed(loaded: Loaded, devices: Devices) -> Loaded:
+    """`loaded` as it is (None: on the default device), or with its params split over `devices` (or those they pick
+    from its run's config) as mesh.model_mesh lays out a model of its run's mesh.fsdp (1 without a run: a Hugging
+    Face model whole on each)."""
+    if callable(devices):
+        devices = devices(loaded.cfg)
     if devices is None:
         return loaded
-    mesh = mesh_lib.model_mesh(run_fsdp(loaded), devices)
+    mesh = mesh_lib.model_mesh(fsdp_of(loaded.cfg), devices)
     with dryrun.out_of_memory(lambda needs: dryrun.TooBig(
             f"placing the weights of {loaded.where} ({_layout(mesh)}) {needs}; load them onto "
             f"{dryrun.more_memory(devices[0], copies=mesh.shape['data'])}")):
@@ -265,9 +272,9 @@ def on_devices(loaded: Loaded) -> str:
             f"{mesh.shape['fsdp']})")
 
 
-def run_fsdp(loaded: Loaded) -> int:
-    """The mesh.fsdp of the run `loaded`'s weights are a checkpoint of; 1 without a run (a Hugging Face model)."""
-    return loaded.cfg.mesh.fsdp if loaded.cfg is not None else 1
+def fsdp_of(run: Config | None) -> int:
+    """The mesh.fsdp of the `run` a model's weights are a checkpoint of; 1 without a run (a Hugging Face model)."""
+    return run.mesh.fsdp if run is not None else 1
 
 
 def _from_hf(src: str, found: str, precision: str | None) -> Loaded:

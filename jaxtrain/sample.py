@@ -26,7 +26,8 @@ batch size, as on a CPU). --stop_at_eot ends each text before its first
 It computes on this machine's devices (--devices N: its first N), each weight split over gcd(the run's mesh.fsdp, N)
 of them as the run split it (a run's, restored straight into that layout: a model larger than one device is sampled;
 a model without a run is whole on each), the prompts whole on each, XLA splitting each step's work as the weights
-are split; by default on as many as that splits each weight over (more would draw the same texts again).
+are split; by default on the fewest that split each weight into the most pieces (the largest divisor of the run's
+mesh.fsdp up to N: more would draw the same texts again), read straight onto them.
 A run's end-of-run sample draws so from the params where the run holds them, every process computing. Sums split
 over devices may round otherwise than on one, so a draw may differ where two logits tie to within that rounding
 (tests/test_sample_devices.py: the same text on 4, 2 and 1 CPU devices).
@@ -323,6 +324,15 @@ def _before_stop(tokens: np.ndarray, prompt_len: int, stop_id: int | None) -> np
     return tokens[:prompt_len + stops[0]] if len(stops) else tokens
 
 
+def _fewest_splitting(devices: list) -> Callable[[Config | None], list]:
+    """The rule (model_source.Devices) by which sample computes on the fewest of `devices` that split each weight of
+    a run into the most pieces (the largest divisor of its mesh.fsdp up to their count: fsdp 4 on 3 GPUs, 2): the
+    prompts are whole on each, so more would draw the same texts again."""
+    def fewest(run: Config | None) -> list:
+        return devices[:min(mesh_lib.most_splitting(model_source.fsdp_of(run), range(1, len(devices) + 1)))]
+    return fewest
+
+
 def _parser() -> argparse.ArgumentParser:
     defaults = Sampling()
     ap = OneLineParser(prog="python -m jaxtrain.sample",
@@ -350,7 +360,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--devices", type=int, help="how many of this machine's devices compute (its first N), each "
                                                 "weight split over gcd(the run's mesh.fsdp, N) of them, whole on "
                                                 "each for a model without a run (the rest draw the same texts); "
-                                                "default: as many as that splits each weight over")
+                                                "default: the fewest that split each weight into the most pieces")
     ap.add_argument("--tokenizer", choices=prepare_lib.TOKENIZERS,
                     help="default, and the only one accepted where the run's data folder is here and still holds "
                          "the data the run trained on: that data's (a Hugging Face folder's: GPT-2's BPE where its "
@@ -367,9 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.prompt:  # as is an empty prompt (any text encodes to at least one token)
             raise UserError(EMPTY_PROMPT)
         devices = model_source.machine_devices(args.devices)
-        run = model_source.load(args, "sample", devices)
-        if args.devices is None and (split := model_source.mesh_of(run).shape["fsdp"]) < len(devices):
-            run = model_source.placed(run, devices[:split])  # the prompts are whole on each: more would repeat
+        run = model_source.load(args, "sample", devices if args.devices is not None else _fewest_splitting(devices))
         tokenizer = model_source.text_tokenizer(run, args.tokenizer)
         draw = drawer(run.params, run.model_cfg, run.precision, tokenizer, args.prompt, sampling)  # no header yet
         print(f"{run.source}, {run.precision}, temperature {sampling.temperature}, top_k {sampling.top_k}, top_p "

@@ -324,8 +324,10 @@ def test_ctrl_c_ends_in_one_line_and_130(trained, capsys, monkeypatch, command):
 DEVICES_SCRIPT = """
 import contextlib, io, json, sys
 import jax
-from jaxtrain import config, convert, dryrun, evaluate, model_source, run
+from jaxtrain import config, convert, dryrun, evaluate, mesh, model_source, run
 out_dir, torch_dir, *args = sys.argv[1:]
+placements, model_mesh = [], mesh.model_mesh  # the device counts weights are read or placed onto
+mesh.model_mesh = lambda fsdp, devices: placements.append(len(devices)) or model_mesh(fsdp, devices)
 run.train(config.load(args))
 convert.main(["to-torch", f"{out_dir}/checkpoints/4", torch_dir])
 kernel = model_source.from_run(out_dir, 8, None, "evaluate", jax.devices()).params["h"][0]["mlp"]["c_fc"]["kernel"]
@@ -335,6 +337,7 @@ for argv in [["--run", out_dir], ["--run", out_dir, "--step=4"], ["--from", torc
              "--devices=3"], ["--run", out_dir, "--batch_size=6"], ["--run", out_dir, "--devices=2",
              "--batch_size=6"], ["--run", out_dir, "--batch_size=4096", "--micro_batches=1"]]:
     out, err = io.StringIO(), io.StringIO()
+    placements.clear()
     if argv[-1] == "--micro_batches=1":  # a device of 64 MiB
         dryrun.device_memory = lambda device: 2**26
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -343,7 +346,7 @@ for argv in [["--run", out_dir], ["--run", out_dir, "--step=4"], ["--from", torc
             code = 0
         except SystemExit as e:
             code = e.code
-    print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue()}))
+    print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue(), "placed": placements}))
 """
 
 
@@ -352,9 +355,9 @@ def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path,
     process has, restores the params straight into that layout and scores what the run logged at steps 4 and 8,
     from the run, its step folder and to-torch's folder, bit for bit (the same sums in the same order); on one
     (--devices 1) within fp32 rounding of it (matmuls of other shapes: measured 4.8e-7 on a loss of 5.24, margin
-    x10). 3 sequences at a time split over 1 of the 2 devices: computed there, with a note, or refused where
-    --devices 2 asks for both. A count past the machine's, and parts too big for the host that both devices share,
-    each refused in one line that names its fix."""
+    x10). 3 sequences at a time split over 1 of the 2 devices: read onto that one alone and computed there, with a
+    note, or refused where --devices 2 asks for both. A count past the machine's, and parts too big for the host
+    that both devices share, each refused in one line that names its fix."""
     out_dir, torch_dir = tmp_path / "run", tmp_path / "torch"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", DEVICES_SCRIPT, str(out_dir), str(torch_dir), *small_args(
@@ -367,6 +370,7 @@ def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path,
     for result, step in [(run8, 8), (run4, 4), (torch4, 4), (folder8, 8)]:
         line = json.loads(result["out"])
         assert result["code"] == 0 and (line["eval_loss"], line["eval_accuracy"]) == logged[step], result
+        assert result["placed"] == [2], result  # read (to-torch's: placed) once, onto both
         assert "4 sequences at a time, from the val split" in result["err"], result
         assert "seed 0, on 2 cpu devices (data 1 x fsdp 2)\n" in result["err"], result
     line = json.loads(one["out"])
@@ -375,6 +379,7 @@ def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path,
     assert six["code"] == 0 and json.loads(six["out"])["tokens"] == 2 * 6 * SEQ_LEN, six
     assert six["err"].startswith("note: 3 sequences at a time, computed on 1 of this machine's 2 devices (a "
                                  "--batch_size of a multiple of 4 splits over all of them)\n"), six
+    assert (six["placed"], one["placed"]) == ([1], [1]), (six, one)
     assert six_on_two["err"] == ("error: --batch_size 6 in --micro_batches 2 is 3 sequences at a time, which do not "
                                  "split over 2 devices; pass --devices 1, or a --batch_size of a multiple of 4\n")
     said = re.fullmatch(r"error: evaluating 4096 sequences at a time needs (\d+\.\d+) GiB a device, (\d+\.\d+) GiB "
@@ -386,19 +391,37 @@ def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path,
     assert not any(r["out"] for r in (three, six_on_two, too_big))
 
 
-@pytest.mark.parametrize("fsdp,at_a_time,count", [(1, 6, 3), (2, 6, 2), (4, 12, 4), (1, 8, 4), (3, 5, 1)])
-def test_by_default_it_computes_on_the_most_devices_the_parts_and_the_weights_split_over(monkeypatch, capsys, fsdp,
-                                                                                          at_a_time, count):
-    """4 devices: the counts each part splits over evenly, of them those that split each weight over the most
-    (gcd with the run's mesh.fsdp), the largest; all 4 without a note, fewer with one."""
-    moved = []
-    monkeypatch.setattr(evaluate.model_source, "placed", lambda loaded, devices: moved.append(devices) or loaded)
+@pytest.mark.parametrize("fsdp,batch_size,micro_batches,count", [
+    (1, 6, 1, 3), (2, 6, 1, 2), (4, 12, 1, 4), (1, 8, 1, 4), (3, 5, 1, 1), (4, 12, 2, 2), (None, None, None, 4)])
+def test_by_default_it_computes_on_the_most_devices_the_parts_and_the_weights_split_over(fsdp, batch_size,
+                                                                                          micro_batches, count):
+    """4 devices: of the counts each part (the run's batch in its micro-batches, or without a run 8 sequences)
+    splits over evenly, those that split each weight into the most pieces (gcd with the run's mesh.fsdp), the
+    largest: counted here by hand."""
+    run = None
+    if fsdp is not None:
+        run = config.Config()
+        run.mesh.fsdp, run.data.batch_size, run.optim.grad_accum_steps = fsdp, batch_size, micro_batches
+    args = types.SimpleNamespace(batch_size=None, micro_batches=None)
+    assert evaluate._devices_it_splits_over(args, list("abcd"))(run) == list("abcd")[:count]
+
+
+@pytest.mark.parametrize("given,picked", [({}, "abc"), ({"batch_size": 8}, "abcd"), ({"micro_batches": 12}, "a"),
+                                          ({"micro_batches": 0}, "must be > 0"),
+                                          ({"batch_size": 9}, "not divisible")])
+def test_the_numbers_that_pick_the_devices_are_given_or_the_runs_and_checked_before_a_read(given, picked):
+    """A run of data.batch_size 12 in optim.grad_accum_steps 2 and fsdp 1 on 4 devices: 6 sequences at a time split
+    over 3, --batch_size 8 (in the run's 2) over 4, --micro_batches 12 over 1; numbers that make no part are refused
+    there, before the weights are read."""
     run = config.Config()
-    run.mesh.fsdp = fsdp
-    loaded = model_source.Loaded(None, run.model, "fp32", 8, "step 8", "out", run)
-    evaluate._on_devices_it_splits_over(loaded, evaluate.EvalSet(None, 1, at_a_time, 1, 0), list("abcd"))
-    note = capsys.readouterr().err
-    assert moved == ([] if count == 4 else [list("abcd")[:count]]) and bool(note) == (count < 4), note
+    run.mesh.fsdp, run.data.batch_size, run.optim.grad_accum_steps = 1, 12, 2
+    args = types.SimpleNamespace(**{"batch_size": None, "micro_batches": None, **given})
+    pick = evaluate._devices_it_splits_over(args, list("abcd"))
+    if len(picked) <= 4:
+        assert pick(run) == list(picked)
+    else:
+        with pytest.raises(UserError, match=picked):
+            pick(run)
 
 
 @pytest.mark.parametrize("at_a_time,devices,said", [

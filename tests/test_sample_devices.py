@@ -27,10 +27,12 @@ PROMPT = "def "
 SCRIPT = """
 import contextlib, io, json, sys
 import jax, numpy as np, orbax.checkpoint as ocp
-from jaxtrain import config, model, model_source, run, sample
+from jaxtrain import config, mesh, model, model_source, run, sample
 from jaxtrain.errors import UserError
 out_dir, *args = sys.argv[1:]
 meshes, drawn = [], sample.drawer
+placements, model_mesh = [], mesh.model_mesh  # the device counts weights are read or placed onto
+mesh.model_mesh = lambda fsdp, devices: placements.append(len(devices)) or model_mesh(fsdp, devices)
 
 
 def recording(params, *rest, **options):
@@ -46,9 +48,10 @@ with contextlib.redirect_stdout(out):
 print(json.dumps({"mesh": meshes[-1], "out": out.getvalue()}))
 for argv in [["--devices=4"], [], ["--devices=1"]]:
     out, err = io.StringIO(), io.StringIO()
+    placements.clear()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         sample.main(["--run", out_dir, "--prompt", "def ", "--max_new_tokens=40", *argv])
-    print(json.dumps({"mesh": meshes[-1], "out": out.getvalue(), "err": err.getvalue()}))
+    print(json.dumps({"mesh": meshes[-1], "out": out.getvalue(), "err": err.getvalue(), "placed": placements}))
 for devices in (jax.devices(), jax.devices()[:1]):
     loaded = model_source.from_run(out_dir, None, None, "sample", devices)
     graphdef = model.graphdef(loaded.model_cfg, vocab_size=loaded.model_cfg.vocab_size, precision="fp32")
@@ -78,9 +81,9 @@ def test_on_four_devices_the_sample_is_drawn_where_the_weights_are_and_reads_as_
     """A run on 4 (fake CPU) devices, data 2 x fsdp 2: its end-of-run sample is drawn from the params on the run's
     mesh (never gathered onto one device), and `jaxtrain.sample` of its checkpoint prints the same text on all 4
     devices (--devices 4: the run's layout), by default on the 2 that split each weight (fsdp 2: the other 2 would
-    draw it again), and on 1: the same logits to fp32 rounding, the same keys. A device of the compiled generator
-    holds half the weights' bytes (each weight split over fsdp 2; the small model's dimensions all even), one
-    device all of them, counted here from the model's shapes written out."""
+    draw it again; the checkpoint read onto those 2 alone), and on 1: the same logits to fp32 rounding, the same
+    keys. A device of the compiled generator holds half the weights' bytes (each weight split over fsdp 2; the small
+    model's dimensions all even), one device all of them, counted here from the model's shapes written out."""
     out_dir = tmp_path / "run"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out_dir), *small_args(
@@ -91,6 +94,7 @@ def test_on_four_devices_the_sample_is_drawn_where_the_weights_are_and_reads_as_
                                                             if line.startswith("{")]
     assert end_of_run["mesh"] == on_four["mesh"] == {"data": 2, "fsdp": 2}, end_of_run
     assert (on_two["mesh"], on_one["mesh"]) == ({"data": 1, "fsdp": 2}, {"data": 1, "fsdp": 1})
+    assert [on["placed"] for on in (on_four, on_two, on_one)] == [[4], [2], [1]]  # each read once, where drawn
     text = end_of_run["out"].split("step 8: eval loss ")[1].split("\n", 1)[1]  # after the last step's eval line
     assert text.startswith(PROMPT) and len(text) > len(PROMPT) + 1, end_of_run
     assert on_four["out"] == on_two["out"] == on_one["out"] == text, (on_four, on_two, on_one, text)
@@ -105,6 +109,20 @@ def test_on_four_devices_the_sample_is_drawn_where_the_weights_are_and_reads_as_
         f"load them onto {once}",
         f"checkpoint {out_dir}/checkpoints/8 needs more memory than a device has to be read (JaxRuntimeError: "
         f"RESOURCE_EXHAUSTED: Out of memory); read it onto {once}"], refused
+
+
+@pytest.mark.parametrize("fsdp,devices,count", [(4, 3, 2), (2, 4, 2), (1, 4, 1), (6, 4, 3), (8, 8, 8), (3, 2, 1),
+                                                (None, 4, 1)])
+def test_by_default_it_samples_on_the_fewest_devices_that_split_each_weight_the_most(fsdp, devices, count):
+    """A run of mesh.fsdp `fsdp` (None: a model without a run, whole on each) on `devices`: the largest divisor of
+    fsdp up to their count, worked out here by hand (fsdp 4 on 3: 2 split each weight in half, 3 would not split
+    it)."""
+    run = None
+    if fsdp is not None:
+        run = config.Config()
+        run.mesh.fsdp = fsdp
+    machine = list(range(devices))
+    assert sample._fewest_splitting(machine)(run) == machine[:count]
 
 
 def gpt_params(n_layer: int, d: int, vocab: int, seq_len: int) -> int:
