@@ -39,7 +39,7 @@ from jaxtrain import run_tokenizer, runfolder
 from jaxtrain import step as step_lib
 from jaxtrain import torch_format
 from jaxtrain.config import Config
-from jaxtrain.errors import OneLineParser, UserError, exit_on_user_error
+from jaxtrain.errors import NotTheCheckpoint, OneLineParser, UserError, exit_on_user_error
 
 
 def to_torch(step_dir: str, out_dir: str) -> None:
@@ -193,7 +193,10 @@ def restore_step(step_dir: str, fix: str | None = None, devices: list | Callable
         raise UserError(f"{e}; {fix or _convert_another(step_dir)}") from None
     cfg = config_lib.from_dict(meta["config"])  # jaxtrain.run writes the resolved model.vocab_size into it
     if callable(devices):  # picked before the weights are read, so they are read once, where they are computed
-        devices = devices(cfg)
+        try:
+            devices = devices(cfg)
+        except UserError as e:  # the command's flags, refused for this run: no other checkpoint of it mends them
+            raise NotTheCheckpoint(str(e)) from None
     mesh = mesh_lib.one_device_mesh() if devices is None else mesh_lib.model_mesh(cfg.mesh.fsdp, devices)
     target = checkpoint_lib.abstract_state(_for_shapes(cfg), cfg.model.vocab_size, mesh)
     if weights_only:  # the fingerprint's paths of these: "params/...", "opt_state/gradient_step"

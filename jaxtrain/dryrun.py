@@ -31,7 +31,7 @@ from jaxtrain import optim
 from jaxtrain import target_devices
 from jaxtrain import step as step_lib
 from jaxtrain.config import Config
-from jaxtrain.errors import UserError
+from jaxtrain.errors import NotTheCheckpoint, UserError
 
 GIB = 2**30
 # Memory per device, bytes, of what run.target_device names: a TPU's datasheet HBM; a GPU's as its driver reports
@@ -182,9 +182,8 @@ def shortfall(compiled, mesh) -> str | None:
     return f"needs {need / GIB:.2f} GiB a device{together} and {has} {limit / GIB:.2f} GiB"
 
 
-class TooBig(UserError):
-    """Weights that need more memory than the devices they are read or placed onto have: no other checkpoint of the
-    run is a fix, nor reading it again."""
+class TooBig(NotTheCheckpoint):
+    """Weights that need more memory than the devices they are read or placed onto have."""
 
 
 def more_memory(device, copies: int = 1) -> str:

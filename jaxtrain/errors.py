@@ -17,6 +17,11 @@ class UserError(Exception):
     """Something the user can fix. The message names the cause and the fix, in one line."""
 
 
+class NotTheCheckpoint(UserError):
+    """A refusal that no other checkpoint of the run mends, nor reading the same one again (the devices' memory, the
+    command's flags): refused at once where the newest of a run still training is read (model_source)."""
+
+
 # What a disk says when it is full, over its quota or read-only: the user's to mend, wherever the write was.
 STORAGE_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 

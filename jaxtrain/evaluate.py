@@ -10,14 +10,14 @@ The eval set is drawn as a run draws its own (data.eval_batch): --batches batche
 model's seq_len tokens, from the val split (--split train: from the train split, where the same keys draw sequences at
 random, as nanoGPT's estimate_loss, not the windows the first steps trained on), with --seed's keys, each batch in
 --micro_batches parts. A run's checkpoint takes its run's: train.eval_batches, data.batch_size, optim.grad_accum_steps
-and the data seed it trained with, on its data. It computes on the devices of this machine, the most of them each part
-splits over evenly that split each weight into the most pieces (--devices N: its first N), each part split over them
-as a run splits its own and each weight over the run's mesh.fsdp of them (mesh.model_mesh), restored straight into
-that layout: for a run that evaluated on as many devices of this kind with that mesh, the numbers metrics.jsonl
-holds for that step, bit for bit (on other counts its matmuls of other shapes may round otherwise: a run of the small
-test model in fp32 on 2 CPU devices, each weight over both, logged 5.2440739, scored on one 5.2440743). A model
-without a run (a Hugging Face folder, from-hf's) takes --data and nanoGPT's eval_gpt2 batch size, 8, its weights
-whole on each device.
+and the data seed it trained with, on its data. It computes on the devices of this machine (--devices N: its first
+N; by default, of the counts each part splits over evenly, the largest of those that split each weight into the most
+pieces), each part split over them as a run splits its own and each weight over gcd(the run's mesh.fsdp, N) of them
+(mesh.model_mesh), restored straight into that layout: for a run that evaluated on as many devices of this kind with
+that mesh, the numbers metrics.jsonl holds for that step, bit for bit (on other counts its matmuls of other shapes
+may round otherwise: a run of the small test model in fp32 on 2 CPU devices, each weight over both, logged
+5.2440739, scored on one 5.2440743). A model without a run (a Hugging Face folder, from-hf's) takes --data and
+nanoGPT's eval_gpt2 batch size, 8, its weights whole on each device.
 
 The loss is the token-weighted mean cross-entropy over the set's tokens (nats; the run's eval step,
 step.make_eval_step, in the precision the run trained in, fp32 for a Hugging Face model, with the kernels the
@@ -91,19 +91,12 @@ class EvalSet:
 
 
 def eval_set(loaded: model_source.Loaded, args, devices: int = 1) -> EvalSet:
-    """The set `args` asks for, each part not given taken from the run of `loaded`'s checkpoint (see the module's
-    docstring), split over `devices`; a model without a run needs --data."""
-    run = loaded.cfg
-    if run is None and args.data is None:
-        raise UserError(f"--from {loaded.where} is a model's weights without a run's data to evaluate on: pass "
-                        f"--data FOLDER, a folder {prepare_lib.COMMAND} wrote (its val split is evaluated, or "
-                        f"--split's)")
-    own = run if run is not None else Config()
-    data_cfg = own.data if args.data is None else dataclasses.replace(own.data, path=args.data)
-    seed = _given_or_run(args.seed, loaded.data_seed, Config().run.seed, run)
-    chosen = EvalSet(None, _given_or_run(args.batches, own.train.eval_batches, Config().train.eval_batches, run),
-                     *_parts(args, run), seed, args.split)
+    """The set `args` asks for (asked), with the data of the run of `loaded`'s checkpoint or --data's, split over
+    `devices`."""
+    chosen = asked(args, loaded.cfg, loaded.data_seed)
     chosen.check(devices)  # before the data is read
+    own = loaded.cfg if loaded.cfg is not None else Config()
+    data_cfg = own.data if args.data is None else dataclasses.replace(own.data, path=args.data)
     try:
         data = data_lib.load(data_cfg, loaded.model_cfg.seq_len)
     except UserError as e:  # its fix may name a run's keys: evaluate reads the val split of another folder instead
@@ -112,17 +105,23 @@ def eval_set(loaded: model_source.Loaded, args, devices: int = 1) -> EvalSet:
     return dataclasses.replace(chosen, data=data)
 
 
-def _given_or_run(given, of_run, without_run, run: Config | None):
-    """A number of the eval set: as `given`, else the `run`'s (`of_run`), else `without_run` (without a run)."""
-    return given if given is not None else of_run if run is not None else without_run
-
-
-def _parts(args, run: Config | None) -> tuple[int, int]:
-    """(batch size, micro-batches) of the eval set `args` ask for, each not given the `run`'s (data.batch_size,
-    optim.grad_accum_steps), or without a run FOLDER_BATCH_SIZE in 1."""
+def asked(args, run: Config | None, data_seed: int | None = None) -> EvalSet:
+    """The set `args` ask for, without its data: each number not given the `run`'s (see the module's docstring), the
+    seed its `data_seed` (None: its run.seed, where a checkpoint's meta is not read yet: in range as the data seed
+    is); a model without a run needs --data."""
+    if run is None and args.data is None:
+        raise UserError(f"--from {args.from_} is a model's weights without a run's data to evaluate on: pass "
+                        f"--data FOLDER, a folder {prepare_lib.COMMAND} wrote (its val split is evaluated, or "
+                        f"--split's)")
     own = run if run is not None else Config()
-    return (_given_or_run(args.batch_size, own.data.batch_size, FOLDER_BATCH_SIZE, run),
-            _given_or_run(args.micro_batches, own.optim.grad_accum_steps, 1, run))
+
+    def pick(given, of_run, without_run):
+        return given if given is not None else of_run if run is not None else without_run
+    return EvalSet(None, pick(args.batches, own.train.eval_batches, Config().train.eval_batches),
+                   pick(args.batch_size, own.data.batch_size, FOLDER_BATCH_SIZE),
+                   pick(args.micro_batches, own.optim.grad_accum_steps, 1),
+                   pick(args.seed, data_seed if data_seed is not None else own.run.seed, Config().run.seed),
+                   args.split)
 
 
 def check_tokens(loaded: model_source.Loaded, data: data_lib.TokenData) -> None:
@@ -215,26 +214,35 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
     return compiled
 
 
-def _devices_it_splits_over(args, devices: list) -> Callable[[Config | None], list]:
-    """The rule (model_source.Devices) by which evaluate computes on as many of `devices` as each part of a batch
-    splits over evenly, of those counts the ones that split each weight of the run into the most pieces
-    (mesh.most_splitting: fsdp 2 and 6 sequences on 4 GPUs, 2 not 3), the largest. Its numbers are checked there,
-    before the weights are read."""
-    def most(run: Config | None) -> list:
-        parts = EvalSet(None, 1, *_parts(args, run), seed=0)
-        parts.check()
+def _devices_for(args, devices: list, given: bool) -> Callable[[Config | None], list]:
+    """The rule (model_source.Devices) by which evaluate takes its devices once the run is known, its numbers checked
+    there (a run's before its weights are read; a folder's before they are placed): `devices` where `given`
+    (--devices), which each part of a batch must split over; else of the counts of them each part splits over
+    evenly, the largest of those that split each weight into the most pieces (mesh.most_splitting: fsdp 2 and 6
+    sequences on 4 GPUs, 2 not 3)."""
+    def pick(run: Config | None) -> list:
+        parts = asked(args, run)
+        parts.check(len(devices) if given else 1)
+        if given:
+            return devices
         counts = [d for d in range(1, len(devices) + 1) if parts.at_a_time % d == 0]
         return devices[:max(mesh_lib.most_splitting(model_source.fsdp_of(run), counts))]
-    return most
+    return pick
 
 
-def _note_fewer(chosen: EvalSet, count: int, devices: int) -> None:
-    """Say where `chosen` is computed on `count` of this machine's `devices` (a run's micro-batches split over the
-    devices it trained on, a Hugging Face model's 8 may not)."""
-    if count < devices:
-        print(f"note: {chosen.at_a_time} sequences at a time, computed on {count} of this machine's {devices} "
-              f"devices (a --batch_size of a multiple of {devices * chosen.micro_batches} splits over all of them)",
-              file=sys.stderr)
+def _note_fewer(chosen: EvalSet, fsdp: int, count: int, devices: int) -> None:
+    """Say why `chosen` is computed on `count` of this machine's `devices` where that is fewer: its parts do not
+    split over all (a run's micro-batches split over the devices it trained on, a Hugging Face model's 8 may not),
+    or, of a run of mesh.fsdp `fsdp`, each weight is split into more pieces on fewer."""
+    if count == devices:
+        return
+    if chosen.at_a_time % devices:
+        why = f"a --batch_size of a multiple of {devices * chosen.micro_batches} splits over all of them"
+    else:
+        why = (f"each weight split over {math.gcd(fsdp, count)} of them, on all over {math.gcd(fsdp, devices)}: "
+               f"--devices {devices} computes on all")
+    print(f"note: {chosen.at_a_time} sequences at a time, computed on {count} of this machine's {devices} devices "
+          f"({why})", file=sys.stderr)
 
 
 def _too_big(chosen: EvalSet, devices: int, needs: str) -> UserError:
@@ -279,8 +287,9 @@ def _parser() -> OneLineParser:
                                              f"({Config().run.seed} without a run)")
     ap.add_argument("--devices", type=int, help="how many of this machine's devices compute (its first N): each "
                                                 "part of a batch split over them, each weight over gcd(the run's "
-                                                "mesh.fsdp, N) of them; default: the most of them each part splits "
-                                                "over evenly")
+                                                "mesh.fsdp, N) of them; default: of the counts each part splits "
+                                                "over evenly, the largest of those that split each weight into the "
+                                                "most pieces")
     return ap
 
 
@@ -288,13 +297,13 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error(), exit_on_interrupt("nothing was written"):
         args = _parser().parse_args(argv)
         devices = model_source.machine_devices(args.devices)
-        loaded = model_source.load(args, "evaluate", devices if args.devices is not None else
-                                   _devices_it_splits_over(args, devices))
+        loaded = model_source.load(args, "evaluate", _devices_for(args, devices, given=args.devices is not None))
         if (name := step_lib.non_finite_leaf(loaded.params)) is not None:
             raise UserError(f"{loaded.where} holds inf or NaN ({name}): its loss is no number; evaluate a checkpoint "
                             f"saved before its values overflowed")
-        chosen = eval_set(loaded, args, model_source.mesh_of(loaded).size)  # a count given must split it
-        _note_fewer(chosen, model_source.mesh_of(loaded).size, len(devices))
+        count = model_source.mesh_of(loaded).size
+        chosen = eval_set(loaded, args, count)
+        _note_fewer(chosen, model_source.fsdp_of(loaded.cfg), count, len(devices))
         check_tokens(loaded, chosen.data)
         eval_step = compiled_eval_step(loaded, chosen)
         print(f"{loaded.source}, {loaded.precision}: {chosen.batches} batches of {chosen.batch_size} x "

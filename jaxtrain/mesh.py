@@ -235,6 +235,7 @@ def model_mesh(fsdp: int, devices: list) -> Mesh:
 def most_splitting(fsdp: int, counts) -> list[int]:
     """Of the device `counts`, those over which model_mesh splits each weight of a run of mesh.fsdp `fsdp` into the
     most pieces (gcd(fsdp, count) the largest: fsdp 4 on up to 3 devices, 2)."""
+    counts = list(counts)
     most = max(math.gcd(fsdp, count) for count in counts)
     return [count for count in counts if math.gcd(fsdp, count) == most]
 

@@ -38,13 +38,14 @@ from jaxtrain import prepare as prepare_lib
 from jaxtrain import run_tokenizer, runfolder, torch_format
 from jaxtrain.autocast import COMPUTE_DTYPES
 from jaxtrain.config import Config, ModelConfig
-from jaxtrain.errors import UserError
+from jaxtrain.errors import NotTheCheckpoint, UserError
 
 REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to, as undecodable bytes do
 RESTORE_TRIES = 3  # reads of the newest checkpoint of a run still training, each replaced as it was read: give up
 
 # Where load puts the weights: None, on the default device; a list of devices, split over them; a rule, over those it
-# picks from the config of the run they are a checkpoint of (None for a model without a run), before they are read.
+# picks from the config of the run they are a checkpoint of (None for a model without a run), before a run's weights
+# are read (a folder's before they are placed).
 Devices = list | Callable[[Config | None], list] | None
 
 
@@ -174,8 +175,8 @@ def _restore(run_dir: str, step: int | None, command: str, devices: Devices):
         try:
             return chosen, convert.restore_step(os.path.join(run_dir, "checkpoints", str(chosen)), fix, devices,
                                                 weights_only=True)
-        except dryrun.TooBig:
-            raise  # the next newest is no smaller
+        except NotTheCheckpoint:
+            raise  # the next newest is no smaller, nor are the flags other for it
         except UserError:
             if step is not None or checkpoint_lib.saved_steps(run_dir)[-1:] == [chosen]:
                 raise

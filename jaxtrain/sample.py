@@ -27,7 +27,7 @@ It computes on this machine's devices (--devices N: its first N), each weight sp
 of them as the run split it (a run's, restored straight into that layout: a model larger than one device is sampled;
 a model without a run is whole on each), the prompts whole on each, XLA splitting each step's work as the weights
 are split; by default on the fewest that split each weight into the most pieces (the largest divisor of the run's
-mesh.fsdp up to N: more would draw the same texts again), read straight onto them.
+mesh.fsdp up to the machine's count: more would draw the same texts again), a run's read straight onto them.
 A run's end-of-run sample draws so from the params where the run holds them, every process computing. Sums split
 over devices may round otherwise than on one, so a draw may differ where two logits tie to within that rounding
 (tests/test_sample_devices.py: the same text on 4, 2 and 1 CPU devices).

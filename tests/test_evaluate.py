@@ -22,6 +22,7 @@ from jaxtrain import config, convert, dryrun, evaluate, gpt2_bpe, kernel_choice,
 from jaxtrain.errors import UserError
 from test_run import small_args
 from test_sample_from import gpt2_tokenizer_folder, hf_model
+from read_counts import COUNTING
 
 SEQ_LEN = 32  # small_args' model.seq_len, and test_sample_from's DIMS n_positions
 
@@ -320,24 +321,24 @@ def test_ctrl_c_ends_in_one_line_and_130(trained, capsys, monkeypatch, command):
 
 
 # Trains the small model on this process's devices, writes to-torch's folder of its step 4, then evaluates: the
-# params' layout as evaluate restores them, and a JSON line a command (exit code, stdout, stderr)
+# params' layout as evaluate restores them, and a JSON line a command (exit code, stdout, stderr, the device counts
+# of the checkpoints it read and of the layouts it placed weights in)
 DEVICES_SCRIPT = """
 import contextlib, io, json, sys
 import jax
-from jaxtrain import config, convert, dryrun, evaluate, mesh, model_source, run
+from jaxtrain import config, convert, dryrun, evaluate, model_source, run
 out_dir, torch_dir, *args = sys.argv[1:]
-placements, model_mesh = [], mesh.model_mesh  # the device counts weights are read or placed onto
-mesh.model_mesh = lambda fsdp, devices: placements.append(len(devices)) or model_mesh(fsdp, devices)
-run.train(config.load(args))
+""" + COUNTING + """run.train(config.load(args))
 convert.main(["to-torch", f"{out_dir}/checkpoints/4", torch_dir])
 kernel = model_source.from_run(out_dir, 8, None, "evaluate", jax.devices()).params["h"][0]["mlp"]["c_fc"]["kernel"]
 print(json.dumps({"spec": list(kernel.sharding.spec), "devices": kernel.sharding.mesh.size}))
 for argv in [["--run", out_dir], ["--run", out_dir, "--step=4"], ["--from", torch_dir],
              ["--from", f"{out_dir}/checkpoints/8"], ["--run", out_dir, "--devices=1"], ["--run", out_dir,
              "--devices=3"], ["--run", out_dir, "--batch_size=6"], ["--run", out_dir, "--devices=2",
-             "--batch_size=6"], ["--run", out_dir, "--batch_size=4096", "--micro_batches=1"]]:
+             "--batch_size=6"], ["--run", out_dir, "--batch_size=9"], ["--run", out_dir, "--batch_size=4096",
+             "--micro_batches=1"]]:
     out, err = io.StringIO(), io.StringIO()
-    placements.clear()
+    placements.clear(), reads.clear()
     if argv[-1] == "--micro_batches=1":  # a device of 64 MiB
         dryrun.device_memory = lambda device: 2**26
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -346,7 +347,8 @@ for argv in [["--run", out_dir], ["--run", out_dir, "--step=4"], ["--from", torc
             code = 0
         except SystemExit as e:
             code = e.code
-    print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue(), "placed": placements}))
+    print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue(), "placed": placements,
+                      "read": reads}))
 """
 
 
@@ -356,7 +358,8 @@ def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path,
     from the run, its step folder and to-torch's folder, bit for bit (the same sums in the same order); on one
     (--devices 1) within fp32 rounding of it (matmuls of other shapes: measured 4.8e-7 on a loss of 5.24, margin
     x10). 3 sequences at a time split over 1 of the 2 devices: read onto that one alone and computed there, with a
-    note, or refused where --devices 2 asks for both. A count past the machine's, and parts too big for the host
+    note, or refused before the checkpoint is read where --devices 2 asks for both, as is a --batch_size the run's
+    micro-batches do not divide. A count past the machine's, and parts too big for the host
     that both devices share, each refused in one line that names its fix."""
     out_dir, torch_dir = tmp_path / "run", tmp_path / "torch"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -366,11 +369,11 @@ def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path,
     layout, *results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert layout == {"spec": [None, "fsdp"], "devices": 2}  # c_fc's kernel (32, 128): its columns over fsdp=2
     logged = logged_evals(out_dir)
-    run8, run4, torch4, folder8, one, three, six, six_on_two, too_big = results
+    run8, run4, torch4, folder8, one, three, six, six_on_two, nine, too_big = results
     for result, step in [(run8, 8), (run4, 4), (torch4, 4), (folder8, 8)]:
         line = json.loads(result["out"])
         assert result["code"] == 0 and (line["eval_loss"], line["eval_accuracy"]) == logged[step], result
-        assert result["placed"] == [2], result  # read (to-torch's: placed) once, onto both
+        assert (result["read"], result["placed"]) == ([] if result is torch4 else [2], [2]), result  # once
         assert "4 sequences at a time, from the val split" in result["err"], result
         assert "seed 0, on 2 cpu devices (data 1 x fsdp 2)\n" in result["err"], result
     line = json.loads(one["out"])
@@ -379,7 +382,7 @@ def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path,
     assert six["code"] == 0 and json.loads(six["out"])["tokens"] == 2 * 6 * SEQ_LEN, six
     assert six["err"].startswith("note: 3 sequences at a time, computed on 1 of this machine's 2 devices (a "
                                  "--batch_size of a multiple of 4 splits over all of them)\n"), six
-    assert (six["placed"], one["placed"]) == ([1], [1]), (six, one)
+    assert (six["read"], six["placed"], one["read"], one["placed"]) == ([1], [1], [1], [1]), (six, one)
     assert six_on_two["err"] == ("error: --batch_size 6 in --micro_batches 2 is 3 sequences at a time, which do not "
                                  "split over 2 devices; pass --devices 1, or a --batch_size of a multiple of 4\n")
     said = re.fullmatch(r"error: evaluating 4096 sequences at a time needs (\d+\.\d+) GiB a device, (\d+\.\d+) GiB "
@@ -387,8 +390,17 @@ def test_on_two_devices_a_run_of_two_scores_what_it_logged_bit_for_bit(tmp_path,
                         r"--batch_size, or compute on one device \(--devices 1: the host then holds the weights "
                         r"once\)\n", too_big["err"])
     assert said and float(said[2]) == pytest.approx(2 * float(said[1]), abs=0.015), too_big  # 2 decimals each
-    assert [r["code"] for r in (three, six_on_two, too_big)] == [2, 2, 2]
-    assert not any(r["out"] for r in (three, six_on_two, too_big))
+    assert nine["err"].startswith("error: --batch_size 9 is not divisible by --micro_batches 2 (a run's default: its "
+                                  "optim.grad_accum_steps)"), nine
+    assert (six_on_two["read"], nine["read"]) == ([], []), (six_on_two, nine)  # refused before the checkpoint is read
+    assert [r["code"] for r in (three, six_on_two, nine, too_big)] == [2, 2, 2, 2]
+    assert not any(r["out"] for r in (three, six_on_two, nine, too_big))
+
+
+def flags(**given) -> types.SimpleNamespace:
+    """evaluate's flags, none given but `given` (a run's --run)."""
+    return types.SimpleNamespace(**{"run": "out", "from_": None, "data": None, "batches": None, "batch_size": None,
+                                    "micro_batches": None, "seed": None, "split": "val", **given})
 
 
 @pytest.mark.parametrize("fsdp,batch_size,micro_batches,count", [
@@ -398,30 +410,56 @@ def test_by_default_it_computes_on_the_most_devices_the_parts_and_the_weights_sp
     """4 devices: of the counts each part (the run's batch in its micro-batches, or without a run 8 sequences)
     splits over evenly, those that split each weight into the most pieces (gcd with the run's mesh.fsdp), the
     largest: counted here by hand."""
-    run = None
+    run, args = None, flags(run=None, from_="hf", data="data")
     if fsdp is not None:
-        run = config.Config()
+        run, args = config.Config(), flags()
         run.mesh.fsdp, run.data.batch_size, run.optim.grad_accum_steps = fsdp, batch_size, micro_batches
-    args = types.SimpleNamespace(batch_size=None, micro_batches=None)
-    assert evaluate._devices_it_splits_over(args, list("abcd"))(run) == list("abcd")[:count]
+    assert evaluate._devices_for(args, list("abcd"), given=False)(run) == list("abcd")[:count]
 
 
-@pytest.mark.parametrize("given,picked", [({}, "abc"), ({"batch_size": 8}, "abcd"), ({"micro_batches": 12}, "a"),
-                                          ({"micro_batches": 0}, "must be > 0"),
-                                          ({"batch_size": 9}, "not divisible")])
-def test_the_numbers_that_pick_the_devices_are_given_or_the_runs_and_checked_before_a_read(given, picked):
-    """A run of data.batch_size 12 in optim.grad_accum_steps 2 and fsdp 1 on 4 devices: 6 sequences at a time split
-    over 3, --batch_size 8 (in the run's 2) over 4, --micro_batches 12 over 1; numbers that make no part are refused
-    there, before the weights are read."""
+@pytest.mark.parametrize("fsdp,at_a_time,count,devices,why", [
+    (4, 6, 2, 3, "each weight split over 2 of them, on all over 1: --devices 3 computes on all"),
+    (1, 3, 1, 2, "a --batch_size of a multiple of 4 splits over all of them"),  # micro-batches 2
+    (2, 4, 4, 4, None)])
+def test_a_note_says_why_fewer_devices_compute(capsys, fsdp, at_a_time, count, devices, why):
+    """Fewer devices than the machine's compute where the parts do not split over all (then a --batch_size that
+    does), or where each weight is split into more pieces on fewer (then the count that computes on all); no note on
+    all of them."""
+    evaluate._note_fewer(evaluate.EvalSet(None, 1, 2 * at_a_time, 2, 0), fsdp, count, devices)
+    note = capsys.readouterr().err
+    assert note == ("" if why is None else
+                    f"note: {at_a_time} sequences at a time, computed on {count} of this machine's {devices} devices "
+                    f"({why})\n")
+
+
+def a_run_of_12_in_2() -> config.Config:
+    """A run of data.batch_size 12 in optim.grad_accum_steps 2, fsdp 1: 6 sequences at a time."""
     run = config.Config()
     run.mesh.fsdp, run.data.batch_size, run.optim.grad_accum_steps = 1, 12, 2
-    args = types.SimpleNamespace(**{"batch_size": None, "micro_batches": None, **given})
-    pick = evaluate._devices_it_splits_over(args, list("abcd"))
-    if len(picked) <= 4:
-        assert pick(run) == list(picked)
-    else:
-        with pytest.raises(UserError, match=picked):
-            pick(run)
+    return run
+
+
+@pytest.mark.parametrize("given,devices,picked", [({}, 4, "abc"), ({"batch_size": 8}, 4, "abcd"),
+                                                  ({"micro_batches": 12}, 4, "a"), ({}, 2, "ab")])
+def test_the_numbers_that_pick_the_devices_are_given_or_the_runs(given, devices, picked):
+    """A run of 6 sequences at a time on 4 devices: over 3 of them; --batch_size 8 (in the run's 2) over 4;
+    --micro_batches 12 over 1; --devices 2: the 2 given, 6 split over them."""
+    args = flags(**given)
+    machine = list("abcd")[:devices]
+    assert evaluate._devices_for(args, machine, given=devices < 4)(a_run_of_12_in_2()) == list(picked)
+
+
+@pytest.mark.parametrize("given,devices,refused", [
+    ({"micro_batches": 0}, None, "must be > 0"), ({"batch_size": 9}, None, "not divisible"),
+    ({"batches": 0}, None, "--batches must be > 0"), ({"seed": -1}, None, "--seed must be in"),
+    ({}, 4, "6 sequences at a time, which do not split over 4 devices; pass --devices 3"),
+    ({"run": None, "from_": "hf"}, None, "--from hf is a model's weights without a run's data")])
+def test_numbers_that_make_no_part_are_refused_before_a_read(given, devices, refused):
+    """The flags that make no eval set of the run's 12 sequences in 2 (or of a model without a run), refused in
+    the rule load calls before the weights are read, with or without --devices; their order as EvalSet.check's."""
+    run = None if "from_" in given else a_run_of_12_in_2()
+    with pytest.raises(UserError, match=re.escape(refused)):
+        evaluate._devices_for(flags(**given), list("abcd"), given=devices is not None)(run)
 
 
 @pytest.mark.parametrize("at_a_time,devices,said", [

@@ -657,10 +657,35 @@ def test_weights_too_big_for_the_devices_are_refused_at_once_though_the_run_repl
     """XLA's RESOURCE_EXHAUSTED as step 40 is read, while the run saves 60 and deletes 40: the next newest is no
     smaller, so the refusal is the memory's at once, not 60 and 80 read in turn and the run "still training"."""
     run_dir, checkpoints = _copy_of(trained, tmp_path)
-    restore = convert.restore_step
 
     def out_of_memory(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4096 bytes.")
+    monkeypatch.setattr(convert.ocp.PyTreeCheckpointHandler, "restore", out_of_memory)
+    _trainer_replacing_each_read(monkeypatch)
+    refused(capsys, ["--run", run_dir], f"checkpoint {run_dir}/checkpoints/40 needs more memory than a device has "
+                                        f"to be read")
+    assert sorted(os.listdir(checkpoints), key=int) == ["20", "60"]
+
+
+def test_flags_the_devices_rule_refuses_are_refused_at_once_though_the_run_replaced_them(trained, tmp_path,
+                                                                                         monkeypatch):
+    """The rule that picks the devices from the run's config (evaluate's) refusing the command's flags as step 40
+    is read, while the run saves 60 and deletes 40: no other checkpoint mends the flags, so the refusal is the
+    rule's at once, not 60 and 80 read in turn."""
+    run_dir, checkpoints = _copy_of(trained, tmp_path)
+
+    def no_part(run):
+        raise UserError("--batch_size 9 is not divisible by --micro_batches 2")
+    _trainer_replacing_each_read(monkeypatch)
+    with pytest.raises(UserError, match="^--batch_size 9 is not divisible by --micro_batches 2$"):
+        model_source.from_run(run_dir, None, None, "evaluate", no_part)
+    assert sorted(os.listdir(checkpoints), key=int) == ["20", "60"]
+
+
+def _trainer_replacing_each_read(monkeypatch) -> None:
+    """convert.restore_step as a run still training makes it where each read fails: meanwhile the run saves the
+    newest step N + 20 and deletes N."""
+    restore = convert.restore_step
 
     def replaced_meanwhile(step_dir, fix, devices, weights_only):
         try:
@@ -668,11 +693,7 @@ def test_weights_too_big_for_the_devices_are_refused_at_once_though_the_run_repl
         finally:
             copy_step(step_dir, int(os.path.basename(step_dir)) + 20)
             shutil.rmtree(step_dir)
-    monkeypatch.setattr(convert.ocp.PyTreeCheckpointHandler, "restore", out_of_memory)
     monkeypatch.setattr(convert, "restore_step", replaced_meanwhile)
-    refused(capsys, ["--run", run_dir], f"checkpoint {run_dir}/checkpoints/40 needs more memory than a device has "
-                                        f"to be read")
-    assert sorted(os.listdir(checkpoints), key=int) == ["20", "60"]
 
 
 def test_a_corrupt_newest_checkpoint_still_listed_is_named_corrupt_not_still_training(trained, tmp_path, capsys):

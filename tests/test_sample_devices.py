@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from test_run import small_args
+from read_counts import COUNTING
 from jaxtrain import config, dryrun, model_source, run, sample
 from jaxtrain.errors import UserError
 
@@ -27,13 +28,11 @@ PROMPT = "def "
 SCRIPT = """
 import contextlib, io, json, sys
 import jax, numpy as np, orbax.checkpoint as ocp
-from jaxtrain import config, mesh, model, model_source, run, sample
+from jaxtrain import config, model, model_source, run, sample
 from jaxtrain.errors import UserError
 out_dir, *args = sys.argv[1:]
 meshes, drawn = [], sample.drawer
-placements, model_mesh = [], mesh.model_mesh  # the device counts weights are read or placed onto
-mesh.model_mesh = lambda fsdp, devices: placements.append(len(devices)) or model_mesh(fsdp, devices)
-
+""" + COUNTING + """
 
 def recording(params, *rest, **options):
     sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)  # None: host arrays (gathered)
@@ -48,10 +47,11 @@ with contextlib.redirect_stdout(out):
 print(json.dumps({"mesh": meshes[-1], "out": out.getvalue()}))
 for argv in [["--devices=4"], [], ["--devices=1"]]:
     out, err = io.StringIO(), io.StringIO()
-    placements.clear()
+    placements.clear(), reads.clear()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         sample.main(["--run", out_dir, "--prompt", "def ", "--max_new_tokens=40", *argv])
-    print(json.dumps({"mesh": meshes[-1], "out": out.getvalue(), "err": err.getvalue(), "placed": placements}))
+    print(json.dumps({"mesh": meshes[-1], "out": out.getvalue(), "err": err.getvalue(), "placed": placements,
+                      "read": reads}))
 for devices in (jax.devices(), jax.devices()[:1]):
     loaded = model_source.from_run(out_dir, None, None, "sample", devices)
     graphdef = model.graphdef(loaded.model_cfg, vocab_size=loaded.model_cfg.vocab_size, precision="fp32")
@@ -94,7 +94,7 @@ def test_on_four_devices_the_sample_is_drawn_where_the_weights_are_and_reads_as_
                                                             if line.startswith("{")]
     assert end_of_run["mesh"] == on_four["mesh"] == {"data": 2, "fsdp": 2}, end_of_run
     assert (on_two["mesh"], on_one["mesh"]) == ({"data": 1, "fsdp": 2}, {"data": 1, "fsdp": 1})
-    assert [on["placed"] for on in (on_four, on_two, on_one)] == [[4], [2], [1]]  # each read once, where drawn
+    assert [(on["read"], on["placed"]) for on in (on_four, on_two, on_one)] == [([4], [4]), ([2], [2]), ([1], [1])]
     text = end_of_run["out"].split("step 8: eval loss ")[1].split("\n", 1)[1]  # after the last step's eval line
     assert text.startswith(PROMPT) and len(text) > len(PROMPT) + 1, end_of_run
     assert on_four["out"] == on_two["out"] == on_one["out"] == text, (on_four, on_two, on_one, text)
