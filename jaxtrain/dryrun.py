@@ -193,8 +193,13 @@ def more_memory(device, copies: int = 1) -> str:
     if device.platform != "cpu":
         return "devices with more memory, or the host's (JAX_PLATFORMS=cpu)"
     if copies > 1:
-        return "one device (--devices 1: the host then holds the weights once), or a machine with more memory"
+        return f"{one_device()}, or a machine with more memory"
     return "a machine with more memory"
+
+
+def one_device(holds: str = "the weights") -> str:
+    """The lever of CPU devices that each hold their copy of `holds`: they share the host's memory."""
+    return f"one device (--devices 1: the host then holds {holds} once)"
 
 
 @contextlib.contextmanager

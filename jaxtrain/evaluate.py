@@ -256,7 +256,7 @@ def _too_big(chosen: EvalSet, devices: int, needs: str) -> UserError:
     if more and machine[0].platform != "cpu":
         levers.append(f"split each part over more of this machine's {len(machine)} devices (--devices {more[-1]})")
     if devices > 1 and machine[0].platform == "cpu":
-        levers.append("compute on one device (--devices 1: the host then holds the weights once)")
+        levers.append(f"compute on {dryrun.one_device()}")
     fix = ", or ".join(levers) or f"one sequence a device is the least: evaluate on {dryrun.more_memory(machine[0])}"
     return UserError(f"evaluating {chosen.at_a_time} sequence{'s' if chosen.at_a_time > 1 else ''} at a time "
                      f"{needs}; {fix}")

@@ -262,8 +262,7 @@ def _too_big(sampling: Sampling, mesh, needs: str) -> UserError:
     n = sampling.num_samples
     levers = ["lower --num_samples (each text holds its own KV cache)"] if n > 1 else []
     if mesh.size > 1 and mesh.devices.flat[0].platform == "cpu":
-        levers.append("compute on one device (--devices 1: the host then holds the KV caches, and what is not "
-                      "split, once)")
+        levers.append(f"compute on {dryrun.one_device('the KV caches, and what is not split,')}")
     fix = ", or ".join(levers) or f"one text is the least: sample on {dryrun.more_memory(mesh.devices.flat[0])}"
     return UserError(f"drawing {n} text{'s' if n > 1 else ''} at a time {needs}; {fix}")
 
