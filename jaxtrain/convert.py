@@ -176,9 +176,9 @@ def restore_step(step_dir: str, fix: str | None = None, devices: list | Callable
                  weights_only: bool = False):
     """(state, config, meta) of a jaxtrain step folder (checkpoint_kind.check_jaxtrain_step), restored on one device
     (or split over `devices`, or over those it picks from the run's config, as mesh.model_mesh lays a model out for
-    its run's mesh.fsdp) and checked against its fingerprint, as a resume checks it: one that cannot be read or does
-    not match is refused with `fix`, what the caller's user can do instead (by default, convert another of the run's
-    steps, which are listed only then).
+    its run's mesh.fsdp; its refusal is a NotTheCheckpoint) and checked against its fingerprint, as a resume checks
+    it: one that cannot be read or does not match is refused with `fix`, what the caller's user can do instead (by
+    default, convert another of the run's steps, which are listed only then).
     weights_only: the state is Weights, the arrays read and checked those alone (orbax's partial restore)."""
     root, name = runfolder.parent_and_name(os.fspath(runfolder.path(step_dir)))  # a bucket's too (gs://)
     step = int(name)
@@ -195,7 +195,7 @@ def restore_step(step_dir: str, fix: str | None = None, devices: list | Callable
     if callable(devices):  # picked before the weights are read, so they are read once, where they are computed
         try:
             devices = devices(cfg)
-        except UserError as e:  # the command's flags, refused for this run: no other checkpoint of it mends them
+        except UserError as e:  # the command's flags, refused for the run's config as this checkpoint records it
             raise NotTheCheckpoint(str(e)) from None
     mesh = mesh_lib.one_device_mesh() if devices is None else mesh_lib.model_mesh(cfg.mesh.fsdp, devices)
     target = checkpoint_lib.abstract_state(_for_shapes(cfg), cfg.model.vocab_size, mesh)

@@ -91,9 +91,9 @@ class EvalSet:
 
 
 def eval_set(loaded: model_source.Loaded, args, devices: int = 1) -> EvalSet:
-    """The set `args` asks for (asked), with the data of the run of `loaded`'s checkpoint or --data's, split over
+    """The set `args` asks for (_asked), with the data of the run of `loaded`'s checkpoint or --data's, split over
     `devices`."""
-    chosen = asked(args, loaded.cfg, loaded.data_seed)
+    chosen = _asked(args, loaded.cfg, loaded.data_seed)
     chosen.check(devices)  # before the data is read
     own = loaded.cfg if loaded.cfg is not None else Config()
     data_cfg = own.data if args.data is None else dataclasses.replace(own.data, path=args.data)
@@ -105,10 +105,10 @@ def eval_set(loaded: model_source.Loaded, args, devices: int = 1) -> EvalSet:
     return dataclasses.replace(chosen, data=data)
 
 
-def asked(args, run: Config | None, data_seed: int | None = None) -> EvalSet:
+def _asked(args, run: Config | None, data_seed: int | None = None) -> EvalSet:
     """The set `args` ask for, without its data: each number not given the `run`'s (see the module's docstring), the
-    seed its `data_seed` (None: its run.seed, where a checkpoint's meta is not read yet: in range as the data seed
-    is); a model without a run needs --data."""
+    seed its `data_seed` (None: its run.seed, a stand-in for the range check where only the run's config is at hand,
+    as in _devices_for's rule); a model without a run needs --data."""
     if run is None and args.data is None:
         raise UserError(f"--from {args.from_} is a model's weights without a run's data to evaluate on: pass "
                         f"--data FOLDER, a folder {prepare_lib.COMMAND} wrote (its val split is evaluated, or "
@@ -216,31 +216,35 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
 
 def _devices_for(args, devices: list, given: bool) -> Callable[[Config | None], list]:
     """The rule (model_source.Devices) by which evaluate takes its devices once the run is known, its numbers checked
-    there (a run's before its weights are read; a folder's before they are placed): `devices` where `given`
+    there, before the weights are read: `devices` where `given`
     (--devices), which each part of a batch must split over; else of the counts of them each part splits over
     evenly, the largest of those that split each weight into the most pieces (mesh.most_splitting: fsdp 2 and 6
     sequences on 4 GPUs, 2 not 3)."""
-    def pick(run: Config | None) -> list:
-        parts = asked(args, run)
+    def devices_of(run: Config | None) -> list:
+        parts = _asked(args, run)
         parts.check(len(devices) if given else 1)
         if given:
             return devices
         counts = [d for d in range(1, len(devices) + 1) if parts.at_a_time % d == 0]
         return devices[:max(mesh_lib.most_splitting(model_source.fsdp_of(run), counts))]
-    return pick
+    return devices_of
 
 
 def _note_fewer(chosen: EvalSet, fsdp: int, count: int, devices: int) -> None:
-    """Say why `chosen` is computed on `count` of this machine's `devices` where that is fewer: its parts do not
-    split over all (a run's micro-batches split over the devices it trained on, a Hugging Face model's 8 may not),
-    or, of a run of mesh.fsdp `fsdp`, each weight is split into more pieces on fewer."""
+    """Say why `chosen` is computed on `count` of this machine's `devices` where that is fewer: each weight of a run
+    of mesh.fsdp `fsdp` is split into more pieces on fewer (then --devices computes on all, with a batch its parts
+    split over), or its parts do not split over all (a run's micro-batches split over the devices it trained on, a
+    Hugging Face model's 8 may not)."""
     if count == devices:
         return
-    if chosen.at_a_time % devices:
-        why = f"a --batch_size of a multiple of {devices * chosen.micro_batches} splits over all of them"
+    split_here, split_on_all = math.gcd(fsdp, count), math.gcd(fsdp, devices)
+    batch = f"a --batch_size of a multiple of {devices * chosen.micro_batches}"
+    if split_here > split_on_all:
+        also = f" with {batch}" if chosen.at_a_time % devices else ""
+        why = (f"each weight split over {split_here} of them, on all over {split_on_all}: --devices {devices}{also} "
+               f"computes on all")
     else:
-        why = (f"each weight split over {math.gcd(fsdp, count)} of them, on all over {math.gcd(fsdp, devices)}: "
-               f"--devices {devices} computes on all")
+        why = f"{batch} splits over all of them"
     print(f"note: {chosen.at_a_time} sequences at a time, computed on {count} of this machine's {devices} devices "
           f"({why})", file=sys.stderr)
 

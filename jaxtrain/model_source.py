@@ -44,8 +44,7 @@ REPLACEMENT = "\ufffd".encode()  # what an id no tokenizer token has decodes to,
 RESTORE_TRIES = 3  # reads of the newest checkpoint of a run still training, each replaced as it was read: give up
 
 # Where load puts the weights: None, on the default device; a list of devices, split over them; a rule, over those it
-# picks from the config of the run they are a checkpoint of (None for a model without a run), before a run's weights
-# are read (a folder's before they are placed).
+# picks from the config of the run they are a checkpoint of (None for a model without a run), before they are read.
 Devices = list | Callable[[Config | None], list] | None
 
 
@@ -218,19 +217,23 @@ def from_folder(src: str, precision: str | None, command: str, devices: Devices 
     if found == checkpoint_kind.TORCH and os.path.exists(os.path.join(src, checkpoint_kind.TRAINER_STATE)):
         trainer_state = checkpoint_kind.read_trainer_state(src)  # to-torch's, torchref's
         cfg = checkpoint_model.written_config(src, trainer_state)
+        devices = _picked(devices, cfg)  # before the weights are read
         params = torch_format.load_params(src, _template(cfg.model), lambda shapes: checkpoint_model.model_keys_hint(
             shapes, cfg.model, checkpoint_kind.TRAINER_STATE))
         meta = {"data_fingerprint": trainer_state.get("data_fingerprint"), "data_seed": trainer_state["data"]["seed"]}
         return placed(_of_run(params, cfg, trainer_state["step"], meta, precision, src), devices)
+    devices = _picked(devices, None)  # before the weights are read
     return placed(_from_hf(src, found, precision), devices)
 
 
-def placed(loaded: Loaded, devices: Devices) -> Loaded:
-    """`loaded` as it is (None: on the default device), or with its params split over `devices` (or those they pick
-    from its run's config) as mesh.model_mesh lays out a model of its run's mesh.fsdp (1 without a run: a Hugging
-    Face model whole on each)."""
-    if callable(devices):
-        devices = devices(loaded.cfg)
+def _picked(devices: Devices, run: Config | None) -> list | None:
+    """The devices `devices` names for a model of the `run` (None: without one)."""
+    return devices(run) if callable(devices) else devices
+
+
+def placed(loaded: Loaded, devices: list | None) -> Loaded:
+    """`loaded` as it is (None: on the default device), or with its params split over `devices` as mesh.model_mesh
+    lays out a model of its run's mesh.fsdp (1 without a run: a Hugging Face model whole on each)."""
     if devices is None:
         return loaded
     mesh = mesh_lib.model_mesh(fsdp_of(loaded.cfg), devices)

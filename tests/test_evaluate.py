@@ -208,11 +208,13 @@ def test_a_tokenizer_name_says_the_ids_only_when_it_is_one_of_prepares(trained, 
     assert "note:" not in err, err
 
 
-def test_what_it_cannot_evaluate_is_refused_in_one_line(trained, tmp_path, capsys):
+def test_what_it_cannot_evaluate_is_refused_in_one_line(trained, tmp_path, capsys, monkeypatch):
     first, _, torch_dir = trained
     hf_model(tmp_path / "hf", 256)
-    refused(capsys, ["--from", str(tmp_path / "hf")], f"error: --from {tmp_path / 'hf'} is a model's weights "
-                                                      f"without a run's data to evaluate on: pass --data FOLDER")
+    with monkeypatch.context() as reading:  # a model without a run's data: refused before its weights are read
+        reading.setattr(model_source, "_from_hf", lambda *args: pytest.fail("the weights were read"))
+        refused(capsys, ["--from", str(tmp_path / "hf")], f"error: --from {tmp_path / 'hf'} is a model's weights "
+                                                          f"without a run's data to evaluate on: pass --data FOLDER")
     refused(capsys, ["--from", str(first)], f"error: --from {first} is a jaxtrain run folder; evaluate it with "
                                             f"--run {first}")
     refused(capsys, ["--from", str(torch_dir), "--step=4"], "error: --step picks a checkpoint of --run")
@@ -338,7 +340,8 @@ for argv in [["--run", out_dir], ["--run", out_dir, "--step=4"], ["--from", torc
              "--batch_size=6"], ["--run", out_dir, "--batch_size=9"], ["--run", out_dir, "--batch_size=4096",
              "--micro_batches=1"]]:
     out, err = io.StringIO(), io.StringIO()
-    placements.clear(), reads.clear()
+    placements.clear()
+    reads.clear()
     if argv[-1] == "--micro_batches=1":  # a device of 64 MiB
         dryrun.device_memory = lambda device: 2**26
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -419,12 +422,15 @@ def test_by_default_it_computes_on_the_most_devices_the_parts_and_the_weights_sp
 
 @pytest.mark.parametrize("fsdp,at_a_time,count,devices,why", [
     (4, 6, 2, 3, "each weight split over 2 of them, on all over 1: --devices 3 computes on all"),
-    (1, 3, 1, 2, "a --batch_size of a multiple of 4 splits over all of them"),  # micro-batches 2
+    (2, 4, 2, 3, "each weight split over 2 of them, on all over 1: --devices 3 with a --batch_size of a multiple of "
+                 "6 computes on all"),  # micro-batches 2; 4 do not split over 3
+    (1, 3, 1, 2, "a --batch_size of a multiple of 4 splits over all of them"),
+    (4, 5, 1, 6, "a --batch_size of a multiple of 12 splits over all of them"),  # on all over 2, here over 1
     (2, 4, 4, 4, None)])
 def test_a_note_says_why_fewer_devices_compute(capsys, fsdp, at_a_time, count, devices, why):
-    """Fewer devices than the machine's compute where the parts do not split over all (then a --batch_size that
-    does), or where each weight is split into more pieces on fewer (then the count that computes on all); no note on
-    all of them."""
+    """Fewer devices than the machine's compute where each weight is split into more pieces on fewer (then the
+    count that computes on all, with a --batch_size its parts split over where they do not), or where the parts do
+    not split over all (then a --batch_size that does); no note on all of them."""
     evaluate._note_fewer(evaluate.EvalSet(None, 1, 2 * at_a_time, 2, 0), fsdp, count, devices)
     note = capsys.readouterr().err
     assert note == ("" if why is None else
@@ -432,34 +438,44 @@ def test_a_note_says_why_fewer_devices_compute(capsys, fsdp, at_a_time, count, d
                     f"({why})\n")
 
 
-def a_run_of_12_in_2() -> config.Config:
-    """A run of data.batch_size 12 in optim.grad_accum_steps 2, fsdp 1: 6 sequences at a time."""
+def a_run_of_12_in_2(fsdp: int = 1) -> config.Config:
+    """A run of data.batch_size 12 in optim.grad_accum_steps 2 and mesh.fsdp `fsdp`: 6 sequences at a time."""
     run = config.Config()
-    run.mesh.fsdp, run.data.batch_size, run.optim.grad_accum_steps = 1, 12, 2
+    run.mesh.fsdp, run.data.batch_size, run.optim.grad_accum_steps = fsdp, 12, 2
     return run
 
 
-@pytest.mark.parametrize("given,devices,picked", [({}, 4, "abc"), ({"batch_size": 8}, 4, "abcd"),
-                                                  ({"micro_batches": 12}, 4, "a"), ({}, 2, "ab")])
-def test_the_numbers_that_pick_the_devices_are_given_or_the_runs(given, devices, picked):
-    """A run of 6 sequences at a time on 4 devices: over 3 of them; --batch_size 8 (in the run's 2) over 4;
-    --micro_batches 12 over 1; --devices 2: the 2 given, 6 split over them."""
-    args = flags(**given)
+@pytest.mark.parametrize("given,fsdp,devices,picked", [
+    ({}, 1, None, "abc"), ({"batch_size": 8}, 1, None, "abcd"), ({"micro_batches": 12}, 1, None, "a"),
+    ({}, 1, 2, "ab"), ({}, 4, None, "ab"), ({}, 4, 3, "abc")])
+def test_the_numbers_that_pick_the_devices_are_given_or_the_runs(given, fsdp, devices, picked):
+    """A run of 6 sequences at a time on 4 devices: with fsdp 1 over 3 of them, --batch_size 8 (in the run's 2) over
+    4, --micro_batches 12 over 1; with fsdp 4 over the 2 that split each weight in half; --devices N: its first N
+    (3 with fsdp 4, where the default takes 2)."""
     machine = list("abcd")[:devices]
-    assert evaluate._devices_for(args, machine, given=devices < 4)(a_run_of_12_in_2()) == list(picked)
+    assert evaluate._devices_for(flags(**given), machine, given=devices is not None)(a_run_of_12_in_2(fsdp)) == \
+        list(picked)
 
 
-@pytest.mark.parametrize("given,devices,refused", [
-    ({"micro_batches": 0}, None, "must be > 0"), ({"batch_size": 9}, None, "not divisible"),
-    ({"batches": 0}, None, "--batches must be > 0"), ({"seed": -1}, None, "--seed must be in"),
-    ({}, 4, "6 sequences at a time, which do not split over 4 devices; pass --devices 3"),
-    ({"run": None, "from_": "hf"}, None, "--from hf is a model's weights without a run's data")])
-def test_numbers_that_make_no_part_are_refused_before_a_read(given, devices, refused):
+@pytest.mark.parametrize("given,refused", [
+    ({"micro_batches": 0}, "must be > 0"), ({"batch_size": 9}, "not divisible"),
+    ({"batches": 0}, "--batches must be > 0"), ({"seed": -1}, "--seed must be in"),
+    ({"batch_size": 9, "seed": -1}, "not divisible"), ({"batches": 0, "micro_batches": 0}, "--batches must be > 0"),
+    ({"run": None, "from_": "hf"}, "--from hf is a model's weights without a run's data")])
+@pytest.mark.parametrize("devices", [None, 2])
+def test_numbers_that_make_no_eval_set_are_refused_before_a_read(given, refused, devices):
     """The flags that make no eval set of the run's 12 sequences in 2 (or of a model without a run), refused in
-    the rule load calls before the weights are read, with or without --devices; their order as EvalSet.check's."""
+    the rule load calls before the weights are read, with or without --devices (2, which 6 sequences split over),
+    the first of two faults as EvalSet.check finds it."""
     run = None if "from_" in given else a_run_of_12_in_2()
     with pytest.raises(UserError, match=re.escape(refused)):
-        evaluate._devices_for(flags(**given), list("abcd"), given=devices is not None)(run)
+        evaluate._devices_for(flags(**given), list("abcd")[:devices], given=devices is not None)(run)
+
+
+def test_parts_that_do_not_split_over_the_devices_given_are_refused_before_a_read():
+    with pytest.raises(UserError, match=re.escape("6 sequences at a time, which do not split over 4 devices; pass "
+                                                  "--devices 3")):
+        evaluate._devices_for(flags(), list("abcd"), given=True)(a_run_of_12_in_2())
 
 
 @pytest.mark.parametrize("at_a_time,devices,said", [
