@@ -182,6 +182,27 @@ def shortfall(compiled, mesh) -> str | None:
     return f"needs {need / GIB:.2f} GiB a device{together} and {has} {limit / GIB:.2f} GiB"
 
 
+def room_left(device) -> int | None:
+    """The bytes `device` has free beside what it holds now, as a GPU or TPU reports them (bytes_limit less
+    bytes_in_use); None where it reports none (a CPU)."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def shortfall_beside(compiled, mesh) -> str | None:
+    """Where `compiled`, whose arguments the devices of `mesh` hold already (a run's params, beside its optimizer
+    state), needs more memory than one of this process's has left (room_left), in words: its temporaries and
+    outputs against the least room. None where it fits, or where no device reports its room."""
+    stats = compiled.memory_analysis()
+    need = stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+    rooms = [room for device in mesh.local_devices if (room := room_left(device)) is not None]
+    if not rooms or need <= min(rooms):
+        return None
+    return f"needs {need / GIB:.2f} GiB a device beside what it holds and one has {min(rooms) / GIB:.2f} GiB left"
+
+
 class TooBig(NotTheCheckpoint):
     """Weights that need more memory than the devices they are read or placed onto have."""
 

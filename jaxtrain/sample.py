@@ -215,18 +215,19 @@ def prompt_ids(tok: Tokenizer, prompt: str, sampling: Sampling, vocab_size: int)
 
 
 def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str,
-                 sampling: Sampling, check_memory: bool = True) -> list[str]:
+                 sampling: Sampling, shortfall=dryrun.shortfall) -> list[str]:
     """The prompt and its continuation, as text, sampling.num_samples times, from the model `model_cfg` with `params`
     computing in `precision` (drawer's, drawn at once)."""
-    return drawer(params, model_cfg, precision, tok, prompt, sampling, check_memory)()
+    return drawer(params, model_cfg, precision, tok, prompt, sampling, shortfall)()
 
 
 def drawer(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str, sampling: Sampling,
-           check_memory: bool = True) -> Callable[[], list[str]]:
+           shortfall=dryrun.shortfall) -> Callable[[], list[str]]:
     """sample_texts compiled: a function that draws the texts. Refused in one line before that where the prompt
-    does not fit (prompt_ids) or, with `check_memory`, where the texts need more memory at once than a device has
-    (this process's judgement alone: not for a run of several processes, which must all draw or none); on any, an
-    allocator's refusal at the compile or the draw is the same line.
+    does not fit (prompt_ids) or where the texts need more memory at once than a device has (`shortfall` of the
+    compiled generator and its mesh: what it needs, in words, or None; dryrun.shortfall's judgement is this
+    process's alone, not for a run of several processes, which must all draw or none); on any, an allocator's
+    refusal at the compile or the draw is the same line.
 
     Attention is the written-out one (model.attention xla), which the cached steps take whatever the config says:
     one computation for the whole text, and cuDNN's kernel is no choice on a machine without a GPU. So is c_fc with
@@ -245,7 +246,7 @@ def drawer(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, promp
     with out_of_memory():  # XLA:TPU refuses at compile time what does not fit
         compiled = generator(graphdef, model_cfg, precision, sampling, stop_id, whole).lower(params, prompts)
         compiled = compiled.compile()
-    if check_memory and (needs := dryrun.shortfall(compiled, mesh)) is not None:
+    if (needs := shortfall(compiled, mesh)) is not None:
         raise _too_big(sampling, mesh, needs)
 
     def draw() -> list[str]:
@@ -300,10 +301,10 @@ def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer, is_main: 
     trained: every process computes, a collective; never gathered whole onto one device), printed on stdout by the
     main process, as `python -m jaxtrain.sample` prints it."""
     sampling = Sampling(max_new_tokens=cfg.log.sample_tokens, seed=cfg.run.seed)
-    try:  # no check before: XLA's count leaves out the trained state, which stays; an allocator's refusal is caught
+    try:
         [text] = sample_texts(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling,
-                              check_memory=False)
-    except UserError:  # the prompt and the token count were checked at the start: the allocator's refusal
+                              shortfall=_short_beside_the_run)
+    except UserError:  # the prompt and the token count were checked at the start: the memory's refusal
         again = (f"python -m jaxtrain.sample --run {shlex.quote(cfg.run.out_dir)}"
                  f"{_prompt_flag(cfg.log.sample_prompt)} --max_new_tokens {cfg.log.sample_tokens} "
                  f"--seed {cfg.run.seed}")
@@ -315,6 +316,17 @@ def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer, is_main: 
     print(f"sample ({cfg.log.sample_tokens} tokens, temperature {sampling.temperature}, top_k {sampling.top_k}):",
           file=sys.stderr)
     print(text, flush=True)
+
+
+def _short_beside_the_run(compiled, mesh) -> str | None:
+    """The end-of-run sample's check of memory: what a device has left beside the trained state, which stays
+    (dryrun.shortfall_beside: XLA's count of the generator leaves that state out), agreed by every process, so that
+    all draw or none (one refusing alone would leave the others in the sample's collectives until JAX's heartbeat
+    time-out aborts them). An allocator's refusal is still caught after it."""
+    needs = dryrun.shortfall_beside(compiled, mesh)
+    if not mesh_lib.each_process(np.asarray([needs is not None], np.uint8)).any():
+        return None
+    return needs or "needs more memory than a device of another process has left"
 
 
 def _before_stop(tokens: np.ndarray, prompt_len: int, stop_id: int | None) -> np.ndarray:

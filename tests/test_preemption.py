@@ -148,10 +148,15 @@ def wait_for_a_logged_step(out_dir, timeout_s: float = 300.0) -> None:
 PAIR_STEPS = 30
 
 
+def pair_args(out_dir, cache_dir, *extra) -> list[str]:
+    """jaxtrain.run's arguments for each process of two_processes' run."""
+    return [*SMALL, f"--run.out_dir={out_dir}", f"--data.cache_dir={cache_dir}", "--mesh.fsdp=2",
+            f"--train.steps={PAIR_STEPS}", f"--checkpoint.every={PAIR_STEPS // 2}",
+            f"--train.eval_every={PAIR_STEPS // 2}", *extra]
+
+
 def two_processes(out_dir, cache_dir, *extra):
-    cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *SMALL, f"--run.out_dir={out_dir}",
-           f"--data.cache_dir={cache_dir}", "--mesh.fsdp=2", f"--train.steps={PAIR_STEPS}",
-           f"--checkpoint.every={PAIR_STEPS // 2}", f"--train.eval_every={PAIR_STEPS // 2}", *extra]
+    cmd = [sys.executable, "-u", "-m", "jaxtrain.run", *pair_args(out_dir, cache_dir, *extra)]
     return start_processes([cmd] * 2, 2, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -294,6 +299,27 @@ def test_a_signal_during_the_last_step_ends_the_complete_run_at_once(tmp_path, c
         run.train(config.load(small_args(out_dir, cache_dir)))
     assert exited.value.args == (signal.SIGTERM, "SIGTERM: stopping now; the run is trained and saved at step 8")
     assert "saved step" not in capsys.readouterr().err and checkpoint.saved_steps(out_dir)[-1] == 8
+
+
+@pytest.mark.slow
+def test_an_end_of_run_sample_one_host_has_no_room_for_is_refused_by_both(tmp_path, cache_dir):
+    """Process 1's devices report no memory left beside the trained state (its dryrun.room_left 0; CPU devices
+    report none): both refuse the end-of-run sample in the same line, the run saved, and end at once with exit 2.
+    Process 1 alone refused, and process 0 drew, waiting in the sample's collectives for a peer gone until JAX's
+    heartbeat time-out aborted it."""
+    out_dir = str(tmp_path / "run")
+    args = pair_args(out_dir, cache_dir, "--log.sample_tokens=40")
+    patched = ("import sys; from jaxtrain import dryrun, run; dryrun.room_left = lambda device: 0; "
+               "run.main(sys.argv[1:])")
+    procs = start_processes([[sys.executable, "-u", "-m", "jaxtrain.run", *args],
+                             [sys.executable, "-u", "-c", patched, *args]], 2, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    (code0, out0, err0), (code1, out1, err1) = finish(procs, 300)
+    refusal = (f"error: the end-of-run sample (log.sample_tokens=40) needs more memory than a device has beside the "
+               f"trained state; the run is trained and saved: draw it with `python -m jaxtrain.sample --run "
+               f"{out_dir} --prompt='def ' --max_new_tokens 40 --seed 0`")  # tiny.yaml's prompt
+    assert (code0, code1) == (2, 2) and refusal in err0 and refusal in err1, (err0[-2000:], err1[-2000:])
+    assert checkpoint.saved_steps(out_dir)[-1] == PAIR_STEPS and "sample (40 tokens" not in err0 + err1
 
 
 @pytest.mark.slow

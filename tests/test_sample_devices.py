@@ -47,7 +47,8 @@ with contextlib.redirect_stdout(out):
 print(json.dumps({"mesh": meshes[-1], "out": out.getvalue()}))
 for argv in [["--devices=4"], [], ["--devices=1"]]:
     out, err = io.StringIO(), io.StringIO()
-    placements.clear(), reads.clear()
+    placements.clear()
+    reads.clear()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         sample.main(["--run", out_dir, "--prompt", "def ", "--max_new_tokens=40", *argv])
     print(json.dumps({"mesh": meshes[-1], "out": out.getvalue(), "err": err.getvalue(), "placed": placements,
@@ -185,18 +186,23 @@ def test_the_refusal_names_the_levers_there_are(texts, devices, fix):
     assert str(refusal) == said
 
 
+@pytest.mark.parametrize("refused_by", ["allocator", "room left"])
 def test_an_end_of_run_sample_the_allocator_refuses_names_the_command_that_draws_it(tmp_path, cache_dir,
-                                                                                   monkeypatch):
-    """XLA's RESOURCE_EXHAUSTED when the end-of-run sample compiles: one line that says the run is saved and gives
-    the `jaxtrain.sample` command drawing that same sample (its prompt quoted for the shell), and the run's last
-    checkpoint is there."""
+                                                                                   monkeypatch, refused_by):
+    """XLA's RESOURCE_EXHAUSTED when the end-of-run sample compiles, or devices that report no room left beside the
+    trained state (a GPU's bytes_limit less its bytes_in_use; CPU devices report none): one line that says the run
+    is saved and gives the `jaxtrain.sample` command drawing that same sample (its prompt quoted for the shell),
+    and the run's last checkpoint is there."""
     class Refused:
         def lower(self, *args):
             return self
 
         def compile(self):
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes")
-    monkeypatch.setattr(sample, "generator", lambda *args: Refused())
+    if refused_by == "allocator":
+        monkeypatch.setattr(sample, "generator", lambda *args: Refused())
+    else:
+        monkeypatch.setattr(dryrun, "room_left", lambda device: 0)
     out_dir = str(tmp_path / "run")
     with pytest.raises(UserError) as refused:
         run.train(config.load(small_args(out_dir, cache_dir, "--log.sample_tokens=7", "--log.sample_prompt=it's",
@@ -206,6 +212,33 @@ def test_an_end_of_run_sample_the_allocator_refuses_names_the_command_that_draws
         f"the run is trained and saved: draw it with `python -m jaxtrain.sample --run {out_dir} --prompt="
         f"""'it'"'"'s' --max_new_tokens 7 --seed 3`, or train without it: --log.sample_tokens=0""")
     assert "8" in os.listdir(os.path.join(out_dir, "checkpoints"))  # train.steps=8
+
+
+def gpu(limit: float, in_use: float | None = None) -> types.SimpleNamespace:
+    """A device that reports its memory as a GPU does (GiB; None: no bytes_in_use)."""
+    stats = {"bytes_limit": int(limit * 2**30)} | ({} if in_use is None else {"bytes_in_use": int(in_use * 2**30)})
+    return types.SimpleNamespace(platform="gpu", memory_stats=lambda: stats)
+
+
+def test_the_room_a_device_has_left_is_its_limit_less_what_it_holds():
+    assert dryrun.room_left(gpu(80, 70.5)) == int(80 * 2**30) - int(70.5 * 2**30)
+    assert dryrun.room_left(gpu(16)) == 16 * 2**30  # nothing said in use
+    assert dryrun.room_left(types.SimpleNamespace(platform="gpu", memory_stats=lambda: None)) is None
+    assert dryrun.room_left(types.SimpleNamespace(platform="tpu", memory_stats=lambda: {"bytes_in_use": 1})) is None
+    assert dryrun.room_left(jax.devices("cpu")[0]) is None
+
+
+@pytest.mark.parametrize("rooms,said", [
+    ((4.5, 5), None), ((5, 3.5), "needs 4.00 GiB a device beside what it holds and one has 3.50 GiB left"),
+    ((), None)])
+def test_what_the_sample_needs_beside_what_the_devices_hold(rooms, said):
+    """3 GiB of temporaries and 1.5 of outputs, 0.5 of them donated in place: 4 GiB beside the 100 GiB of arguments
+    the devices hold already, against the least room of this process's devices; none where none reports it."""
+    analysis = types.SimpleNamespace(temp_size_in_bytes=3 * 2**30, output_size_in_bytes=int(1.5 * 2**30),
+                                     alias_size_in_bytes=2**29, argument_size_in_bytes=100 * 2**30)
+    compiled = types.SimpleNamespace(memory_analysis=lambda: analysis)
+    mesh = types.SimpleNamespace(local_devices=[gpu(80, 80 - room) for room in rooms])
+    assert dryrun.shortfall_beside(compiled, mesh) == said
 
 
 @pytest.mark.parametrize("prompt", ["it's", "-x", "a\nb", "tab\there 'q' \\ $HOME", "é\x1b[0m\u2028", " "])
