@@ -183,12 +183,13 @@ def shortfall(compiled, mesh) -> str | None:
 
 
 def room_left(device) -> int | None:
-    """The bytes `device` has free beside what it holds now, as a GPU or TPU reports them (bytes_limit less
-    bytes_in_use); None where it reports none (a CPU)."""
+    """The bytes `device` has free beside what it holds now, as a GPU or TPU reports them: bytes_limit less
+    bytes_in_use, or its largest free block where smaller (an allocation is one block); None where it reports none
+    (a CPU)."""
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return None
-    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return min(stats["bytes_limit"] - stats.get("bytes_in_use", 0), stats.get("largest_free_block_bytes", math.inf))
 
 
 def shortfall_beside(compiled, mesh) -> str | None:

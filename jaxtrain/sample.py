@@ -215,19 +215,18 @@ def prompt_ids(tok: Tokenizer, prompt: str, sampling: Sampling, vocab_size: int)
 
 
 def sample_texts(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str,
-                 sampling: Sampling, shortfall=dryrun.shortfall) -> list[str]:
+                 sampling: Sampling) -> list[str]:
     """The prompt and its continuation, as text, sampling.num_samples times, from the model `model_cfg` with `params`
     computing in `precision` (drawer's, drawn at once)."""
-    return drawer(params, model_cfg, precision, tok, prompt, sampling, shortfall)()
+    return drawer(params, model_cfg, precision, tok, prompt, sampling)()
 
 
 def drawer(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, prompt: str, sampling: Sampling,
-           shortfall=dryrun.shortfall) -> Callable[[], list[str]]:
+           shortfall: Callable | None = None) -> Callable[[], list[str]]:
     """sample_texts compiled: a function that draws the texts. Refused in one line before that where the prompt
     does not fit (prompt_ids) or where the texts need more memory at once than a device has (`shortfall` of the
-    compiled generator and its mesh: what it needs, in words, or None; dryrun.shortfall's judgement is this
-    process's alone, not for a run of several processes, which must all draw or none); on any, an allocator's
-    refusal at the compile or the draw is the same line.
+    compiled generator and its mesh: what it needs, in words, or None; dryrun.shortfall unless given: this
+    process's judgement alone, as an allocator's refusal at the compile or the draw, the same line).
 
     Attention is the written-out one (model.attention xla), which the cached steps take whatever the config says:
     one computation for the whole text, and cuDNN's kernel is no choice on a machine without a GPU. So is c_fc with
@@ -246,7 +245,7 @@ def drawer(params, model_cfg: ModelConfig, precision: str, tok: Tokenizer, promp
     with out_of_memory():  # XLA:TPU refuses at compile time what does not fit
         compiled = generator(graphdef, model_cfg, precision, sampling, stop_id, whole).lower(params, prompts)
         compiled = compiled.compile()
-    if (needs := shortfall(compiled, mesh)) is not None:
+    if (needs := (shortfall or dryrun.shortfall)(compiled, mesh)) is not None:
         raise _too_big(sampling, mesh, needs)
 
     def draw() -> list[str]:
@@ -299,18 +298,25 @@ def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer, is_main: 
     """jaxtrain.run's end-of-run sample: log.sample_tokens tokens after log.sample_prompt, drawn by this module's
     defaults with run.seed from the run's params where they are (each weight split over the run's mesh as it
     trained: every process computes, a collective; never gathered whole onto one device), printed on stdout by the
-    main process, as `python -m jaxtrain.sample` prints it."""
+    main process, as `python -m jaxtrain.sample` prints it.
+
+    Compiled, it is checked against what each device has left beside the trained state, which stays
+    (dryrun.shortfall_beside: XLA's count of the generator leaves that state out), and every process votes before
+    a token is drawn, so that all draw or none: one refusing alone, at the compile or the check, left the others
+    in the sample's collectives indefinitely (still waiting after 300 s in tests/test_preemption.py). An
+    allocator's refusal of the draw itself is one process's alone, and the same line."""
     sampling = Sampling(max_new_tokens=cfg.log.sample_tokens, seed=cfg.run.seed)
+    try:  # the prompt and the token count were checked at the start: a refusal here is the memory's
+        draw = drawer(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling,
+                      shortfall=dryrun.shortfall_beside)
+    except UserError:
+        draw = None
+    if mesh_lib.each_process(np.asarray([draw is None], np.uint8)).any():
+        raise _end_of_run_refused(cfg)
     try:
-        [text] = sample_texts(params, cfg.model, cfg.train.precision, tokenizer, cfg.log.sample_prompt, sampling,
-                              shortfall=_short_beside_the_run)
-    except UserError:  # the prompt and the token count were checked at the start: the memory's refusal
-        again = (f"python -m jaxtrain.sample --run {shlex.quote(cfg.run.out_dir)}"
-                 f"{_prompt_flag(cfg.log.sample_prompt)} --max_new_tokens {cfg.log.sample_tokens} "
-                 f"--seed {cfg.run.seed}")
-        raise UserError(f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) needs more memory than "
-                        f"a device has beside the trained state; the run is trained and saved: draw it with `{again}`"
-                        f", or train without it: --log.sample_tokens=0") from None
+        [text] = draw()
+    except UserError:
+        raise _end_of_run_refused(cfg) from None
     if not is_main:
         return
     print(f"sample ({cfg.log.sample_tokens} tokens, temperature {sampling.temperature}, top_k {sampling.top_k}):",
@@ -318,15 +324,13 @@ def print_end_of_run_sample(cfg: Config, params, tokenizer: Tokenizer, is_main: 
     print(text, flush=True)
 
 
-def _short_beside_the_run(compiled, mesh) -> str | None:
-    """The end-of-run sample's check of memory: what a device has left beside the trained state, which stays
-    (dryrun.shortfall_beside: XLA's count of the generator leaves that state out), agreed by every process, so that
-    all draw or none (one refusing alone would leave the others in the sample's collectives until JAX's heartbeat
-    time-out aborts them). An allocator's refusal is still caught after it."""
-    needs = dryrun.shortfall_beside(compiled, mesh)
-    if not mesh_lib.each_process(np.asarray([needs is not None], np.uint8)).any():
-        return None
-    return needs or "needs more memory than a device of another process has left"
+def _end_of_run_refused(cfg: Config) -> UserError:
+    """The end-of-run sample's refusal: the run is saved, and the command that draws the same sample."""
+    again = (f"python -m jaxtrain.sample --run {shlex.quote(cfg.run.out_dir)}{_prompt_flag(cfg.log.sample_prompt)} "
+             f"--max_new_tokens {cfg.log.sample_tokens} --seed {cfg.run.seed}")
+    return UserError(f"the end-of-run sample (log.sample_tokens={cfg.log.sample_tokens}) needs more memory than a "
+                     f"device has beside the trained state; the run is trained and saved: draw it with `{again}`, "
+                     f"or train without it: --log.sample_tokens=0")
 
 
 def _before_stop(tokens: np.ndarray, prompt_len: int, stop_id: int | None) -> np.ndarray:

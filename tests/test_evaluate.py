@@ -211,10 +211,13 @@ def test_a_tokenizer_name_says_the_ids_only_when_it_is_one_of_prepares(trained, 
 def test_what_it_cannot_evaluate_is_refused_in_one_line(trained, tmp_path, capsys, monkeypatch):
     first, _, torch_dir = trained
     hf_model(tmp_path / "hf", 256)
-    with monkeypatch.context() as reading:  # a model without a run's data: refused before its weights are read
+    with monkeypatch.context() as reading:  # refused before the folders' weights are read
         reading.setattr(model_source, "_from_hf", lambda *args: pytest.fail("the weights were read"))
+        reading.setattr(model_source.torch_format, "load_params", lambda *args: pytest.fail("the weights were read"))
         refused(capsys, ["--from", str(tmp_path / "hf")], f"error: --from {tmp_path / 'hf'} is a model's weights "
                                                           f"without a run's data to evaluate on: pass --data FOLDER")
+        refused(capsys, ["--from", str(torch_dir), "--batch_size=9", "--micro_batches=2"],
+                "error: --batch_size 9 is not divisible by --micro_batches 2")
     refused(capsys, ["--from", str(first)], f"error: --from {first} is a jaxtrain run folder; evaluate it with "
                                             f"--run {first}")
     refused(capsys, ["--from", str(torch_dir), "--step=4"], "error: --step picks a checkpoint of --run")
@@ -425,7 +428,7 @@ def test_by_default_it_computes_on_the_most_devices_the_parts_and_the_weights_sp
     (2, 4, 2, 3, "each weight split over 2 of them, on all over 1: --devices 3 with a --batch_size of a multiple of "
                  "6 computes on all"),  # micro-batches 2; 4 do not split over 3
     (1, 3, 1, 2, "a --batch_size of a multiple of 4 splits over all of them"),
-    (4, 5, 1, 6, "a --batch_size of a multiple of 12 splits over all of them"),  # on all over 2, here over 1
+    (4, 5, 5, 6, "a --batch_size of a multiple of 12 splits over all of them"),  # on all over 2, here over 1
     (2, 4, 4, 4, None)])
 def test_a_note_says_why_fewer_devices_compute(capsys, fsdp, at_a_time, count, devices, why):
     """Fewer devices than the machine's compute where each weight is split into more pieces on fewer (then the

@@ -214,14 +214,17 @@ def test_an_end_of_run_sample_the_allocator_refuses_names_the_command_that_draws
     assert "8" in os.listdir(os.path.join(out_dir, "checkpoints"))  # train.steps=8
 
 
-def gpu(limit: float, in_use: float | None = None) -> types.SimpleNamespace:
-    """A device that reports its memory as a GPU does (GiB; None: no bytes_in_use)."""
+def gpu(limit: float, in_use: float | None = None, block: float | None = None) -> types.SimpleNamespace:
+    """A device that reports its memory as a GPU does (GiB; None: no bytes_in_use, no largest_free_block_bytes)."""
     stats = {"bytes_limit": int(limit * 2**30)} | ({} if in_use is None else {"bytes_in_use": int(in_use * 2**30)})
+    stats |= {} if block is None else {"largest_free_block_bytes": int(block * 2**30)}
     return types.SimpleNamespace(platform="gpu", memory_stats=lambda: stats)
 
 
 def test_the_room_a_device_has_left_is_its_limit_less_what_it_holds():
     assert dryrun.room_left(gpu(80, 70.5)) == int(80 * 2**30) - int(70.5 * 2**30)
+    assert dryrun.room_left(gpu(80, 70, block=4)) == 4 * 2**30  # fragmented: its largest free block
+    assert dryrun.room_left(gpu(80, 70, block=12)) == 10 * 2**30
     assert dryrun.room_left(gpu(16)) == 16 * 2**30  # nothing said in use
     assert dryrun.room_left(types.SimpleNamespace(platform="gpu", memory_stats=lambda: None)) is None
     assert dryrun.room_left(types.SimpleNamespace(platform="tpu", memory_stats=lambda: {"bytes_in_use": 1})) is None
