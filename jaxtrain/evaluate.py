@@ -216,10 +216,9 @@ def compiled_eval_step(loaded: model_source.Loaded, chosen: EvalSet):
 
 def _devices_for(args, devices: list, given: bool) -> Callable[[Config | None], list]:
     """The rule (model_source.Devices) by which evaluate takes its devices once the run is known, its numbers checked
-    there, before the weights are read: `devices` where `given`
-    (--devices), which each part of a batch must split over; else of the counts of them each part splits over
-    evenly, the largest of those that split each weight into the most pieces (mesh.most_splitting: fsdp 2 and 6
-    sequences on 4 GPUs, 2 not 3)."""
+    there, before the weights are read: `devices` where `given` (--devices), which each part of a batch must split
+    over; else of the counts of them each part splits over evenly, the largest of those that split each weight into
+    the most pieces (mesh.most_splitting: fsdp 2 and 6 sequences on 4 GPUs, 2 not 3)."""
     def devices_of(run: Config | None) -> list:
         parts = _asked(args, run)
         parts.check(len(devices) if given else 1)
